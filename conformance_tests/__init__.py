@@ -1,0 +1,1 @@
+"""The xhal conformance suite: run ``xhal-conformance --device NAME`` against any platform."""

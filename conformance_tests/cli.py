@@ -1,0 +1,117 @@
+"""``xhal-conformance --device NAME [--report FILE.json]``: run the suite, print one line per
+family, write a JSON report."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import click
+import pytest
+
+SUITE_DIR = Path(__file__).resolve().parent
+
+
+def family_of(nodeid: str) -> str:
+    stem = Path(nodeid.split("::")[0]).stem
+    return stem.removeprefix("test_")
+
+
+class _Collector:
+    """A pytest plugin that tallies outcomes and the worst recorded error per family."""
+
+    def __init__(self) -> None:
+        self.tests: dict[str, dict] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        entry = self.tests.setdefault(
+            report.nodeid, {"family": family_of(report.nodeid), "outcome": "passed", "max_error": None}
+        )
+        if report.failed:
+            entry["outcome"] = "failed"
+            entry["message"] = str(report.longrepr)[-2000:]
+        elif report.skipped and entry["outcome"] != "failed":
+            entry["outcome"] = "skipped"
+            if isinstance(report.longrepr, tuple):
+                entry["message"] = report.longrepr[2]
+        for name, value in report.user_properties:
+            if name == "max_error":
+                prev = entry["max_error"]
+                entry["max_error"] = value if prev is None else max(prev, value)
+
+    def families(self) -> dict[str, dict]:
+        out: dict[str, dict] = defaultdict(
+            lambda: {"passed": 0, "failed": 0, "skipped": 0, "max_error": None}
+        )
+        for entry in self.tests.values():
+            fam = out[entry["family"]]
+            fam[entry["outcome"]] += 1
+            if entry["max_error"] is not None:
+                fam["max_error"] = max(fam["max_error"] or 0.0, entry["max_error"])
+        return dict(sorted(out.items()))
+
+
+def run(device: str, families: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> tuple[int, _Collector]:
+    paths = [str(SUITE_DIR / f"test_{f}.py") for f in families] or [str(SUITE_DIR)]
+    collector = _Collector()
+    args = [*paths, f"--device={device}", "-q", "-p", "no:cacheprovider", f"--rootdir={SUITE_DIR}", *extra]
+    code = pytest.main(args, plugins=[collector])
+    return int(code), collector
+
+
+def summary_line(name: str, fam: dict) -> str:
+    status = "FAILED" if fam["failed"] else ("passed" if fam["passed"] else "skipped")
+    err = "-" if fam["max_error"] is None else f"{fam['max_error']:.2e}"
+    return (
+        f"{name:<12} {status:<8} passed {fam['passed']:>3}  failed {fam['failed']:>3}  "
+        f"skipped {fam['skipped']:>3}  max error {err}"
+    )
+
+
+@click.command()
+@click.option("--device", required=True, help="Platform name, e.g. cpu, cuda, npu or a plugin's.")
+@click.option("--report", type=click.Path(dir_okay=False), help="Write a JSON report here.")
+@click.option("--family", "families", multiple=True, help="Run only this family (repeatable).")
+@click.option(
+    "--plugin",
+    "plugins",
+    multiple=True,
+    help="Import this module first (it may register platforms); repeatable. Same as XHAL_PLUGINS.",
+)
+@click.option("-v", "--verbose", is_flag=True, help="Show pytest's per-test output.")
+def main(device: str, report: str | None, families: tuple[str, ...], plugins: tuple[str, ...], verbose: bool) -> None:
+    """Run the xhal conformance suite against one platform."""
+    if plugins:  # children (collective ranks) import them too
+        os.environ["XHAL_PLUGINS"] = ",".join([*filter(None, os.environ.get("XHAL_PLUGINS", "").split(",")), *plugins])
+    import xhal
+
+    known = xhal.platforms.names()
+    if device not in known:
+        raise click.BadParameter(f"unknown device {device!r}; known: {', '.join(known)}", param_hint="--device")
+    unknown = [f for f in families if not (SUITE_DIR / f"test_{f}.py").exists()]
+    if unknown:
+        have = sorted(p.stem.removeprefix("test_") for p in SUITE_DIR.glob("test_*.py"))
+        raise click.BadParameter(f"unknown family {unknown}; families: {', '.join(have)}", param_hint="--family")
+
+    start = time.perf_counter()
+    code, collector = run(device, families, () if verbose else ("--no-header", "-p", "no:terminal"))
+    elapsed = time.perf_counter() - start
+    fams = collector.families()
+    print(f"\nxhal conformance: device={device}  ({elapsed:.1f} s)")
+    for name, fam in fams.items():
+        print(summary_line(name, fam))
+    if report:
+        Path(report).write_text(
+            json.dumps({"device": device, "seconds": elapsed, "families": fams, "tests": collector.tests}, indent=2)
+        )
+        print(f"report written to {report}")
+    failed = any(f["failed"] for f in fams.values())
+    sys.exit(1 if failed or code not in (0, 5) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Fixtures of the conformance suite. The device comes from ``--device NAME``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import xhal
+from xhal.interfaces.platform import Platform
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("xhal")
+    group.addoption("--device", default="cpu", help="xhal platform name to test (default: cpu)")
+
+
+@pytest.fixture(scope="session")
+def device_name(request: pytest.FixtureRequest) -> str:
+    return request.config.getoption("--device")
+
+
+@pytest.fixture(scope="session")
+def platform(device_name: str) -> Platform:
+    return xhal.platforms.get(device_name)
+
+
+@pytest.fixture(scope="session")
+def device(platform: Platform) -> torch.device:
+    return platform.device()
+
+
+@pytest.fixture
+def record_error(request: pytest.FixtureRequest):
+    """``record_error(err)`` notes an error seen by a test; the CLI reports the worst per family."""
+
+    def record(err: float) -> None:
+        request.node.user_properties.append(("max_error", float(err)))
+
+    return record

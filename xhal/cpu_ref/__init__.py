@@ -1,0 +1,1 @@
+"""The CPU reference platform: plain torch, written to be obviously right; the suite's oracle."""

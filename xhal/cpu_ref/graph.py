@@ -1,0 +1,103 @@
+"""A reference GraphRunner that behaves like a device graph.
+
+Capture runs the function once under a ``TorchDispatchMode`` that records every tensor op with
+the very tensors it touched. Replay re-executes exactly those ops on those tensors: in-place ops
+mutate as before, view ops keep aliasing, and out-of-place results are copied into the tensors
+captured as outputs (so ops downstream, and the caller, see them). Python-side values are baked at
+capture, exactly as on a device; an op whose result changes shape on replay, or a host sync under
+capture, is an error, as it would be on a device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from xhal.interfaces.graph import GraphRunner
+
+# ops that read tensor values on the host or size outputs by them: illegal under device capture
+_HOST_SYNC_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::item"}
+
+
+@dataclass
+class _Op:
+    func: Any
+    args: tuple
+    kwargs: dict
+    outputs: list[torch.Tensor | None]  # tensors to refresh on replay (None: aliased, skip)
+
+
+def _is_view_or_inplace(func, index: int) -> bool:
+    returns = func._schema.returns
+    return index < len(returns) and returns[index].alias_info is not None
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[_Op] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func._schema.name in _HOST_SYNC_OPS:
+            raise RuntimeError(
+                f"{func._schema.name} ran under graph capture: it syncs with the host or sizes its "
+                "output by tensor values, which a device graph cannot capture"
+            )
+        result = func(*args, **kwargs)
+        flat, _ = tree_flatten(result)
+        outputs = [
+            None if (not isinstance(t, torch.Tensor) or _is_view_or_inplace(func, i)) else t
+            for i, t in enumerate(flat)
+        ]
+        self.ops.append(_Op(func, args, kwargs, outputs))
+        return result
+
+
+@dataclass
+class _Graph:
+    ops: list[_Op]
+    outputs: Any
+
+    def replay(self) -> Any:
+        for op in self.ops:
+            flat, _ = tree_flatten(op.func(*op.args, **op.kwargs))
+            for static, fresh in zip(op.outputs, flat):
+                if static is None:
+                    continue
+                if static.shape != fresh.shape:
+                    raise RuntimeError(
+                        f"replay of {op.func._schema.name} produced shape {tuple(fresh.shape)}, "
+                        f"captured {tuple(static.shape)}: the captured work depends on host values"
+                    )
+                static.copy_(fresh)
+        return self.outputs
+
+
+class CpuGraphRunner(GraphRunner):
+    def __init__(self) -> None:
+        self._graphs: dict[Hashable, _Graph] = {}
+
+    def capture(self, key: Hashable, fn: Callable[[], Any]) -> Any:
+        recorder = _Recorder()
+        with torch.no_grad(), recorder:
+            outputs = fn()
+        self._graphs[key] = _Graph(recorder.ops, outputs)
+        return outputs
+
+    def replay(self, key: Hashable) -> Any:
+        if key not in self._graphs:
+            raise KeyError(f"no graph captured for key {key!r}; captured: {list(self._graphs)}")
+        with torch.no_grad():
+            return self._graphs[key].replay()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._graphs
+
+    def reset(self) -> None:
+        self._graphs.clear()

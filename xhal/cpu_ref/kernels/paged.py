@@ -1,0 +1,69 @@
+"""Reference paged-attention kernels, as custom ops so that a captured "graph" records them as
+single device calls: like a device kernel, each reads its length and index tensors when it runs,
+not when it was captured."""
+
+from __future__ import annotations
+
+import torch
+
+_lib = torch.library.Library("xhal_cpu_ref", "DEF")
+_lib.define(
+    "write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()"
+)
+_lib.define(
+    "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor q_cu_seq_lens, "
+    "Tensor kv_seq_lens, Tensor block_table, float scale, int sliding_window, float soft_cap) -> Tensor"
+)
+
+
+@torch.library.impl(_lib, "write_kv", "CPU")
+def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+    # k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]
+    block_size = k_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:  # padding token: never written
+            continue
+        k_cache[slot // block_size, slot % block_size] = k[t]
+        v_cache[slot // block_size, slot % block_size] = v[t]
+
+
+def gather_sequence(cache: torch.Tensor, block_row: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """The first ``kv_len`` tokens of one sequence, ``[kv_len, Hkv, D]``, read by its block row."""
+    block_size = cache.shape[1]
+    positions = torch.arange(kv_len)
+    return cache[block_row[positions // block_size].long(), positions % block_size]
+
+
+@torch.library.impl(_lib, "paged_attention", "CPU")
+def paged_attention(
+    q, k_cache, v_cache, q_cu_seq_lens, kv_seq_lens, block_table, scale, sliding_window, soft_cap
+):
+    # q: [T, H, D]; rows past q_cu_seq_lens[-1] are padding and come out as zeros
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    q_cu, kv_lens = q_cu_seq_lens.tolist(), kv_seq_lens.tolist()
+    for i, kv_len in enumerate(kv_lens):
+        start, end = q_cu[i], q_cu[i + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        keys = gather_sequence(k_cache, block_table[i], kv_len).float()  # [L, Hkv, D]
+        values = gather_sequence(v_cache, block_table[i], kv_len).float()
+        keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [L, H, D]
+        values = values.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale  # [H, Lq, L]
+        if soft_cap > 0:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        q_pos = torch.arange(kv_len - q_len, kv_len).unsqueeze(1)  # bottom-right aligned
+        k_pos = torch.arange(kv_len).unsqueeze(0)
+        visible = k_pos <= q_pos
+        if sliding_window > 0:
+            visible &= q_pos - k_pos < sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), values)
+    return out.to(q.dtype)
+
+
+@torch.library.register_fake("xhal_cpu_ref::paged_attention")
+def _(q, k_cache, v_cache, q_cu_seq_lens, kv_seq_lens, block_table, scale, sliding_window, soft_cap):
+    return torch.empty_like(q)

@@ -1,0 +1,87 @@
+"""Reference DeviceOps: plain torch in float32."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from xhal.interfaces.ops import DeviceOps
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    # x: [T, H, R] float32; cos, sin: [T, 1, R/2]
+    if is_neox:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+
+
+class CpuOps(DeviceOps):
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+        return (normed * weight.float()).to(x.dtype)
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        summed = (x.float() + residual.float()).to(x.dtype)
+        return self.rms_norm(summed, weight, eps), summed
+
+    def rotary_embedding(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        is_neox: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rotary_dim = cos_sin_cache.shape[-1]
+        cos, sin = cos_sin_cache[positions.long()].float().unsqueeze(1).chunk(2, dim=-1)
+        out = []
+        for x in (q, k):
+            xf = x.float()
+            rotated = _rotate(xf[..., :rotary_dim], cos, sin, is_neox)
+            out.append(torch.cat([rotated, xf[..., rotary_dim:]], dim=-1).to(x.dtype))
+        return out[0], out[1]
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.float().chunk(2, dim=-1)
+        return (F.silu(gate) * up).to(x.dtype)
+
+    def gelu_and_mul(self, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+        gate, up = x.float().chunk(2, dim=-1)
+        return (F.gelu(gate, approximate=approximate) * up).to(x.dtype)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.float().argmax(dim=-1)
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        tokens = []
+        for i in range(logits.shape[0]):  # one row at a time: obviously right beats fast here
+            row, t = logits[i].float(), float(temperature[i])
+            if t == 0.0:
+                tokens.append(row.argmax())
+                continue
+            scaled = row / t
+            k = int(top_k[i])
+            if 0 < k < scaled.numel():  # top-k first ...
+                kth_largest = scaled.topk(k).values[-1]
+                scaled = scaled.masked_fill(scaled < kth_largest, float("-inf"))
+            probs = torch.softmax(scaled, dim=-1)
+            # ... then top-p over what is left: keep a token while the mass of the tokens ranked
+            # before it is below p (so the most likely token always stays)
+            order = probs.argsort(descending=True, stable=True)
+            mass_before = probs[order].cumsum(0) - probs[order]
+            dropped = order[mass_before >= float(top_p[i])]
+            probs[dropped] = 0.0
+            tokens.append(torch.multinomial(probs / probs.sum(), 1, generator=generator)[0])
+        return torch.stack(tokens).long() if tokens else torch.empty(0, dtype=torch.long)

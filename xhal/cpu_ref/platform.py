@@ -1,0 +1,61 @@
+"""The CPU reference platform."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from xhal.cpu_ref.attention import CpuAttention
+from xhal.cpu_ref.collective import GlooCollective, SingleRankCollective
+from xhal.cpu_ref.graph import CpuGraphRunner
+from xhal.cpu_ref.ops import CpuOps
+from xhal.interfaces.attention import AttentionSpec
+from xhal.interfaces.collective import Collective
+from xhal.interfaces.platform import AttentionCapabilities, Capabilities, Platform
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    device_type = "cpu"
+    dist_backend = "gloo"
+    capabilities = Capabilities(
+        attention=AttentionCapabilities(
+            dtypes=(torch.float32, torch.bfloat16),
+            head_dims=(64, 128, 256),
+            block_sizes=(16, 128),
+            sliding_window=True,
+            logits_soft_cap=True,
+        ),
+        notes=("reference implementation: correct, not fast",),
+    )
+
+    def __init__(self) -> None:
+        self._ops = CpuOps()
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    @property
+    def ops(self) -> CpuOps:
+        return self._ops
+
+    def attention_backend(self, spec: AttentionSpec) -> CpuAttention:
+        self.capabilities.attention.check(spec.dtype, spec.head_dim, spec.block_size)
+        return CpuAttention(spec)
+
+    def graph_runner(self) -> CpuGraphRunner:
+        return CpuGraphRunner()
+
+    def collective(self, group: dist.ProcessGroup | None = None) -> Collective:
+        if group is None:
+            if not dist.is_initialized():
+                return SingleRankCollective()
+            group = dist.group.WORLD
+        return GlooCollective(group)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        pages, page_size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        return pages * page_size, os.sysconf("SC_PHYS_PAGES") * page_size

@@ -1,0 +1,97 @@
+"""The attention backend: paged KV write plus attention over the paged cache."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from xhal.interfaces.cache import LayerCache
+from xhal.interfaces.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What one attention group needs; layers with equal specs share a backend.
+
+    ``sliding_window`` W (when set) lets a token at position p see keys at positions
+    ``(p - W, p]``: W keys including itself, as in Hugging Face's Mistral.
+    ``logits_soft_cap`` c (when set) maps each scaled score s to ``c * tanh(s / c)``.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int
+    scale: float | None = None  # defaults to head_dim ** -0.5
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.head_dim <= 0:
+            raise ValueError(f"AttentionSpec needs positive head counts and head_dim, got {self}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive or None, got {self.sliding_window}")
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.scale if self.scale is not None else self.head_dim**-0.5
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+class AttentionBackend(ABC):
+    """Paged attention for one attention group (one ``AttentionSpec``).
+
+    Lifecycle: ``bind_kv_caches`` once, then per step ``plan`` once and ``forward`` once per
+    layer. Invariants:
+
+    - ``plan`` does all host-side work of a step (reading ``*_host`` lengths, building index
+      arrays); every layer's ``forward`` reuses that one plan. ``plan`` is never called inside a
+      captured graph.
+    - ``plan(metadata, graph_key=key)`` refreshes the static state a graph captured under ``key``
+      reads; the executor calls it before capturing and before every replay of ``key``, with
+      metadata of the bucket's padded shape.
+    - ``forward`` writes k and v at ``metadata.slot_mapping`` (rows with slot -1 are not written)
+      and then attends over the cache, so a token sees its own K/V. It does no host sync and no
+      allocation whose size depends on tensor values: it is safe to capture in a graph.
+    - ``before_replay(graph_key)`` runs on the host right before a captured graph is replayed,
+      after ``plan``. Backends whose graphs bake host arguments (NPU FIA's sequence lengths)
+      update them here; the default does nothing.
+    """
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        self.spec = spec
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of one layer's K (and V) cache tensor for ``num_blocks`` blocks."""
+        s = self.spec
+        return (num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
+
+    @abstractmethod
+    def bind_kv_caches(self, caches: Sequence[LayerCache]) -> None:
+        """Bind the caches once; ``caches[layer_id]`` serves ``forward(layer_id, ...)``."""
+
+    @abstractmethod
+    def plan(self, metadata: AttentionMetadata, graph_key: Hashable | None = None) -> None:
+        """Host-side preparation for one step (or for graph bucket ``graph_key``)."""
+
+    @abstractmethod
+    def forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q ``[T, H, D]``, k and v ``[T, Hkv, D]`` -> out ``[T, H, D]`` in q's dtype."""
+
+    def before_replay(self, graph_key: Hashable) -> None:
+        """Replay hook: update host arguments a captured graph baked. Default: nothing to do."""

@@ -1,0 +1,40 @@
+"""Graph capture and replay, as mechanics only."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable
+from typing import Any
+
+
+class GraphRunner(ABC):
+    """Captures a function once per key and replays it.
+
+    Invariants:
+
+    - ``capture(key, fn)`` runs ``fn`` once under capture and returns its outputs; those output
+      tensors are static: every ``replay(key)`` overwrites them in place and returns them again.
+    - Replay re-runs exactly the device work recorded at capture on the same tensors: values
+      written in place into the inputs ``fn`` read are seen, while Python-side values (ints,
+      lists, branches taken) are baked at capture. A caller that needs new host values must
+      capture a new key or update them through the backend's replay hook.
+    - Work run under capture must not sync with the host or allocate by tensor values.
+    - All captures of one runner share one memory pool. ``reset()`` drops every graph.
+    - The runner owns no inputs, buckets or padding: the executor does.
+    """
+
+    @abstractmethod
+    def capture(self, key: Hashable, fn: Callable[[], Any]) -> Any:
+        """Capture ``fn`` under ``key``; returns its (static) outputs."""
+
+    @abstractmethod
+    def replay(self, key: Hashable) -> Any:
+        """Replay the graph of ``key``; returns the static outputs of its capture."""
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` has been captured."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Forget every captured graph and free the pool."""

@@ -1,0 +1,72 @@
+"""Stateless device ops: norms, rotary embedding, activations and sampling."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class DeviceOps(ABC):
+    """One device's implementations of the stateless ops layers call through ``xhal.ops``.
+
+    Every op is out of place and returns tensors in the input's dtype, computing internally in at
+    least float32. Shapes: leading dimensions are free unless stated.
+    """
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``x / sqrt(mean(x^2, -1) + eps) * weight`` over the last dimension."""
+
+    @abstractmethod
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(rms_norm(x + residual), x + residual)``."""
+
+    @abstractmethod
+    def rotary_embedding(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        is_neox: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate the first ``rotary_dim`` channels of q ``[T, H, D]`` and k ``[T, Hkv, D]``.
+
+        ``cos_sin_cache`` is float32 ``[max_position, rotary_dim]``: cos in the first half, sin in
+        the second. NeoX style pairs channel i with i + rotary_dim/2; GPT-J style pairs 2i with
+        2i + 1. Channels past ``rotary_dim`` pass through.
+        """
+
+    @abstractmethod
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., 2d] -> [..., d]``: ``silu(x[..., :d]) * x[..., d:]``."""
+
+    @abstractmethod
+    def gelu_and_mul(self, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+        """``[..., 2d] -> [..., d]``: ``gelu(x[..., :d]) * x[..., d:]`` (approximate: none|tanh)."""
+
+    @abstractmethod
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy pick: float ``[B, V]`` -> int64 ``[B]`` (lowest index on ties)."""
+
+    @abstractmethod
+    def sample(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Sample one token per row: float ``[B, V]`` -> int64 ``[B]``.
+
+        Per row: ``temperature`` float32 ``[B]`` (0 means greedy), ``top_k`` int32 ``[B]`` (0 or
+        >= V means off), ``top_p`` float32 ``[B]`` in (0, 1] (1 means off). As in vLLM, top-k is
+        applied first (keep the k largest logits; ties at the k-th value are kept), then top-p over
+        the renormalized rest (keep the smallest set of most likely tokens whose probability
+        reaches ``top_p``; the most likely token is always kept). The same generator state gives
+        the same tokens.
+        """

@@ -1,0 +1,122 @@
+"""A device's bundle of implementations, and what it declares it can do."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from xhal.interfaces.metadata import BatchKind
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from xhal.interfaces.attention import AttentionBackend, AttentionSpec
+    from xhal.interfaces.collective import Collective
+    from xhal.interfaces.graph import GraphRunner
+    from xhal.interfaces.ops import DeviceOps
+
+
+@dataclass(frozen=True)
+class AttentionCapabilities:
+    """What an attention backend supports. The conformance suite tests every declared value."""
+
+    dtypes: tuple[torch.dtype, ...]
+    head_dims: tuple[int, ...]
+    block_sizes: tuple[int, ...]  # the sizes the suite tests
+    batch_kinds: frozenset[BatchKind] = frozenset(
+        {BatchKind.PREFILL, BatchKind.CHUNKED_PREFILL, BatchKind.DECODE, BatchKind.MIXED}
+    )
+    block_size_multiple: int = 1  # any block size must be a multiple of this
+    sliding_window: bool = False
+    logits_soft_cap: bool = False
+
+    def check(self, dtype: torch.dtype, head_dim: int, block_size: int) -> None:
+        """Raise ``ValueError`` saying what is supported when a spec is outside the declaration."""
+        if dtype not in self.dtypes:
+            raise ValueError(f"dtype {dtype} is not supported; supported: {list(self.dtypes)}")
+        if head_dim not in self.head_dims:
+            raise ValueError(
+                f"head_dim {head_dim} is not supported; supported: {list(self.head_dims)}"
+            )
+        if block_size % self.block_size_multiple:
+            raise ValueError(
+                f"block_size {block_size} is not supported: it must be a multiple of "
+                f"{self.block_size_multiple} (tested: {list(self.block_sizes)})"
+            )
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """Everything a platform declares, once, as data."""
+
+    attention: AttentionCapabilities
+    graphs: bool = True  # graph_runner() captures and replays
+    collective: bool = True  # collective() works across processes
+    ops_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+class Platform(ABC):
+    """One device's implementations of the four interfaces plus the runtime services the executor
+    needs, so that no hardware-neutral code touches ``torch.cuda`` or ``torch.npu``.
+
+    Invariants: constructing a platform imports its device libraries and fails with one clear
+    message naming a missing package and how to install it; ``is_available()`` never raises and
+    never imports heavy libraries; ``attention_backend`` raises ``ValueError`` for a spec outside
+    ``capabilities``.
+    """
+
+    name: ClassVar[str]
+    device_type: ClassVar[str]  # torch device type of the tensors this platform works on
+    dist_backend: ClassVar[str]  # torch.distributed backend: gloo, nccl, hccl
+    capabilities: ClassVar[Capabilities]
+
+    @classmethod
+    @abstractmethod
+    def is_available(cls) -> bool:
+        """Whether this machine can run the platform (cheap; never raises)."""
+
+    @property
+    @abstractmethod
+    def ops(self) -> DeviceOps: ...
+
+    @abstractmethod
+    def attention_backend(self, spec: AttentionSpec) -> AttentionBackend: ...
+
+    @abstractmethod
+    def graph_runner(self) -> GraphRunner: ...
+
+    @abstractmethod
+    def collective(self, group: dist.ProcessGroup | None = None) -> Collective:
+        """A collective over ``group`` (the default group when None and one is initialized;
+        a single-rank collective when torch.distributed is not initialized)."""
+
+    # Runtime services -------------------------------------------------------------------------
+
+    def device(self, index: int = 0) -> torch.device:
+        return torch.device(self.device_type, index) if self.device_type != "cpu" else torch.device("cpu")
+
+    def set_device(self, index: int) -> None:
+        """Make device ``index`` current for this process (before ``init_process_group``)."""
+
+    def synchronize(self) -> None:
+        """Wait for all queued device work."""
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """``(free_bytes, total_bytes)`` of the current device."""
+        raise NotImplementedError(f"platform {self.name!r} does not report memory")
+
+    def init_process_group(
+        self, rank: int, world_size: int, init_method: str, local_rank: int | None = None
+    ) -> dist.ProcessGroup:
+        """Initialize the default process group with this platform's backend and return it."""
+        import torch.distributed as dist
+
+        self.set_device(rank if local_rank is None else local_rank)
+        dist.init_process_group(
+            backend=self.dist_backend, init_method=init_method, rank=rank, world_size=world_size
+        )
+        return dist.group.WORLD

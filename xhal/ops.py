@@ -1,0 +1,182 @@
+"""Device ops as ``torch.library`` custom ops, dispatched by PyTorch on the tensors' device.
+
+Layers call ``xhal.ops.rms_norm(x, w, eps)`` and friends. Each op has a fake (meta)
+implementation for tracing, and a kernel per device type that forwards to the ``DeviceOps`` of
+the platform *active* for that device type: the first platform created for it, ``cpu_ref`` for
+``cpu`` by default, or whichever ``using(...)`` selects (an emulated device whose tensors live on
+the CPU makes its own ops active for ``cpu`` this way).
+
+Sampling (``argmax``, ``sample``) takes a ``torch.Generator``, which custom-op schemas cannot carry,
+so it is routed the same way by a plain function instead of through the dispatcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from xhal.interfaces.ops import DeviceOps
+    from xhal.interfaces.platform import Platform
+
+_SCHEMAS = {
+    "rms_norm": "rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
+    "fused_add_rms_norm": (
+        "fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)"
+    ),
+    "rotary_embedding": (
+        "rotary_embedding(Tensor positions, Tensor q, Tensor k, Tensor cos_sin_cache, bool is_neox)"
+        " -> (Tensor, Tensor)"
+    ),
+    "silu_and_mul": "silu_and_mul(Tensor x) -> Tensor",
+    "gelu_and_mul": "gelu_and_mul(Tensor x, str approximate='none') -> Tensor",
+}
+
+_lib = torch.library.Library("xhal", "DEF")
+for _schema in _SCHEMAS.values():
+    _lib.define(_schema)
+
+
+@torch.library.register_fake("xhal::rms_norm")
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("xhal::fused_add_rms_norm")
+def _(x, residual, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.register_fake("xhal::rotary_embedding")
+def _(positions, q, k, cos_sin_cache, is_neox):
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+@torch.library.register_fake("xhal::silu_and_mul")
+def _(x):
+    return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+
+
+@torch.library.register_fake("xhal::gelu_and_mul")
+def _(x, approximate="none"):
+    return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+
+
+_active: dict[str, DeviceOps] = {}
+_kernels_registered: set[str] = set()
+
+
+def _register_kernels(device_type: str) -> None:
+    if device_type in _kernels_registered:
+        return
+    torch.library.register_kernel(
+        "xhal::rms_norm", device_type, lambda x, w, eps: active(x).rms_norm(x, w, eps), lib=_lib
+    )
+    torch.library.register_kernel(
+        "xhal::fused_add_rms_norm",
+        device_type,
+        lambda x, r, w, eps: active(x).fused_add_rms_norm(x, r, w, eps),
+        lib=_lib,
+    )
+    torch.library.register_kernel(
+        "xhal::rotary_embedding",
+        device_type,
+        lambda pos, q, k, cs, neox: active(q).rotary_embedding(pos, q, k, cs, neox),
+        lib=_lib,
+    )
+    torch.library.register_kernel(
+        "xhal::silu_and_mul", device_type, lambda x: active(x).silu_and_mul(x), lib=_lib
+    )
+    torch.library.register_kernel(
+        "xhal::gelu_and_mul",
+        device_type,
+        lambda x, approximate="none": active(x).gelu_and_mul(x, approximate),
+        lib=_lib,
+    )
+    _kernels_registered.add(device_type)
+
+
+def register_platform(platform: Platform) -> None:
+    """Register kernels for the platform's device type; its ops become active there unless another
+    platform already is. Called by ``xhal.platforms.get``."""
+    _register_kernels(platform.device_type)
+    _active.setdefault(platform.device_type, platform.ops)
+
+
+def active(x: torch.Tensor | str) -> DeviceOps:
+    """The ``DeviceOps`` serving tensors on ``x``'s device type."""
+    device_type = x if isinstance(x, str) else x.device.type
+    if device_type not in _active:
+        if device_type == "cpu":
+            from xhal import platforms
+
+            platforms.get("cpu")
+        else:
+            raise RuntimeError(
+                f"no xhal platform serves device type {device_type!r}; create one first, e.g. "
+                f"xhal.platforms.get({device_type!r})"
+            )
+    return _active[device_type]
+
+
+@contextlib.contextmanager
+def using(device_type: str, ops: DeviceOps) -> Iterator[None]:
+    """Make ``ops`` serve ``device_type`` inside the block (restored on exit)."""
+    _register_kernels(device_type)
+    previous = _active.get(device_type)
+    _active[device_type] = ops
+    try:
+        yield
+    finally:
+        if previous is None:
+            del _active[device_type]
+        else:
+            _active[device_type] = previous
+
+
+# The public ops ------------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.ops.xhal.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.xhal.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.xhal.rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.xhal.silu_and_mul(x)
+
+
+def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    return torch.ops.xhal.gelu_and_mul(x, approximate)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    return active(logits).argmax(logits)
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    return active(logits).sample(logits, temperature, top_k, top_p, generator)

@@ -1,0 +1,93 @@
+"""The platform registry: built-ins, entry-point plugins (group ``xhal.platforms``) and
+``XHAL_PLUGINS`` modules, all imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from xhal import env
+from xhal.registry import Registry, lazy
+
+if TYPE_CHECKING:
+    from xhal.interfaces.platform import Platform
+
+ENTRY_POINT_GROUP = "xhal.platforms"
+
+# name -> zero-argument loader returning the Platform class (or a factory returning an instance)
+_loaders: Registry[Callable[[], object]] = Registry("platform")
+_instances: dict[str, Platform] = {}
+_plugins_loaded = False
+
+_BUILTINS = {
+    "cpu": "xhal.cpu_ref.platform:CpuPlatform",
+}
+for _name, _target in _BUILTINS.items():
+    _loaders.register(_name, lazy(_target))
+
+
+def _load_plugins() -> None:
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name not in _loaders:
+            _loaders.register(ep.name, ep.load)
+    for module in env.plugins():
+        importlib.import_module(module)
+
+
+def register(name: str, platform: type[Platform] | Callable[[], Platform] | str, *, replace: bool = False):
+    """Register a platform class, a factory, or a lazy ``"module:Class"`` target under ``name``."""
+    loader = lazy(platform) if isinstance(platform, str) else (lambda: platform)
+    _loaders.register(name, loader, replace=replace)
+    _instances.pop(name, None)
+    return platform
+
+
+def unregister(name: str) -> None:
+    _loaders.unregister(name)
+    _instances.pop(name, None)
+
+
+def names() -> list[str]:
+    """Every registered platform name, available here or not."""
+    _load_plugins()
+    return _loaders.names()
+
+
+def platform_class(name: str) -> type[Platform] | Callable[[], Platform]:
+    _load_plugins()
+    return _loaders.get(name)()  # type: ignore[return-value]
+
+
+def get(name: str) -> Platform:
+    """The platform instance for ``name`` (created once per process).
+
+    Raises ``KeyError`` listing the known names for an unknown one, and the platform's own
+    error (naming the missing package) when it cannot be created here.
+    """
+    if name not in _instances:
+        _instances[name] = platform_class(name)()  # type: ignore[call-arg]
+        from xhal import ops
+
+        ops.register_platform(_instances[name])
+    return _instances[name]
+
+
+def available() -> list[str]:
+    """Names of the platforms that can run on this machine (never raises)."""
+    out = []
+    for name in names():
+        try:
+            cls = platform_class(name)
+            ok = bool(cls.is_available()) if hasattr(cls, "is_available") else True
+        except Exception:
+            ok = False
+        if ok:
+            out.append(name)
+    return out
