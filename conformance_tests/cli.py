@@ -58,7 +58,7 @@ class _Collector:
 def run(device: str, families: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> tuple[int, _Collector]:
     paths = [str(SUITE_DIR / f"test_{f}.py") for f in families] or [str(SUITE_DIR)]
     collector = _Collector()
-    args = [*paths, f"--device={device}", "-q", "-p", "no:cacheprovider", f"--rootdir={SUITE_DIR}", *extra]
+    args = [*paths, f"--device={device}", "-p", "no:cacheprovider", f"--rootdir={SUITE_DIR}", *extra]
     code = pytest.main(args, plugins=[collector])
     return int(code), collector
 
@@ -98,7 +98,7 @@ def main(device: str, report: str | None, families: tuple[str, ...], plugins: tu
         raise click.BadParameter(f"unknown family {unknown}; families: {', '.join(have)}", param_hint="--family")
 
     start = time.perf_counter()
-    code, collector = run(device, families, () if verbose else ("--no-header", "-p", "no:terminal"))
+    code, collector = run(device, families, ("-v",) if verbose else ("-q", "--tb=line", "--no-header"))
     elapsed = time.perf_counter() - start
     fams = collector.families()
     print(f"\nxhal conformance: device={device}  ({elapsed:.1f} s)")
