@@ -1,0 +1,172 @@
+"""The decoder blocks Llama-family models share: rope attention, gated MLP, decoder layer, model.
+
+Model files pick options (q/k/v bias, per-head q/k norm) through ``DecoderOptions``; the module
+structure and parameter names are the Hugging Face ones, with q/k/v and gate/up fused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from models import config as cfg
+from xhal.layers import (
+    Attention,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    TensorParallel,
+    VocabParallelEmbedding,
+)
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head of q and k before rope (Qwen3)
+
+
+def build_rotary(config: Any) -> RotaryEmbedding:
+    params = cfg.rope_parameters(config)
+    head_dim = cfg.head_dim(config)
+    return RotaryEmbedding(
+        head_size=head_dim,
+        rotary_dim=int(head_dim * params.get("partial_rotary_factor", 1.0)),
+        max_position=cfg.get(config, "max_position_embeddings"),
+        base=params["rope_theta"],
+        is_neox_style=True,
+        rope_scaling=params,
+    )
+
+
+class RopeAttention(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        layer_id: int,
+        rotary_emb: RotaryEmbedding,
+        options: DecoderOptions,
+        tp: TensorParallel,
+    ) -> None:
+        super().__init__()
+        hidden_size, self.head_dim = cfg.get(config, "hidden_size"), cfg.head_dim(config)
+        num_heads = cfg.get(config, "num_attention_heads")
+        self.qkv_proj = QKVParallelLinear(
+            hidden_size, self.head_dim, num_heads, cfg.num_kv_heads(config), options.qkv_bias, tp
+        )
+        self.o_proj = RowParallelLinear(
+            num_heads * self.head_dim, hidden_size, bias=options.o_bias, tp=tp
+        )
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        if options.qk_norm:
+            eps = cfg.get(config, "rms_norm_eps")
+            self.q_norm, self.k_norm = RMSNorm(self.head_dim, eps), RMSNorm(self.head_dim, eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary_emb = rotary_emb  # one module shared by every layer
+        self.attn = Attention(
+            num_heads=self.qkv_proj.num_heads,
+            head_dim=self.head_dim,
+            scale=self.head_dim**-0.5,
+            num_kv_heads=self.qkv_proj.num_kv_heads,
+            layer_id=layer_id,
+            sliding_window=cfg.sliding_window(config, layer_id),
+        )
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)  # [T, (H + 2 Hkv) * D] for this rank's heads
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            num_tokens = q.shape[0]
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.q_size)  # [T*H, D]
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.kv_size)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))  # attn: [T, H*D]
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, config: Any, options: DecoderOptions, tp: TensorParallel) -> None:
+        super().__init__()
+        hidden_size, intermediate = (
+            cfg.get(config, "hidden_size"),
+            cfg.get(config, "intermediate_size"),
+        )
+        act = cfg.get(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported by GatedMLP; supported: 'silu'")
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate, intermediate], bias=options.mlp_bias, tp=tp
+        )
+        self.down_proj = RowParallelLinear(intermediate, hidden_size, bias=options.mlp_bias, tp=tp)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # gate_up: [T, 2 I / tp]
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block. Returns ``(hidden, residual)``; the layer's output in the Hugging Face sense
+    (the residual stream after it) is ``hidden + residual``, summed by the next layer's norm."""
+
+    def __init__(
+        self,
+        config: Any,
+        layer_id: int,
+        rotary_emb: RotaryEmbedding,
+        options: DecoderOptions,
+        tp: TensorParallel,
+    ) -> None:
+        super().__init__()
+        eps = cfg.get(config, "rms_norm_eps")
+        self.self_attn = RopeAttention(config, layer_id, rotary_emb, options, tp)
+        self.mlp = GatedMLP(config, options, tp)
+        self.input_layernorm = RMSNorm(cfg.get(config, "hidden_size"), eps)
+        self.post_attention_layernorm = RMSNorm(cfg.get(config, "hidden_size"), eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    """``model.`` of a causal LM: embeddings, decoder layers, final norm."""
+
+    def __init__(self, config: Any, options: DecoderOptions, tp: TensorParallel) -> None:
+        super().__init__()
+        hidden_size = cfg.get(config, "hidden_size")
+        self.embed_tokens = VocabParallelEmbedding(cfg.get(config, "vocab_size"), hidden_size, tp)
+        self.rotary_emb = build_rotary(config)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.rotary_emb, options, tp)
+            for i in range(cfg.get(config, "num_hidden_layers"))
+        )
+        self.norm = RMSNorm(hidden_size, cfg.get(config, "rms_norm_eps"))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        input_embedding: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids) if input_embedding is None else input_embedding
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        if residual is None:  # no decoder layers
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]  # [T, hidden]

@@ -1,0 +1,61 @@
+"""Shared fixtures: tiny random checkpoints (built once per session; see tests/checkpoints.py)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from checkpoints import BUILDERS
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is built locally; never reach the hub
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``factory(name)`` -> directory of the ``checkpoints.BUILDERS[name]`` checkpoint (cached)."""
+    pytest.importorskip("transformers", reason="tiny checkpoints are built with transformers")
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            path = tmp_path_factory.mktemp(name)
+            # the GQA Llama also gets a tokenizer, for tests that start from text
+            kwargs = {"tokenizer": True} if name == "llama_gqa" else {}
+            built[name] = BUILDERS[name](path, **kwargs)
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def llama_gqa_dir(checkpoint_factory: Callable[[str], Path]) -> Path:
+    """Llama, 4 heads / 2 KV heads, llama3 rope scaling, with a word-level tokenizer."""
+    return checkpoint_factory("llama_gqa")
+
+
+@pytest.fixture(scope="session")
+def llama_tied_dir(checkpoint_factory: Callable[[str], Path]) -> Path:
+    return checkpoint_factory("llama_tied")
+
+
+@pytest.fixture(scope="session")
+def llama_sharded_dir(checkpoint_factory: Callable[[str], Path]) -> Path:
+    return checkpoint_factory("llama_sharded")
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(checkpoint_factory: Callable[[str], Path]) -> Path:
+    return checkpoint_factory("qwen2")
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(checkpoint_factory: Callable[[str], Path]) -> Path:
+    return checkpoint_factory("qwen3")
+
+
+@pytest.fixture(params=sorted(BUILDERS))
+def tiny_checkpoint(request: pytest.FixtureRequest, checkpoint_factory) -> Path:
+    """Each tiny checkpoint in turn."""
+    return checkpoint_factory(request.param)

@@ -1,0 +1,28 @@
+"""Device-neutral model layers: attention through the forward context, norms, rotary embedding,
+activations, and tensor-parallel linear / embedding / LM-head layers."""
+
+from xhal.layers.activation import SiluAndMul
+from xhal.layers.attention import Attention, attention_layers
+from xhal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from xhal.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from xhal.layers.norm import RMSNorm
+from xhal.layers.parallel import TensorParallel
+from xhal.layers.qkv import QKVParallelLinear
+from xhal.layers.rotary import RotaryEmbedding
+from xhal.layers.weights import default_weight_loader
+
+__all__ = [
+    "Attention",
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "ParallelLMHead",
+    "QKVParallelLinear",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "RowParallelLinear",
+    "SiluAndMul",
+    "TensorParallel",
+    "VocabParallelEmbedding",
+    "attention_layers",
+    "default_weight_loader",
+]

@@ -1,0 +1,77 @@
+"""The model-side attention layer: shapes in, backend call through the step's context."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from xhal.forward_context import get_forward_context
+from xhal.interfaces.attention import AttentionSpec
+
+
+class Attention(nn.Module):
+    """Paged attention for one decoder layer, served by the step's backend for ``layer_id``.
+
+    Head counts are this rank's. The layer holds no cache, plan or state: the backend (already
+    planned for the step) and the caches bound to it are reached through ``get_forward_context()``.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        layer_id: int = 0,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads or num_heads
+        self.head_dim, self.scale, self.layer_id = head_dim, scale, layer_id
+        self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
+
+    def spec(self, dtype: torch.dtype, block_size: int) -> AttentionSpec:
+        """The ``AttentionSpec`` a backend serving this layer must be created with."""
+        return AttentionSpec(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=dtype,
+            block_size=block_size,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
+        )
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q ``[T, H*D]`` or ``[T, H, D]``, k and v likewise with Hkv -> out ``[T, H*D]``."""
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        backends = get_forward_context().attention
+        if self.layer_id not in backends:
+            raise RuntimeError(
+                f"the forward context has no attention backend for layer {self.layer_id} "
+                f"(it serves layers {sorted(backends)})"
+            )
+        out = backends[self.layer_id].forward(self.layer_id, q, k, v)  # [T, H, D]
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
+
+    def extra_repr(self) -> str:
+        return (
+            f"layer_id={self.layer_id}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, sliding_window={self.sliding_window}"
+        )
+
+
+def attention_layers(model: nn.Module) -> list[Attention]:
+    """The model's ``Attention`` layers ordered by ``layer_id``, checked to be exactly 0..L-1."""
+    layers = sorted(
+        (m for m in model.modules() if isinstance(m, Attention)), key=lambda m: m.layer_id
+    )
+    ids = [m.layer_id for m in layers]
+    if ids != list(range(len(layers))):
+        raise ValueError(f"Attention layer_ids must be 0..{len(layers) - 1} once each, got {ids}")
+    return layers
