@@ -24,11 +24,12 @@ class ForwardContext:
     """What layers may reach during one step.
 
     ``attention[layer_id]`` is the backend serving that layer (already planned for this step);
+    ``metadata`` is None outside attention work (e.g. while computing logits);
     ``collective`` is the tensor-parallel group's; ``layer_synchronizer``, when given, is the
     host's object whose ``record_event(layer_id)`` is called after each decoder layer.
     """
 
-    metadata: AttentionMetadata
+    metadata: AttentionMetadata | None
     attention: Mapping[int, AttentionBackend]
     collective: Collective
     layer_synchronizer: Any = None

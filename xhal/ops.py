@@ -137,6 +137,11 @@ def using(device_type: str, ops: DeviceOps) -> Iterator[None]:
             _active[device_type] = previous
 
 
+# the CPU is always there: its kernels exist from import on and serve cpu_ref until another
+# platform is made active for "cpu"
+_register_kernels("cpu")
+
+
 # The public ops ------------------------------------------------------------------------------
 
 

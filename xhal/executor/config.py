@@ -1,0 +1,48 @@
+"""Executor configuration: frozen, with derived values as properties."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """How the executor runs a model.
+
+    ``decode_capture_sizes`` defaults to 1, 2, 4, 8 then steps of 16 up to ``max_num_seqs``:
+    a decode batch of B sequences replays the smallest bucket >= B, padded with rows that carry
+    slot -1 and never change real rows. ``max_model_len`` fixes the width of the static block
+    table a captured graph reads.
+    """
+
+    dtype: torch.dtype = torch.float32
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    enforce_eager: bool = False
+    decode_capture_sizes: tuple[int, ...] | None = None
+    metadata_convention: str = "cuda"  # layout of xLLM views handed to execute(): "cuda" or "npu"
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_model_len <= 0:
+            raise ValueError(f"ExecutorConfig needs positive sizes, got {self}")
+        if self.metadata_convention not in ("cuda", "npu"):
+            raise ValueError(
+                f"metadata_convention must be 'cuda' or 'npu', got {self.metadata_convention!r}"
+            )
+
+    @property
+    def capture_sizes(self) -> tuple[int, ...]:
+        if self.decode_capture_sizes is not None:
+            return tuple(sorted(set(self.decode_capture_sizes)))
+        sizes = [s for s in (1, 2, 4, 8) if s <= self.max_num_seqs]
+        sizes += range(16, self.max_num_seqs + 1, 16)
+        if sizes[-1] != self.max_num_seqs:
+            sizes.append(self.max_num_seqs)
+        return tuple(sizes)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)

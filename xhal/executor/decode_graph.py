@@ -1,0 +1,113 @@
+"""Full-graph decode: persistent inputs, bucket padding, capture on first use, replay after."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from xhal.interfaces.metadata import AttentionMetadata, BatchKind
+
+if TYPE_CHECKING:
+    from xhal.executor.config import ExecutorConfig
+    from xhal.interfaces.attention import AttentionBackend
+    from xhal.interfaces.platform import Platform
+
+
+class DecodeGraphs:
+    """Captures one decode graph per bucket size and replays it.
+
+    A batch of B decode sequences runs in the smallest bucket >= B. Its live inputs are copied
+    into persistent buffers sized for the largest bucket; the B..bucket padding rows get token 0,
+    position 0, slot -1 (never written) and a 1-token KV length over block 0, so their rows are
+    garbage that no real row ever reads. Host ints baked into a graph (num_seqs, num_tokens,
+    max_query_len, max_seq_len) are bucket constants, never live values.
+    """
+
+    def __init__(
+        self,
+        platform: Platform,
+        backends: Sequence[AttentionBackend],
+        config: ExecutorConfig,
+        forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+    ) -> None:
+        self.config, self.backends, self.forward = config, backends, forward
+        self.graphs = platform.graph_runner()
+        self.sizes = config.capture_sizes
+        n, device = self.sizes[-1], platform.device()
+        i32 = dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(n, **i32)
+        self.positions = torch.zeros(n, **i32)
+        self.slot_mapping = torch.full((n,), -1, **i32)
+        self.block_table = torch.zeros(n, config.max_blocks_per_seq, **i32)
+        self.q_cu_seq_lens = torch.arange(n + 1, **i32)  # one token per sequence, always
+        self.q_seq_lens = torch.ones(n, **i32)
+        self.kv_seq_lens = torch.ones(n, **i32)
+        self.kv_cu_seq_lens = torch.zeros(n + 1, **i32)
+        self.q_seq_lens_host = torch.ones(n, dtype=torch.int32)
+        self.kv_seq_lens_host = torch.ones(n, dtype=torch.int32)
+        self.kv_cu_host = torch.zeros(n + 1, dtype=torch.int32)
+
+    def bucket_for(self, metadata: AttentionMetadata) -> int | None:
+        """The bucket that can run this batch, or None when it must run eagerly."""
+        b = metadata.num_seqs
+        if (
+            metadata.kind != BatchKind.DECODE
+            or b > self.sizes[-1]
+            or metadata.num_tokens != b
+            or metadata.block_table.shape[1] > self.block_table.shape[1]
+        ):
+            return None
+        return next(s for s in self.sizes if s >= b)
+
+    def _stage(self, input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata, bucket: int) -> AttentionMetadata:
+        b, width = m.num_seqs, m.block_table.shape[1]
+        self.input_ids[:b].copy_(input_ids, non_blocking=True)
+        self.input_ids[b:bucket].zero_()
+        self.positions[:b].copy_(positions, non_blocking=True)
+        self.positions[b:bucket].zero_()
+        self.slot_mapping[:b].copy_(m.slot_mapping, non_blocking=True)
+        self.slot_mapping[b:bucket].fill_(-1)
+        self.block_table[:b, :width].copy_(m.block_table, non_blocking=True)
+        self.block_table[:b, width:].zero_()
+        self.block_table[b:bucket].zero_()
+        self.kv_seq_lens[:b].copy_(m.kv_seq_lens, non_blocking=True)
+        self.kv_seq_lens[b:bucket].fill_(1)
+        # host twins: padding rows hold one token each
+        self.kv_seq_lens_host[:b].copy_(m.kv_seq_lens_host)
+        self.kv_seq_lens_host[b:bucket].fill_(1)
+        torch.cumsum(self.kv_seq_lens_host[:bucket], 0, out=self.kv_cu_host[1 : bucket + 1])
+        self.kv_cu_seq_lens[: bucket + 1].copy_(self.kv_cu_host[: bucket + 1], non_blocking=True)
+        return AttentionMetadata(
+            kind=BatchKind.DECODE,
+            num_seqs=bucket,
+            num_tokens=bucket,
+            max_query_len=1,
+            max_seq_len=self.config.max_model_len,
+            q_cu_seq_lens=self.q_cu_seq_lens[: bucket + 1],
+            kv_cu_seq_lens=self.kv_cu_seq_lens[: bucket + 1],
+            q_seq_lens=self.q_seq_lens[:bucket],
+            kv_seq_lens=self.kv_seq_lens[:bucket],
+            q_seq_lens_host=self.q_seq_lens_host[:bucket],
+            kv_seq_lens_host=self.kv_seq_lens_host[:bucket],
+            block_table=self.block_table[:bucket],
+            slot_mapping=self.slot_mapping[:bucket],
+        )
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, bucket: int) -> torch.Tensor:
+        """Hidden states of the real rows; a view of the graph's static output, valid until the
+        next step."""
+        padded = self._stage(input_ids, positions, metadata, bucket)
+        key = ("decode", bucket)
+        for backend in self.backends:
+            backend.plan(padded, graph_key=key)
+        if key not in self.graphs:
+            ids, pos = self.input_ids[:bucket], self.positions[:bucket]
+            self.graphs.capture(key, lambda: self.forward(ids, pos, padded))
+        for backend in self.backends:
+            backend.before_replay(key)
+        return self.graphs.replay(key)[: metadata.num_seqs]
+
+    def reset(self) -> None:
+        self.graphs.reset()

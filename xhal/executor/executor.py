@@ -1,0 +1,164 @@
+"""The hardware-neutral model executor: one ``execute`` per step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from xhal.executor.config import ExecutorConfig
+from xhal.executor.decode_graph import DecodeGraphs
+from xhal.executor.kv_cache import allocate_kv_caches, num_blocks_for_budget
+from xhal.forward_context import ForwardContext, forward_context
+from xhal.interfaces.attention import AttentionBackend, AttentionSpec
+from xhal.interfaces.cache import LayerCache, normalize_layer_caches
+from xhal.interfaces.collective import Collective
+from xhal.interfaces.metadata import AttentionMetadata, BatchKind
+from xhal.interfaces.platform import Platform
+from xhal.layers.attention import attention_layers
+
+
+class ModelExecutor:
+    """Runs a model on a platform, one step per ``execute`` call (ARCHITECTURE.md section 2).
+
+    It owns the attention backends (one per distinct ``AttentionSpec``), the persistent inputs
+    and padding of captured graphs, and the runners; the model only holds weights and forward.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        platform: Platform,
+        config: ExecutorConfig | None = None,
+        collective: Collective | None = None,
+    ) -> None:
+        self.model, self.platform = model, platform
+        self.config = config or ExecutorConfig()
+        self.collective = collective or platform.collective(None)
+        self.specs = self._attention_specs(model)
+        by_spec: dict[AttentionSpec, AttentionBackend] = {}
+        self.backend_of: dict[int, AttentionBackend] = {}
+        for layer_id, spec in self.specs.items():
+            if spec not in by_spec:
+                by_spec[spec] = platform.attention_backend(spec)
+            self.backend_of[layer_id] = by_spec[spec]
+        self.backends = list(by_spec.values())
+        self.hidden_size = self._hidden_size(model)
+        self._caches_bound = False
+        self._synchronizer: Any = None
+        self._hook_decoder_layers()
+        self.decode_graphs = None
+        if not self.config.enforce_eager and platform.capabilities.graphs:
+            self.decode_graphs = DecodeGraphs(platform, self.backends, self.config, self._forward)
+
+    # setup -------------------------------------------------------------------------------------
+
+    def _attention_specs(self, model: nn.Module) -> dict[int, AttentionSpec]:
+        cfg = self.config
+        return {a.layer_id: a.spec(cfg.dtype, cfg.block_size) for a in attention_layers(model)}
+
+    @staticmethod
+    def _hidden_size(model: nn.Module) -> int:
+        config = getattr(model, "config", None)
+        size = config.get("hidden_size") if isinstance(config, dict) else getattr(config, "hidden_size", None)
+        if size is None:
+            raise ValueError("the model needs a .config with hidden_size")
+        return int(size)
+
+    def _hook_decoder_layers(self) -> None:
+        layers = getattr(getattr(self.model, "model", None), "layers", None)
+        if layers is None:
+            return
+        for index, layer in enumerate(layers):
+            layer.register_forward_hook(self._layer_done_hook(index))
+
+    def _layer_done_hook(self, index: int):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self._synchronizer is not None:
+                self._synchronizer.record_event(index)
+
+        return hook
+
+    # KV caches ---------------------------------------------------------------------------------
+
+    def allocate_kv_caches(self, num_blocks: int | None = None, memory_bytes: int | None = None) -> list[LayerCache]:
+        """Allocate zeroed caches for every layer, by block count or by a byte budget."""
+        if (num_blocks is None) == (memory_bytes is None):
+            raise ValueError("give exactly one of num_blocks or memory_bytes")
+        if num_blocks is None:
+            num_blocks = num_blocks_for_budget(self.specs, memory_bytes)
+        return allocate_kv_caches(self.specs, num_blocks, self.platform.device())
+
+    def bind_kv_caches(self, caches: Sequence[Any]) -> None:
+        """Bind the per-layer caches once (``LayerCache``, ``(k, v)`` or xLLM's 6-tuples)."""
+        if self._caches_bound:
+            raise RuntimeError("KV caches are bound once; build a new executor to rebind")
+        caches = normalize_layer_caches(caches)
+        if len(caches) != len(self.specs):
+            raise ValueError(f"got {len(caches)} layer caches, the model has {len(self.specs)} attention layers")
+        for layer_id, cache in enumerate(caches):
+            spec = self.specs[layer_id]
+            expected = self.backend_of[layer_id].kv_cache_shape(cache.num_blocks)
+            if tuple(cache.key.shape) != expected or cache.key.dtype != spec.dtype:
+                raise ValueError(
+                    f"layer {layer_id} cache is {tuple(cache.key.shape)} {cache.key.dtype}; "
+                    f"expected {expected} {spec.dtype}"
+                )
+        for backend in self.backends:
+            backend.bind_kv_caches(caches)
+        self._caches_bound = True
+
+    # one step ----------------------------------------------------------------------------------
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, input_embedding: torch.Tensor | None = None) -> torch.Tensor:
+        ctx = ForwardContext(metadata, self.backend_of, self.collective)
+        with forward_context(ctx):
+            return self.model(input_ids, positions, input_embedding)
+
+    def execute(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: Any,
+        input_embedding: torch.Tensor | None = None,
+        layer_synchronizer: Any = None,
+    ) -> torch.Tensor:
+        """Run one step and return hidden states ``[T, hidden]``.
+
+        ``metadata`` is an ``AttentionMetadata`` or an xLLM metadata view (object or dict) in
+        ``config.metadata_convention``, normalized by ``xhal.adapter``. The result may be a view
+        of a graph's static output: consume it before the next ``execute``.
+        """
+        if not self._caches_bound:
+            raise RuntimeError("bind_kv_caches(...) must be called before execute(...)")
+        if not isinstance(metadata, AttentionMetadata):
+            from xhal.adapter import from_xllm
+
+            metadata = from_xllm(metadata, self.config.metadata_convention)
+        if metadata.kind == BatchKind.EMPTY or metadata.num_tokens == 0:
+            return torch.empty(0, self.hidden_size, dtype=self.config.dtype, device=self.platform.device())
+        bucket = None
+        if self.decode_graphs is not None and input_embedding is None:
+            bucket = self.decode_graphs.bucket_for(metadata)
+        if bucket is not None:
+            hidden = self.decode_graphs.run(input_ids, positions, metadata, bucket)
+            if layer_synchronizer is not None:  # a graph finishes every layer at once
+                for index in range(len(self.specs)):
+                    layer_synchronizer.record_event(index)
+            return hidden
+        for backend in self.backends:
+            backend.plan(metadata)
+        self._synchronizer = layer_synchronizer
+        try:
+            return self._forward(input_ids, positions, metadata, input_embedding)
+        finally:
+            self._synchronizer = None
+
+    def compute_logits(self, hidden: torch.Tensor, selected_idxes: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits ``[S, vocab]`` of the rows ``selected_idxes`` (all rows when None)."""
+        if selected_idxes is not None:
+            hidden = hidden.index_select(0, selected_idxes.to(hidden.device, torch.long))
+        with forward_context(ForwardContext(None, {}, self.collective)):
+            return self.model.compute_logits(hidden).float()
