@@ -1,0 +1,58 @@
+"""How the engine is set up: the model, the device and the scheduler's and KV cache's sizes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything ``EngineCore`` needs to start; frozen, checked on construction.
+
+    ``model_dir`` None serves the built-in default model (``serve_cli.default_model``).
+    ``max_model_len`` None takes the model's ``max_position_embeddings``. The KV cache holds
+    ``num_kv_blocks`` blocks, or as many as ``kv_cache_memory`` bytes hold, or (neither given) a
+    default budget (``serve_cli.engine.kv_budget``). ``dtype`` "auto" is the checkpoint's.
+    """
+
+    model_dir: str | Path | None = None
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes, across all layers (K and V)
+    num_kv_blocks: int | None = None
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    seed: int = 0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size")
+        for name in positive:
+            _check_positive(name, getattr(self, name))
+        for name in ("max_model_len", "kv_cache_memory", "num_kv_blocks"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
+        if self.kv_cache_memory is not None and self.num_kv_blocks is not None:
+            raise ValueError("give at most one of kv_cache_memory (bytes) and num_kv_blocks")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def metadata_convention(self) -> str:
+        """The xLLM layout the input builder emits: the one xLLM's build for the device uses
+        ("npu" for Ascend platforms, named npu*, "cuda" for every other)."""
+        return "npu" if self.device.startswith("npu") else "cuda"
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

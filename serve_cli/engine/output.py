@@ -1,0 +1,31 @@
+"""What ``EngineCore.step`` reports per request: the delta since the last report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from serve_cli.engine.sampling import TokenLogprobs
+
+
+@dataclass
+class RequestOutput:
+    """One request's progress in one step.
+
+    ``new_token_ids`` / ``new_text`` are only what this step added (text held back because it
+    might start a stop string comes in a later output). The last output of a request has
+    ``finished`` true and ``finish_reason`` "stop" (EOS or a stop string), "length" (max_tokens
+    or max_model_len), "abort" or "error" (then ``error`` says what failed). ``logprobs`` has one
+    entry per new token when the request asked for logprobs, else None. ``num_output_tokens``
+    counts every token generated so far (EOS included), for usage.
+    """
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None

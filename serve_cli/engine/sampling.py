@@ -1,0 +1,89 @@
+"""Per-request sampling parameters, and the logprobs reported per generated token (the sampler that
+uses them is ``serve_cli.engine.runner.sampler``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from serve_cli.engine.errors import ParamError
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens and when it stops.
+
+    ``temperature`` 0 is greedy. ``top_k`` 0 or -1 and ``top_p`` 1 are off. ``seed`` makes the
+    request's tokens reproducible whatever it is batched with. ``stop`` strings end the output
+    before them (finish reason "stop"). ``logprobs`` N returns, per generated token, its logprob
+    and the N most likely tokens' (from the raw logits, before temperature). Construction only
+    normalizes (a single stop string becomes a tuple); ``validate`` checks.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        elif isinstance(stop, (list, tuple)):
+            stop = tuple(stop)
+        object.__setattr__(self, "stop", stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def validate(self) -> None:
+        """Raise ``ParamError`` (a ``ValueError``) naming the first invalid field."""
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ParamError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_number(self.temperature) or not self.temperature >= 0:
+            raise ParamError("temperature", f"must be a number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ParamError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ParamError("top_k", f"must be an integer >= 0 (0 or -1: off), got {self.top_k!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ParamError("seed", f"must be an integer, got {self.seed!r}")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) for s in self.stop):
+            raise ParamError("stop", f"must be a string or a list of strings, got {self.stop!r}")
+        if any(s == "" for s in self.stop):
+            raise ParamError("stop", "stop strings must not be empty")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ParamError(
+                "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
+        if not isinstance(self.ignore_eos, bool):
+            raise ParamError("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's logprob and the ``top`` most likely ``(token_id, logprob)`` pairs,
+    most likely first (log-softmax of the raw logits)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
