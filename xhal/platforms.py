@@ -22,6 +22,8 @@ _plugins_loaded = False
 
 _BUILTINS = {
     "cpu": "xhal.cpu_ref.platform:CpuPlatform",
+    "cuda": "xhal.cuda.platform:CudaPlatform",
+    "cuda-triton": "xhal.cuda.platform:CudaTritonPlatform",
 }
 for _name, _target in _BUILTINS.items():
     _loaders.register(_name, lazy(_target))

@@ -96,8 +96,11 @@ class Platform(ABC):
 
     # Runtime services -------------------------------------------------------------------------
 
-    def device(self, index: int = 0) -> torch.device:
-        return torch.device(self.device_type, index) if self.device_type != "cpu" else torch.device("cpu")
+    def device(self, index: int | None = None) -> torch.device:
+        """The torch device of this process (``index`` picks another one where there are several)."""
+        if self.device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.device_type, 0 if index is None else index)
 
     def set_device(self, index: int) -> None:
         """Make device ``index`` current for this process (before ``init_process_group``)."""

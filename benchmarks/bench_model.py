@@ -1,0 +1,165 @@
+"""Whole-model steps on the GPU for a Llama-3-8B-shaped model with random bf16 weights: decode
+(graph and eager) against the floor (weight bytes + KV bytes read) / measured bandwidth, prefill
+against its FLOP floor, host time inside ``execute``, and Hugging Face transformers on the same
+shape in the same run.
+
+    python -m benchmarks.bench_model [--quick] [--no-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import xhal
+from benchmarks.common import ceilings, table, time_cuda
+from models.llama import LlamaForCausalLM
+from xhal.executor import ExecutorConfig, ModelExecutor
+from xhal.interfaces import AttentionMetadata, BatchKind
+
+CONFIG = dict(
+    architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5,
+    rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False, hidden_act="silu",
+)
+BLOCK, CTX = 16, 2048
+
+
+def random_model(device: torch.device) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(CONFIG).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def decode_metadata(batch: int, ctx: int, device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """``batch`` sequences with ``ctx - 1`` cached tokens each, decoding token ``ctx - 1``."""
+    per_seq = ctx // BLOCK
+    table_ = (torch.arange(batch * per_seq, dtype=torch.int32).view(batch, per_seq))
+    kv = torch.full((batch,), ctx, dtype=torch.int32)
+    q = torch.ones(batch, dtype=torch.int32)
+    zero = torch.zeros(1, dtype=torch.int32)
+    slots = (table_[:, -1] * BLOCK + (ctx - 1) % BLOCK).int()
+    meta = AttentionMetadata(
+        kind=BatchKind.DECODE, num_seqs=batch, num_tokens=batch, max_query_len=1, max_seq_len=ctx,
+        q_cu_seq_lens=torch.arange(batch + 1, dtype=torch.int32, device=device),
+        kv_cu_seq_lens=torch.cat([zero, kv.cumsum(0)]).int().to(device),
+        q_seq_lens=q.to(device), kv_seq_lens=kv.to(device), q_seq_lens_host=q, kv_seq_lens_host=kv,
+        block_table=table_.to(device), slot_mapping=slots.to(device),
+    )
+    ids = torch.randint(0, CONFIG["vocab_size"], (batch,), dtype=torch.int32, device=device)
+    return ids, torch.full((batch,), ctx - 1, dtype=torch.int32, device=device), meta
+
+
+def prefill_metadata(tokens: int, device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    blocks = -(-tokens // BLOCK)
+    n = torch.tensor([tokens], dtype=torch.int32)
+    zero = torch.zeros(1, dtype=torch.int32)
+    meta = AttentionMetadata(
+        kind=BatchKind.PREFILL, num_seqs=1, num_tokens=tokens, max_query_len=tokens, max_seq_len=tokens,
+        q_cu_seq_lens=torch.cat([zero, n]).to(device), kv_cu_seq_lens=torch.cat([zero, n]).to(device),
+        q_seq_lens=n.to(device), kv_seq_lens=n.to(device), q_seq_lens_host=n, kv_seq_lens_host=n.clone(),
+        block_table=torch.arange(blocks, dtype=torch.int32, device=device)[None],
+        slot_mapping=torch.arange(tokens, dtype=torch.int32, device=device),
+    )
+    ids = torch.randint(0, CONFIG["vocab_size"], (tokens,), dtype=torch.int32, device=device)
+    return ids, torch.arange(tokens, dtype=torch.int32, device=device), meta
+
+
+def host_time_us(executor: ModelExecutor, ids, pos, meta, iters: int = 50) -> float:
+    """CPU time of one ``execute`` call with the device idle at entry (device work excluded)."""
+    samples = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        executor.execute(ids, pos, meta)
+        samples.append(time.perf_counter() - t0)
+    samples.sort()
+    return samples[len(samples) // 2] * 1e6
+
+
+def hf_decode_ms(batch: int, ctx: int, device) -> float:
+    """transformers' LlamaForCausalLM (sdpa, dynamic cache, eager) one decode step after ctx-1."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(**{k: v for k, v in CONFIG.items() if k != "architectures"})
+    with torch.device(device):
+        hf = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(0, CONFIG["vocab_size"], (batch, ctx - 1), device=device)
+    with torch.no_grad():
+        out = hf(ids, use_cache=True)
+        cache = out.past_key_values
+        nxt = torch.randint(0, CONFIG["vocab_size"], (batch, 1), device=device)
+
+        def step():
+            cache.crop(ctx - 1)  # every timed step decodes the same position
+            return hf(nxt, past_key_values=cache, use_cache=True).logits
+
+        ms = time_cuda(step, iters=10, warmup=2)
+    del hf, cache
+    torch.cuda.empty_cache()
+    return ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--no-hf", action="store_true")
+    args = parser.parse_args()
+    ceil = ceilings()
+    platform = xhal.platforms.get("cuda")
+    device = platform.device()
+    model = random_model(device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    batches = [1, 64] if args.quick else [1, 16, 64]
+    num_blocks = max(batches) * CTX // BLOCK + 64
+    executors = {}
+    for eager in (False, True):
+        cfg = ExecutorConfig(dtype=torch.bfloat16, block_size=BLOCK, max_num_seqs=max(batches),
+                             max_model_len=CTX + 64, enforce_eager=eager, decode_capture_sizes=tuple(batches))
+        executors[eager] = ModelExecutor(model, platform, cfg)
+    caches = executors[False].allocate_kv_caches(num_blocks=num_blocks)
+    for ex in executors.values():
+        ex.bind_kv_caches(caches)
+    rows = []
+    for batch in batches:
+        ids, pos, meta = decode_metadata(batch, CTX, device)
+        kv_bytes = batch * CTX * 32 * 8 * 128 * 2 * 2
+        floor_ms = (weight_bytes + kv_bytes) / ceil["bandwidth"] * 1e3  # bytes read / measured HBM rate
+        row = {"batch": batch, "ctx": CTX, "floor_ms": floor_ms}
+        for eager, ex in executors.items():
+            step = lambda ex=ex: ex.compute_logits(ex.execute(ids, pos, meta))  # noqa: E731
+            ms = time_cuda(step, iters=30, warmup=3)
+            row["eager_ms" if eager else "graph_ms"] = ms
+            row["eager_x_floor" if eager else "graph_x_floor"] = ms / floor_ms
+            if not eager:
+                row["host_us"] = host_time_us(ex, ids, pos, meta)
+        row["graph_speedup"] = row["eager_ms"] / row["graph_ms"]
+        rows.append(row)
+    print(table(rows, f"decode step (execute + logits), Llama-3-8B shape, bf16, {weight_bytes / 1e9:.2f} GB weights; floor = (weights + KV read) / copy rate"))
+    tokens = 4096
+    ids, pos, meta = prefill_metadata(tokens, device)
+    ex = executors[True]
+    ms = time_cuda(lambda: ex.compute_logits(ex.execute(ids, pos, meta), torch.tensor([tokens - 1], device=device)), iters=10, warmup=2)
+    linear_flops = 2 * tokens * (weight_bytes / 2 - CONFIG["vocab_size"] * 4096)  # every weight but the embedding
+    attn_flops = 32 * 2 * tokens * tokens * 128 * 32  # causal: half of 4 * L^2 * D * H per layer
+    flops = linear_flops + attn_flops
+    print(table([{"tokens": tokens, "ms": ms, "TFLOP/s": flops / (ms * 1e-3) / 1e12,
+                  "x_floor": ms / (flops / ceil["flops"] * 1e3)}], "prefill, one 4K sequence (eager)"))
+    if not args.no_hf:
+        del executors, caches, model
+        torch.cuda.empty_cache()
+        hf_rows = []
+        for r in rows:
+            ms = hf_decode_ms(r["batch"], CTX, device)
+            hf_rows.append({"batch": r["batch"], "hf_ms": ms, "hf_x_floor": ms / r["floor_ms"], "xhal_graph_speedup_vs_hf": ms / r["graph_ms"]})
+        print(table(hf_rows, "peer: Hugging Face transformers (sdpa, dynamic cache, eager), same shape"))
+
+
+if __name__ == "__main__":
+    main()

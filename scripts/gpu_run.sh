@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One run on the GPU machine: install the carried wheels, then the stages named on the command
+# line (default: all): conformance (cuda, cuda-triton), bench_attention, bench_model.
+# Call with `.whl` carried; FlashInfer's JIT cache goes to .fi_cache/ (ignored) so later calls on a
+# warm machine reuse it. Results land in $OUT when set.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -d /tmp/site/flashinfer ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} FLASHINFER_WORKSPACE_BASE=$PWD/.fi_cache
+export MAX_JOBS=16 PYTHONUNBUFFERED=1
+out=${OUT:-/tmp/xhal-gpu}; mkdir -p "$out"
+stages=${*:-conformance bench_attention bench_model}
+status=0
+for stage in $stages; do
+  echo "=== $stage ($(date +%T))"
+  case $stage in
+    conformance)
+      for dev in cuda cuda-triton; do
+        python3 -m conformance_tests.cli --device $dev --report "$out/conformance-$dev.json" || status=1
+      done ;;
+    conformance-*) python3 -m conformance_tests.cli --device "${stage#conformance-}" --report "$out/$stage.json" || status=1 ;;
+    bench_*) python3 -m benchmarks.$stage ${BENCH_ARGS:-} 2>&1 | tee "$out/$stage.txt" || status=1 ;;
+    *) echo "unknown stage $stage"; status=1 ;;
+  esac
+done
+exit $status

@@ -1,0 +1,1 @@
+"""The CUDA platform: FlashInfer attention (Triton fallback), CUDA graphs, NCCL, fused DeviceOps."""
