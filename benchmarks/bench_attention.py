@@ -37,12 +37,16 @@ def make_step(batch: int, q_len: int, ctx: int, num_blocks: int, device) -> Atte
     )
 
 
-def run(platform_name: str, batch: int, q_len: int, ctx: int) -> float:
+def run(platform_name: str, batch: int, q_len: int, ctx: int, tensor_cores: bool | None = None) -> float:
     """Median ms of one attention forward (KV write + attention) over one layer."""
     platform = xhal.platforms.get(platform_name)
     device = platform.device()
     spec = AttentionSpec(HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, BLOCK)
     backend = platform.attention_backend(spec)
+    if tensor_cores is not None:  # the same backend with FlashInfer's other decode kernel
+        from xhal.cuda.attention import FlashInferAttention
+
+        backend = FlashInferAttention(spec, backend.workspace, use_tensor_cores=tensor_cores)
     num_blocks = batch * -(-ctx // BLOCK) + 8
     shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
     cache = LayerCache(torch.randn(shape, dtype=torch.bfloat16, device=device), torch.randn(shape, dtype=torch.bfloat16, device=device))
@@ -63,17 +67,18 @@ def main() -> None:
     ceil = ceilings()
     rows = []
     batches, ctxs = ([1, 64], [2048]) if args.quick else ([1, 16, 64, 256], [512, 2048, 8192])
-    for name in ("cuda", "cuda-triton"):
+    paths = {"flashinfer-tc": ("cuda", None), "flashinfer-cc": ("cuda", False), "triton": ("cuda-triton", None)}
+    for path, (name, tc) in paths.items():
         for batch in batches:
             for ctx in ctxs:
-                ms = run(name, batch, 1, ctx)
+                ms = run(name, batch, 1, ctx, tc)
                 kv_bytes = batch * ctx * KV_HEADS * HEAD_DIM * 2 * 2
                 rows.append({
-                    "path": "flashinfer" if name == "cuda" else "triton", "batch": batch, "ctx": ctx,
+                    "path": path, "batch": batch, "ctx": ctx,
                     "us": ms * 1e3, "TB/s": kv_bytes / (ms * 1e-3) / 1e12,
                     "of_copy_ceiling": kv_bytes / (ms * 1e-3) / ceil["bandwidth"],
                 })
-    print(table(rows, "decode attention (bf16, 32q/8kv heads, D=128, page 16): KV bytes read / time"))
+    print(table(rows, "decode attention (bf16, 32q/8kv heads, D=128, page 16; tc = tensor-core kernel, cc = CUDA cores): KV bytes read / time"))
     rows = []
     for name in ("cuda", "cuda-triton"):
         for length in ([2048] if args.quick else [1024, 4096]):

@@ -187,7 +187,7 @@ class BrokenCausalPlatform(CpuPlatform):
     name = "broken-causal"
 
     def attention_backend(self, spec: AttentionSpec) -> CpuAttention:
-        self.capabilities.attention.check(spec.dtype, spec.head_dim, spec.block_size)
+        self.capabilities.attention.check(spec)
         return _NoCausalAttention(spec)
 
 
@@ -195,7 +195,7 @@ class BrokenKvSlotPlatform(CpuPlatform):
     name = "broken-kv-slot"
 
     def attention_backend(self, spec: AttentionSpec) -> CpuAttention:
-        self.capabilities.attention.check(spec.dtype, spec.head_dim, spec.block_size)
+        self.capabilities.attention.check(spec)
         return _VarlenWriteAttention(spec)
 
 

@@ -43,7 +43,7 @@ class CpuPlatform(Platform):
         return self._ops
 
     def attention_backend(self, spec: AttentionSpec) -> CpuAttention:
-        self.capabilities.attention.check(spec.dtype, spec.head_dim, spec.block_size)
+        self.capabilities.attention.check(spec)
         return CpuAttention(spec)
 
     def graph_runner(self) -> CpuGraphRunner:

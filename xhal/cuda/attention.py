@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from xhal.cuda.kernels.kv_write import write_kv
@@ -30,38 +31,61 @@ class PagedIndex:
     last_page_len: torch.Tensor  # int32 [B], cpu
     num_real_tokens: int
 
-    @classmethod
-    def build(cls, m: AttentionMetadata, block_size: int) -> PagedIndex:
-        q_lens, kv_lens = m.q_seq_lens_host, m.kv_seq_lens_host
-        zero = torch.zeros(1, dtype=torch.int32)
-        qo_indptr = torch.cat([zero, q_lens.cumsum(0, dtype=torch.int32)])
-        num_pages = (kv_lens + block_size - 1) // block_size
-        indptr = torch.cat([zero, num_pages.cumsum(0, dtype=torch.int32)])
-        last_page_len = (kv_lens - (num_pages - 1) * block_size).to(torch.int32)
+
+class PagedIndexBuilder:
+    """Builds a step's ``PagedIndex`` with numpy on the host and one pinned host-to-device copy.
+
+    Staging buffers come from torch's caching pinned allocator, which does not reuse one until
+    the copy that read it has completed, so a host running ahead never overwrites bytes in flight.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    @staticmethod
+    def _upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
+        host = torch.empty(values.size, dtype=torch.int32, pin_memory=True)
+        host.numpy()[:] = values
+        return host.to(device, non_blocking=True)
+
+    def build(self, m: AttentionMetadata) -> PagedIndex:
+        bs, b = self.block_size, m.num_seqs
+        q_lens, kv_lens = m.q_seq_lens_host.numpy(), m.kv_seq_lens_host.numpy()
+        # pinned, so that FlashInfer's uploads of them never stall on pageable memory
+        qo_indptr, indptr = (torch.empty(b + 1, dtype=torch.int32, pin_memory=True) for _ in range(2))
+        last_page_len = torch.empty(b, dtype=torch.int32, pin_memory=True)
+        qo, ptr = qo_indptr.numpy(), indptr.numpy()
+        qo[0] = ptr[0] = 0
+        np.cumsum(q_lens, out=qo[1:])
+        num_pages = (kv_lens + bs - 1) // bs
+        np.cumsum(num_pages, out=ptr[1:])
+        last_page_len.numpy()[:] = kv_lens - (num_pages - 1) * bs
         if m.paged_kv_indices is not None:  # the host built it (xLLM's CUDA builder does)
             indices = m.paged_kv_indices
-        else:  # gather each row's first num_pages block ids; positions are known on the host
-            width = m.block_table.shape[1]
-            rows = torch.repeat_interleave(torch.arange(m.num_seqs, dtype=torch.int32), num_pages)
-            cols = torch.arange(int(indptr[-1]), dtype=torch.int32) - indptr[:-1][rows.long()]
-            flat = (rows * width + cols).pin_memory() if torch.cuda.is_available() else rows * width + cols
-            indices = m.block_table.reshape(-1).index_select(0, flat.to(m.device, non_blocking=True))
-        return cls(qo_indptr, indptr, indices, last_page_len, int(qo_indptr[-1]))
+        else:  # gather each row's first num_pages block ids; their positions are host-known
+            table = m.block_table.contiguous()
+            rows = np.repeat(np.arange(b, dtype=np.int32), num_pages)
+            flat = rows * table.shape[1] + (np.arange(ptr[-1], dtype=np.int32) - ptr[rows])
+            indices = table.view(-1).index_select(0, self._upload(flat, m.device))
+        return PagedIndex(qo_indptr, indptr, indices, last_page_len, int(qo[-1]))
 
 
 class FlashInferAttention(AttentionBackend):
-    def __init__(self, spec: AttentionSpec, workspace: torch.Tensor) -> None:
+    def __init__(self, spec: AttentionSpec, workspace: torch.Tensor, use_tensor_cores: bool | None = None) -> None:
         super().__init__(spec)
         import flashinfer
 
         self._fi = flashinfer
         self.workspace = workspace
-        self.use_tensor_cores = spec.group_size >= 4
+        # FlashInfer's advice: tensor-core decode pays from a GQA group of 4 up
+        self.use_tensor_cores = spec.group_size >= 4 if use_tensor_cores is None else use_tensor_cores
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace, "NHD", use_tensor_cores=self.use_tensor_cores
         )
         self.graph_decode: dict[Hashable, object] = {}
+        self.graph_slots: dict[Hashable, torch.Tensor] = {}  # static slot mapping per captured bucket
+        self.index_builder = PagedIndexBuilder(spec.block_size)
         self._caches: list[LayerCache] = []
         self._wrapper = None
         self._slot_mapping: torch.Tensor | None = None
@@ -96,7 +120,7 @@ class FlashInferAttention(AttentionBackend):
         return self.graph_decode[key]
 
     def plan(self, metadata: AttentionMetadata, graph_key: Hashable | None = None) -> None:
-        s, idx = self.spec, PagedIndex.build(metadata, self.spec.block_size)
+        s, idx = self.spec, self.index_builder.build(metadata)
         is_decode = metadata.kind == BatchKind.DECODE and idx.num_real_tokens == metadata.num_seqs
         if graph_key is not None:
             if not is_decode:
@@ -109,7 +133,12 @@ class FlashInferAttention(AttentionBackend):
             wrapper.plan(idx.indptr, idx.indices, idx.last_page_len, *heads, **self._common())
         else:
             wrapper.plan(idx.qo_indptr, idx.indptr, idx.indices, idx.last_page_len, *heads, causal=True, **self._common())
-        self._wrapper, self._slot_mapping, self._num_real = wrapper, metadata.slot_mapping, idx.num_real_tokens
+        slots = metadata.slot_mapping
+        if graph_key is not None:  # the captured KV write reads this bucket's own static buffer
+            if graph_key not in self.graph_slots:
+                self.graph_slots[graph_key] = slots.clone()
+            slots = self.graph_slots[graph_key].copy_(slots, non_blocking=True)
+        self._wrapper, self._slot_mapping, self._num_real = wrapper, slots, idx.num_real_tokens
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self._caches[layer_id]

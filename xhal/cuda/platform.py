@@ -61,7 +61,7 @@ class CudaPlatform(Platform):
         return self._ops
 
     def attention_backend(self, spec: AttentionSpec) -> AttentionBackend:
-        self.capabilities.attention.check(spec.dtype, spec.head_dim, spec.block_size)
+        self.capabilities.attention.check(spec)
         from xhal.cuda.attention import FlashInferAttention, TritonAttention
 
         if self.has_flashinfer and spec.dtype in (torch.float16, torch.bfloat16):
@@ -90,6 +90,9 @@ class CudaPlatform(Platform):
 
     def set_device(self, index: int) -> None:
         torch.cuda.set_device(index)
+
+    def host_empty(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()

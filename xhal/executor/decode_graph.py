@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from xhal.interfaces.metadata import AttentionMetadata, BatchKind
@@ -47,7 +48,7 @@ class DecodeGraphs:
         self.kv_cu_seq_lens = torch.zeros(n + 1, **i32)
         self.q_seq_lens_host = torch.ones(n, dtype=torch.int32)
         self.kv_seq_lens_host = torch.ones(n, dtype=torch.int32)
-        self.kv_cu_host = torch.zeros(n + 1, dtype=torch.int32)
+        self.platform = platform
 
     def bucket_for(self, metadata: AttentionMetadata) -> int | None:
         """The bucket that can run this batch, or None when it must run eagerly."""
@@ -74,11 +75,17 @@ class DecodeGraphs:
         self.block_table[b:bucket].zero_()
         self.kv_seq_lens[:b].copy_(m.kv_seq_lens, non_blocking=True)
         self.kv_seq_lens[b:bucket].fill_(1)
-        # host twins: padding rows hold one token each
-        self.kv_seq_lens_host[:b].copy_(m.kv_seq_lens_host)
-        self.kv_seq_lens_host[b:bucket].fill_(1)
-        torch.cumsum(self.kv_seq_lens_host[:bucket], 0, out=self.kv_cu_host[1 : bucket + 1])
-        self.kv_cu_seq_lens[: bucket + 1].copy_(self.kv_cu_host[: bucket + 1], non_blocking=True)
+        # host twins (numpy: these are a handful of values and torch's per-op cost would dominate);
+        # padding rows hold one token each
+        kv_host = self.kv_seq_lens_host.numpy()
+        kv_host[:b] = m.kv_seq_lens_host.numpy()
+        kv_host[b:bucket] = 1
+        # a fresh staging buffer each step: the platform's host allocator (pinned and caching on
+        # CUDA) does not hand it out again until this upload has completed
+        kv_cu = self.platform.host_empty(bucket + 1, dtype=torch.int32)
+        kv_cu[0] = 0
+        np.cumsum(kv_host[:bucket], out=kv_cu.numpy()[1:])
+        self.kv_cu_seq_lens[: bucket + 1].copy_(kv_cu, non_blocking=True)
         return AttentionMetadata(
             kind=BatchKind.DECODE,
             num_seqs=bucket,

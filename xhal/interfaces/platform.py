@@ -33,18 +33,28 @@ class AttentionCapabilities:
     sliding_window: bool = False
     logits_soft_cap: bool = False
 
-    def check(self, dtype: torch.dtype, head_dim: int, block_size: int) -> None:
+    def check(self, spec: AttentionSpec) -> None:
         """Raise ``ValueError`` saying what is supported when a spec is outside the declaration."""
-        if dtype not in self.dtypes:
-            raise ValueError(f"dtype {dtype} is not supported; supported: {list(self.dtypes)}")
-        if head_dim not in self.head_dims:
+        if spec.dtype not in self.dtypes:
+            raise ValueError(f"dtype {spec.dtype} is not supported; supported: {list(self.dtypes)}")
+        if spec.head_dim not in self.head_dims:
             raise ValueError(
-                f"head_dim {head_dim} is not supported; supported: {list(self.head_dims)}"
+                f"head_dim {spec.head_dim} is not supported; supported: {list(self.head_dims)}"
             )
-        if block_size % self.block_size_multiple:
+        if spec.block_size % self.block_size_multiple:
             raise ValueError(
-                f"block_size {block_size} is not supported: it must be a multiple of "
+                f"block_size {spec.block_size} is not supported: it must be a multiple of "
                 f"{self.block_size_multiple} (tested: {list(self.block_sizes)})"
+            )
+        if spec.sliding_window is not None and not self.sliding_window:
+            raise ValueError(
+                f"sliding_window={spec.sliding_window} is not supported by this backend; "
+                "use a platform that declares sliding_window=True"
+            )
+        if spec.logits_soft_cap is not None and not self.logits_soft_cap:
+            raise ValueError(
+                f"logits_soft_cap={spec.logits_soft_cap} is not supported by this backend; "
+                "use a platform that declares logits_soft_cap=True"
             )
 
 
@@ -104,6 +114,10 @@ class Platform(ABC):
 
     def set_device(self, index: int) -> None:
         """Make device ``index`` current for this process (before ``init_process_group``)."""
+
+    def host_empty(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer for staging uploads (page-locked where the device has such memory)."""
+        return torch.empty(shape, dtype=dtype)
 
     def synchronize(self) -> None:
         """Wait for all queued device work."""

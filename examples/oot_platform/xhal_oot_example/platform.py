@@ -50,12 +50,9 @@ class OotPlatform(Platform):
         return self._ops
 
     def attention_backend(self, spec: AttentionSpec) -> CpuAttention:
-        # raises ValueError naming what is supported, as the Platform contract requires
-        self.capabilities.attention.check(spec.dtype, spec.head_dim, spec.block_size)
-        if spec.sliding_window is not None or spec.logits_soft_cap is not None:
-            raise ValueError(
-                f"{self.name} supports neither sliding_window nor logits_soft_cap, got {spec}"
-            )
+        # raises ValueError naming what is supported (dtype, head_dim, block size, and the
+        # sliding window and soft cap this platform does not declare), as the contract requires
+        self.capabilities.attention.check(spec)
         return CpuAttention(spec)
 
     def graph_runner(self) -> CpuGraphRunner:

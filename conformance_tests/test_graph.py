@@ -1,0 +1,249 @@
+"""Conformance family "graph": ``platform.graph_runner()`` replays work like a device graph.
+
+A replay re-runs the captured device work on the captured tensors: it sees new values written in
+place into its inputs, never calls the captured function again, and keeps the Python values of
+capture. Attention runs inside a graph the way the executor's decode buckets use it: plan on the
+host with the bucket's ``graph_key`` before capture and before every replay, ``before_replay``,
+copy the step's q/k/v into static buffers, replay. Padding sequences never change real rows.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import xhal
+from conformance_tests import reference
+from conformance_tests.batches import (
+    Batch,
+    declared_head_dim,
+    decode_bucket,
+    one_cpu_thread,
+    randn,
+    random_batch,
+    random_caches,
+    random_qkv,
+    skip_undeclared_kind,
+    spec_or_skip,
+)
+from conformance_tests.tolerances import tolerance
+from xhal.interfaces import BatchKind, GraphRunner, LayerCache, Platform
+
+BUCKET = 4  # decode sequences per captured graph
+KEY = ("decode", BUCKET)
+NUM_LAYERS = 2
+UNKNOWN_KEY_ERRORS = (LookupError, RuntimeError, ValueError)
+
+dtypes = pytest.mark.parametrize(
+    "dtype",
+    (torch.float32, torch.bfloat16, torch.float16),
+    ids=lambda d: str(d).removeprefix("torch."),
+)
+block_sizes = pytest.mark.parametrize("block_size", (16, 128), ids=lambda b: f"bs{b}")
+
+
+@pytest.fixture(autouse=True)
+def _one_cpu_thread() -> Iterator[None]:
+    with one_cpu_thread():
+        yield
+
+
+def runner_or_skip(platform: Platform) -> GraphRunner:
+    if not platform.capabilities.graphs:
+        pytest.skip(f"{platform.name} declares no graph support (capabilities.graphs is False)")
+    return platform.graph_runner()
+
+
+@dtypes
+def test_replay_equals_eager_after_inplace_update(platform, device, dtype):
+    """Replay after new values are copied into the inputs equals running the function eagerly."""
+    runner = runner_or_skip(platform)
+    if dtype not in platform.capabilities.ops_dtypes:
+        pytest.skip(f"{platform.name} does not declare ops dtype {dtype}")
+    rng = random.Random(f"mlp {dtype}")
+    hidden, inter = 64, 96
+    shapes = {
+        "x": (8, hidden),
+        "norm": (hidden,),
+        "up": (hidden, 2 * inter),
+        "down": (inter, hidden),
+    }
+    scales = {"x": 1.0, "norm": 1.0, "up": hidden**-0.5, "down": inter**-0.5}
+
+    def draw(name: str) -> torch.Tensor:
+        return randn(shapes[name], dtype, device, rng) * scales[name]
+
+    w = {name: draw(name) for name in shapes}
+
+    def mlp() -> tuple[torch.Tensor, torch.Tensor]:
+        h = xhal.ops.rms_norm(w["x"], w["norm"], 1e-6)
+        act = xhal.ops.silu_and_mul(h @ w["up"])  # [8, inter]
+        act.mul_(0.5)  # in place on an intermediate
+        return act @ w["down"] + w["x"], act[:, :16]  # a view among the outputs
+
+    with xhal.ops.using(platform.device_type, platform.ops):
+        static = runner.capture("mlp", mlp)
+        for step in range(3):
+            for name, tensor in w.items():  # new values, in place, into every input
+                tensor.copy_(draw(name))
+            replayed = runner.replay("mlp")
+            eager = mlp()
+            for i, (r, s, e) in enumerate(zip(replayed, static, eager)):
+                assert r.data_ptr() == s.data_ptr(), f"replay output {i} is not the captured tensor"
+                if not torch.equal(r, e):
+                    err = (r.float() - e.float()).abs().max().item()
+                    pytest.fail(f"step {step}, output {i}: replay != eager (max diff {err:.3e})")
+
+
+def test_replay_runs_captured_work_not_fn(platform, device):
+    """Replay does not call the captured function again; Python values are those of capture."""
+    runner = runner_or_skip(platform)
+    rng = random.Random("baked")
+    x = randn((16,), torch.float32, device, rng)
+    state = {"factor": 2.0, "calls": 0}
+
+    def scaled() -> torch.Tensor:
+        state["calls"] += 1
+        return x * state["factor"]
+
+    runner.capture("scaled", scaled)
+    calls, state["factor"] = state["calls"], 3.0
+    x.copy_(randn((16,), torch.float32, device, rng))
+    out = runner.replay("scaled")
+    assert state["calls"] == calls, "replay called the captured function again instead of replaying"
+    assert torch.equal(out, x * 2.0), "replay did not use the factor baked at capture on the new x"
+
+
+def test_runner_keys_and_reset(platform, device):
+    runner = runner_or_skip(platform)
+    rng = random.Random("keys")
+    x = randn((16,), torch.float32, device, rng)
+    runner.capture("double", lambda: x * 2)
+    runner.capture(("plus", 1), lambda: x + 1)
+    assert "double" in runner and ("plus", 1) in runner and "other" not in runner
+    x.copy_(randn((16,), torch.float32, device, rng))
+    assert torch.equal(runner.replay("double"), x * 2)
+    assert torch.equal(runner.replay(("plus", 1)), x + 1)
+    with pytest.raises(UNKNOWN_KEY_ERRORS):
+        runner.replay("other")
+    runner.reset()
+    assert "double" not in runner and ("plus", 1) not in runner
+    with pytest.raises(UNKNOWN_KEY_ERRORS):
+        runner.replay("double")
+    runner.capture("double", lambda: x * 3)  # a key is free again after reset
+    x.copy_(randn((16,), torch.float32, device, rng))
+    assert torch.equal(runner.replay("double"), x * 3)
+
+
+class DecodeCase:
+    """One attention group over ``NUM_LAYERS`` random caches with a decode bucket captured the
+    executor's way: static q/k/v per layer, ``plan(graph_key=KEY)``, one graph over every layer."""
+
+    def __init__(
+        self, platform, device: torch.device, dtype: torch.dtype, block_size: int, seed: str
+    ) -> None:
+        self.runner = runner_or_skip(platform)
+        self.spec = spec_or_skip(platform, dtype, declared_head_dim(platform), block_size, 4)
+        skip_undeclared_kind(platform, BatchKind.DECODE)
+        self.platform, self.device, self.rng = platform, device, random.Random(seed)
+        self.max_blocks = (
+            4 if block_size < 64 else 3
+        )  # kv lengths up to (max_blocks - 1) * block_size
+        num_blocks = BUCKET * (self.max_blocks - 1) + 4
+        self.caches = random_caches(NUM_LAYERS, num_blocks, self.spec, device, self.rng)
+        self.backend = platform.attention_backend(self.spec)
+        self.backend.bind_kv_caches(self.caches)
+        batch, _ = self.bucket(BUCKET)
+        self.statics = self.qkv(BUCKET)
+        self.backend.plan(batch.metadata, graph_key=KEY)
+        self.runner.capture(
+            KEY, lambda: [self.backend.forward(i, *x) for i, x in enumerate(self.statics)]
+        )
+
+    def bucket(self, num_real: int) -> tuple[Batch, Batch]:
+        """A new decode step of ``num_real`` sequences: (padded to the bucket, unpadded)."""
+        num_blocks, bs = self.caches[0].num_blocks, self.spec.block_size
+        return decode_bucket(
+            num_real, BUCKET, bs, num_blocks, self.max_blocks, self.device, self.rng
+        )
+
+    def qkv(self, num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        return [random_qkv(num_tokens, self.spec, self.device, self.rng) for _ in range(NUM_LAYERS)]
+
+    def replay(self, batch: Batch, inputs: list) -> list[torch.Tensor]:
+        self.backend.plan(batch.metadata, graph_key=KEY)
+        self.backend.before_replay(KEY)
+        for static, new in zip(self.statics, inputs):
+            for s, n in zip(static, new):
+                s.copy_(n)
+        return list(self.runner.replay(KEY))
+
+    def eager_twin(self, before: list, batch: Batch, inputs: list) -> list[torch.Tensor]:
+        """Outputs of an eager step on a fresh backend over copies of the caches ``before``."""
+        caches = [
+            LayerCache(k.to(self.device, copy=True), v.to(self.device, copy=True))
+            for k, v in before
+        ]
+        backend = self.platform.attention_backend(self.spec)
+        backend.bind_kv_caches(caches)
+        backend.plan(batch.metadata)
+        return [backend.forward(layer, *x) for layer, x in enumerate(inputs)]
+
+
+@block_sizes
+@dtypes
+def test_attention_in_graph(platform, device, record_error, dtype, block_size):
+    """Replays for new steps (other lengths, block tables and slots, same bucket shape) equal an
+    eager run on a fresh backend with the same caches, and the float64 reference."""
+    case = DecodeCase(platform, device, dtype, block_size, f"graph attention {dtype} {block_size}")
+    spec, caches, tol = case.spec, case.caches, tolerance("attention", dtype)
+    # an eager step on the same backend between capture and replay, as the executor runs prefills
+    batch, _ = random_batch(
+        BatchKind.MIXED, block_size, device, case.rng, num_blocks=caches[0].num_blocks
+    )
+    worst = reference.check_step(
+        case.backend, spec, batch, caches, case.qkv(batch.metadata.num_tokens)
+    )
+    for _ in range(2):
+        batch, _ = case.bucket(BUCKET)
+        inputs, before = case.qkv(BUCKET), reference.snapshot(caches)
+        outs = case.replay(batch, inputs)
+        worst = max(worst, reference.check_layers(outs, inputs, before, caches, batch, spec))
+        # a device's graph kernel may split work unlike its eager one: compare within tolerance
+        for layer, (out, ref) in enumerate(zip(outs, case.eager_twin(before, batch, inputs))):
+            err = reference.max_error(out, ref.detach().cpu()[batch.real_rows], batch.real_rows)
+            assert err <= tol, f"layer {layer}: replay differs from eager by {err:.3e} > {tol:.1e}"
+    record_error(worst)
+    assert worst <= tol, f"max abs error {worst:.3e} > tolerance {tol:.1e} for {spec}"
+
+
+@pytest.mark.parametrize("mode", ("eager", "graph"))
+@block_sizes
+@dtypes
+def test_bucket_padding_keeps_real_rows(platform, device, record_error, dtype, block_size, mode):
+    """n real decodes padded with dummy sequences (slot -1) to the bucket give the real rows of the
+    unpadded batch, and write nothing but the real tokens' K/V."""
+    case = DecodeCase(platform, device, dtype, block_size, f"padding {dtype} {block_size} {mode}")
+    spec, caches, tol, worst = case.spec, case.caches, tolerance("attention", dtype), 0.0
+    for num_real in (1, BUCKET - 1):
+        padded, unpadded = case.bucket(num_real)
+        inputs, before = case.qkv(BUCKET), reference.snapshot(caches)
+        if mode == "graph":
+            outs = case.replay(padded, inputs)
+        else:
+            case.backend.plan(padded.metadata)
+            outs = [case.backend.forward(layer, *x) for layer, x in enumerate(inputs)]
+        worst = max(worst, reference.check_layers(outs, inputs, before, caches, padded, spec))
+        real_inputs = [tuple(t[:num_real].clone() for t in x) for x in inputs]
+        for layer, (out, ref) in enumerate(
+            zip(outs, case.eager_twin(before, unpadded, real_inputs))
+        ):
+            err = reference.max_error(out, ref.detach().cpu(), padded.real_rows)
+            assert err <= tol, (
+                f"layer {layer}, {num_real} real rows: padded != unpadded ({err:.3e})"
+            )
+    record_error(worst)
+    assert worst <= tol, f"max abs error {worst:.3e} > tolerance {tol:.1e} for {spec}"
