@@ -1,9 +1,7 @@
 """``xhal-align``: run a checkpoint on xhal and on transformers with the same prompt and print,
 layer by layer, how far the hidden states are apart, then the logits.
 
-The xhal side runs one prefill sequence directly (no executor): ``prefill_context`` builds the
-step's metadata, paged caches (contiguous block table) and planned backends, and enters the
-forward context. Hidden states are captured by forward hooks on both sides at the same points:
+The xhal side prefills one sequence through an eager ``ModelExecutor`` over fresh paged caches. Hidden states are captured by forward hooks on both sides at the same points:
 the embeddings, each decoder layer's output (the residual stream after it) and the final norm.
 """
 
@@ -21,17 +19,14 @@ import torch
 from torch import nn
 
 from xhal import platforms
-from xhal.forward_context import ForwardContext, forward_context
-from xhal.interfaces.attention import AttentionBackend
-from xhal.interfaces.cache import LayerCache
+from xhal.executor import ExecutorConfig, ModelExecutor
 from xhal.interfaces.metadata import AttentionMetadata, BatchKind
-from xhal.layers import attention_layers
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 DEFAULT_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 2e-2}
 
 
-# The xhal side: one prefill sequence without the executor ---------------------------------------
+# The xhal side: one prefill sequence through the executor -------------------------------------
 
 
 def prefill_metadata(
@@ -60,50 +55,23 @@ def prefill_metadata(
     )
 
 
-@contextlib.contextmanager
-def prefill_context(
-    model: nn.Module, num_tokens: int, platform: str | None = None, block_size: int = 16
-) -> Iterator[ForwardContext]:
-    """Enter a forward context in which ``model`` can prefill one sequence of ``num_tokens``.
-
-    Layers with equal ``AttentionSpec`` share one backend; every backend is bound to all layers'
-    caches (indexed by layer id) and planned once.
-    """
-    param = next(model.parameters())
-    plat = platforms.get(platform or param.device.type)
-    metadata = prefill_metadata(num_tokens, block_size, param.device)
-    num_blocks = metadata.block_table.shape[1]
-    layers = attention_layers(model)
-    by_spec: dict[Any, AttentionBackend] = {}
-    backends: dict[int, AttentionBackend] = {}
-    caches: list[LayerCache] = []
-    for layer in layers:
-        spec = layer.spec(param.dtype, block_size)
-        if spec not in by_spec:
-            by_spec[spec] = plat.attention_backend(spec)
-        backends[layer.layer_id] = by_spec[spec]
-        shape = by_spec[spec].kv_cache_shape(num_blocks)  # [num_blocks, block_size, Hkv, D]
-        key, value = (torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(2))
-        caches.append(LayerCache(key, value))
-    for backend in by_spec.values():
-        backend.bind_kv_caches(caches)
-        backend.plan(metadata)
-    ctx = ForwardContext(metadata, attention=backends, collective=plat.collective(None))
-    with forward_context(ctx):
-        yield ctx
-
-
 @torch.no_grad()
 def xhal_prefill(
-    model: nn.Module, input_ids: torch.Tensor, platform: str | None = None
+    model: nn.Module, input_ids: torch.Tensor, platform: str | None = None, block_size: int = 16
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(hidden [T, hidden], float32 logits [T, vocab])`` of one prompt, prefilled from scratch."""
-    device = next(model.parameters()).device
-    input_ids = input_ids.to(device=device, dtype=torch.int32)
-    positions = torch.arange(input_ids.numel(), dtype=torch.int32, device=device)
-    with prefill_context(model, input_ids.numel(), platform):
-        hidden = model(input_ids, positions)
-        return hidden, model.compute_logits(hidden)
+    """``(hidden [T, hidden], float32 logits [T, vocab])`` of one prompt, prefilled from scratch by
+    a ``ModelExecutor`` (eager) over fresh paged caches."""
+    param = next(model.parameters())
+    num_tokens = input_ids.numel()
+    config = ExecutorConfig(
+        dtype=param.dtype, block_size=block_size, max_model_len=num_tokens, enforce_eager=True
+    )
+    executor = ModelExecutor(model, platforms.get(platform or param.device.type), config)
+    executor.bind_kv_caches(executor.allocate_kv_caches(num_blocks=-(-num_tokens // block_size)))
+    input_ids = input_ids.to(device=param.device, dtype=torch.int32)
+    positions = torch.arange(num_tokens, dtype=torch.int32, device=param.device)
+    hidden = executor.execute(input_ids, positions, prefill_metadata(num_tokens, block_size, param.device))
+    return hidden, executor.compute_logits(hidden)
 
 
 # Hooks and comparison --------------------------------------------------------------------------

@@ -47,8 +47,6 @@ class ModelExecutor:
         self.backends = list(by_spec.values())
         self.hidden_size = self._hidden_size(model)
         self._caches_bound = False
-        self._synchronizer: Any = None
-        self._hook_decoder_layers()
         self.decode_graphs = None
         if not self.config.enforce_eager and platform.capabilities.graphs:
             self.decode_graphs = DecodeGraphs(platform, self.backends, self.config, self._forward)
@@ -67,19 +65,26 @@ class ModelExecutor:
             raise ValueError("the model needs a .config with hidden_size")
         return int(size)
 
-    def _hook_decoder_layers(self) -> None:
+    def _decoder_layers(self) -> nn.ModuleList:
         layers = getattr(getattr(self.model, "model", None), "layers", None)
         if layers is None:
-            return
-        for index, layer in enumerate(layers):
-            layer.register_forward_hook(self._layer_done_hook(index))
+            raise ValueError(
+                "a layer_synchronizer needs the decoder layers at model.model.layers "
+                "(the Hugging Face layout)"
+            )
+        return layers
 
-    def _layer_done_hook(self, index: int):
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self._synchronizer is not None:
-                self._synchronizer.record_event(index)
-
-        return hook
+    def _run_with_synchronizer(self, synchronizer: Any, run: Any) -> torch.Tensor:
+        """Run ``run()`` with ``synchronizer.record_event(i)`` after decoder layer ``i``."""
+        handles = [
+            layer.register_forward_hook(lambda *_, i=i: synchronizer.record_event(i))
+            for i, layer in enumerate(self._decoder_layers())
+        ]
+        try:
+            return run()
+        finally:
+            for handle in handles:
+                handle.remove()
 
     # KV caches ---------------------------------------------------------------------------------
 
@@ -150,11 +155,10 @@ class ModelExecutor:
             return hidden
         for backend in self.backends:
             backend.plan(metadata)
-        self._synchronizer = layer_synchronizer
-        try:
-            return self._forward(input_ids, positions, metadata, input_embedding)
-        finally:
-            self._synchronizer = None
+        run = lambda: self._forward(input_ids, positions, metadata, input_embedding)  # noqa: E731
+        if layer_synchronizer is None:
+            return run()
+        return self._run_with_synchronizer(layer_synchronizer, run)
 
     def compute_logits(self, hidden: torch.Tensor, selected_idxes: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits ``[S, vocab]`` of the rows ``selected_idxes`` (all rows when None)."""
