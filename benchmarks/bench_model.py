@@ -83,6 +83,20 @@ def host_time_us(executor: ModelExecutor, ids, pos, meta, iters: int = 50) -> fl
     return samples[len(samples) // 2] * 1e6
 
 
+def profile_host(executor: ModelExecutor, ids, pos, meta, iters: int = 20) -> None:
+    """Where the host time of ``execute`` goes: cProfile over ``iters`` synchronized calls."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        profiler.enable()
+        executor.execute(ids, pos, meta)
+        profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
 def hf_decode_ms(batch: int, ctx: int, device) -> float:
     """transformers' LlamaForCausalLM (sdpa, dynamic cache, eager) one decode step after ctx-1."""
     import transformers
@@ -110,6 +124,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="cProfile the host side of execute")
     args = parser.parse_args()
     ceil = ceilings()
     platform = xhal.platforms.get("cuda")
@@ -139,6 +154,9 @@ def main() -> None:
             row["eager_x_floor" if eager else "graph_x_floor"] = ms / floor_ms
             if not eager:
                 row["host_us"] = host_time_us(ex, ids, pos, meta)
+                if args.profile:
+                    print(f"--- host profile, graph decode, batch {batch}")
+                    profile_host(ex, ids, pos, meta)
         row["graph_speedup"] = row["eager_ms"] / row["graph_ms"]
         rows.append(row)
     print(table(rows, f"decode step (execute + logits), Llama-3-8B shape, bf16, {weight_bytes / 1e9:.2f} GB weights; floor = (weights + KV read) / copy rate"))
