@@ -32,42 +32,75 @@ class PagedIndex:
     num_real_tokens: int
 
 
-class PagedIndexBuilder:
-    """Builds a step's ``PagedIndex`` with numpy on the host and one pinned host-to-device copy.
+class PinnedRing:
+    """Page-locked int32 staging reused across steps, with no allocation on the hot path.
 
-    Staging buffers come from torch's caching pinned allocator, which does not reuse one until
-    the copy that read it has completed, so a host running ahead never overwrites bytes in flight.
+    ``slots`` buffers take turns. Before one is rewritten, the event recorded after its last
+    uploads is waited on (free unless the host runs ``slots`` steps ahead of the device), so bytes
+    still being copied are never overwritten.
+    """
+
+    def __init__(self, slots: int = 2) -> None:
+        self._buffers = [torch.empty(0, dtype=torch.int32) for _ in range(slots)]
+        self._events: list[torch.cuda.Event | None] = [None] * slots
+        self._slot = 0
+
+    def acquire(self, size: int) -> np.ndarray:
+        """A pinned buffer of ``size`` int32 values, as a numpy view; valid until ``release``."""
+        self._slot = (self._slot + 1) % len(self._buffers)
+        if self._events[self._slot] is not None:
+            self._events[self._slot].synchronize()
+        if self._buffers[self._slot].numel() < size:  # grows a few times, then never again
+            self._buffers[self._slot] = torch.empty(max(size, 2 * self._buffers[self._slot].numel()), dtype=torch.int32, pin_memory=True)
+        return self._buffers[self._slot].numpy()[:size]
+
+    def tensor(self, view: np.ndarray) -> torch.Tensor:
+        """The pinned tensor behind a view handed out by ``acquire``."""
+        return torch.from_numpy(view)
+
+    def release(self) -> None:
+        """Mark the current buffer busy until the uploads queued so far have run."""
+        event = torch.cuda.Event()
+        event.record()
+        self._events[self._slot] = event
+
+
+class PagedIndexBuilder:
+    """Builds a step's ``PagedIndex`` with numpy into pinned staging and one host-to-device copy.
+
+    The host arrays handed to FlashInfer's ``plan`` are pinned, so its uploads of them never stall
+    on pageable memory; call ``release`` once ``plan`` has queued those uploads.
     """
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
+        self.staging = PinnedRing()
 
-    @staticmethod
-    def _upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
-        host = torch.empty(values.size, dtype=torch.int32, pin_memory=True)
-        host.numpy()[:] = values
-        return host.to(device, non_blocking=True)
+    def release(self) -> None:
+        self.staging.release()
 
     def build(self, m: AttentionMetadata) -> PagedIndex:
         bs, b = self.block_size, m.num_seqs
         q_lens, kv_lens = m.q_seq_lens_host.numpy(), m.kv_seq_lens_host.numpy()
-        # pinned, so that FlashInfer's uploads of them never stall on pageable memory
-        qo_indptr, indptr = (torch.empty(b + 1, dtype=torch.int32, pin_memory=True) for _ in range(2))
-        last_page_len = torch.empty(b, dtype=torch.int32, pin_memory=True)
-        qo, ptr = qo_indptr.numpy(), indptr.numpy()
+        num_pages = (kv_lens + bs - 1) // bs
+        nnz = int(num_pages.sum())
+        host_indices = m.paged_kv_indices is None
+        buf = self.staging.acquire(3 * b + 2 + (nnz if host_indices else 0))
+        qo, ptr, last, flat = np.split(buf, [b + 1, 2 * b + 2, 3 * b + 2])
         qo[0] = ptr[0] = 0
         np.cumsum(q_lens, out=qo[1:])
-        num_pages = (kv_lens + bs - 1) // bs
         np.cumsum(num_pages, out=ptr[1:])
-        last_page_len.numpy()[:] = kv_lens - (num_pages - 1) * bs
-        if m.paged_kv_indices is not None:  # the host built it (xLLM's CUDA builder does)
+        last[:] = kv_lens - (num_pages - 1) * bs
+        if not host_indices:  # the host built it (xLLM's CUDA builder does)
             indices = m.paged_kv_indices
         else:  # gather each row's first num_pages block ids; their positions are host-known
             table = m.block_table.contiguous()
             rows = np.repeat(np.arange(b, dtype=np.int32), num_pages)
-            flat = rows * table.shape[1] + (np.arange(ptr[-1], dtype=np.int32) - ptr[rows])
-            indices = table.view(-1).index_select(0, self._upload(flat, m.device))
-        return PagedIndex(qo_indptr, indptr, indices, last_page_len, int(qo[-1]))
+            flat[:] = rows * table.shape[1] + (np.arange(nnz, dtype=np.int32) - ptr[rows])
+            upload = self.staging.tensor(flat).to(m.device, non_blocking=True)
+            indices = table.view(-1).index_select(0, upload)
+        t = self.staging.tensor
+        return PagedIndex(t(qo), t(ptr), indices, t(last), int(qo[-1]))
 
 
 class FlashInferAttention(AttentionBackend):
@@ -133,6 +166,7 @@ class FlashInferAttention(AttentionBackend):
             wrapper.plan(idx.indptr, idx.indices, idx.last_page_len, *heads, **self._common())
         else:
             wrapper.plan(idx.qo_indptr, idx.indptr, idx.indices, idx.last_page_len, *heads, causal=True, **self._common())
+        self.index_builder.release()
         slots = metadata.slot_mapping
         if graph_key is not None:  # the captured KV write reads this bucket's own static buffer
             if graph_key not in self.graph_slots:

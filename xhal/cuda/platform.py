@@ -91,9 +91,6 @@ class CudaPlatform(Platform):
     def set_device(self, index: int) -> None:
         torch.cuda.set_device(index)
 
-    def host_empty(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, pin_memory=True)
-
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from xhal.interfaces.metadata import AttentionMetadata, BatchKind
@@ -48,7 +47,6 @@ class DecodeGraphs:
         self.kv_cu_seq_lens = torch.zeros(n + 1, **i32)
         self.q_seq_lens_host = torch.ones(n, dtype=torch.int32)
         self.kv_seq_lens_host = torch.ones(n, dtype=torch.int32)
-        self.platform = platform
 
     def bucket_for(self, metadata: AttentionMetadata) -> int | None:
         """The bucket that can run this batch, or None when it must run eagerly."""
@@ -75,17 +73,12 @@ class DecodeGraphs:
         self.block_table[b:bucket].zero_()
         self.kv_seq_lens[:b].copy_(m.kv_seq_lens, non_blocking=True)
         self.kv_seq_lens[b:bucket].fill_(1)
-        # host twins (numpy: these are a handful of values and torch's per-op cost would dominate);
+        # host twins (numpy: a handful of values, where torch's per-op cost would dominate);
         # padding rows hold one token each
         kv_host = self.kv_seq_lens_host.numpy()
         kv_host[:b] = m.kv_seq_lens_host.numpy()
         kv_host[b:bucket] = 1
-        # a fresh staging buffer each step: the platform's host allocator (pinned and caching on
-        # CUDA) does not hand it out again until this upload has completed
-        kv_cu = self.platform.host_empty(bucket + 1, dtype=torch.int32)
-        kv_cu[0] = 0
-        np.cumsum(kv_host[:bucket], out=kv_cu.numpy()[1:])
-        self.kv_cu_seq_lens[: bucket + 1].copy_(kv_cu, non_blocking=True)
+        torch.cumsum(self.kv_seq_lens[:bucket], 0, dtype=torch.int32, out=self.kv_cu_seq_lens[1 : bucket + 1])
         return AttentionMetadata(
             kind=BatchKind.DECODE,
             num_seqs=bucket,

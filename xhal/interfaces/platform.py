@@ -115,10 +115,6 @@ class Platform(ABC):
     def set_device(self, index: int) -> None:
         """Make device ``index`` current for this process (before ``init_process_group``)."""
 
-    def host_empty(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
-        """A host buffer for staging uploads (page-locked where the device has such memory)."""
-        return torch.empty(shape, dtype=dtype)
-
     def synchronize(self) -> None:
         """Wait for all queued device work."""
 
