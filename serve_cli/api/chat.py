@@ -1,0 +1,81 @@
+"""``POST /v1/chat/completions``: the conversation through the tokenizer's chat template."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from serve_cli.api.common import server_state
+from serve_cli.api.generation import Generation, new_id
+from serve_cli.api.logprobs import chat_logprobs
+from serve_cli.api.params import sampling_params
+from serve_cli.api.prompts import chat_prompt, check_fits
+from serve_cli.api.protocol import ChatCompletionRequest
+from serve_cli.api.responses import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatMessageOut,
+)
+from serve_cli.api.state import ServerState
+from serve_cli.api.streaming import sse_response
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
+    state = server_state(request, body.model)
+    prompt = chat_prompt(state, body.messages)
+    # no limit given: up to the model's length (as vLLM does), or what the whole KV cache holds
+    longest = min(state.max_model_len, state.num_kv_blocks * state.block_size + 1)
+    max_tokens = body.max_completion_tokens or body.max_tokens or max(1, longest - len(prompt))
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(body, max_tokens, logprobs)
+    check_fits(state, len(prompt), max_tokens, "max_tokens")
+    gen = Generation(state, new_id("chatcmpl"), [prompt], params, body.n)
+    header = dict(id=gen.request_id, created=int(time.time()), model=state.model_name)
+    if body.stream:
+        return sse_response(_chunks(state, body, gen, header))
+    async for _ in gen.outputs():
+        pass
+    choices = [
+        ChatChoice(
+            index=c.index,
+            message=ChatMessageOut(role="assistant", content=c.text),
+            logprobs=chat_logprobs(state.tokenizer, c.logprobs) if body.logprobs else None,
+            finish_reason=c.finish_reason,
+            token_ids=c.token_ids if body.return_token_ids else None,
+        )
+        for c in gen.choices
+    ]
+    return ChatCompletionResponse(**header, choices=choices, usage=gen.usage())
+
+
+async def _chunks(
+    state: ServerState, body: ChatCompletionRequest, gen: Generation, header: dict[str, Any]
+) -> AsyncIterator[ChatCompletionChunk]:
+    for c in gen.choices:  # the role comes first, as OpenAI streams it
+        delta = ChatMessageOut(role="assistant", content="")
+        yield ChatCompletionChunk(**header, choices=[ChatChunkChoice(index=c.index, delta=delta)])
+    wants_tokens = body.return_token_ids or body.logprobs
+    async for choice, out in gen.outputs():
+        if out.new_text or (wants_tokens and out.new_token_ids):
+            delta = ChatMessageOut(content=out.new_text)
+            logprobs = chat_logprobs(state.tokenizer, out.logprobs or []) if body.logprobs else None
+            token_ids = out.new_token_ids if body.return_token_ids else None
+            part = ChatChunkChoice(
+                index=choice.index, delta=delta, logprobs=logprobs, token_ids=token_ids
+            )
+            yield ChatCompletionChunk(**header, choices=[part])
+        if out.finished:
+            part = ChatChunkChoice(
+                index=choice.index, delta=ChatMessageOut(), finish_reason=out.finish_reason
+            )
+            yield ChatCompletionChunk(**header, choices=[part])
+    if body.include_usage:
+        yield ChatCompletionChunk(**header, choices=[], usage=gen.usage())

@@ -1,0 +1,79 @@
+"""``POST /v1/completions``: text or token-id prompts, one or many, streamed or not."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from serve_cli.api.common import server_state
+from serve_cli.api.errors import invalid
+from serve_cli.api.generation import Choice, Generation, new_id
+from serve_cli.api.logprobs import completion_logprobs
+from serve_cli.api.params import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
+from serve_cli.api.prompts import check_fits, completion_prompts
+from serve_cli.api.protocol import CompletionRequest
+from serve_cli.api.responses import CompletionChoice, CompletionResponse
+from serve_cli.api.state import ServerState
+from serve_cli.api.streaming import sse_response
+
+router = APIRouter()
+
+
+@router.post("/v1/completions", response_model=None)
+async def create_completion(body: CompletionRequest, request: Request) -> Any:
+    state = server_state(request, body.model)
+    if body.echo:
+        raise invalid("'echo' is not supported", "echo", "unsupported_parameter")
+    prompts = completion_prompts(state, body.prompt)
+    max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+    params = sampling_params(body, max_tokens, body.logprobs)
+    for ids in prompts:
+        check_fits(state, len(ids), max_tokens, "max_tokens")
+    gen = Generation(state, new_id("cmpl"), prompts, params, body.n)
+    header = dict(id=gen.request_id, created=int(time.time()))
+    if body.stream:
+        return sse_response(_chunks(state, body, gen, header))
+    async for _ in gen.outputs():
+        pass
+    choices = [_choice(state, body, c, c.text, c.token_ids, c.logprobs) for c in gen.choices]
+    return CompletionResponse(**header, model=state.model_name, choices=choices, usage=gen.usage())
+
+
+async def _chunks(
+    state: ServerState, body: CompletionRequest, gen: Generation, header: dict[str, Any]
+) -> AsyncIterator[CompletionResponse]:
+    async for choice, out in gen.outputs():
+        wants_tokens = body.return_token_ids or body.logprobs is not None
+        if not (out.new_text or out.finished or (wants_tokens and out.new_token_ids)):
+            continue  # text held back (a possible stop string) or not yet a whole character
+        offset = len(choice.text) - len(out.new_text)
+        entries = list(out.logprobs or [])
+        choice_out = _choice(state, body, choice, out.new_text, out.new_token_ids, entries, offset)
+        choice_out.finish_reason = out.finish_reason if out.finished else None
+        yield CompletionResponse(**header, model=state.model_name, choices=[choice_out])
+    if body.include_usage:
+        yield CompletionResponse(**header, model=state.model_name, choices=[], usage=gen.usage())
+
+
+def _choice(
+    state: ServerState,
+    body: CompletionRequest,
+    choice: Choice,
+    text: str,
+    token_ids: list[int],
+    entries: list[Any],
+    offset: int = 0,
+) -> CompletionChoice:
+    logprobs = None
+    if body.logprobs is not None:
+        logprobs = completion_logprobs(state.tokenizer, entries, offset)
+    return CompletionChoice(
+        index=choice.index,
+        text=text,
+        logprobs=logprobs,
+        finish_reason=choice.finish_reason,
+        token_ids=list(token_ids) if body.return_token_ids else None,
+    )

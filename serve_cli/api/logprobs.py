@@ -1,0 +1,49 @@
+"""Engine logprobs (``(token_id, logprob, ((id, logprob), ...))`` per token) in OpenAI's two
+shapes: the legacy completions object and the chat ``content`` list."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def completion_logprobs(
+    tokenizer: Any, entries: list[tuple[int, float, tuple]], text_offset: int = 0
+) -> dict[str, Any]:
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for token_id, logprob, top in entries:
+        token = _token(tokenizer, token_id)
+        tokens.append(token)
+        token_logprobs.append(logprob)
+        ranked: dict[str, float] = {}
+        for t, lp in top:  # most likely first; tokens that decode alike keep the best
+            ranked.setdefault(_token(tokenizer, t), lp)
+        top_logprobs.append(ranked)
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tokenizer: Any, entries: list[tuple[int, float, tuple]]) -> dict[str, Any]:
+    content = []
+    for token_id, logprob, top in entries:
+        content.append(
+            {
+                **_entry(tokenizer, token_id, logprob),
+                "top_logprobs": [_entry(tokenizer, t, lp) for t, lp in top],
+            }
+        )
+    return {"content": content}
+
+
+def _entry(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:
+    token = _token(tokenizer, token_id)
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def _token(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id])

@@ -1,0 +1,25 @@
+"""What every route needs: the engine client, the tokenizer, the served name, limits, metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from serve_cli.api.metrics import ServerMetrics
+
+
+@dataclass
+class ServerState:
+    """Shared by all routes of one server. ``client`` is an ``EngineClient`` (or a test double
+    with ``add_request``, ``abort``, ``stats``, ``is_dead`` and ``dead_reason``)."""
+
+    client: Any
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_kv_blocks: int
+    api_key: str | None = None
+    created: int = 0  # unix time the server started, for /v1/models
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)

@@ -1,0 +1,232 @@
+"""``xhal-serve``: the OpenAI-compatible reference server, from the command line."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import click
+
+from serve_cli.engine.config import DTYPES
+
+DEFAULT_MODEL_NAME = "xhal-tiny-random"
+# import name -> pip name of what the server needs beyond xhal's core
+REQUIRED = {
+    "fastapi": "fastapi",
+    "uvicorn": "uvicorn",
+    "zmq": "pyzmq",
+    "transformers": "transformers",
+}
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_UNITS.update({f"{u}i": 2 ** (10 * (i + 1)) for i, u in enumerate("kmgt")})
+
+
+class ByteSize(click.ParamType):
+    """An integer number of bytes, optionally with a unit: 512MiB, 2G, 1.5GiB."""
+
+    name = "BYTES"
+
+    def convert(
+        self, value: object, param: click.Parameter | None, ctx: click.Context | None
+    ) -> int:
+        if isinstance(value, int):
+            return value
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?)?b?\s*", str(value), re.IGNORECASE)
+        if not match:
+            self.fail(f"{value!r} is not a size in bytes (examples: 1073741824, 512MiB, 2G)")
+        number, unit = float(match[1]), (match[2] or "").lower()
+        size = int(number * _UNITS[unit])
+        if size < 1:
+            self.fail(f"{value!r} must be at least 1 byte")
+        return size
+
+
+def _check_device(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    import xhal.platforms
+
+    known = xhal.platforms.names()
+    if value.split(":")[0] not in known:
+        raise click.BadParameter(
+            f"unknown device {value!r}; the registered platforms are: {', '.join(known)}"
+        )
+    return value
+
+
+def _require_packages() -> None:
+    missing = [pip for mod, pip in REQUIRED.items() if importlib.util.find_spec(mod) is None]
+    if missing:
+        raise click.ClickException(
+            f"xhal-serve needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+            f"not installed; install with:  pip install {' '.join(missing)}"
+        )
+
+
+POSITIVE = click.IntRange(min=1)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option(
+    "--device",
+    default="cpu",
+    show_default=True,
+    callback=_check_device,
+    help="Platform that runs the model: a name from xhal.platforms (cpu, cuda, npu, "
+    "or an out-of-tree plugin's).",
+)
+@click.option(
+    "--model",
+    "model_dir",
+    default=None,
+    metavar="DIR",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer "
+    "files). Default: a built-in tiny Llama with RANDOM weights (its output is "
+    "noise), generated once into ~/.cache/xhal with no download.",
+)
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to bind. The default accepts local connections only; 0.0.0.0 opens "
+    "the server to the network (consider --api-key).",
+)
+@click.option(
+    "--port",
+    default=8000,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="TCP port to listen on.",
+)
+@click.option(
+    "--dtype",
+    default="auto",
+    show_default=True,
+    type=click.Choice(DTYPES),
+    help="Dtype of weights and activations; auto keeps the checkpoint's.",
+)
+@click.option(
+    "--max-num-seqs",
+    type=POSITIVE,
+    default=None,
+    help="Most requests in one running batch (more wait their turn). [default: 64]",
+)
+@click.option(
+    "--max-num-batched-tokens",
+    type=POSITIVE,
+    default=None,
+    help="Token budget of one step; longer prompts are prefilled in chunks over several "
+    "steps. [default: 2048]",
+)
+@click.option(
+    "--max-model-len",
+    type=POSITIVE,
+    default=None,
+    help="Longest sequence (prompt + output) in tokens; a longer prompt gets a 400. "
+    "[default: the model's max_position_embeddings]",
+)
+@click.option(
+    "--block-size",
+    type=POSITIVE,
+    default=None,
+    help="Tokens per KV-cache block: the unit of paging and of prefix caching. [default: 16]",
+)
+@click.option(
+    "--kv-cache-memory",
+    type=ByteSize(),
+    default=None,
+    help="KV cache size in bytes, across all layers (units accepted: 512MiB, 2G). "
+    "[default: sized from the device's memory]",
+)
+@click.option(
+    "--num-kv-blocks",
+    type=POSITIVE,
+    default=None,
+    help="KV cache size in blocks, instead of --kv-cache-memory. When the cache runs "
+    "out, requests wait or are preempted and recomputed; they never fail.",
+)
+@click.option(
+    "--tensor-parallel-size",
+    type=POSITIVE,
+    default=None,
+    help="Devices to shard the model over (tensor parallelism). [default: 1]",
+)
+@click.option(
+    "--enforce-eager",
+    is_flag=True,
+    help="Run every step eagerly: capture no decode graphs (slower, easier to debug).",
+)
+@click.option(
+    "--enable-prefix-caching/--no-enable-prefix-caching",
+    default=True,
+    show_default=True,
+    help="Reuse the KV blocks of a prompt prefix seen before (hash chains over full blocks).",
+)
+@click.option(
+    "--served-model-name",
+    default=None,
+    help="Name clients pass as `model` and /v1/models lists. [default: the --model "
+    f"path as given, or {DEFAULT_MODEL_NAME!r} for the built-in model]",
+)
+@click.option(
+    "--api-key",
+    default=None,
+    help="Require `Authorization: Bearer KEY` on /v1 requests (401 without it).",
+)
+@click.option(
+    "--seed",
+    type=int,
+    default=None,
+    help="Seed of the sampler for requests that give none; the same seed and requests "
+    "give the same outputs. [default: 0]",
+)
+@click.option(
+    "--log-level",
+    default="info",
+    show_default=True,
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    help="Logging verbosity of the server and the engine.",
+)
+def main(
+    device: str,
+    model_dir: Path | None,
+    host: str,
+    port: int,
+    served_model_name: str | None,
+    api_key: str | None,
+    log_level: str,
+    **engine_options: object,
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions,
+    /v1/chat/completions, /v1/models, /health, /metrics).
+
+    With no --model it serves a built-in tiny model with random weights, so this works with no
+    download (its text is noise). The engine (scheduler, paged KV cache with prefix caching,
+    model executor) runs in a second process; Ctrl-C or SIGTERM stops both.
+    """
+    _require_packages()
+    from serve_cli.engine.config import EngineConfig
+    from serve_cli.engine_client import EngineStartupError
+    from serve_cli.server import ServerOptions, serve
+
+    if model_dir is None:
+        from serve_cli.default_model import ensure_default_model
+
+        click.echo(
+            "xhal-serve: no --model given: serving the built-in tiny model (random "
+            "weights, its output is noise)",
+            err=True,
+        )
+        model_name, model_dir = served_model_name or DEFAULT_MODEL_NAME, ensure_default_model()
+    else:
+        model_name = served_model_name or str(model_dir)
+    given = {k: v for k, v in engine_options.items() if v is not None}
+    try:
+        config = EngineConfig(model_dir=model_dir, device=device, **given)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    options = ServerOptions(host, port, Path(model_dir), model_name, api_key, log_level)
+    try:
+        serve(options, config)
+    except EngineStartupError as e:
+        raise click.ClickException(str(e)) from e

@@ -1,0 +1,201 @@
+"""The engine process: it owns the ``EngineCore`` and runs the step loop, nothing else.
+
+Loop: drain the requests and aborts that arrived, run one step, send that step's outputs; answer
+stats queries between steps. HTTP and tokenization live in the API process, so they never stall
+a step. The process ignores SIGINT (the API process coordinates shutdown), exits on SIGTERM or a
+``Shutdown`` message, and dies with its parent (``PR_SET_PDEATHSIG`` plus a parent-pid check).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import traceback
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from serve_cli.engine.errors import ParamError
+from serve_cli.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineFailed,
+    EngineReady,
+    Output,
+    Shutdown,
+    StatsQuery,
+    StatsReply,
+    StepOutputs,
+)
+
+if TYPE_CHECKING:
+    from serve_cli.engine.config import EngineConfig
+    from serve_cli.engine.output import RequestOutput
+
+logger = logging.getLogger("xhal.serve.engine")
+IDLE_POLL_MS = 100  # how long an idle loop waits for input before re-checking its parent
+
+
+def run_engine_process(
+    config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int, log_level: str
+) -> None:
+    """Entry point of the engine process (a ``multiprocessing`` spawn target)."""
+    _die_with_parent()
+    if os.getppid() != parent_pid:  # it died before the death signal was armed
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    ctx = zmq.Context()
+    inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.LINGER, 1000)
+    outbox.setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow reader
+    inbox.connect(input_addr)
+    outbox.connect(output_addr)
+    try:
+        try:
+            from serve_cli.engine.core import EngineCore
+
+            core = EngineCore(config)
+        except Exception as e:
+            logger.exception("the engine failed to start")
+            outbox.send_pyobj(EngineFailed(f"{type(e).__name__}: {e}"))
+            return
+        outbox.send_pyobj(_ready_message(core))
+        EngineLoop(core, inbox, outbox, parent_pid).run()
+    except SystemExit:
+        pass
+    finally:
+        # Only this process ever connects to them, and an orphan's parent cannot clean up.
+        for addr in (input_addr, output_addr):
+            _remove_ipc_file(addr)
+        inbox.close(linger=0)
+        outbox.close()
+        ctx.term()
+
+
+class EngineLoop:
+    """Drains input, steps the core and ships outputs until shut down or orphaned.
+
+    Invariant: every request the API added gets exactly one finished ``Output`` (or the API aborted
+    it), even when a step raises: then every live request fails with ``finish_reason="error"``, the
+    traceback is logged and the loop carries on.
+    """
+
+    def __init__(self, core: Any, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
+        self.core, self.inbox, self.outbox, self.parent_pid = core, inbox, outbox, parent_pid
+        self.live: set[str] = set()
+        self.running = True
+
+    def run(self) -> None:
+        while self.running and os.getppid() == self.parent_pid:
+            timeout = 0 if self.core.has_unfinished() else IDLE_POLL_MS
+            if self.inbox.poll(timeout):
+                self._drain()
+            if self.running and self.core.has_unfinished():
+                self._step()
+
+    def _drain(self) -> None:
+        rejected: list[Output] = []
+        while True:
+            try:
+                msg = self.inbox.recv_pyobj(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if isinstance(msg, AddRequest):
+                try:
+                    self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
+                    self.live.add(msg.request_id)
+                except ValueError as e:  # a ParamError, or a request the KV cache can never hold
+                    param = e.param if isinstance(e, ParamError) else None
+                    rejected.append(_failed(msg.request_id, str(e), status=400, param=param))
+            elif isinstance(msg, AbortRequests):
+                for rid in msg.request_ids:
+                    if rid in self.live:
+                        self.core.abort(rid)
+                        self.live.discard(rid)
+            elif isinstance(msg, StatsQuery):
+                self.outbox.send_pyobj(StatsReply(msg.query_id, dict(self.core.stats())))
+            elif isinstance(msg, Shutdown):
+                self.running = False
+        if rejected:
+            self.outbox.send_pyobj(StepOutputs(rejected))
+
+    def _step(self) -> None:
+        try:
+            outputs = [_to_message(out) for out in self.core.step()]
+        except Exception:
+            logger.exception("engine step failed; failing its %d live requests", len(self.live))
+            reason = traceback.format_exc(limit=1).strip().splitlines()[-1]
+            outputs = []
+            for rid in sorted(self.live):
+                self.core.abort(rid)  # frees its blocks
+                outputs.append(_failed(rid, f"the engine step failed: {reason}"))
+        # abort() may itself emit an "abort" output for a request the API already dropped
+        outputs = [o for o in outputs if o.request_id in self.live]
+        for out in outputs:
+            if out.finished:
+                self.live.discard(out.request_id)
+        if outputs:
+            self.outbox.send_pyobj(StepOutputs(outputs))
+
+
+def _to_message(out: RequestOutput) -> Output:
+    return Output(
+        request_id=out.request_id,
+        new_token_ids=list(out.new_token_ids),
+        new_text=out.new_text,
+        finished=out.finished,
+        finish_reason=out.finish_reason,
+        logprobs=_plain_logprobs(out.logprobs),
+        num_prompt_tokens=out.num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens,
+        error=out.error,
+    )
+
+
+def _plain_logprobs(logprobs: Any) -> list[tuple[int, float, tuple]] | None:
+    """``TokenLogprobs`` per new token -> ``(token_id, logprob, ((id, logprob), ...))``."""
+    if not logprobs:
+        return None
+    return [(lp.token_id, lp.logprob, tuple(lp.top)) for lp in logprobs if lp is not None]
+
+
+def _failed(request_id: str, message: str, status: int = 500, param: str | None = None) -> Output:
+    return Output(
+        request_id, finished=True, finish_reason="error", error=message, status=status, param=param
+    )
+
+
+def _ready_message(core: Any) -> EngineReady:
+    stats = core.stats()
+    return EngineReady(
+        pid=os.getpid(),
+        max_model_len=core.max_model_len,
+        vocab_size=core.vocab_size,
+        block_size=core.config.block_size,
+        num_kv_blocks=stats["kv_blocks_total"],
+    )
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent dies (the loop also polls the ppid)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def _remove_ipc_file(addr: str) -> None:
+    if addr.startswith("ipc://"):
+        try:
+            os.unlink(addr.removeprefix("ipc://"))
+        except FileNotFoundError:
+            pass
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)

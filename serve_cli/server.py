@@ -1,0 +1,95 @@
+"""Runs the API process: start the engine process, load the tokenizer, serve HTTP (uvicorn).
+
+Shutdown: SIGINT or SIGTERM makes uvicorn stop accepting, finish or drop open requests (a few
+seconds' grace) and run the app's lifespan exit, which stops the engine process; the ``finally``
+below stops it too when start-up fails half-way. The engine process also dies on its own if this
+process dies (see ``engine_process``), so no process is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from serve_cli.api import ServerState, build_app
+from serve_cli.engine.config import EngineConfig
+from serve_cli.engine_client import EngineClient
+
+GRACEFUL_SHUTDOWN_S = 3
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    host: str
+    port: int
+    model_dir: Path
+    model_name: str
+    api_key: str | None = None
+    log_level: str = "info"
+
+
+def serve(options: ServerOptions, config: EngineConfig) -> None:
+    """Serve until SIGINT / SIGTERM; raises ``EngineStartupError`` if the engine cannot start."""
+    logging.basicConfig(
+        level=options.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        asyncio.run(_serve(options, config))
+    except KeyboardInterrupt:
+        pass
+
+
+async def _serve(options: ServerOptions, config: EngineConfig) -> None:
+    client = EngineClient(config, options.log_level)
+    try:
+        tokenizer_task = asyncio.create_task(asyncio.to_thread(_load_tokenizer, options.model_dir))
+        info = await client.start()
+        state = ServerState(
+            client=client,
+            tokenizer=await tokenizer_task,
+            model_name=options.model_name,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            block_size=info.block_size,
+            num_kv_blocks=info.num_kv_blocks,
+            api_key=options.api_key,
+            created=int(time.time()),
+        )
+        server = uvicorn.Server(
+            uvicorn.Config(
+                build_app(state, on_shutdown=client.shutdown),
+                host=options.host,
+                port=options.port,
+                log_level=options.log_level,
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            )
+        )
+        announcer = asyncio.create_task(_announce_when_ready(server, options))
+        await server.serve()
+        announcer.cancel()
+    finally:
+        await client.shutdown()
+
+
+async def _announce_when_ready(server: uvicorn.Server, options: ServerOptions) -> None:
+    while not server.started:
+        await asyncio.sleep(0.05)
+    host = f"[{options.host}]" if ":" in options.host else options.host
+    sockets = [sock for listener in server.servers for sock in listener.sockets]
+    port = sockets[0].getsockname()[1] if sockets else options.port  # the real one for --port 0
+    print(
+        f"xhal-serve: ready, serving {options.model_name!r} at http://{host}:{port}/v1 "
+        "(Ctrl-C to stop)",
+        flush=True,
+    )
+
+
+def _load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
