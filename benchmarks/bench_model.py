@@ -141,6 +141,9 @@ def main() -> None:
     caches = executors[False].allocate_kv_caches(num_blocks=num_blocks)
     for ex in executors.values():
         ex.bind_kv_caches(caches)
+    capture = executors[False].capture_graphs()
+    print(f"decode graph capture: {capture['graphs']} buckets in {capture['seconds']:.1f} s, "
+          f"{capture.get('memory_bytes', 0) / 2**20:.0f} MiB")
     rows = []
     for batch in batches:
         ids, pos, meta = decode_metadata(batch, CTX, device)

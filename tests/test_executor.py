@@ -153,3 +153,17 @@ def test_xllm_tuple_caches_synchronizer_and_empty(checkpoint_factory):
     empty = type(empty)(**{**vars(empty), "kind": BatchKind.EMPTY})
     out = executor.execute(torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int32), empty)
     assert out.shape == (0, executor.hidden_size) and executor.hidden_size == 64
+
+
+def test_capture_graphs_up_front_writes_no_cache(checkpoint_factory):
+    h = Harness(checkpoint_factory("llama_tied"), enforce_eager=False)
+    before = [c.key.clone() for c in h.executor.backends[0]._caches]
+    stats = h.executor.capture_graphs(progress=False)
+    assert stats["graphs"] == len(h.executor.config.capture_sizes)
+    assert all(("decode", s) in h.executor.decode_graphs.graphs for s in h.executor.config.capture_sizes)
+    assert all(torch.equal(a, c.key) for a, c in zip(before, h.executor.backends[0]._caches))
+    seqs = prompts(h.vocab, [5, 9])
+    h.step([(i, s) for i, s in enumerate(seqs)])
+    logits, _ = h.step([(0, [3]), (1, [4])])  # replays the pre-captured bucket of 2
+    assert rel_err(logits[0], h.reference(seqs[0] + [3])[-1]) < RTOL
+    assert rel_err(logits[1], h.reference(seqs[1] + [4])[-1]) < RTOL

@@ -33,6 +33,7 @@ class DecodeGraphs:
         forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
     ) -> None:
         self.config, self.backends, self.forward = config, backends, forward
+        self.platform = platform
         self.graphs = platform.graph_runner()
         self.sizes = config.capture_sizes
         n, device = self.sizes[-1], platform.device()
@@ -108,6 +109,46 @@ class DecodeGraphs:
         for backend in self.backends:
             backend.before_replay(key)
         return self.graphs.replay(key)[: metadata.num_seqs]
+
+    def capture_all(self, progress: bool = True) -> dict[str, float]:
+        """Capture every bucket up front (largest first, as the shared pool prefers) with dummy
+        steps whose rows all carry slot -1, so no cache is written. Returns time and memory."""
+        import logging
+        import time
+
+        from tqdm import tqdm
+
+        device, i32 = self.input_ids.device, dict(dtype=torch.int32)
+        free_before = self._free_memory()
+        start = time.perf_counter()
+        for bucket in tqdm(sorted(self.sizes, reverse=True), desc="capturing decode graphs", disable=not progress):
+            ones = torch.ones(bucket, **i32)
+            dummy = AttentionMetadata(
+                kind=BatchKind.DECODE, num_seqs=bucket, num_tokens=bucket, max_query_len=1, max_seq_len=1,
+                q_cu_seq_lens=torch.arange(bucket + 1, **i32).to(device),
+                kv_cu_seq_lens=torch.arange(bucket + 1, **i32).to(device),
+                q_seq_lens=ones.to(device), kv_seq_lens=ones.to(device),
+                q_seq_lens_host=ones, kv_seq_lens_host=ones.clone(),
+                block_table=torch.zeros(bucket, 1, **i32).to(device),
+                slot_mapping=torch.full((bucket,), -1, **i32).to(device),
+            )
+            zeros = torch.zeros(bucket, **i32).to(device)
+            self.run(zeros, zeros, dummy, bucket)
+        self.platform.synchronize()
+        stats = {"seconds": time.perf_counter() - start, "graphs": len(self.sizes)}
+        if free_before is not None:
+            stats["memory_bytes"] = free_before - self._free_memory()
+        logging.getLogger(__name__).info(
+            "captured %d decode graphs in %.1f s, %s", stats["graphs"], stats["seconds"],
+            f"{stats['memory_bytes'] / 2**20:.0f} MiB" if "memory_bytes" in stats else "memory not reported",
+        )
+        return stats
+
+    def _free_memory(self) -> int | None:
+        try:
+            return self.platform.mem_get_info()[0]
+        except NotImplementedError:
+            return None
 
     def reset(self) -> None:
         self.graphs.reset()

@@ -115,6 +115,15 @@ class ModelExecutor:
             backend.bind_kv_caches(caches)
         self._caches_bound = True
 
+    def capture_graphs(self, progress: bool = True) -> dict[str, float]:
+        """Capture every decode bucket now rather than on first use; logs and returns the time and
+        device memory it took. A no-op (empty stats) when graphs are off."""
+        if self.decode_graphs is None:
+            return {}
+        if not self._caches_bound:
+            raise RuntimeError("bind_kv_caches(...) must be called before capture_graphs()")
+        return self.decode_graphs.capture_all(progress)
+
     # one step ----------------------------------------------------------------------------------
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, input_embedding: torch.Tensor | None = None) -> torch.Tensor:
