@@ -117,6 +117,29 @@ def test_replay_runs_captured_work_not_fn(platform, device):
     assert torch.equal(out, x * 2.0), "replay did not use the factor baked at capture on the new x"
 
 
+def test_piecewise_split_runs_eagerly_between_pieces(platform, device):
+    """``split(fn)`` inside a capture: the pieces around it replay as captured (Python values
+    baked), while ``fn`` runs again at every replay with the host state of that moment, and the
+    piece after it reads its fresh result."""
+    runner = runner_or_skip(platform)
+    rng = random.Random("split")
+    x = randn((16,), torch.float32, device, rng)
+    live = {"offset": 1.0}
+
+    def pieces() -> torch.Tensor:
+        head = x * 2.0  # piece 1
+        middle = runner.split(lambda: head + live["offset"])  # eager, re-run at replay
+        return middle * 3.0  # piece 2
+
+    assert torch.equal(runner.split(lambda: x + 1.0), x + 1.0), "split outside a capture is fn()"
+    runner.capture("split", pieces)
+    for offset in (5.0, -2.0):
+        live["offset"] = offset
+        x.copy_(randn((16,), torch.float32, device, rng))
+        out = runner.replay("split")
+        assert torch.allclose(out, (x * 2.0 + offset) * 3.0), "the split function did not run at replay"
+
+
 def test_runner_keys_and_reset(platform, device):
     runner = runner_or_skip(platform)
     rng = random.Random("keys")

@@ -167,3 +167,23 @@ def test_capture_graphs_up_front_writes_no_cache(checkpoint_factory):
     logits, _ = h.step([(0, [3]), (1, [4])])  # replays the pre-captured bucket of 2
     assert rel_err(logits[0], h.reference(seqs[0] + [3])[-1]) < RTOL
     assert rel_err(logits[1], h.reference(seqs[1] + [4])[-1]) < RTOL
+
+
+def test_piecewise_prefill_and_mixed_match_eager(checkpoint_factory):
+    """Prefill, chunked and mixed steps of different lengths replay the same token buckets, with
+    attention planned per step between the captured pieces."""
+    path = checkpoint_factory("qwen2")
+    eager, graph = Harness(path, enforce_eager=True, seed=4), Harness(path, enforce_eager=False, seed=4)
+    a, b, c = prompts(eager.vocab, [7, 20, 31])
+    steps = [
+        [(0, a), (1, b[:9])],  # 16 tokens: bucket 16
+        [(1, b[9:]), (2, c[:5])],  # 16 tokens again, other lengths: replay of bucket 16
+        [(0, [4]), (2, c[5:])],  # mixed, 27 tokens: bucket 32
+        [(2, [9]), (1, [5]), (0, [6, 7, 8])],  # mixed, 5 tokens: bucket 16 again
+    ]
+    for chunks in steps:
+        expected, _ = eager.step(chunks)
+        got, _ = graph.step(chunks)
+        assert rel_err(got, expected) < 1e-5
+    pieces = graph.executor.piecewise.graphs
+    assert ("tokens", 16) in pieces and ("tokens", 32) in pieces and ("tokens", 64) not in pieces

@@ -32,6 +32,14 @@ class _Op:
     outputs: list[torch.Tensor | None]  # tensors to refresh on replay (None: aliased, skip)
 
 
+@dataclass
+class _Eager:
+    """A ``split`` point: ``fn`` runs again at replay, its result copied into ``output``."""
+
+    fn: Callable[[], torch.Tensor]
+    output: torch.Tensor
+
+
 def _is_view_or_inplace(func, index: int) -> bool:
     returns = func._schema.returns
     return index < len(returns) and returns[index].alias_info is not None
@@ -61,11 +69,14 @@ class _Recorder(TorchDispatchMode):
 
 @dataclass
 class _Graph:
-    ops: list[_Op]
+    ops: list[_Op | _Eager]
     outputs: Any
 
     def replay(self) -> Any:
         for op in self.ops:
+            if isinstance(op, _Eager):
+                op.output.copy_(op.fn())
+                continue
             flat, _ = tree_flatten(op.func(*op.args, **op.kwargs))
             for static, fresh in zip(op.outputs, flat):
                 if static is None:
@@ -82,13 +93,29 @@ class _Graph:
 class CpuGraphRunner(GraphRunner):
     def __init__(self) -> None:
         self._graphs: dict[Hashable, _Graph] = {}
+        self._recorder: _Recorder | None = None
 
     def capture(self, key: Hashable, fn: Callable[[], Any]) -> Any:
-        recorder = _Recorder()
-        with torch.no_grad(), recorder:
-            outputs = fn()
-        self._graphs[key] = _Graph(recorder.ops, outputs)
+        self._recorder = _Recorder()
+        try:
+            with torch.no_grad(), self._recorder:
+                outputs = fn()
+        finally:
+            ops, self._recorder = self._recorder.ops, None
+        self._graphs[key] = _Graph(ops, outputs)
         return outputs
+
+    def split(self, fn: Callable[[], Any]) -> Any:
+        recorder = self._recorder
+        if recorder is None:
+            return fn()
+        recorder.__exit__(None, None, None)  # fn runs outside the recording, as it will at replay
+        try:
+            output = fn()
+        finally:
+            recorder.__enter__()
+        recorder.ops.append(_Eager(fn, output))
+        return output
 
     def replay(self, key: Hashable) -> Any:
         if key not in self._graphs:

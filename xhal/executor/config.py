@@ -11,7 +11,8 @@ import torch
 class ExecutorConfig:
     """How the executor runs a model.
 
-    ``decode_capture_sizes`` defaults to 1, 2, 4, 8 then steps of 16 up to ``max_num_seqs``:
+    ``piecewise_token_sizes`` are the token buckets of piecewise graphs for prefill and mixed
+    batches (all but attention captured). ``decode_capture_sizes`` defaults to 1, 2, 4, 8 then steps of 16 up to ``max_num_seqs``:
     a decode batch of B sequences replays the smallest bucket >= B, padded with rows that carry
     slot -1 and never change real rows. ``max_model_len`` fixes the width of the static block
     table a captured graph reads.
@@ -23,6 +24,9 @@ class ExecutorConfig:
     max_model_len: int = 2048
     enforce_eager: bool = False
     decode_capture_sizes: tuple[int, ...] | None = None
+    # token buckets of piecewise graphs (prefill / mixed); () turns them off
+    piecewise_token_sizes: tuple[int, ...] | None = None
+    max_num_batched_tokens: int = 2048
     metadata_convention: str = "cuda"  # layout of xLLM views handed to execute(): "cuda" or "npu"
 
     def __post_init__(self) -> None:
@@ -42,6 +46,17 @@ class ExecutorConfig:
         if sizes[-1] != self.max_num_seqs:
             sizes.append(self.max_num_seqs)
         return tuple(sizes)
+
+    @property
+    def token_capture_sizes(self) -> tuple[int, ...]:
+        """Default: powers of two from 16 up to ``max_num_batched_tokens`` (and it)."""
+        if self.piecewise_token_sizes is not None:
+            return tuple(sorted(set(self.piecewise_token_sizes)))
+        sizes, s = [], 16
+        while s < self.max_num_batched_tokens:
+            sizes.append(s)
+            s *= 2
+        return (*sizes, self.max_num_batched_tokens)
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -10,6 +10,7 @@ from torch import nn
 
 from xhal.executor.config import ExecutorConfig
 from xhal.executor.decode_graph import DecodeGraphs
+from xhal.executor.piecewise import PiecewiseGraphs
 from xhal.executor.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from xhal.forward_context import ForwardContext, forward_context
 from xhal.interfaces.attention import AttentionBackend, AttentionSpec
@@ -47,9 +48,11 @@ class ModelExecutor:
         self.backends = list(by_spec.values())
         self.hidden_size = self._hidden_size(model)
         self._caches_bound = False
-        self.decode_graphs = None
+        self.decode_graphs = self.piecewise = None
         if not self.config.enforce_eager and platform.capabilities.graphs:
             self.decode_graphs = DecodeGraphs(platform, self.backends, self.config, self._forward)
+            if self.config.token_capture_sizes:
+                self.piecewise = PiecewiseGraphs(platform, self.backend_of, self.config, self._forward_with)
 
     # setup -------------------------------------------------------------------------------------
 
@@ -127,8 +130,10 @@ class ModelExecutor:
     # one step ----------------------------------------------------------------------------------
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, input_embedding: torch.Tensor | None = None) -> torch.Tensor:
-        ctx = ForwardContext(metadata, self.backend_of, self.collective)
-        with forward_context(ctx):
+        return self._forward_with(input_ids, positions, metadata, self.backend_of, input_embedding)
+
+    def _forward_with(self, input_ids, positions, metadata, attention, input_embedding=None) -> torch.Tensor:
+        with forward_context(ForwardContext(metadata, attention, self.collective)):
             return self.model(input_ids, positions, input_embedding)
 
     def execute(
@@ -153,11 +158,8 @@ class ModelExecutor:
             metadata = from_xllm(metadata, self.config.metadata_convention)
         if metadata.kind == BatchKind.EMPTY or metadata.num_tokens == 0:
             return torch.empty(0, self.hidden_size, dtype=self.config.dtype, device=self.platform.device())
-        bucket = None
-        if self.decode_graphs is not None and input_embedding is None:
-            bucket = self.decode_graphs.bucket_for(metadata)
-        if bucket is not None:
-            hidden = self.decode_graphs.run(input_ids, positions, metadata, bucket)
+        hidden = self._run_graphs(input_ids, positions, metadata, input_embedding)
+        if hidden is not None:
             if layer_synchronizer is not None:  # a graph finishes every layer at once
                 for index in range(len(self.specs)):
                     layer_synchronizer.record_event(index)
@@ -168,6 +170,20 @@ class ModelExecutor:
         if layer_synchronizer is None:
             return run()
         return self._run_with_synchronizer(layer_synchronizer, run)
+
+    def _run_graphs(self, input_ids, positions, metadata, input_embedding) -> torch.Tensor | None:
+        """Full-graph decode or piecewise prefill when a bucket fits; None means run eagerly."""
+        if input_embedding is not None:
+            return None
+        if self.decode_graphs is not None:
+            bucket = self.decode_graphs.bucket_for(metadata)
+            if bucket is not None:
+                return self.decode_graphs.run(input_ids, positions, metadata, bucket)
+        if self.piecewise is not None:
+            bucket = self.piecewise.bucket_for(metadata)
+            if bucket is not None:
+                return self.piecewise.run(input_ids, positions, metadata, bucket)
+        return None
 
     def compute_logits(self, hidden: torch.Tensor, selected_idxes: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits ``[S, vocab]`` of the rows ``selected_idxes`` (all rows when None)."""

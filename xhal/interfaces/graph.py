@@ -20,6 +20,11 @@ class GraphRunner(ABC):
       capture a new key or update them through the backend's replay hook.
     - Work run under capture must not sync with the host or allocate by tensor values.
     - All captures of one runner share one memory pool. ``reset()`` drops every graph.
+    - Piecewise capture: inside ``capture``, ``split(fn)`` ends the current piece, runs ``fn``
+      eagerly, and starts the next piece. At every replay ``fn`` runs again, eagerly, between the
+      replayed pieces (so it sees the host state of that moment, e.g. this step's attention plan),
+      and its tensor result is copied into the tensor it returned at capture, which later pieces
+      read. Outside a capture, ``split(fn)`` is just ``fn()``.
     - The runner owns no inputs, buckets or padding: the executor does.
     """
 
@@ -34,6 +39,10 @@ class GraphRunner(ABC):
     @abstractmethod
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` has been captured."""
+
+    @abstractmethod
+    def split(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` eagerly between two captured pieces (see the class docstring)."""
 
     @abstractmethod
     def reset(self) -> None:
