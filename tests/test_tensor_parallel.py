@@ -21,13 +21,13 @@ PROMPTS = [[3, 17, 5, 9, 22, 1, 7], [11, 4, 19, 30, 2]]
 SHARDED = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight", "embed_tokens.weight")
 
 
-def run_steps(model_dir: str, tp: TensorParallel, collective) -> tuple[torch.Tensor, dict[str, tuple]]:
+def run_steps(model_dir: str, tp: TensorParallel, collective, enforce_eager: bool = True) -> tuple[torch.Tensor, dict[str, tuple]]:
     """Prefill both prompts, then two decode steps; returns every step's logits and param shapes."""
     sys.path.insert(0, str(Path(__file__).parent))
     from paged_host import PagedHost
 
     model = load_model(model_dir, dtype=torch.float32, tp=tp, progress=False)
-    executor = ModelExecutor(model, xhal.platforms.get("cpu"), ExecutorConfig(enforce_eager=True), collective)
+    executor = ModelExecutor(model, xhal.platforms.get("cpu"), ExecutorConfig(enforce_eager=enforce_eager), collective)
     executor.bind_kv_caches(executor.allocate_kv_caches(num_blocks=32))
     host, out = PagedHost(32, 16, seed=1), []
     steps = [[(i, p) for i, p in enumerate(PROMPTS)], [(0, [8]), (1, [6])], [(1, [25]), (0, [13])]]
@@ -38,21 +38,25 @@ def run_steps(model_dir: str, tp: TensorParallel, collective) -> tuple[torch.Ten
     return torch.cat(out), shapes
 
 
-def _rank(rank: int, model_dir: str, init: str, result_dir: str) -> None:
+def _rank(rank: int, model_dir: str, init: str, result_dir: str, enforce_eager: bool) -> None:
     platform = xhal.platforms.get("cpu")
     group = platform.init_process_group(rank, 2, init)
-    logits, shapes = run_steps(model_dir, TensorParallel(rank, 2), platform.collective(group))
+    logits, shapes = run_steps(model_dir, TensorParallel(rank, 2), platform.collective(group), enforce_eager)
     torch.save({"logits": logits, "shapes": shapes}, os.path.join(result_dir, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "qwen3"])
-def test_tp2_matches_tp1(checkpoint_factory, name):
+@pytest.mark.parametrize(
+    ("name", "enforce_eager"), [("llama_gqa", True), ("qwen3", True), ("llama_gqa", False)],
+    ids=["llama-eager", "qwen3-eager", "llama-graphs"],
+)
+def test_tp2_matches_tp1(checkpoint_factory, name, enforce_eager):
+    """With graphs, the all-reduces are captured inside the decode and piecewise graphs."""
     model_dir = str(checkpoint_factory(name))
     single, full_shapes = run_steps(model_dir, TensorParallel(0, 1), xhal.platforms.get("cpu").collective(None))
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{tmp}/rendezvous"
-        mp.start_processes(_rank, args=(model_dir, init, tmp), nprocs=2, start_method="spawn", join=True)
+        mp.start_processes(_rank, args=(model_dir, init, tmp, enforce_eager), nprocs=2, start_method="spawn", join=True)
         results = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
     for r in results:
         rel = float((r["logits"] - single).abs().max() / single.abs().max())

@@ -78,6 +78,9 @@ class _Graph:
                 op.output.copy_(op.fn())
                 continue
             flat, _ = tree_flatten(op.func(*op.args, **op.kwargs))
+            for item in flat:  # a collective returns its Work: the caller waited on it at capture
+                if isinstance(item, torch.ScriptObject) and hasattr(item, "wait"):
+                    item.wait()
             for static, fresh in zip(op.outputs, flat):
                 if static is None:
                     continue
