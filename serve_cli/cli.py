@@ -135,8 +135,8 @@ POSITIVE = click.IntRange(min=1)
     "--kv-cache-memory",
     type=ByteSize(),
     default=None,
-    help="KV cache size in bytes, across all layers (units accepted: 512MiB, 2G). "
-    "[default: sized from the device's memory]",
+    help="KV cache size in bytes, across all layers, per device with --tensor-parallel-size "
+    "(units accepted: 512MiB, 2G). [default: sized from the device's memory]",
 )
 @click.option(
     "--num-kv-blocks",
@@ -149,7 +149,8 @@ POSITIVE = click.IntRange(min=1)
     "--tensor-parallel-size",
     type=POSITIVE,
     default=None,
-    help="Devices to shard the model over (tensor parallelism). [default: 1]",
+    help="Devices to shard the model over (tensor parallelism): the engine process runs rank "
+    "0 and starts N-1 worker processes, one per device. [default: 1]",
 )
 @click.option(
     "--enforce-eager",

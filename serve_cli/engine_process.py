@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import traceback
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from serve_cli.engine.errors import ParamError
+from serve_cli.engine.runner.lifetime import die_with_parent
 from serve_cli.messages import (
     AbortRequests,
     AddRequest,
@@ -42,8 +42,7 @@ def run_engine_process(
     config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int, log_level: str
 ) -> None:
     """Entry point of the engine process (a ``multiprocessing`` spawn target)."""
-    _die_with_parent()
-    if os.getppid() != parent_pid:  # it died before the death signal was armed
+    if not die_with_parent(parent_pid):
         return
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -54,6 +53,7 @@ def run_engine_process(
     outbox.setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow reader
     inbox.connect(input_addr)
     outbox.connect(output_addr)
+    core = None
     try:
         try:
             from serve_cli.engine.core import EngineCore
@@ -68,6 +68,8 @@ def run_engine_process(
     except SystemExit:
         pass
     finally:
+        if core is not None:
+            core.close()  # stops the tensor-parallel workers, if any
         # Only this process ever connects to them, and an orphan's parent cannot clean up.
         for addr in (input_addr, output_addr):
             _remove_ipc_file(addr)
@@ -178,15 +180,6 @@ def _ready_message(core: Any) -> EngineReady:
         block_size=core.config.block_size,
         num_kv_blocks=stats["kv_blocks_total"],
     )
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when its parent dies (the loop also polls the ppid)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _remove_ipc_file(addr: str) -> None:

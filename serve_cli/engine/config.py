@@ -16,6 +16,9 @@ class EngineConfig:
     ``max_model_len`` None takes the model's ``max_position_embeddings``. The KV cache holds
     ``num_kv_blocks`` blocks, or as many as ``kv_cache_memory`` bytes hold, or (neither given) a
     default budget (``serve_cli.engine.kv_budget``). ``dtype`` "auto" is the checkpoint's.
+    ``tensor_parallel_size`` N > 1 shards the model over N processes (this one and N-1 workers,
+    one device each); the KV budget is then per rank, each rank holding its share of the KV heads
+    in ``num_kv_blocks`` blocks.
     """
 
     model_dir: str | Path | None = None
@@ -25,7 +28,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes, across all layers (K and V)
+    kv_cache_memory: int | None = None  # bytes per rank, across all layers (K and V)
     num_kv_blocks: int | None = None
     tensor_parallel_size: int = 1
     enforce_eager: bool = False

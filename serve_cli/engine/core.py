@@ -45,16 +45,13 @@ class EngineCore:
     sampling for the rows that produce a token), then returns a ``RequestOutput`` per request that
     got a token or finished. A failing step fails only its batch's requests (reason "error", with a
     logged traceback) and frees their blocks; the engine keeps serving.
+
+    With ``tensor_parallel_size`` N > 1 this process is rank 0 and the runner owns N-1 worker
+    processes: call ``close`` to stop them (they also die with this process). A step that fails
+    on any rank fails its batch; the workers are then stopped and later steps fail too.
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        if config.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={config.tensor_parallel_size} is not supported by "
-                "EngineCore: it runs the whole model in this process on one device "
-                "(tensor-parallel worker processes are not implemented yet); "
-                "use tensor_parallel_size=1"
-            )
         from transformers import AutoTokenizer
 
         from models.loader import read_config
@@ -84,10 +81,15 @@ class EngineCore:
             prompt_tokens_total=0, generation_tokens_total=0, num_preemptions_total=0
         )
         logger.info(
-            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
-            self.model_dir, config.device, self.runner.dtype, self.runner.num_kv_blocks,
-            config.block_size, self.max_model_len,
+            "engine ready: %s on %s (%s, tensor-parallel size %d), %d KV blocks of %d tokens, "
+            "max_model_len %d",
+            self.model_dir, config.device, self.runner.dtype, config.tensor_parallel_size,
+            self.runner.num_kv_blocks, config.block_size, self.max_model_len,
         )
+
+    def close(self) -> None:
+        """Release what outlives a plain object: the tensor-parallel worker processes."""
+        self.runner.close()
 
     def _max_model_len(self, model_config: dict[str, Any]) -> int:
         limit = model_config.get("max_position_embeddings")

@@ -1,0 +1,58 @@
+"""What every tensor-parallel rank builds and runs the same way: its shard of the model in an
+executor, and one step's forward. Rank 0 (``ModelRunner``) and the workers (``tp_worker``) share
+these, so the ranks cannot drift apart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from serve_cli.engine.config import EngineConfig
+    from serve_cli.engine.runner.input_builder import ModelInput
+    from xhal.executor import ModelExecutor
+    from xhal.interfaces.collective import Collective
+    from xhal.interfaces.platform import Platform
+    from xhal.layers import TensorParallel
+
+
+def build_executor(
+    platform: Platform,
+    model_dir: Path,
+    config: EngineConfig,
+    max_model_len: int,
+    tp: TensorParallel,
+    collective: Collective | None = None,
+    progress: bool = True,
+) -> ModelExecutor:
+    """Load this rank's shard (``tp``) onto the platform's current device and wrap it in the
+    executor every rank configures identically."""
+    from models.loader import load_model
+    from xhal.executor import ExecutorConfig, ModelExecutor
+
+    model = load_model(model_dir, config.dtype, platform.device(), tp=tp, progress=progress)
+    return ModelExecutor(
+        model,
+        platform,
+        ExecutorConfig(
+            dtype=next(model.parameters()).dtype,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=max_model_len,
+            enforce_eager=config.enforce_eager,
+            metadata_convention=config.metadata_convention,
+        ),
+        collective,
+    )
+
+
+def forward(executor: ModelExecutor, inputs: ModelInput) -> torch.Tensor | None:
+    """One ``execute``, then float32 logits ``[S, vocab]`` of the sampled rows (None when the
+    step samples nothing). With tensor parallelism every rank must call this with the same
+    inputs: both calls run collectives."""
+    hidden = executor.execute(inputs.input_ids, inputs.positions, inputs.metadata)
+    if not inputs.sampled_request_ids:
+        return None
+    return executor.compute_logits(hidden, inputs.selected_idxes)
