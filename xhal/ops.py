@@ -122,6 +122,15 @@ def active(x: torch.Tensor | str) -> DeviceOps:
     return _active[device_type]
 
 
+def activate(device_type: str, ops: DeviceOps) -> DeviceOps | None:
+    """Make ``ops`` serve ``device_type`` from now on; returns what served it before (if any).
+    An emulated device whose tensors live on the CPU activates its ops for "cpu" this way."""
+    _register_kernels(device_type)
+    previous = _active.get(device_type)
+    _active[device_type] = ops
+    return previous
+
+
 @contextlib.contextmanager
 def using(device_type: str, ops: DeviceOps) -> Iterator[None]:
     """Make ``ops`` serve ``device_type`` inside the block (restored on exit)."""

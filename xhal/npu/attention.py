@@ -1,0 +1,242 @@
+"""NPU attention: one ``npu_fused_infer_attention_score`` (FIA) call in TND layout over the paged
+cache for every batch kind, after a paged KV write (``npu_scatter_pa_kv_cache``, cache_mode "Norm").
+
+``plan`` turns the step's host lengths into the Python int lists FIA takes (npu.md section 1.6:
+vllm-ascend's metadata builder does the same, once per step). In a captured graph those lists are
+baked, so each layer's FIA is captured as a task group and re-issued with the new lists on the
+update stream before every replay (npu.md section 2.2, the protocol vllm-ascend uses).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from xhal.interfaces.attention import AttentionBackend, AttentionSpec
+from xhal.interfaces.cache import LayerCache, normalize_layer_caches
+from xhal.interfaces.metadata import AttentionMetadata
+from xhal.npu.kv_write import KV_WRITERS, pick_kv_writer
+
+SPARSE_CAUSAL = 3  # rightDownCausal: bottom-right aligned, what chunked prefill needs (section 1.4)
+SPARSE_BAND = 4  # band: sliding window (section 1.4)
+DUMMY_Q_LEN = 2  # a dummy sequence long enough to route FIA to its prompt kernel
+
+
+@dataclass
+class FiaPlan:
+    """One step's FIA arguments, shared by every layer."""
+
+    actual_seq_lengths: list[int]  # cumulative q lengths, TND (section 1.4)
+    actual_seq_lengths_kv: list[int]  # per-sequence kv lengths, not cumulative (section 1.4)
+    block_table: torch.Tensor  # int32 [B, max_blocks]
+    slot_mapping: torch.Tensor  # int32 [T]
+    dummy_rows: int = 0  # query rows of a trailing dummy sequence (sliding-window decode)
+    graph_key: Hashable | None = None
+
+    @property
+    def num_query_rows(self) -> int:
+        """Rows FIA computes: TND needs query.shape[0] == actual_seq_lengths[-1] (section 1.4)."""
+        return self.actual_seq_lengths[-1] if self.actual_seq_lengths else 0
+
+    @property
+    def num_real_tokens(self) -> int:
+        return self.num_query_rows - self.dummy_rows
+
+
+@dataclass
+class CapturedFia:
+    """One layer's FIA captured as a task group: what re-issuing it with new lengths needs."""
+
+    handle: Any  # torch_npu._C._NPUTaskGroupHandle
+    event: Any  # torch.npu.ExternalEvent gating the captured call on its update
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    output: torch.Tensor
+    softmax_lse: torch.Tensor
+    workspace: torch.Tensor
+
+
+class NpuAttention(AttentionBackend):
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        torch_npu: ModuleType,
+        mask: torch.Tensor,
+        update_stream: Any,
+        kv_writer: str | None = None,
+    ) -> None:
+        super().__init__(spec)
+        self.npu, self.mask, self.update_stream = torch_npu, mask, update_stream
+        self.kv_writer = kv_writer or pick_kv_writer(torch_npu)
+        self._write = KV_WRITERS[self.kv_writer]
+        self._caches: list[LayerCache] = []
+        self._plan: FiaPlan | None = None
+        self._graph_plans: dict[Hashable, FiaPlan] = {}
+        self._captured: dict[Hashable, dict[int, CapturedFia]] = {}
+        self._workspaces: dict[Hashable, torch.Tensor] = {}
+
+    def bind_kv_caches(self, caches: Sequence[LayerCache]) -> None:
+        self._caches = normalize_layer_caches(caches)
+
+    # planning ----------------------------------------------------------------------------------
+
+    def plan(self, metadata: AttentionMetadata, graph_key: Hashable | None = None) -> None:
+        # host tensors only: no device sync (ARCHITECTURE.md section 2)
+        q_lens = metadata.q_seq_lens_host.tolist()
+        cumulative = list(itertools.accumulate(q_lens))
+        kv_lens = metadata.kv_seq_lens_host.tolist()
+        table, dummy_rows = metadata.block_table, 0
+        if self.spec.sliding_window is not None and max(q_lens, default=0) == 1:
+            # Q_S = 1 routes FIA to its decode kernel, which ignores sparse_mode (section 1.4): a
+            # dummy 2-token sequence over block 0 keeps the band mask in force
+            dummy_rows = DUMMY_Q_LEN
+            cumulative.append(cumulative[-1] + dummy_rows)
+            kv_lens.append(dummy_rows)
+            table = torch.cat([table, table.new_zeros(1, table.shape[1])])
+        if graph_key is None:
+            self._plan = FiaPlan(cumulative, kv_lens, table, metadata.slot_mapping, dummy_rows)
+            return
+        # a captured bucket reads static device buffers of its own, refreshed before every replay
+        static = self._graph_plans.get(graph_key)
+        if static is None:
+            static = FiaPlan(
+                cumulative,
+                kv_lens,
+                table.clone(),
+                metadata.slot_mapping.clone(),
+                dummy_rows,
+                graph_key,
+            )
+            self._graph_plans[graph_key] = static
+        else:
+            for buffer, live, name in (
+                (static.block_table, table, "block_table"),
+                (static.slot_mapping, metadata.slot_mapping, "slot_mapping"),
+            ):
+                if buffer.shape != live.shape:
+                    raise ValueError(
+                        f"graph bucket {graph_key!r} was planned with {name} of shape "
+                        f"{tuple(buffer.shape)}, now {tuple(live.shape)}: pad metadata to the "
+                        "bucket's shape before planning it"
+                    )
+                buffer.copy_(live, non_blocking=True)
+            static.actual_seq_lengths, static.actual_seq_lengths_kv = cumulative, kv_lens
+        self._plan = static
+
+    def _fia_kwargs(self, plan: FiaPlan) -> dict[str, Any]:
+        s = self.spec
+        kwargs: dict[str, Any] = dict(
+            num_heads=s.num_heads,
+            num_key_value_heads=s.num_kv_heads,
+            input_layout="TND",
+            scale=s.softmax_scale,  # FIA defaults to 1.0 (section 1.4)
+            block_table=plan.block_table,
+            block_size=s.block_size,
+            actual_seq_lengths=plan.actual_seq_lengths,
+            actual_seq_lengths_kv=plan.actual_seq_lengths_kv,
+            atten_mask=self.mask,  # the compressed 2048x2048 mask modes 2-4 need (section 1.4)
+            sparse_mode=SPARSE_CAUSAL,
+        )
+        if s.sliding_window is not None:
+            # band: a query sees itself and the W - 1 keys before it, W keys in all
+            kwargs.update(sparse_mode=SPARSE_BAND, pre_tokens=s.sliding_window - 1, next_tokens=0)
+        return kwargs
+
+    # the step ----------------------------------------------------------------------------------
+
+    def forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("NpuAttention.forward called before plan(metadata)")
+        cache = self._caches[layer_id]
+        self._write(self.npu, k, v, cache, plan.slot_mapping)
+        num_blocks, block_size = cache.key.shape[:2]
+        key = cache.key.view(num_blocks, block_size, -1)  # BnBsH, as FIA reads it (section 1.1)
+        value = cache.value.view(num_blocks, block_size, -1)
+        # TND needs query.shape[0] == actual_seq_lengths[-1]: drop the trailing padding rows
+        # (section 1.4; vllm-ascend slices query[:num_tokens] the same way)
+        n = plan.num_real_tokens
+        query = q[:n].contiguous()  # [n, H, D]
+        if plan.dummy_rows:
+            query = torch.cat([query, query.new_zeros(plan.dummy_rows, *query.shape[1:])])
+        if plan.graph_key is None:
+            kwargs = self._fia_kwargs(plan)
+            out, _ = self.npu.npu_fused_infer_attention_score(query, key, value, **kwargs)
+        else:
+            out = self._capture(layer_id, plan, query, key, value)
+        out = out[:n]
+        if n == q.shape[0]:
+            return out
+        return torch.cat([out, out.new_zeros(q.shape[0] - n, *out.shape[1:])])  # padding rows: 0
+
+    # graphs ------------------------------------------------------------------------------------
+
+    def _capture(
+        self,
+        layer_id: int,
+        plan: FiaPlan,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> torch.Tensor:
+        """FIA under graph capture, as vllm-ascend's ``full_graph_fia`` (npu.md section 2.2):
+        an event the update will record, then the ``.out`` call alone in a task group."""
+        npu, kwargs = self.npu, self._fia_kwargs(plan)
+        stream = torch.npu.current_stream()
+        workspace = self._workspaces.get(plan.graph_key)
+        if workspace is None:  # sized for the longest lengths, so any update fits (section 2.2)
+            get_workspace = npu._npu_fused_infer_attention_score_get_max_workspace
+            workspace = get_workspace(query, key, value, **kwargs)
+            self._workspaces[plan.graph_key] = workspace
+        output = torch.empty_like(query)
+        softmax_lse = torch.empty(1, dtype=query.dtype, device=query.device)
+        event = torch.npu.ExternalEvent()
+        event.wait(stream)
+        event.reset(stream)
+        # only FIA inside the group: a collective in a task group fails capture (section 4)
+        torch.npu.graph_task_group_begin(stream)
+        npu.npu_fused_infer_attention_score.out(
+            query, key, value, workspace=workspace, out=[output, softmax_lse], **kwargs
+        )
+        handle = torch.npu.graph_task_group_end(stream)
+        captured = CapturedFia(handle, event, query, key, value, output, softmax_lse, workspace)
+        self._captured.setdefault(plan.graph_key, {})[layer_id] = captured
+        return output
+
+    def before_replay(self, graph_key: Hashable) -> None:
+        """Re-issue every captured FIA of ``graph_key`` with the lengths of the latest
+        ``plan(..., graph_key)``, on the update stream, then release its event (section 2.2)."""
+        captured = self._captured.get(graph_key)
+        if not captured:
+            return
+        plan, stream = self._graph_plans[graph_key], self.update_stream
+        kwargs = self._fia_kwargs(plan)
+        # after the previous replay (whose tasks these updates rewrite) and this step's copies
+        stream.wait_stream(torch.npu.current_stream())
+        with torch.npu.stream(stream):
+            for layer_id, c in captured.items():
+                if c.query.shape[0] != plan.num_query_rows:
+                    raise ValueError(
+                        f"graph {graph_key!r} captured {c.query.shape[0]} query rows for layer "
+                        f"{layer_id}, the new plan has {plan.num_query_rows}: a bucket keeps its "
+                        "shape"
+                    )
+                torch.npu.graph_task_update_begin(stream, c.handle)
+                self.npu.npu_fused_infer_attention_score.out(
+                    c.query,
+                    c.key,
+                    c.value,
+                    workspace=c.workspace,
+                    out=[c.output, c.softmax_lse],
+                    **kwargs,
+                )
+                torch.npu.graph_task_update_end(stream)
+                c.event.record(stream)

@@ -1,0 +1,106 @@
+"""NPU DeviceOps: torch_npu's fused norm, rotary, SwiGLU and top-k/top-p ops (npu.md section 3),
+vectorized torch for the rest (no per-row loops)."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from xhal.interfaces.ops import DeviceOps
+
+TOP_K_MAX = 1024  # npu_top_k_top_p takes k in [1, 1024] and <= V (section 3)
+ROPE_DIM_MULTIPLE = 32  # npu_mrope's fp16/bf16 dims must be multiples of 32 (section 3)
+
+
+class NpuOps(DeviceOps):
+    def __init__(self, torch_npu: ModuleType) -> None:
+        self.npu = torch_npu
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        y, _ = self.npu.npu_rms_norm(x, weight.to(x.dtype), eps)  # (y, rstd): section 3
+        return y
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # (y, rstd, x1 + x2), inputs untouched: the third output is the new residual (section 3)
+        y, _, summed = self.npu.npu_add_rms_norm(x, residual, weight.to(x.dtype), eps)
+        return y, summed
+
+    def rotary_embedding(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        is_neox: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # both ops take 2-D q/k [T, N*D] with head_size D and a [max_pos, R] cache, R <= D (partial
+        # rotary passes channels R.. through); 'half' is NeoX, 'interleaved' GPT-J (section 3)
+        num_tokens, head_dim, rotary_dim = q.shape[0], q.shape[-1], cos_sin_cache.shape[-1]
+        q2 = q.reshape(num_tokens, -1)  # [T, H*D]
+        k2 = k.reshape(num_tokens, -1)  # [T, Hkv*D]
+        half_precision = q.dtype in (torch.float16, torch.bfloat16)
+        off_multiple = head_dim % ROPE_DIM_MULTIPLE or rotary_dim % ROPE_DIM_MULTIPLE
+        if not (half_precision and off_multiple):
+            q_out, k_out = self.npu.npu_mrope(
+                positions.long(), q2.contiguous(), k2.contiguous(), cos_sin_cache, head_dim,
+                rotary_mode="half" if is_neox else "interleaved",
+            )
+        else:  # npu_mrope wants fp16/bf16 dims in multiples of 32; the ATB op has no such rule
+            q_out, k_out = q2.clone(), k2.clone()
+            self.npu._npu_rotary_embedding(
+                positions.long(), q_out, k_out, head_dim, cos_sin_cache, is_neox
+            )
+        return q_out.view(q.shape), k_out.view(k.shape)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        # silu(A) * B with A, B = x.chunk(2), on a contiguous input (section 3)
+        return self.npu.npu_swiglu(x.contiguous(), dim=-1)
+
+    def gelu_and_mul(self, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return (F.gelu(gate.float(), approximate=approximate) * up.float()).to(x.dtype)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.float().argmax(dim=-1)
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        logits = logits.float()
+        vocab = logits.shape[-1]
+        greedy = temperature <= 0
+        divisor = torch.where(greedy, torch.ones_like(temperature), temperature)
+        scaled = logits / divisor.unsqueeze(1)
+        k = torch.where((top_k <= 0) | (top_k > vocab), torch.full_like(top_k, vocab), top_k)
+        # npu_top_k_top_p takes k in [1, 1024]: with every row there (or a vocab that small) the
+        # op filters; otherwise the whole batch takes the torch path. One scalar read decides.
+        k_in_range = vocab <= TOP_K_MAX or bool((k <= TOP_K_MAX).all())
+        if k_in_range:
+            filtered = self.npu.npu_top_k_top_p(scaled, top_p.to(scaled.dtype), k.to(torch.int32))
+        else:
+            filtered = _torch_top_k_top_p(scaled, k, top_p)
+        # softmax, then an exponential race: a multinomial draw with no host sync (as vllm-ascend)
+        probs = filtered.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+        picked = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, logits.argmax(dim=-1), picked)
+
+
+def _torch_top_k_top_p(scaled: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k (ties at the k-th value kept), then top-p over the rest; filtered logits are -inf."""
+    ordered, order = scaled.sort(dim=-1, descending=True, stable=True)
+    kth = ordered.gather(1, (k.long() - 1).unsqueeze(1))
+    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    probs = ordered.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # drop a token once the mass ranked before it >= p
+    ordered = ordered.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    return torch.full_like(scaled, float("-inf")).scatter(1, order, ordered)

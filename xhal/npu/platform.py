@@ -1,0 +1,146 @@
+"""The Ascend NPU platform, on torch_npu (``shared/reference/npu.md`` holds the API notes cited as
+"section N" across ``xhal/npu``)."""
+
+from __future__ import annotations
+
+import importlib.util
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from xhal.interfaces.attention import AttentionSpec
+from xhal.interfaces.collective import Collective
+from xhal.interfaces.platform import AttentionCapabilities, Capabilities, Platform
+
+if TYPE_CHECKING:
+    from xhal.npu.attention import NpuAttention
+    from xhal.npu.graph import NpuGraphRunner
+    from xhal.npu.ops import NpuOps
+
+_INSTALL_HELP = (
+    "the NPU platform needs torch_npu (Ascend's PyTorch adapter) on top of Ascend's CANN toolkit: "
+    "install CANN, `source /usr/local/Ascend/ascend-toolkit/set_env.sh`, then install torch and "
+    "torch-npu as a matching pair, e.g. `pip install torch==2.10.0 torch-npu==2.10.0.post4` "
+    "(docs/npu.md lists the pairings). Note: once torch-npu is installed, `import torch` itself "
+    "fails on a machine without CANN unless TORCH_DEVICE_BACKEND_AUTOLOAD=0 is set"
+)
+
+
+def import_torch_npu() -> ModuleType:
+    """``import torch_npu``, or one ``RuntimeError`` saying what to install (npu.md section 5:
+    without CANN the import fails with ``libhccl.so: cannot open shared object file``)."""
+    try:
+        import torch_npu
+    except (ImportError, OSError, RuntimeError) as err:
+        raise RuntimeError(f"{_INSTALL_HELP} (import torch_npu failed: {err})") from err
+    return torch_npu
+
+
+class NpuPlatform(Platform):
+    name = "npu"
+    device_type = "npu"
+    dist_backend = "hccl"
+    capabilities = Capabilities(
+        attention=AttentionCapabilities(
+            # FIA page attention reads fp16 / bf16 caches only (npu.md section 1.4)
+            dtypes=(torch.bfloat16, torch.float16),
+            # TND without rope: D must be 128 per the FIA doc (npu.md section 1.4)
+            head_dims=(128,),
+            # FIA with Q_S > 1 needs block_size a multiple of 128 in [128, 512]; vllm-ascend's
+            # kernel block size is 128 (npu.md sections 1.1, 1.4)
+            block_sizes=(128,),
+            block_size_multiple=128,
+            sliding_window=True,  # FIA sparse_mode=4 (npu.md section 1.4)
+            logits_soft_cap=False,  # FIA has no soft cap
+        ),
+        ops_dtypes=(torch.float32, torch.bfloat16, torch.float16),
+        notes=(
+            "attention: one npu_fused_infer_attention_score call (TND, paged) per layer and step",
+            "graphs: FIA host arguments updated at every replay (graph_task_update_begin/end)",
+        ),
+    )
+    max_block_size = 512  # FIA page attention with Q_S > 1 (npu.md section 1.4)
+
+    def __init__(self) -> None:
+        self.torch_npu = import_torch_npu()
+        from xhal.npu.ops import NpuOps
+
+        self._ops = NpuOps(self.torch_npu)
+        self._mask: torch.Tensor | None = None
+        self._update_stream = None
+
+    @classmethod
+    def is_available(cls) -> bool:
+        try:
+            npu = getattr(torch, "npu", None)  # present once torch_npu is imported (or autoloaded)
+            if npu is not None:
+                return bool(npu.is_available())
+            # find_spec only: importing torch_npu is heavy and fails without CANN
+            return importlib.util.find_spec("torch_npu") is not None
+        except Exception:  # noqa: BLE001  (never raises, whatever a broken install does)
+            return False
+
+    @property
+    def ops(self) -> NpuOps:
+        return self._ops
+
+    def check_block_size(self, spec: AttentionSpec) -> None:
+        if spec.block_size % 128 or spec.block_size > self.max_block_size:
+            raise ValueError(
+                f"block_size {spec.block_size} is not supported on the NPU: "
+                "npu_fused_infer_attention_score's paged attention needs a multiple of 128 "
+                f"between 128 and {self.max_block_size} (use --block-size 128)"
+            )
+
+    def attention_backend(self, spec: AttentionSpec) -> NpuAttention:
+        self.check_block_size(spec)
+        self.capabilities.attention.check(spec)
+        from xhal.npu.attention import NpuAttention
+
+        return NpuAttention(spec, self.torch_npu, self.causal_mask(), self.update_stream())
+
+    def causal_mask(self) -> torch.Tensor:
+        """The one 2048x2048 int8 mask sparse modes 2-4 take, 1 above the diagonal (masked), built
+        once per process as vllm-ascend's ``get_splitfuse_attn_mask`` does (npu.md section 1.4)."""
+        if self._mask is None:
+            ones = torch.ones(2048, 2048, dtype=torch.int8)
+            self._mask = torch.triu(ones, diagonal=1).to(self.device())
+        return self._mask
+
+    def update_stream(self):
+        """The side stream FIA task updates are issued on; it must differ from the capture stream
+        (npu.md section 2.1)."""
+        if self._update_stream is None:
+            self._update_stream = torch.npu.Stream()
+        return self._update_stream
+
+    def graph_runner(self) -> NpuGraphRunner:
+        from xhal.npu.graph import NpuGraphRunner
+
+        return NpuGraphRunner()
+
+    def collective(self, group: dist.ProcessGroup | None = None) -> Collective:
+        from xhal.cpu_ref.collective import SingleRankCollective
+        from xhal.npu.collective import HcclCollective
+
+        if group is None:
+            if not dist.is_initialized():
+                return SingleRankCollective()
+            group = dist.group.WORLD
+        return HcclCollective(group, self.device())
+
+    def device(self, index: int | None = None) -> torch.device:
+        return torch.device("npu", torch.npu.current_device() if index is None else index)
+
+    def set_device(self, index: int) -> None:
+        # before init_process_group, as vllm-ascend's worker does (npu.md section 4)
+        torch.npu.set_device(index)
+
+    def synchronize(self) -> None:
+        torch.npu.synchronize()
+
+    def mem_get_info(self) -> tuple[int, int]:
+        free, total = torch.npu.mem_get_info()
+        return int(free), int(total)
