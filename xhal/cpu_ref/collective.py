@@ -8,28 +8,6 @@ import torch.distributed as dist
 from xhal.interfaces.collective import Collective
 
 
-class SingleRankCollective(Collective):
-    """The world of one process: every collective is the identity."""
-
-    rank = 0
-    world_size = 1
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        return x
-
-    def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        return x
-
-    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
-        return x
-
-    def barrier(self) -> None:
-        pass
-
-
 class GlooCollective(Collective):
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group

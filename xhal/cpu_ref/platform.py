@@ -8,10 +8,11 @@ import torch
 import torch.distributed as dist
 
 from xhal.cpu_ref.attention import CpuAttention
-from xhal.cpu_ref.collective import GlooCollective, SingleRankCollective
+from xhal.cpu_ref.collective import GlooCollective
 from xhal.cpu_ref.graph import CpuGraphRunner
 from xhal.cpu_ref.ops import CpuOps
 from xhal.interfaces.attention import AttentionSpec
+from xhal.distributed import SingleRankCollective, resolve_group
 from xhal.interfaces.collective import Collective
 from xhal.interfaces.platform import AttentionCapabilities, Capabilities, Platform
 
@@ -50,11 +51,8 @@ class CpuPlatform(Platform):
         return CpuGraphRunner()
 
     def collective(self, group: dist.ProcessGroup | None = None) -> Collective:
-        if group is None:
-            if not dist.is_initialized():
-                return SingleRankCollective()
-            group = dist.group.WORLD
-        return GlooCollective(group)
+        group = resolve_group(group)
+        return SingleRankCollective() if group is None else GlooCollective(group)
 
     def mem_get_info(self) -> tuple[int, int]:
         pages, page_size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")

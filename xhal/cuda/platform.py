@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from xhal.interfaces.attention import AttentionBackend, AttentionSpec
+from xhal.distributed import SingleRankCollective, resolve_group
 from xhal.interfaces.collective import Collective
 from xhal.interfaces.platform import AttentionCapabilities, Capabilities, Platform
 
@@ -76,14 +77,10 @@ class CudaPlatform(Platform):
         return CudaGraphRunner()
 
     def collective(self, group: dist.ProcessGroup | None = None) -> Collective:
-        from xhal.cpu_ref.collective import SingleRankCollective
         from xhal.cuda.collective import NcclCollective
 
-        if group is None:
-            if not dist.is_initialized():
-                return SingleRankCollective()
-            group = dist.group.WORLD
-        return NcclCollective(group)
+        group = resolve_group(group)
+        return SingleRankCollective() if group is None else NcclCollective(group)
 
     def device(self, index: int | None = None) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device() if index is None else index)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from xhal.interfaces.attention import AttentionSpec
+from xhal.distributed import SingleRankCollective, resolve_group
 from xhal.interfaces.collective import Collective
 from xhal.interfaces.platform import AttentionCapabilities, Capabilities, Platform
 
@@ -122,14 +123,10 @@ class NpuPlatform(Platform):
         return NpuGraphRunner()
 
     def collective(self, group: dist.ProcessGroup | None = None) -> Collective:
-        from xhal.cpu_ref.collective import SingleRankCollective
         from xhal.npu.collective import HcclCollective
 
-        if group is None:
-            if not dist.is_initialized():
-                return SingleRankCollective()
-            group = dist.group.WORLD
-        return HcclCollective(group, self.device())
+        group = resolve_group(group)
+        return SingleRankCollective() if group is None else HcclCollective(group, self.device())
 
     def device(self, index: int | None = None) -> torch.device:
         return torch.device("npu", torch.npu.current_device() if index is None else index)

@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 
 from xhal.cpu_ref.attention import CpuAttention
-from xhal.cpu_ref.collective import GlooCollective, SingleRankCollective
+from xhal.cpu_ref.collective import GlooCollective
 from xhal.cpu_ref.graph import CpuGraphRunner
 from xhal.cpu_ref.ops import CpuOps
+from xhal.distributed import SingleRankCollective, resolve_group
 from xhal.interfaces import AttentionSpec, Collective, Platform
 from xhal.interfaces.platform import AttentionCapabilities, Capabilities
 
@@ -59,11 +60,8 @@ class OotPlatform(Platform):
         return CpuGraphRunner()
 
     def collective(self, group: dist.ProcessGroup | None = None) -> Collective:
-        if group is None:
-            if not dist.is_initialized():
-                return SingleRankCollective()
-            group = dist.group.WORLD
-        return GlooCollective(group)
+        group = resolve_group(group)  # None: torch.distributed is not initialized, one rank
+        return SingleRankCollective() if group is None else GlooCollective(group)
 
     def mem_get_info(self) -> tuple[int, int]:
         pages, page_size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
