@@ -158,6 +158,13 @@ POSITIVE = click.IntRange(min=1)
     help="Run every step eagerly: capture no decode graphs (slower, easier to debug).",
 )
 @click.option(
+    "--async-scheduling/--no-async-scheduling",
+    default=None,
+    help="Build step N+1 on the host while step N runs on the device (one step of look-ahead "
+    "with placeholder tokens; outputs are identical). [default: on for accelerators, off for "
+    "--device cpu and with --tensor-parallel-size > 1]",
+)
+@click.option(
     "--enable-prefix-caching/--no-enable-prefix-caching",
     default=True,
     show_default=True,

@@ -9,6 +9,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from serve_cli.engine.request import Request
 
+# Stands in for a token sampled by the step in flight: the input builder fills it on the device.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass(frozen=True)
 class ScheduledRequest:
@@ -20,8 +23,12 @@ class ScheduledRequest:
     - Position ``p``'s KV slot is ``block_table[p // block_size] * block_size + p % block_size``;
       ``block_table`` covers every position in ``[0, end_position)``, and positions below
       ``start_position`` are already in the cache (computed earlier, or shared by the prefix cache).
-    - ``produces_token`` is true exactly when the chunk ends at the last known token, so the logits
-      of its last position are sampled; an earlier prefill chunk produces nothing.
+    - ``produces_token`` is true exactly when the chunk ends at the last token (known or in
+      flight), so the logits of its last position are sampled; an earlier prefill chunk produces
+      nothing.
+    - With async scheduling, a request whose token the previous step (still in flight) samples
+      feeds that token as ``PLACEHOLDER_TOKEN_ID`` (then its whole chunk, one token); the input
+      builder takes its value from that step's sampled tokens on the device.
     """
 
     request_id: str
@@ -35,11 +42,12 @@ class ScheduledRequest:
     def for_chunk(cls, request: Request, start: int, end: int, block_size: int) -> ScheduledRequest:
         """Feed ``request``'s tokens at positions ``[start, end)``, whose slots it already holds."""
         blocks, bs = request.block_ids, block_size
+        known = request.token_ids[start:end]
         return cls(
             request_id=request.request_id,
-            token_ids=request.token_ids[start:end],
+            token_ids=known + [PLACEHOLDER_TOKEN_ID] * (end - start - len(known)),
             start_position=start,
-            produces_token=end == request.num_tokens,
+            produces_token=end == request.num_tokens + request.num_placeholders,
             block_table=list(blocks),
             slot_mapping=[blocks[p // bs] * bs + p % bs for p in range(start, end)],
         )
@@ -48,6 +56,11 @@ class ScheduledRequest:
     def num_tokens(self) -> int:
         """Tokens fed this step (the query length)."""
         return len(self.token_ids)
+
+    @property
+    def num_placeholders(self) -> int:
+        """Tokens fed this step whose value the step in flight samples."""
+        return sum(1 for t in self.token_ids if t == PLACEHOLDER_TOKEN_ID)
 
     @property
     def end_position(self) -> int:

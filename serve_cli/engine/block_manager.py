@@ -162,7 +162,18 @@ class BlockManager:
         """Drop ``request``'s references. Blocks reaching ``ref_count == 0`` join the free LRU, last
         block first so that a sequence's prefix outlives its tail; blocks with no cached content go
         to the head (reused first)."""
-        for block_id in reversed(request.block_ids):
+        self.free_blocks(self.release(request))
+
+    def release(self, request: Request) -> list[int]:
+        """Take ``request``'s blocks from it, references and all: the caller holds them until it
+        hands them to ``free_blocks`` (a step still in flight may be writing into them)."""
+        block_ids, request.block_ids = request.block_ids, []
+        self._num_hashed.pop(request.request_id, None)
+        return block_ids
+
+    def free_blocks(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference to each of ``block_ids`` (a sequence's table, as ``free`` does)."""
+        for block_id in reversed(block_ids):
             block = self._blocks[block_id]
             assert block.ref_count > 0, f"block {block_id} freed more often than taken"
             block.ref_count -= 1
@@ -170,8 +181,6 @@ class BlockManager:
                 self._free[block_id] = None
                 if block.hash is None or self._cached.get(block.hash) != block_id:
                     self._free.move_to_end(block_id, last=False)
-        request.block_ids = []
-        self._num_hashed.pop(request.request_id, None)
 
     def _acquire(self, block_id: int) -> None:
         block = self._blocks[block_id]

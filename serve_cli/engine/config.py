@@ -19,6 +19,12 @@ class EngineConfig:
     ``tensor_parallel_size`` N > 1 shards the model over N processes (this one and N-1 workers,
     one device each); the KV budget is then per rank, each rank holding its share of the KV heads
     in ``num_kv_blocks`` blocks.
+
+    ``async_scheduling`` schedules and builds step N+1 on the host while step N runs on the
+    device (its sampled tokens reach step N+1 on the device), and only then reads step N back.
+    None (the default) turns it on for every device but the CPU, where nothing runs
+    asynchronously to overlap with; it needs ``tensor_parallel_size`` 1. After construction it
+    is a bool.
     """
 
     model_dir: str | Path | None = None
@@ -34,6 +40,7 @@ class EngineConfig:
     enforce_eager: bool = False
     seed: int = 0
     enable_prefix_caching: bool = True
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -48,6 +55,17 @@ class EngineConfig:
             raise ValueError("give at most one of kv_cache_memory (bytes) and num_kv_blocks")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        overlap = self.async_scheduling
+        if overlap is None:
+            overlap = self.device.split(":")[0] != "cpu" and self.tensor_parallel_size == 1
+        elif not isinstance(overlap, bool):
+            raise ValueError(f"async_scheduling must be a boolean or None, got {overlap!r}")
+        elif overlap and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "async_scheduling needs tensor_parallel_size 1 (the workers would need the "
+                "sampled tokens of the step in flight); turn one of them off"
+            )
+        object.__setattr__(self, "async_scheduling", overlap)
 
     @property
     def metadata_convention(self) -> str:

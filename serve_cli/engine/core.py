@@ -6,7 +6,7 @@ import json
 import logging
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +21,7 @@ from serve_cli.engine.sampling import SamplingParams, TokenLogprobs
 from serve_cli.engine.scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from serve_cli.engine.runner.model_runner import SampledToken
+    from serve_cli.engine.runner.model_runner import LaunchedStep, SampledToken
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,21 @@ class _State:
     generator: Any  # the runner's RNG for a seeded request, else None
 
 
+@dataclass
+class _Step:
+    """A scheduled batch on its way through the device: ``launched`` once queued there, or
+    ``error`` when queuing it failed. ``states`` are its requests' states when it was scheduled;
+    a request whose state is gone (or replaced) since has its results dropped."""
+
+    batch: ScheduledBatch
+    states: dict[str, _State] = field(default_factory=dict)
+    launched: LaunchedStep | None = None
+    error: str | None = None
+
+    def is_live(self, rid: str, states: dict[str, _State]) -> bool:
+        return states.get(rid) is self.states[rid]
+
+
 class EngineCore:
     """Owns the tokenizer, the scheduler with its KV block manager, the model runner (model,
     executor, KV cache) and each live request's output state.
@@ -45,6 +60,13 @@ class EngineCore:
     sampling for the rows that produce a token), then returns a ``RequestOutput`` per request that
     got a token or finished. A failing step fails only its batch's requests (reason "error", with a
     logged traceback) and frees their blocks; the engine keeps serving.
+
+    With ``config.async_scheduling`` a ``step`` schedules and launches step N+1 first (the
+    requests step N samples for feed placeholders, filled on the device from step N's tokens),
+    then reads step N back (its one sync), detokenizes, checks stops and advances the scheduler
+    for it, and returns step N's outputs; step N+1 stays in flight until the next ``step``. A
+    request that finishes at step N has its step N+1 row dropped; its blocks are freed once step
+    N+1 is read back. Results are the same as without it; outputs come one ``step`` call later.
 
     With ``tensor_parallel_size`` N > 1 this process is rank 0 and the runner owns N-1 worker
     processes: call ``close`` to stop them (they also die with this process). A step that fails
@@ -74,9 +96,11 @@ class EngineCore:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.max_model_len,
+            async_scheduling=bool(config.async_scheduling),
         )
         self._states: dict[str, _State] = {}
         self._pending: list[RequestOutput] = []  # abort outputs, returned by the next step
+        self._in_flight: _Step | None = None  # async scheduling: launched, not read back yet
         self._counters = dict(
             prompt_tokens_total=0, generation_tokens_total=0, num_preemptions_total=0
         )
@@ -158,40 +182,80 @@ class EngineCore:
             return False
         self.scheduler.abort(request_id)
         self._pending.append(self._output(state, finish_reason="abort"))
+        self._settle()
         return True
 
     def has_unfinished(self) -> bool:
         """Whether ``step`` has work or outputs left."""
-        return bool(self._states) or bool(self._pending)
+        return bool(self._states) or bool(self._pending) or self._in_flight is not None
 
     # one step ----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return the outputs of the requests that got a token or finished."""
+        """Run one batch; return the outputs of the requests that got a token or finished (with
+        async scheduling: launch the next batch, then return the outputs of the one before)."""
         outputs, self._pending = self._pending, []
+        previous, self._in_flight = self._in_flight, None
+        current = self._launch_next(previous)  # step N+1, before step N is read back
+        if current is not None and current.error is None and self.config.async_scheduling:
+            self._in_flight, current = current, None  # read back by the next step()
+        if previous is not None:
+            outputs += self._complete(previous)
+        if current is not None:  # without overlap (or when its launch failed): read it now
+            outputs += self._complete(current)
+        self._settle()
+        outputs, self._pending = outputs + self._pending, []
+        return outputs
+
+    def _settle(self) -> None:
+        """Read back a step in flight at once when every request in it has finished since: it
+        holds their blocks, and nothing it computed is wanted."""
+        step = self._in_flight
+        if step is not None and not any(step.is_live(rid, self._states) for rid in step.states):
+            self._in_flight = None
+            self._pending += self._complete(step)  # no outputs: every row is dropped
+
+    def _launch_next(self, previous: _Step | None) -> _Step | None:
+        """Schedule the next batch and queue it on the device (None when nothing is runnable)."""
         batch = self.scheduler.next_batch()
         if batch is None:
-            return outputs
+            return None
         self._counters["num_preemptions_total"] += len(batch.preempted_ids)
-        states = {seq.request_id: self._states[seq.request_id] for seq in batch.requests}
+        step = _Step(batch, {s.request_id: self._states[s.request_id] for s in batch.requests})
         try:
-            params = {rid: s.params for rid, s in states.items()}
-            generators = {rid: s.generator for rid, s in states.items() if s.generator is not None}
-            sampled = self.runner.run(batch, params, generators)
+            params = {rid: s.params for rid, s in step.states.items()}
+            generators = {
+                rid: s.generator for rid, s in step.states.items() if s.generator is not None
+            }
+            prior = None if previous is None else previous.launched
+            step.launched = self.runner.launch(batch, params, generators, prior)
         except Exception as exc:
             logger.exception("step failed: failing the %d requests of its batch", batch.num_seqs)
-            return outputs + self._fail_batch(batch, f"{type(exc).__name__}: {exc}")
-        return outputs + self._postprocess(batch, sampled)
+            step.error = f"{type(exc).__name__}: {exc}"
+        return step
 
-    def _fail_batch(self, batch: ScheduledBatch, error: str) -> list[RequestOutput]:
-        failed = {seq.request_id: RequestStatus.FINISHED_ERROR for seq in batch.requests}
-        self.scheduler.advance(batch, {}, failed)
-        states = [self._states.pop(rid) for rid in failed]
+    def _complete(self, step: _Step) -> list[RequestOutput]:
+        """Read ``step``'s tokens back (its one sync) and turn them into outputs."""
+        if step.error is None:
+            assert step.launched is not None
+            try:
+                sampled = self.runner.collect(step.launched)
+            except Exception as exc:
+                logger.exception("step failed: failing the requests of its batch")
+                step.error = f"{type(exc).__name__}: {exc}"
+        if step.error is not None:
+            return self._fail_batch(step, step.error)
+        return self._postprocess(step, sampled)
+
+    def _fail_batch(self, step: _Step, error: str) -> list[RequestOutput]:
+        live = [rid for rid in step.states if step.is_live(rid, self._states)]
+        failed = {rid: RequestStatus.FINISHED_ERROR for rid in live}
+        self.scheduler.advance(step.batch, {}, failed)
+        states = [self._states.pop(rid) for rid in live]
         return [self._output(s, finish_reason="error", error=error) for s in states]
 
-    def _postprocess(
-        self, batch: ScheduledBatch, sampled: list[SampledToken]
-    ) -> list[RequestOutput]:
+    def _postprocess(self, step: _Step, sampled: list[SampledToken]) -> list[RequestOutput]:
+        sampled = [s for s in sampled if step.is_live(s.request_id, self._states)]
         texts: dict[str, str] = {}
         finished: dict[str, RequestStatus] = {}
         errors: dict[str, str] = {}
@@ -208,7 +272,7 @@ class EngineCore:
             if eos or state.detokenizer.stopped:
                 finished[s.request_id] = RequestStatus.FINISHED_STOPPED
         tokens = {s.request_id: s.token_id for s in sampled}
-        done = {r.request_id for r in self.scheduler.advance(batch, tokens, finished)}
+        done = {r.request_id for r in self.scheduler.advance(step.batch, tokens, finished)}
 
         outputs = []
         for s in sampled:

@@ -32,8 +32,12 @@ class Request:
     Invariants:
     - ``token_ids == prompt_token_ids + output_token_ids``; add outputs only with
       ``append_output_token``.
-    - ``0 <= num_computed_tokens <= num_tokens``: the first ``num_computed_tokens`` tokens have (or,
-      for the batch in flight, are getting) KV in the slots of ``block_ids``, in order.
+    - ``0 <= num_computed_tokens <= num_tokens + num_placeholders``: the first
+      ``num_computed_tokens`` tokens have (or, for the batches in flight, are getting) KV in the
+      slots of ``block_ids``, in order.
+    - ``num_placeholders`` counts the tokens sampled for it by steps in flight and not read back
+      yet (``advance`` turns each into an output token). While it is positive and the request is
+      RUNNING, ``num_computed_tokens >= num_tokens``: every known token has been fed.
     - While not RUNNING, ``block_ids == []`` and ``num_computed_tokens == 0``; a preempted request
       keeps its output tokens and recomputes their KV when it runs again.
     - ``sampling_params`` is opaque here: the scheduler never reads it.
@@ -49,6 +53,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit (tokens) at the last admission
     num_preemptions: int = 0
+    num_placeholders: int = 0  # tokens sampled by steps in flight, not known yet
     block_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(init=False, repr=False)
 

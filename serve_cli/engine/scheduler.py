@@ -6,10 +6,26 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from serve_cli.engine.batch import ScheduledBatch, ScheduledRequest
 from serve_cli.engine.block_manager import BlockManager
 from serve_cli.engine.request import Request, RequestStatus
+
+
+@dataclass
+class _Outstanding:
+    """A batch handed out and not advanced yet: the requests it ran (by identity, as an id may be
+    reused once its request finished), and the blocks of those that finished meanwhile, held
+    until the batch's writes are done."""
+
+    batch: ScheduledBatch
+    requests: dict[str, Request]
+    held_blocks: list[list[int]] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)  # since the batch was handed out
+
+    def runs(self, req: Request) -> bool:
+        return self.requests.get(req.request_id) is req
 
 
 class Scheduler:
@@ -36,7 +52,13 @@ class Scheduler:
     - No request fails for lack of blocks: ``submit`` rejects only a request that could not fit
       even alone in the whole cache, and every accepted request runs to completion.
     - ``next_batch`` commits its batch (``num_computed_tokens`` moves to each chunk's end). At most
-      one batch is outstanding: ``advance`` it before the next ``next_batch``.
+      one batch is outstanding, two with ``async_scheduling``: then step N+1 is scheduled while
+      step N runs, and each request whose token step N samples feeds a placeholder for it
+      (``Request.num_placeholders``). Batches are advanced in the order they were handed out.
+    - A request at a length limit it is certain to reach once the steps in flight are read back
+      is not scheduled again; one that finishes (or is aborted) while a batch that runs it is
+      outstanding keeps its blocks referenced until that batch is advanced, and what that batch
+      computed for it is dropped (its extra KV is never cached).
     - Prefix-cache entries are registered in ``advance``, after the step wrote their KV; a request
       the engine fails with ``FINISHED_ERROR`` registers nothing from that step.
     """
@@ -48,6 +70,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        async_scheduling: bool = False,
     ) -> None:
         if min(max_num_seqs, max_num_batched_tokens, max_model_len) < 1:
             raise ValueError(
@@ -65,12 +88,13 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_outstanding = 2 if async_scheduling else 1
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self._requests: dict[str, Request] = {}
         self._arrival: dict[str, tuple[float, int]] = {}  # (arrival_time, submit order)
         self._counter = itertools.count()
-        self._outstanding: ScheduledBatch | None = None
+        self._outstanding: deque[_Outstanding] = deque()  # oldest first
 
     @property
     def num_running(self) -> int:
@@ -121,8 +145,9 @@ class Scheduler:
         return None if request is None else self._finish(request, RequestStatus.FINISHED_ABORTED)
 
     def next_batch(self) -> ScheduledBatch | None:
-        """Schedule and commit one step; None when no request is live."""
-        if self._outstanding is not None:
+        """Schedule and commit one step; None when no request is live (or, with a batch
+        outstanding, none can run before that batch is advanced)."""
+        if len(self._outstanding) >= self.max_outstanding:
             raise RuntimeError("advance() the previous batch before asking for the next one")
         bm = self.block_manager
         budget = self.max_num_batched_tokens
@@ -130,12 +155,14 @@ class Scheduler:
         preempted: list[str] = []
 
         # Decodes first, then unfinished prefills (a stable sort: admission order within each).
-        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+        for req in sorted(self.running, key=lambda r: self._num_unfed(r) > 1):
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_placeholders and self._at_length_limit(req, req.num_placeholders):
+                continue  # finishes for length once the step in flight is read back
+            num_new = min(self._num_unfed(req), budget)
             assert num_new > 0, "between steps a running request always has a token to feed"
             while not bm.append_slots(req, req.num_computed_tokens + num_new):
                 victim = max(self.running, key=lambda r: self._arrival[r.request_id])
@@ -151,6 +178,8 @@ class Scheduler:
         # Admit waiting requests in order; none while blocks are short (they would only thrash).
         while not preempted and self.waiting and budget and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.num_placeholders:
+                break  # preempted while its token was in flight: wait until it is known
             cached_ids, num_cached = bm.match_prefix(req.token_ids)
             num_new = min(req.num_tokens - num_cached, budget)
             if not self.enable_chunked_prefill and num_cached + num_new < req.num_tokens:
@@ -165,18 +194,21 @@ class Scheduler:
             budget -= num_new
 
         if not scheduled:
-            assert not self._requests, "live requests but nothing schedulable"
+            assert self._outstanding or not self._requests, "live requests but nothing schedulable"
             return None
         seqs = []
         for rid, num_new in scheduled.items():
             req = self._requests[rid]
             start = req.num_computed_tokens
             req.num_computed_tokens += num_new
-            seqs.append(ScheduledRequest.for_chunk(req, start, start + num_new, bm.block_size))
-        self._outstanding = ScheduledBatch(
-            seqs, bm.block_size, self.num_running, self.num_waiting, preempted
+            seq = ScheduledRequest.for_chunk(req, start, start + num_new, bm.block_size)
+            req.num_placeholders += seq.produces_token
+            seqs.append(seq)
+        batch = ScheduledBatch(seqs, bm.block_size, self.num_running, self.num_waiting, preempted)
+        self._outstanding.append(
+            _Outstanding(batch, {rid: self._requests[rid] for rid in scheduled})
         )
-        return self._outstanding
+        return batch
 
     def advance(
         self,
@@ -190,23 +222,38 @@ class Scheduler:
         ``finished`` names that request. ``finished`` maps request ids to a FINISHED_* status the
         engine decided (EOS or stop string: FINISHED_STOPPED; a failed step: FINISHED_ERROR). The
         scheduler itself finishes a request with FINISHED_LENGTH at ``max_tokens`` or
-        ``max_model_len``. Requests aborted while the batch ran are skipped.
+        ``max_model_len``. Requests that finished (or were aborted) since the batch was handed
+        out are skipped; one preempted since gets its token (it was computed from valid KV).
         """
-        if batch is not self._outstanding:
-            raise RuntimeError("advance() takes the batch returned by the last next_batch()")
-        self._outstanding = None
-        finished = dict(finished or {})
+        if not self._outstanding or batch is not self._outstanding[0].batch:
+            raise RuntimeError("advance() takes the oldest batch next_batch() returned")
+        entry = self._outstanding.popleft()
+        try:
+            return self._apply(entry, sampled_token_ids, dict(finished or {}))
+        finally:
+            for block_ids in entry.held_blocks:  # the batch's writes into them are done
+                self.block_manager.free_blocks(block_ids)
+
+    def _apply(
+        self,
+        entry: _Outstanding,
+        sampled_token_ids: Mapping[str, int],
+        finished: dict[str, RequestStatus],
+    ) -> list[Request]:
         for rid, reason in finished.items():
             if not reason.is_finished:
                 raise ValueError(f"request {rid!r}: finish status must be FINISHED_*, not {reason}")
         done: list[Request] = []
-        for seq in batch.requests:
-            rid = seq.request_id
-            if (req := self._requests.get(rid)) is None:
-                continue
+        for seq in entry.batch.requests:
+            rid, req = seq.request_id, entry.requests[seq.request_id]
+            if self._requests.get(rid) is not req:
+                continue  # finished or aborted since: what the step computed for it is dropped
+            if seq.produces_token:
+                req.num_placeholders -= 1
             reason = finished.pop(rid, None)
             if reason is not RequestStatus.FINISHED_ERROR:
-                self.block_manager.cache_full_blocks(req, seq.end_position)
+                if rid not in entry.preempted:  # else its blocks are gone: nothing to cache
+                    self.block_manager.cache_full_blocks(req, seq.end_position)
                 if seq.produces_token and rid in sampled_token_ids:
                     req.append_output_token(sampled_token_ids[rid])
                 elif seq.produces_token and reason is None:
@@ -222,10 +269,25 @@ class Scheduler:
                 done.append(self._finish(self._requests[rid], reason))
         return done
 
-    def _at_length_limit(self, req: Request) -> bool:
-        return req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len
+    def _at_length_limit(self, req: Request, num_pending: int = 0) -> bool:
+        """Whether ``req`` is at its length limit (counting ``num_pending`` tokens in flight)."""
+        return (
+            req.num_output_tokens + num_pending >= req.max_tokens
+            or req.num_tokens + num_pending >= self.max_model_len
+        )
+
+    @staticmethod
+    def _num_unfed(req: Request) -> int:
+        """Tokens (known or in flight) whose KV is not computed or scheduled yet."""
+        return req.num_tokens + req.num_placeholders - req.num_computed_tokens
 
     def _preempt(self, req: Request) -> None:
+        # Its blocks go back now, even if a batch in flight writes into them: the device runs
+        # steps in order, so whoever gets them next writes after that batch. The token that batch
+        # samples for it is still valid and is kept.
+        for entry in self._outstanding:
+            if entry.runs(req):
+                entry.preempted.add(req.request_id)
         self.running.remove(req)
         self.block_manager.free(req)
         req.num_computed_tokens = 0
@@ -235,8 +297,13 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: RequestStatus) -> Request:
         (self.running if req.status is RequestStatus.RUNNING else self.waiting).remove(req)
-        self.block_manager.free(req)
-        req.num_computed_tokens = 0
+        # A batch still outstanding may be writing into its blocks: the last one frees them.
+        holder = next((e for e in reversed(self._outstanding) if e.runs(req)), None)
+        if holder is None:
+            self.block_manager.free(req)
+        else:
+            holder.held_blocks.append(self.block_manager.release(req))
+        req.num_computed_tokens = req.num_placeholders = 0  # rows still in flight are dropped
         req.status = reason
         del self._requests[req.request_id], self._arrival[req.request_id]
         return req

@@ -19,10 +19,15 @@ def upload(host: dict[str, torch.Tensor], device: torch.device) -> dict[str, tor
     for name, t in host.items():
         offsets[name] = total
         total += -(-t.numel() // _ALIGN) * _ALIGN
-    packed = torch.zeros(max(total, 1), dtype=torch.int32)
+    device = torch.device(device)
+    # page-locked for a device, so the copy is asynchronous and the host can go on building the
+    # next step while the device still runs this one; torch's caching host allocator does not hand
+    # the buffer out again before the copy has completed
+    pinned = device.type not in ("cpu", "meta")
+    packed = torch.zeros(max(total, 1), dtype=torch.int32, pin_memory=pinned)
     for name, t in host.items():
         packed[offsets[name] : offsets[name] + t.numel()] = t.reshape(-1)
-    on_device = packed.to(device)
+    on_device = packed.to(device, non_blocking=pinned)
     return {
         name: on_device[offsets[name] : offsets[name] + t.numel()].view(t.shape)
         for name, t in host.items()

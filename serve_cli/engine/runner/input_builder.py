@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from serve_cli.engine.batch import PLACEHOLDER_TOKEN_ID
 from xhal.adapter import from_xllm, to_xllm
 from xhal.adapter.upload import upload
 
@@ -20,7 +22,11 @@ class HostStep:
     """One step's inputs as plain host values: flattened ``input_ids`` / ``positions`` /
     ``slot_mapping`` ``[T]``, per-sequence ``q_seq_lens`` / ``kv_seq_lens`` and ``block_tables``
     rows, the sampled rows ``selected_idxes`` for ``sampled_request_ids``. Small and picklable:
-    rank 0 sends it to the tensor-parallel workers, and every rank uploads it the same way."""
+    rank 0 sends it to the tensor-parallel workers, and every rank uploads it the same way.
+
+    With async scheduling, ``input_ids[placeholder_idxes[i]]`` is ``PLACEHOLDER_TOKEN_ID``: the
+    token the previous step samples for ``placeholder_request_ids[i]``, filled in on the device.
+    """
 
     input_ids: list[int]
     positions: list[int]
@@ -30,6 +36,17 @@ class HostStep:
     slot_mapping: list[int]
     selected_idxes: list[int]
     sampled_request_ids: list[str]
+    placeholder_idxes: list[int] = field(default_factory=list)
+    placeholder_request_ids: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PreviousTokens:
+    """The tokens the step before samples, still on the device: int64 ``tokens[i]`` is
+    ``request_ids[i]``'s."""
+
+    request_ids: Sequence[str]
+    tokens: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -64,7 +81,13 @@ class InputBuilder:
         slots: list[int] = []
         selected: list[int] = []
         sampled: list[str] = []
+        holes: list[int] = []
+        hole_ids: list[str] = []
         for seq in batch.requests:
+            for i, token in enumerate(seq.token_ids):
+                if token == PLACEHOLDER_TOKEN_ID:
+                    holes.append(len(input_ids) + i)
+                    hole_ids.append(seq.request_id)
             input_ids += seq.token_ids
             positions += seq.positions
             slots += seq.slot_mapping
@@ -80,10 +103,13 @@ class InputBuilder:
             slots,
             selected,
             sampled,
+            holes,
+            hole_ids,
         )
 
-    def upload(self, step: HostStep) -> ModelInput:
-        """``step`` on the device, its metadata in the C++ layout normalized by the adapter."""
+    def upload(self, step: HostStep, previous: PreviousTokens | None = None) -> ModelInput:
+        """``step`` on the device, its metadata in the C++ layout normalized by the adapter; its
+        placeholders gathered on the device from ``previous`` (no host round trip)."""
         view = to_xllm(
             step.q_seq_lens,
             step.kv_seq_lens,
@@ -100,7 +126,14 @@ class InputBuilder:
             "positions": torch.tensor(step.positions, dtype=torch.int32),
             "selected_idxes": torch.tensor(step.selected_idxes, dtype=torch.int32),
         }
+        if step.placeholder_idxes:
+            host["holes"] = torch.tensor(step.placeholder_idxes, dtype=torch.int32)
+            host["sources"] = torch.tensor(_rows(step, previous), dtype=torch.int32)
         dev = upload(host, self.device)
+        if step.placeholder_idxes:
+            assert previous is not None
+            tokens = previous.tokens.index_select(0, dev["sources"].long())
+            dev["input_ids"].index_copy_(0, dev["holes"].long(), tokens.to(torch.int32))
         return ModelInput(
             dev["input_ids"],
             dev["positions"],
@@ -108,3 +141,14 @@ class InputBuilder:
             dev["selected_idxes"],
             step.sampled_request_ids,
         )
+
+
+def _rows(step: HostStep, previous: PreviousTokens | None) -> list[int]:
+    """Each placeholder's row in ``previous.tokens``."""
+    if previous is None:
+        raise ValueError("the step feeds tokens sampled by a previous step, but none was given")
+    row_of = {rid: i for i, rid in enumerate(previous.request_ids)}
+    missing = [r for r in step.placeholder_request_ids if r not in row_of]
+    if missing:
+        raise ValueError(f"the previous step sampled no token for {missing}")
+    return [row_of[r] for r in step.placeholder_request_ids]

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from serve_cli.engine.kv_budget import default_num_blocks
-from serve_cli.engine.runner.input_builder import InputBuilder
+from serve_cli.engine.runner.input_builder import InputBuilder, PreviousTokens
 from serve_cli.engine.runner.rank import build_executor, forward
-from serve_cli.engine.runner.sampler import Sampler
+from serve_cli.engine.runner.sampler import PendingSample, Sampler
 
 if TYPE_CHECKING:
     from serve_cli.engine.batch import ScheduledBatch
@@ -31,11 +31,28 @@ class SampledToken:
     logprobs: TokenLogprobs | None
 
 
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A step queued on the device whose tokens are not read back yet (``pending`` is None when
+    it samples nothing)."""
+
+    sampled_request_ids: list[str]
+    pending: PendingSample | None
+
+    def previous_tokens(self) -> PreviousTokens | None:
+        """Its sampled tokens as the next step's placeholders read them, on the device."""
+        if self.pending is None:
+            return None
+        return PreviousTokens(self.sampled_request_ids, self.pending.tokens)
+
+
 class ModelRunner:
     """Owns the platform, the model, its executor and KV cache, and runs one batch per ``run``.
 
     The cache is allocated and bound once: ``num_kv_blocks`` blocks, or what ``kv_cache_memory``
-    bytes hold, or the default budget. ``run`` makes exactly one ``executor.execute`` call.
+    bytes hold, or the default budget. ``run`` makes exactly one ``executor.execute`` call;
+    ``launch`` + ``collect`` split it at the host sync, so that the engine can launch the next
+    step (whose placeholders read this one's tokens on the device) before reading this one back.
 
     With ``tensor_parallel_size`` N > 1 this is rank 0 of N: it starts N-1 worker processes
     (``tp_group.TPWorkers``) that hold the other shards and mirror every step; the KV budget is
@@ -96,20 +113,41 @@ class ModelRunner:
         generators: Mapping[str, torch.Generator | None],
     ) -> list[SampledToken]:
         """Run ``batch``; a token for each request whose chunk produces one, in batch order."""
+        return self.collect(self.launch(batch, params, generators))
+
+    def launch(
+        self,
+        batch: ScheduledBatch,
+        params: Mapping[str, SamplingParams],
+        generators: Mapping[str, torch.Generator | None],
+        previous: LaunchedStep | None = None,
+    ) -> LaunchedStep:
+        """Queue ``batch``'s execute, logits and sampling on the device, its placeholders filled
+        from ``previous`` (the step before, still in flight); nothing waits for the device."""
         step = self.input_builder.describe(batch)
+        prev = None if previous is None else previous.previous_tokens()
         if self.workers is None:
-            logits = forward(self.executor, self.input_builder.upload(step))
+            logits = forward(self.executor, self.input_builder.upload(step, prev))
         else:
+            if step.placeholder_idxes:
+                raise RuntimeError("async scheduling does not support tensor parallelism")
             logits = self.workers.run_step(
                 step, lambda: forward(self.executor, self.input_builder.upload(step))
             )
         if logits is None:
-            return []
+            return LaunchedStep([], None)
         rids = step.sampled_request_ids
-        tokens, logprobs = self.sampler.sample(
+        pending = self.sampler.launch(
             logits, [params[r] for r in rids], [generators.get(r) for r in rids]
         )
-        return [SampledToken(*row) for row in zip(rids, tokens, logprobs)]
+        return LaunchedStep(rids, pending)
+
+    def collect(self, launched: LaunchedStep) -> list[SampledToken]:
+        """Wait for ``launched``'s tokens (the step's one sync); one per sampled request."""
+        if launched.pending is None:
+            return []
+        tokens, logprobs = launched.pending.resolve()
+        return [SampledToken(*row) for row in zip(launched.sampled_request_ids, tokens, logprobs)]
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""

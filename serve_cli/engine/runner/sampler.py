@@ -3,13 +3,38 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from serve_cli.engine.runner.host_copy import HostCopy
 from serve_cli.engine.sampling import SamplingParams, TokenLogprobs
 from xhal import ops
 
 _SEED_MASK = (1 << 63) - 1  # torch generators take seeds that fit a signed 64-bit integer
+
+
+@dataclass
+class PendingSample:
+    """One step's sampling, queued on the device: ``tokens`` int64 ``[S]`` stays there (the next
+    step's placeholders read it) while its copy to the host, and that of any logprobs, is under
+    way; ``resolve`` waits for the copies only."""
+
+    tokens: torch.Tensor
+    copy: HostCopy  # tokens, then (when asked for) chosen [R], top values and top ids [R, n]
+    logprob_rows: list[int]
+    logprob_ks: list[int]
+
+    def resolve(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """A token per row and, for rows that asked for them, logprobs (the step's one sync)."""
+        token_ids, *rest = self.copy.tolist()
+        out: list[TokenLogprobs | None] = [None] * len(token_ids)
+        if self.logprob_rows:
+            chosen, top_vals, top_ids = rest
+            for r, (i, k) in enumerate(zip(self.logprob_rows, self.logprob_ks)):
+                top = tuple(zip(top_ids[r][:k], top_vals[r][:k]))
+                out[i] = TokenLogprobs(token_ids[i], chosen[r], top)
+        return token_ids, out
 
 
 class Sampler:
@@ -35,15 +60,32 @@ class Sampler:
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """``logits`` float32 ``[S, V]``, one row per request in ``params`` -> a token per row and,
         for rows that asked for them, logprobs."""
-        tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+        return self.launch(logits, params, generators).resolve()
+
+    def launch(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> PendingSample:
+        """Queue ``sample``'s work on the device and start reading its results back; no sync."""
         shared = [i for i, g in enumerate(generators) if g is None]
-        if shared:
-            tokens[shared] = self._sample_rows(logits[shared], [params[i] for i in shared], None)
+        if len(shared) == len(params):  # no seeded row: no index to upload
+            # a copy of its own: the next step's sampling must not overwrite what is read back
+            tokens = self._sample_rows(logits, params, None).to(torch.long, copy=True)
+        else:
+            tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+        if shared and len(shared) < len(params):
+            index = _index(shared, logits.device)
+            picked = self._sample_rows(logits[index], [params[i] for i in shared], None)
+            tokens[index] = picked.to(torch.long)
         for i, g in enumerate(generators):
             if g is not None:  # one call per seeded request: its generator sees only its rows
                 tokens[i : i + 1] = self._sample_rows(logits[i : i + 1], [params[i]], g)
-        token_ids = tokens.tolist()  # the step's one device-to-host sync
-        return token_ids, self._logprobs(logits, tokens, params, token_ids)
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        extra = self._logprobs(logits, tokens, params, rows) if rows else []
+        ks = [params[i].logprobs for i in rows]
+        return PendingSample(tokens, HostCopy([tokens, *extra]), rows, ks)
 
     def _sample_rows(
         self,
@@ -70,18 +112,19 @@ class Sampler:
         logits: torch.Tensor,
         tokens: torch.Tensor,
         params: Sequence[SamplingParams],
-        token_ids: list[int],
-    ) -> list[TokenLogprobs | None]:
-        out: list[TokenLogprobs | None] = [None] * len(params)
-        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if not rows:
-            return out
-        logp = torch.log_softmax(logits[rows].float(), dim=-1)  # [R, V]: of the raw logits
-        chosen = logp.gather(1, tokens[rows].view(-1, 1)).view(-1).tolist()
+        rows: list[int],
+    ) -> list[torch.Tensor]:
+        """For ``rows``: the chosen token's logprob ``[R]`` and the top ``n`` values and ids
+        ``[R, n]`` (most likely first), of the log-softmax of the raw logits, on the device."""
+        index = _index(rows, logits.device)
+        logp = torch.log_softmax(logits[index].float(), dim=-1)  # [R, V]
+        chosen = logp.gather(1, tokens[index].view(-1, 1)).view(-1)
         n = min(max(params[i].logprobs for i in rows), logp.shape[-1])
-        top_vals, top_ids = (t.tolist() for t in logp.topk(n, dim=-1))  # [R, n], most likely first
-        for r, i in enumerate(rows):
-            k = params[i].logprobs
-            top = tuple(zip(top_ids[r][:k], top_vals[r][:k]))
-            out[i] = TokenLogprobs(token_ids[i], chosen[r], top)
-        return out
+        top_vals, top_ids = logp.topk(n, dim=-1)
+        return [chosen, top_vals, top_ids]
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """``rows`` as an index on ``device``, copied without waiting for the queued work (a list
+    index would upload with a blocking copy, stalling the host until the device catches up)."""
+    return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)

@@ -1,0 +1,39 @@
+"""Reading a step's small results (sampled tokens, logprobs) back to the host without waiting for
+the steps queued after it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class HostCopy:
+    """Copies of device tensors to host memory, started now and waited for in ``tolist``.
+
+    On an asynchronous device the copies go non-blocking into pinned memory, followed by an event:
+    ``tolist`` then waits for exactly the work queued before the copies, not for a next step
+    launched meanwhile. On the CPU (or a device without events or pinned memory) the tensors are
+    kept and ``tolist`` reads them directly, synchronizing as a plain read does.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._tensors = tensors
+        self._event: Any = None
+        if not tensors or all(t.device.type == "cpu" for t in tensors):
+            return
+        try:
+            hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for host, t in zip(hosts, tensors):
+                host.copy_(t, non_blocking=True)
+            event = torch.Event(device=tensors[0].device)
+            event.record()
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+            return  # no pinned memory or events here: read the device tensors in tolist
+        self._tensors, self._event = hosts, event
+
+    def tolist(self) -> list[Any]:
+        """Every tensor as nested Python lists, once its copy has landed."""
+        if self._event is not None:
+            self._event.synchronize()
+        return [t.tolist() for t in self._tensors]

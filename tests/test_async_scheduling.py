@@ -1,0 +1,424 @@
+"""Async scheduling: step N+1 is scheduled, built and launched before step N's tokens are read
+back, its placeholders filled on the device from step N's sampled tokens. Results must not change:
+the scheduler under a fake two-deep pipeline, then EngineCore with overlap on and off (greedy
+outputs, stop strings, EOS, max_tokens, aborts, preemption, no block leak), and proof that the
+overlap happens."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from serve_cli.engine import BlockManager, Request, RequestStatus, ScheduledBatch, Scheduler
+from serve_cli.engine.batch import PLACEHOLDER_TOKEN_ID
+
+# --- the scheduler, torch-free --------------------------------------------------------------------
+
+
+def next_token(context: list[int]) -> int:
+    return (sum(context) * 31 + len(context)) % 1000
+
+
+def reference(prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(next_token(seq))
+    return seq
+
+
+class PipelinedFakeEngine:
+    """Runs each batch when it is launched, as a device would in order: placeholders take the
+    tokens the previous launched batch sampled; the KV written at each slot is read back through
+    the block tables and must be the request's true context."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.kv: dict[int, tuple[int, int]] = {}
+        self.previous: dict[str, int] = {}
+        self.num_placeholders = 0
+
+    def launch(self, batch: ScheduledBatch) -> dict[str, int]:
+        s, bs = self.sched, batch.block_size
+        assert batch.num_tokens <= s.max_num_batched_tokens and batch.num_seqs <= s.max_num_seqs
+        written = [slot for r in batch.requests for slot in r.slot_mapping]
+        assert len(set(written)) == len(written)
+        for slot in written:
+            assert s.block_manager.ref_count(slot // bs) == 1, "wrote into a shared or free block"
+        sampled = {}
+        for r in batch.requests:
+            req = s.get_request(r.request_id)
+            assert r.end_position <= s.max_model_len
+            if r.num_placeholders:
+                assert r.num_placeholders == r.num_tokens == 1 and r.produces_token
+                self.num_placeholders += 1
+            tokens = [self.previous[r.request_id] if t == PLACEHOLDER_TOKEN_ID else t
+                      for t in r.token_ids]  # fmt: skip
+            for p, tok, slot in zip(r.positions, tokens, r.slot_mapping):
+                self.kv[slot] = (p, tok)
+            ctx = [self.kv[r.block_table[p // bs] * bs + p % bs] for p in range(r.end_position)]
+            truth = reference(req.prompt_token_ids, r.end_position - req.num_prompt_tokens)
+            assert ctx == list(enumerate(truth[: r.end_position])), "KV read back is wrong"
+            if r.produces_token:
+                sampled[r.request_id] = next_token([t for _, t in ctx])
+        self.previous = sampled
+        return sampled
+
+
+def make(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 64,
+         max_model_len: int = 256, chunked: bool = True) -> Scheduler:  # fmt: skip
+    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, max_model_len,
+                     enable_chunked_prefill=chunked, async_scheduling=True)  # fmt: skip
+
+
+def test_placeholders_feed_the_in_flight_token_and_length_limits_are_not_overrun() -> None:
+    s = make()
+    eng = PipelinedFakeEngine(s)
+    s.submit(Request("a", [1, 2, 3], max_tokens=2))
+    first = s.next_batch()
+    sampled = eng.launch(first)
+    second = s.next_batch()  # scheduled while the first is outstanding
+    (row,) = second.requests
+    assert row.token_ids == [PLACEHOLDER_TOKEN_ID] and row.start_position == 3
+    assert s.get_request("a").num_placeholders == 2
+    with pytest.raises(RuntimeError, match="advance"):
+        s.next_batch()  # at most two outstanding
+    with pytest.raises(RuntimeError, match="oldest"):
+        s.advance(second, {})
+    s.advance(first, sampled)
+    sampled2 = eng.launch(second)
+    assert s.next_batch() is None  # the last token is in flight: max_tokens is certain
+    (done,) = s.advance(second, sampled2)
+    assert done.finish_reason == "length" and done.output_token_ids == reference([1, 2, 3], 2)[3:]
+    assert done.num_placeholders == 0 and s.block_manager.num_free_blocks == 64
+
+
+def test_a_request_finished_in_flight_keeps_its_blocks_until_its_last_batch_is_advanced() -> None:
+    s = make(num_blocks=8)
+    eng = PipelinedFakeEngine(s)
+    s.submit(Request("a", list(range(1, 10)), max_tokens=20))
+    first = s.next_batch()
+    sampled = eng.launch(first)
+    second = s.next_batch()  # a's placeholder row
+    sampled2 = eng.launch(second)
+    (done,) = s.advance(first, sampled, {"a": RequestStatus.FINISHED_STOPPED})
+    assert done.block_ids == [] and s.block_manager.num_used_blocks == 3  # held for `second`
+    assert s.advance(second, sampled2) == []  # its late row is dropped
+    assert s.block_manager.num_free_blocks == 8
+    # the extra KV slot is never cached: only the 2 full blocks of the 9 known tokens are
+    assert s.block_manager.match_prefix(list(range(1, 10)) + [5] * 8)[1] == 8
+
+
+def run_pipelined(s: Scheduler, rng: random.Random, arrivals: list[Request], stop_p: float,
+                  abort_p: float) -> tuple[PipelinedFakeEngine, set[str]]:  # fmt: skip
+    eng = PipelinedFakeEngine(s)
+    in_flight: tuple[ScheduledBatch, dict[str, int]] | None = None
+    cut_short: set[str] = set()
+    for step in range(5000):
+        if step < len(arrivals) and (req := arrivals[step]) is not None:
+            try:
+                s.submit(req)
+            except ValueError as e:
+                assert "can never fit" in str(e) or "max_model_len" in str(e)
+        live = [r for r in arrivals[: step + 1] if r is not None and not r.is_finished]
+        if live and rng.random() < abort_p and s.abort((victim := rng.choice(live)).request_id):
+            cut_short.add(victim.request_id)
+        batch = s.next_batch()
+        launched = None if batch is None else (batch, eng.launch(batch))
+        if in_flight is not None:
+            sampled = in_flight[1]
+            stops = {rid: RequestStatus.FINISHED_STOPPED for rid in sampled
+                     if s.get_request(rid) is not None and rng.random() < stop_p}  # fmt: skip
+            cut_short |= set(stops)
+            s.advance(in_flight[0], sampled, stops)
+        in_flight = launched
+        if in_flight is None and step >= len(arrivals) and not s.has_unfinished_requests():
+            break
+    return eng, cut_short
+
+
+PLACEHOLDERS_SEEN: list[int] = []
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_pipelined_workloads_complete_correctly_without_leaks(seed: int) -> None:
+    rng = random.Random(seed)
+    chunked = rng.random() < 0.7
+    num_blocks, max_model_len = rng.randint(3, 20), rng.randint(4, 64)
+    s = make(num_blocks=num_blocks, block_size=rng.choice([1, 2, 4, 8]),
+             max_num_seqs=rng.randint(1, 8), max_model_len=max_model_len,
+             budget=rng.randint(1 if chunked else max_model_len, 80), chunked=chunked)  # fmt: skip
+    bases = [[rng.randrange(5) for _ in range(40)] for _ in range(3)]
+    arrivals: list[Request | None] = []
+    for i in range(60):
+        prompt = rng.choice(bases)[: rng.randint(1, 40)] + [rng.randrange(5)] * rng.randint(0, 2)
+        keep = rng.random() < 0.5
+        arrivals.append(Request(f"r{i}", prompt, max_tokens=rng.randint(1, 30)) if keep else None)
+    eng, cut_short = run_pipelined(s, rng, arrivals, stop_p=0.02, abort_p=0.03)
+    assert not s.has_unfinished_requests() and s.block_manager.num_free_blocks == num_blocks
+    for r in arrivals:
+        if r is None or r.status is RequestStatus.WAITING:  # rejected at submit
+            continue
+        assert r.num_placeholders == 0
+        expected = min(r.max_tokens, max(max_model_len - r.num_prompt_tokens, 1))
+        assert r.num_output_tokens == expected or r.request_id in cut_short
+        assert r.num_output_tokens <= expected
+        assert r.token_ids == reference(r.prompt_token_ids, r.num_output_tokens)
+    PLACEHOLDERS_SEEN.append(eng.num_placeholders)
+
+
+def test_the_random_workloads_did_feed_placeholders() -> None:
+    assert sum(PLACEHOLDERS_SEEN) > 0
+
+
+def test_preemption_under_a_tiny_budget_with_tokens_in_flight() -> None:
+    rng = random.Random(7)
+    s = make(num_blocks=6, block_size=4, max_num_seqs=6, budget=32, max_model_len=24)
+    reqs = []
+    for i in range(16):
+        prompt = [rng.randrange(1000) for _ in range(rng.randint(2, 12))]
+        reqs.append(Request(f"r{i}", prompt, max_tokens=rng.randint(1, 24 - len(prompt))))
+    eng, _ = run_pipelined(s, rng, list(reqs), stop_p=0.0, abort_p=0.0)
+    for r in reqs:
+        assert r.token_ids == reference(r.prompt_token_ids, r.max_tokens)
+    assert sum(r.num_preemptions for r in reqs) > 0 and eng.num_placeholders > 0
+    assert s.block_manager.num_free_blocks == 6
+
+
+# --- the engine, overlap on and off -------------------------------------------------------------
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from serve_cli.engine.config import EngineConfig  # noqa: E402
+from serve_cli.engine.core import EngineCore  # noqa: E402
+from serve_cli.engine.sampling import SamplingParams  # noqa: E402
+
+BASE = dict(max_num_seqs=8, max_num_batched_tokens=48, max_model_len=128, num_kv_blocks=48)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _engine(model_dir: Path, overlap: bool, **overrides) -> EngineCore:
+    config = EngineConfig(model_dir=model_dir, async_scheduling=overlap, **{**BASE, **overrides})
+    assert config.async_scheduling is overlap
+    return EngineCore(config)
+
+
+@pytest.fixture(scope="module")
+def engines(llama_gqa_dir: Path) -> dict[bool, EngineCore]:
+    return {overlap: _engine(llama_gqa_dir, overlap) for overlap in (False, True)}
+
+
+def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def _run(engine: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]],
+         abort_after: dict[str, int] | None = None) -> dict[str, dict]:  # fmt: skip
+    """Submit all, step until idle (aborting a request once it has ``abort_after[rid]`` tokens);
+    per request: token ids, text, finish reason, usage count and logprobs."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    result = {rid: dict(ids=[], text="", reason=None, n=0, lp=[]) for rid in requests}
+    while engine.has_unfinished():
+        for out in engine.step():
+            r = result[out.request_id]
+            r["ids"] += out.new_token_ids
+            r["text"] += out.new_text
+            r["lp"] += out.logprobs or []
+            r["reason"], r["n"] = out.finish_reason, out.num_output_tokens
+        for rid, n in (abort_after or {}).items():
+            if len(result[rid]["ids"]) >= n and result[rid]["reason"] is None:
+                engine.abort(rid)
+    stats = engine.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == stats["num_waiting"] == 0
+    assert engine._in_flight is None and not engine.scheduler._outstanding
+    return result
+
+
+def test_config_default_is_off_on_the_cpu_and_on_elsewhere() -> None:
+    assert EngineConfig().async_scheduling is False
+    assert EngineConfig(device="cuda").async_scheduling is True
+    assert EngineConfig(device="npu", tensor_parallel_size=2).async_scheduling is False
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineConfig(device="cuda", tensor_parallel_size=2, async_scheduling=True)
+
+
+def _assert_same(on: dict[str, dict], off: dict[str, dict]) -> None:
+    assert on.keys() == off.keys()
+    for rid in on:
+        a, b = on[rid], off[rid]
+        for key in ("ids", "text", "reason", "n"):
+            assert a[key] == b[key], (rid, key)
+        assert [x.token_id for x in a["lp"]] == [x.token_id for x in b["lp"]]
+        assert [x.logprob for x in a["lp"]] == pytest.approx([x.logprob for x in b["lp"]], abs=1e-4)
+
+
+def test_greedy_outputs_match_with_eos_max_tokens_and_chunked_prefill(engines) -> None:
+    prompts = _prompts([5, 17, 33, 70, 1, 90, 12, 40, 8, 61, 3, 26], seed=11)
+    greedy = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+    plain = _run(engines[False], {f"p{i}": (p, greedy) for i, p in enumerate(prompts)})
+    eos = plain["p2"]["ids"][5]  # a token some requests emit mid-stream
+    requests = {}
+    for i, p in enumerate(prompts):
+        params = replace(greedy, max_tokens=3 + i % 12, ignore_eos=i % 3 == 0)
+        if i == 5:
+            params = replace(params, logprobs=3)
+        if i == 7:
+            params = replace(params, temperature=0.8, seed=42)  # seeded: batch-independent
+        requests[f"r{i}"] = (p, params)
+    runs = {}
+    for overlap, engine in engines.items():
+        engine.eos_token_ids = frozenset({eos})
+        runs[overlap] = _run(engine, requests)
+        engine.eos_token_ids = frozenset()
+    _assert_same(runs[True], runs[False])
+    reasons = [r["reason"] for r in runs[False].values()]
+    assert "stop" in reasons and "length" in reasons
+
+
+def test_stop_strings_cut_the_same_text(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from serve_cli.default_model import ensure_default_model
+
+    model_dir = ensure_default_model(tmp_path_factory.mktemp("cache"))
+    engines = {o: _engine(model_dir, o, num_kv_blocks=32, max_num_batched_tokens=24)
+               for o in (False, True)}  # fmt: skip
+    tok = engines[False].tokenizer
+    texts = ["Where did you put the keys?", "Once upon a time", "The quick brown fox jumps",
+             "Tell me a story about a dragon and a knight who", "1 2 3 4", "Hello"]  # fmt: skip
+    prompts = [tok(t)["input_ids"] for t in texts]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    plain = _run(engines[False], {f"p{i}": (p, greedy) for i, p in enumerate(prompts)})
+    requests = {}
+    for i, p in enumerate(prompts):
+        text = plain[f"p{i}"]["text"]
+        stop = text[len(text) // 3 :][:3]
+        requests[f"s{i}"] = (p, replace(greedy, stop=(stop,) if stop.strip() else ()))
+    runs = {overlap: _run(engine, requests) for overlap, engine in engines.items()}
+    _assert_same(runs[True], runs[False])
+    assert sum(r["reason"] == "stop" for r in runs[False].values()) >= 3
+
+
+def test_aborts_mid_stream_free_everything_and_leave_the_others_unchanged(engines) -> None:
+    prompts = _prompts([9, 30, 14, 52, 6, 21], seed=12)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    requests = {f"a{i}": (p, params) for i, p in enumerate(prompts)}
+    full = _run(engines[False], requests)
+    cut = {"a1": 3, "a4": 1, "a5": 8}
+    for overlap, engine in engines.items():
+        got = _run(engine, requests, abort_after=cut)
+        for rid, r in got.items():
+            if rid in cut:
+                assert r["reason"] == "abort" and len(r["ids"]) >= cut[rid]
+                assert r["ids"] == full[rid]["ids"][: len(r["ids"])]
+            else:
+                assert r["ids"] == full[rid]["ids"] and r["reason"] == "length", (overlap, rid)
+
+
+def test_preemption_under_a_tiny_kv_budget_matches(llama_gqa_dir: Path) -> None:
+    prompts = _prompts([30, 28, 25, 33, 20, 31, 17], seed=13)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    requests = {f"q{i}": (p, params) for i, p in enumerate(prompts)}
+    runs = {}
+    for overlap in (False, True):
+        engine = _engine(llama_gqa_dir, overlap, num_kv_blocks=8)
+        runs[overlap] = _run(engine, requests)
+        assert engine.stats()["num_preemptions_total"] > 0
+        assert engine.stats()["kv_blocks_free"] == 8
+    assert {k: v["ids"] for k, v in runs[True].items()} == {
+        k: v["ids"] for k, v in runs[False].items()
+    }
+
+
+def test_step_n_plus_1_executes_before_step_n_is_read_back(engines, monkeypatch) -> None:
+    """An instrumented runner: the log shows each step's execute and the read-back of its tokens;
+    with overlap, step k+1's execute (fed by placeholders) comes before step k's read-back."""
+    prompts = _prompts([7, 19, 40], seed=14)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    logs = {}
+    for overlap, engine in engines.items():
+        runner, log = engine.runner, []
+        launch, collect, execute = runner.launch, runner.collect, runner.executor.execute
+        upload = runner.input_builder.upload
+        ids: dict[int, int] = {}
+
+        def traced_execute(*args, _execute=execute, _log=log, **kwargs):
+            _log.append(("execute", sum(1 for e in _log if e[0] == "execute")))
+            return _execute(*args, **kwargs)
+
+        def traced_launch(*args, _launch=launch, _log=log, _ids=ids, **kwargs):
+            launched = _launch(*args, **kwargs)
+            _ids[id(launched)] = sum(1 for e in _log if e[0] == "execute") - 1
+            return launched
+
+        def traced_collect(launched, _collect=collect, _log=log, _ids=ids):
+            _log.append(("read", _ids[id(launched)]))
+            return _collect(launched)
+
+        def traced_upload(step, previous=None, _upload=upload, _log=log):
+            _log.append(("placeholders", len(step.placeholder_idxes)))
+            return _upload(step, previous)
+
+        monkeypatch.setattr(runner.executor, "execute", traced_execute)
+        monkeypatch.setattr(runner, "launch", traced_launch)
+        monkeypatch.setattr(runner, "collect", traced_collect)
+        monkeypatch.setattr(runner.input_builder, "upload", traced_upload)
+        out = _run(engine, {f"t{i}": (p, params) for i, p in enumerate(prompts)})
+        logs[overlap] = (log, out)
+    (off_log, off), (on_log, on) = logs[False], logs[True]
+    assert {k: v["ids"] for k, v in on.items()} == {k: v["ids"] for k, v in off.items()}
+
+    def order(log: list) -> list[tuple[int, int]]:
+        """(index of step k's read-back, index of step k+1's execute) in the log, per k."""
+        at = {e: i for i, e in enumerate(log)}
+        n = sum(1 for e in log if e[0] == "execute")
+        return [(at[("read", k)], at[("execute", k + 1)]) for k in range(n - 1)]
+
+    assert all(read < nxt for read, nxt in order(off_log))  # plain: read back, then next step
+    assert all(nxt < read for read, nxt in order(on_log))  # overlap: next step first
+    assert sum(n for kind, n in on_log if kind == "placeholders") > 0
+    assert sum(n for kind, n in off_log if kind == "placeholders") == 0
+
+
+def test_a_failing_launch_fails_its_batch_after_the_step_before_is_read(
+    llama_gqa_dir: Path, monkeypatch
+) -> None:
+    engine = _engine(llama_gqa_dir, True, max_num_seqs=2)
+    a, b, c = _prompts([20, 7, 13], seed=15)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    for rid, prompt in zip("abc", (a, b, c)):
+        engine.add_request(rid, prompt, params)
+    assert engine.step() == []  # a and b prefill, in flight; c waits (max_num_seqs=2)
+    execute, calls = engine.runner.executor.execute, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected device fault")
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner.executor, "execute", fails_once)
+    outputs = engine.step()  # the prefill's tokens, then the failed decode's errors
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [
+        ("a", None), ("b", None), ("a", "error"), ("b", "error")
+    ]
+    assert "injected device fault" in outputs[-1].error
+    assert engine.stats()["kv_blocks_used"] == 0 and engine.stats()["num_waiting"] == 1
+    got: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id == "c" and out.finish_reason in (None, "length")
+            got += out.new_token_ids
+    expected = _run(_engine(llama_gqa_dir, False), {"c": (c, params)})["c"]["ids"]
+    assert got == expected and engine.stats()["kv_blocks_used"] == 0
