@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from xhal import sampling
 from xhal.interfaces.ops import DeviceOps
 
 
@@ -47,23 +48,7 @@ class TorchCudaOps(DeviceOps):
         return logits.float().argmax(dim=-1)
 
     def sample(self, logits, temperature, top_k, top_p, generator=None):
-        logits = logits.float()
-        vocab = logits.shape[-1]
-        greedy = temperature <= 0
-        scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
-        # top-k first: keep logits >= the k-th largest (ties kept)
-        k = torch.where((top_k <= 0) | (top_k > vocab), torch.full_like(top_k, vocab), top_k).long()
-        ordered, order = scaled.sort(dim=-1, descending=True, stable=True)
-        kth = ordered.gather(1, (k - 1).unsqueeze(1))
-        ordered = ordered.masked_fill(ordered < kth, float("-inf"))
-        # then top-p over what is left: drop a token once the mass ranked before it reaches p
-        probs = ordered.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        probs = probs.masked_fill(mass_before >= top_p.unsqueeze(1), 0.0)
-        # exponential race == multinomial draw, with no host sync
-        noise = torch.empty_like(probs).exponential_(generator=generator)
-        picked = order.gather(1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
-        return torch.where(greedy, logits.argmax(dim=-1), picked)
+        return sampling.sample(logits, temperature, top_k, top_p, generator)
 
 
 class FlashInferOps(TorchCudaOps):

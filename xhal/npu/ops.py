@@ -8,6 +8,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from xhal import sampling
 from xhal.interfaces.ops import DeviceOps
 
 TOP_K_MAX = 1024  # npu_top_k_top_p takes k in [1, 1024] and <= V (section 3)
@@ -75,32 +76,14 @@ class NpuOps(DeviceOps):
         top_p: torch.Tensor,
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
-        logits = logits.float()
         vocab = logits.shape[-1]
-        greedy = temperature <= 0
-        divisor = torch.where(greedy, torch.ones_like(temperature), temperature)
-        scaled = logits / divisor.unsqueeze(1)
-        k = torch.where((top_k <= 0) | (top_k > vocab), torch.full_like(top_k, vocab), top_k)
-        # npu_top_k_top_p takes k in [1, 1024]: with every row there (or a vocab that small) the
-        # op filters; otherwise the whole batch takes the torch path. One scalar read decides.
-        k_in_range = vocab <= TOP_K_MAX or bool((k <= TOP_K_MAX).all())
-        if k_in_range:
-            filtered = self.npu.npu_top_k_top_p(scaled, top_p.to(scaled.dtype), k.to(torch.int32))
-        else:
-            filtered = _torch_top_k_top_p(scaled, k, top_p)
+
+        def top_k_top_p(scaled: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+            # npu_top_k_top_p takes k in [1, 1024]: with every row there (or a vocab that small)
+            # the op filters; otherwise the whole batch takes the torch path. One scalar read.
+            if vocab <= TOP_K_MAX or bool((k <= TOP_K_MAX).all()):
+                return self.npu.npu_top_k_top_p(scaled, p.to(scaled.dtype), k.to(torch.int32))
+            return sampling.top_k_top_p_filter(scaled, k, p)
+
         # softmax, then an exponential race: a multinomial draw with no host sync (as vllm-ascend)
-        probs = filtered.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_(generator=generator)
-        picked = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), picked)
-
-
-def _torch_top_k_top_p(scaled: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Top-k (ties at the k-th value kept), then top-p over the rest; filtered logits are -inf."""
-    ordered, order = scaled.sort(dim=-1, descending=True, stable=True)
-    kth = ordered.gather(1, (k.long() - 1).unsqueeze(1))
-    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
-    probs = ordered.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # drop a token once the mass ranked before it >= p
-    ordered = ordered.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
-    return torch.full_like(scaled, float("-inf")).scatter(1, order, ordered)
+        return sampling.sample(logits, temperature, top_k, top_p, generator, top_k_top_p)
