@@ -97,19 +97,44 @@ def load_model(
     tp: TensorParallel = TensorParallel(0, 1),
     config: Mapping[str, Any] | None = None,
     progress: bool = True,
+    load_format: str = "auto",
 ) -> nn.Module:
     """Build the model config.json names, with its parameters in ``dtype`` on ``device``, and
     load this rank's shards of the checkpoint's weights.
 
-    ``config`` replaces config.json when given (``xhal-align --override`` uses it). Raises
+    ``config`` replaces config.json when given (``xhal-align --override`` uses it).
+    ``load_format="dummy"`` reads no weights: parameters are drawn at random (seeded; normal with
+    std 0.02, norm weights 1), so a directory with only config.json serves for benchmarks, as
+    vLLM's ``--load-format dummy`` does. Raises
     ``KeyError`` for an unsupported architecture (listing the supported ones) and
     ``models.weights.WeightsMismatchError`` naming any missing or unexpected tensor.
     """
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     config = dict(config) if config is not None else read_config(model_dir)
     model_cls = resolve_model_class(config)
     torch_dtype = resolve_dtype(dtype, config)
-    files = safetensors_files(model_dir)
+    files = safetensors_files(model_dir) if load_format == "auto" else []
     with _default_dtype(torch_dtype), torch.device(device):
         model = model_cls(config, tp)
-    model.load_weights(iter_safetensors(files, progress))
+    if load_format == "dummy":
+        randomize_weights(model)
+    else:
+        model.load_weights(iter_safetensors(files, progress))
     return model.eval()
+
+
+@torch.no_grad()
+def randomize_weights(model: nn.Module, seed: int = 0) -> None:
+    """Seeded random weights in place: normal(0, 0.02), norm weights 1, biases 0 (drawn on the
+    parameters' device, so the same seed gives the same model on the same kind of device)."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:
+            if param.device not in generators:
+                generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+            param.normal_(0.0, 0.02, generator=generators[param.device])

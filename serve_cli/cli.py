@@ -153,6 +153,13 @@ POSITIVE = click.IntRange(min=1)
     "0 and starts N-1 worker processes, one per device. [default: 1]",
 )
 @click.option(
+    "--load-format",
+    type=click.Choice(["auto", "dummy"]),
+    default=None,
+    help="auto: read the checkpoint's safetensors. dummy: seeded random weights, so a directory "
+    "with only config.json and a tokenizer serves (for benchmarks). [default: auto]",
+)
+@click.option(
     "--enforce-eager",
     is_flag=True,
     help="Run every step eagerly: capture no decode graphs (slower, easier to debug).",

@@ -124,3 +124,20 @@ def test_wrong_shape_names_the_tensor(llama_tied_dir: Path, tmp_path: Path) -> N
         WeightsMismatchError, match=r"'model\.layers\.0\.mlp\.\w+\.weight'.*expected"
     ):
         load_model(bad, progress=False)
+
+
+def test_dummy_load_format_needs_only_config(tmp_path, checkpoint_factory):
+    """load_format="dummy" builds the model from config.json alone with seeded random weights."""
+    config = json.loads((checkpoint_factory("qwen3") / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    a = load_model(tmp_path, dtype=torch.float32, load_format="dummy", progress=False)
+    b = load_model(tmp_path, dtype=torch.float32, load_format="dummy", progress=False)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), name
+        if "norm" in name:
+            assert torch.all(pa == 1)
+    assert 0.015 < float(a.lm_head.weight.std()) < 0.025
+    with pytest.raises(FileNotFoundError):
+        load_model(tmp_path, load_format="auto", progress=False)
+    with pytest.raises(ValueError, match="load_format"):
+        load_model(tmp_path, load_format="random", progress=False)

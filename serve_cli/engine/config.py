@@ -30,6 +30,7 @@ class EngineConfig:
     model_dir: str | Path | None = None
     device: str = "cpu"
     dtype: str = "auto"
+    load_format: str = "auto"  # "dummy": random weights, only config.json and a tokenizer needed
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -45,6 +46,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size")
         for name in positive:
             _check_positive(name, getattr(self, name))

@@ -32,7 +32,10 @@ def build_executor(
     from models.loader import load_model
     from xhal.executor import ExecutorConfig, ModelExecutor
 
-    model = load_model(model_dir, config.dtype, platform.device(), tp=tp, progress=progress)
+    model = load_model(
+        model_dir, config.dtype, platform.device(), tp=tp, progress=progress,
+        load_format=config.load_format,
+    )
     return ModelExecutor(
         model,
         platform,
