@@ -93,6 +93,10 @@ class ModelRunner:
             self.num_kv_blocks = caches[0].key.shape[0]
             if self.workers is not None:
                 self.workers.bind_kv_caches(self.num_kv_blocks)
+            elif self.platform.device_type != "cpu":
+                # capture every decode bucket now (progress bar; time and memory logged) so no
+                # request pays for a capture; with TP all ranks would have to capture in step
+                self.executor.capture_graphs()
         except BaseException:
             self.close()
             raise
