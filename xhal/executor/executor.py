@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -52,7 +52,9 @@ class ModelExecutor:
         if not self.config.enforce_eager and platform.capabilities.graphs:
             self.decode_graphs = DecodeGraphs(platform, self.backends, self.config, self._forward)
             if self.config.token_capture_sizes:
-                self.piecewise = PiecewiseGraphs(platform, self.backend_of, self.config, self._forward_with)
+                self.piecewise = PiecewiseGraphs(
+                    platform, self.backend_of, self.backends, self.config, self._forward_with
+                )
 
     # setup -------------------------------------------------------------------------------------
 
@@ -132,7 +134,14 @@ class ModelExecutor:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, input_embedding: torch.Tensor | None = None) -> torch.Tensor:
         return self._forward_with(input_ids, positions, metadata, self.backend_of, input_embedding)
 
-    def _forward_with(self, input_ids, positions, metadata, attention, input_embedding=None) -> torch.Tensor:
+    def _forward_with(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        attention: Mapping[int, Any],
+        input_embedding: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         with forward_context(ForwardContext(metadata, attention, self.collective)):
             return self.model(input_ids, positions, input_embedding)
 
@@ -171,7 +180,13 @@ class ModelExecutor:
             return run()
         return self._run_with_synchronizer(layer_synchronizer, run)
 
-    def _run_graphs(self, input_ids, positions, metadata, input_embedding) -> torch.Tensor | None:
+    def _run_graphs(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        input_embedding: torch.Tensor | None,
+    ) -> torch.Tensor | None:
         """Full-graph decode or piecewise prefill when a bucket fits; None means run eagerly."""
         if input_embedding is not None:
             return None

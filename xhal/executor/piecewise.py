@@ -40,11 +40,11 @@ class PiecewiseGraphs:
         self,
         platform: Platform,
         backend_of: Mapping[int, AttentionBackend],
+        backends: Sequence[AttentionBackend],
         config: ExecutorConfig,
         forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, Mapping], torch.Tensor],
     ) -> None:
-        self.backend_of, self.forward = backend_of, forward
-        self.backends: Sequence[AttentionBackend] = list({id(b): b for b in backend_of.values()}.values())
+        self.backend_of, self.backends, self.forward = backend_of, backends, forward
         self.graphs = platform.graph_runner()
         self.sizes = config.token_capture_sizes
         n, device = self.sizes[-1], platform.device()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,6 @@ if TYPE_CHECKING:
     from serve_cli.engine.runner.tp_group import TPWorkers
     from serve_cli.engine.sampling import SamplingParams, TokenLogprobs
 
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
