@@ -133,6 +133,43 @@ def test_graph_decode_equals_eager_with_padding(checkpoint_factory):
     assert ("decode", 4) in graph.executor.decode_graphs.graphs
 
 
+def test_graph_decode_batches_shrinking_in_a_bucket(checkpoint_factory):
+    """Rows a larger step left in the persistent buffers go back to padding: a smaller batch in
+    the same bucket writes no stale slot, and every cache equals the eager run's."""
+    path = checkpoint_factory("qwen3")
+    eager, graph = Harness(path, enforce_eager=True, seed=3), Harness(path, enforce_eager=False, seed=3)
+    seqs = prompts(eager.vocab, [9, 14, 21, 6])
+    for h in (eager, graph):
+        h.step([(i, s) for i, s in enumerate(seqs)])
+    for step, active in enumerate(([0, 1, 2, 3], [2], [1, 3], [0, 1, 2])):  # buckets 4, 1, 2, 4
+        new = [(i, [random.Random(step + 5 * i).randrange(eager.vocab)]) for i in active]
+        a, _ = eager.step(new)
+        b, _ = graph.step(new)
+        assert rel_err(b, a) < 1e-5
+        for ce, cg in zip(eager.executor.backends[0]._caches, graph.executor.backends[0]._caches):
+            assert rel_err(cg.key, ce.key) < 1e-5 and rel_err(cg.value, ce.value) < 1e-5
+
+
+def test_decode_staging_resets_rows_a_larger_step_left():
+    """The persistent rows past a smaller batch carry slot -1 and one KV token again (a stale
+    slot could belong to a block since given to another sequence)."""
+    from xhal.executor.decode_graph import DecodeGraphs
+
+    config = ExecutorConfig(max_num_seqs=8, max_model_len=64, block_size=16)
+    graphs = DecodeGraphs(xhal.platforms.get("cpu"), [], config, forward=None)
+    host = PagedHost(64, 16)
+    ids, pos, meta = host.step([(i, [1] * (3 + i)) for i in range(4)])
+    ids, pos, meta = host.step([(i, [2]) for i in range(4)])
+    padded = graphs._stage(ids, pos, meta, bucket=4)
+    assert padded.slot_mapping.tolist() == meta.slot_mapping.tolist()
+    ids, pos, meta = host.step([(2, [3])])
+    padded = graphs._stage(ids, pos, meta, bucket=4)
+    assert padded.slot_mapping.tolist() == meta.slot_mapping.tolist() + [-1, -1, -1]
+    assert padded.kv_seq_lens.tolist() == meta.kv_seq_lens.tolist() + [1, 1, 1]
+    assert padded.kv_seq_lens_host.tolist() == padded.kv_seq_lens.tolist()
+    assert padded.kv_cu_seq_lens.tolist() == [0, meta.kv_seq_lens_host.item(), *range(meta.kv_seq_lens_host.item() + 1, meta.kv_seq_lens_host.item() + 4)]
+
+
 def test_xllm_tuple_caches_synchronizer_and_empty(checkpoint_factory):
     h = Harness(checkpoint_factory("llama_tied"))
     model = load_model(checkpoint_factory("llama_tied"), dtype=torch.float32, progress=False)

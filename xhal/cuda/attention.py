@@ -23,12 +23,19 @@ from xhal.interfaces.metadata import AttentionMetadata, BatchKind
 
 @dataclass
 class PagedIndex:
-    """FlashInfer's CSR page table of one step: host indptr / last-page lengths, device indices."""
+    """FlashInfer's CSR page table of one step, built on the host in pinned memory.
+
+    ``ptr_last_flat`` is one contiguous pinned int32 run ``[indptr (B+1) | last_page_len (B) |
+    gather positions (nnz)]`` (positions only when the host gathers page ids), so a captured
+    bucket uploads it in one copy.
+    """
 
     qo_indptr: torch.Tensor  # int32 [B+1], cpu
     indptr: torch.Tensor  # int32 [B+1], cpu
-    indices: torch.Tensor  # int32 [indptr[-1]], device
     last_page_len: torch.Tensor  # int32 [B], cpu
+    positions: torch.Tensor | None  # int32 [nnz], cpu: flat block-table positions of the page ids
+    ptr_last_flat: torch.Tensor  # int32 [2B+1 (+nnz)], cpu: indptr | last_page_len | positions
+    num_pages: int  # nnz
     num_real_tokens: int
 
 
@@ -40,41 +47,41 @@ class PinnedRing:
     still being copied are never overwritten.
     """
 
-    def __init__(self, slots: int = 2) -> None:
+    def __init__(self, slots: int = 2, pin: bool | None = None) -> None:
+        self._pin = torch.cuda.is_available() if pin is None else pin
         self._buffers = [torch.empty(0, dtype=torch.int32) for _ in range(slots)]
         self._events: list[torch.cuda.Event | None] = [None] * slots
         self._slot = 0
 
-    def acquire(self, size: int) -> np.ndarray:
-        """A pinned buffer of ``size`` int32 values, as a numpy view; valid until ``release``."""
+    def acquire(self, size: int) -> torch.Tensor:
+        """A pinned int32 buffer of ``size`` values; valid until the next ``release``."""
         self._slot = (self._slot + 1) % len(self._buffers)
         if self._events[self._slot] is not None:
             self._events[self._slot].synchronize()
         if self._buffers[self._slot].numel() < size:  # grows a few times, then never again
-            self._buffers[self._slot] = torch.empty(max(size, 2 * self._buffers[self._slot].numel()), dtype=torch.int32, pin_memory=True)
-        return self._buffers[self._slot].numpy()[:size]
-
-    def tensor(self, view: np.ndarray) -> torch.Tensor:
-        """The pinned tensor behind a view handed out by ``acquire``."""
-        return torch.from_numpy(view)
+            grown = max(size, 2 * self._buffers[self._slot].numel())
+            self._buffers[self._slot] = torch.empty(grown, dtype=torch.int32, pin_memory=self._pin)
+        return self._buffers[self._slot][:size]
 
     def release(self) -> None:
         """Mark the current buffer busy until the uploads queued so far have run."""
-        event = torch.cuda.Event()
-        event.record()
-        self._events[self._slot] = event
+        if self._pin:
+            event = torch.cuda.Event()
+            event.record()
+            self._events[self._slot] = event
 
 
 class PagedIndexBuilder:
-    """Builds a step's ``PagedIndex`` with numpy into pinned staging and one host-to-device copy.
+    """Builds a step's ``PagedIndex`` with numpy into pinned staging.
 
-    The host arrays handed to FlashInfer's ``plan`` are pinned, so its uploads of them never stall
-    on pageable memory; call ``release`` once ``plan`` has queued those uploads.
+    Page ids come from the block table on the device: the host knows each row's page count, so it
+    writes the flat table positions to gather (``positions``) and the device gathers them with one
+    ``index_select``. Call ``release`` once the uploads of the arrays handed out are queued.
     """
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, pin: bool | None = None) -> None:
         self.block_size = block_size
-        self.staging = PinnedRing()
+        self.staging = PinnedRing(pin=pin)
 
     def release(self) -> None:
         self.staging.release()
@@ -84,23 +91,111 @@ class PagedIndexBuilder:
         q_lens, kv_lens = m.q_seq_lens_host.numpy(), m.kv_seq_lens_host.numpy()
         num_pages = (kv_lens + bs - 1) // bs
         nnz = int(num_pages.sum())
-        host_indices = m.paged_kv_indices is None
-        buf = self.staging.acquire(3 * b + 2 + (nnz if host_indices else 0))
-        qo, ptr, last, flat = np.split(buf, [b + 1, 2 * b + 2, 3 * b + 2])
+        gather = m.paged_kv_indices is None  # else the host built the page ids (xLLM's CUDA builder)
+        buf = self.staging.acquire(3 * b + 2 + (nnz if gather else 0))
+        qo, ptr, last, flat = np.split(buf.numpy(), [b + 1, 2 * b + 2, 3 * b + 2])
         qo[0] = ptr[0] = 0
         np.cumsum(q_lens, out=qo[1:])
         np.cumsum(num_pages, out=ptr[1:])
         last[:] = kv_lens - (num_pages - 1) * bs
-        if not host_indices:  # the host built it (xLLM's CUDA builder does)
-            indices = m.paged_kv_indices
-        else:  # gather each row's first num_pages block ids; their positions are host-known
-            table = m.block_table.contiguous()
+        if gather:  # row r's pages sit at r * width + 0 .. num_pages[r] - 1 of the flat table
             rows = np.repeat(np.arange(b, dtype=np.int32), num_pages)
-            flat[:] = rows * table.shape[1] + (np.arange(nnz, dtype=np.int32) - ptr[rows])
-            upload = self.staging.tensor(flat).to(m.device, non_blocking=True)
-            indices = table.view(-1).index_select(0, upload)
-        t = self.staging.tensor
-        return PagedIndex(t(qo), t(ptr), indices, t(last), int(qo[-1]))
+            flat[:] = rows * m.block_table.shape[1] + (np.arange(nnz, dtype=np.int32) - ptr[rows])
+        return PagedIndex(
+            qo_indptr=buf[: b + 1],
+            indptr=buf[b + 1 : 2 * b + 2],
+            last_page_len=buf[2 * b + 2 : 3 * b + 2],
+            positions=buf[3 * b + 2 :] if gather else None,
+            ptr_last_flat=buf[b + 1 :],
+            num_pages=nnz,
+            num_real_tokens=int(qo[b]),
+        )
+
+    @staticmethod
+    def page_ids(m: AttentionMetadata, idx: PagedIndex) -> torch.Tensor:
+        """The step's page ids on the device, gathered from the block table (or the host's)."""
+        if idx.positions is None:
+            return m.paged_kv_indices
+        positions = idx.positions.to(m.device, non_blocking=True)
+        return m.block_table.contiguous().view(-1).index_select(0, positions)
+
+
+# FlashInfer versions whose wrapper internals the bucket fast plan was checked against
+_FAST_PLAN_VERSIONS = ("0.5.3",)
+
+
+class _DecodeBucket:
+    """One captured decode bucket: a FlashInfer decode wrapper over static device buffers.
+
+    The first ``plan`` goes through the wrapper. Later ones (on FlashInfer versions in
+    ``_FAST_PLAN_VERSIONS``) upload indptr | last-page lengths | gather positions in one copy,
+    gather the page ids straight into the wrapper's indices buffer and call FlashInfer's C++
+    scheduler directly: the wrapper's Python ``plan`` re-derives, on every call, things that are
+    fixed for a bucket (dtypes, module lookup, host copies of device arrays) and dominated the
+    host time of a graph decode step.
+    """
+
+    def __init__(self, fi, workspace: torch.Tensor, use_tensor_cores: bool, batch: int, max_pages: int) -> None:
+        i32 = dict(dtype=torch.int32, device=workspace.device)
+        self.batch = batch
+        self.meta = torch.zeros(2 * batch + 1 + max_pages, **i32)  # indptr | last_page_len | positions
+        self.meta[batch + 1 : 2 * batch + 1] = 1
+        self.indices = torch.zeros(max_pages, **i32)
+        self.slots = torch.full((batch,), -1, **i32)  # the captured KV write reads these
+        self.qo_indptr_host = torch.arange(batch + 1, dtype=torch.int32)
+        self.wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+            workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=use_tensor_cores,
+            paged_kv_indptr_buffer=self.meta[: batch + 1],
+            paged_kv_indices_buffer=self.indices,
+            paged_kv_last_page_len_buffer=self.meta[batch + 1 : 2 * batch + 1],
+        )
+        self.fast = getattr(fi, "__version__", "") in _FAST_PLAN_VERSIONS
+        self._planned = False
+        self._scheduled: torch.cuda.Event | None = None  # after the last plan's upload of its schedule
+
+    def plan(self, m: AttentionMetadata, idx: PagedIndex, spec: AttentionSpec, common: dict) -> None:
+        if idx.num_pages > self.indices.numel():
+            raise ValueError(f"decode bucket of {self.batch} holds {self.indices.numel()} pages, the step has {idx.num_pages}")
+        if self._scheduled is not None:  # FlashInfer stages the schedule in one pinned buffer
+            self._scheduled.synchronize()
+        heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.block_size)
+        if not (self.fast and self._planned):
+            ids = PagedIndexBuilder.page_ids(m, idx)
+            self.wrapper.plan(idx.indptr, ids, idx.last_page_len, *heads, **common)
+            self._planned = True
+        else:
+            n = idx.ptr_last_flat.numel()
+            self.meta[:n].copy_(idx.ptr_last_flat, non_blocking=True)
+            if idx.positions is None:
+                self.indices[: idx.num_pages].copy_(m.paged_kv_indices, non_blocking=True)
+            else:
+                table = m.block_table.contiguous().view(-1)
+                torch.index_select(table, 0, self.meta[2 * self.batch + 1 : n], out=self.indices[: idx.num_pages])
+            self._schedule(m, idx, spec)
+        self._scheduled = torch.cuda.Event()
+        self._scheduled.record()
+
+    def _schedule(self, m: AttentionMetadata, idx: PagedIndex, spec: AttentionSpec) -> None:
+        """FlashInfer's scheduler for this bucket, as the wrapper's ``plan`` calls it with
+        ``use_cuda_graph=True`` (0.5.3); the captured kernels read its output from the int
+        workspace."""
+        w, b, window = self.wrapper, self.batch, (spec.sliding_window - 1) if spec.sliding_window else -1
+        buffers = (w._float_workspace_buffer, w._int_workspace_buffer, w._pin_memory_int_workspace_buffer)
+        if w.use_tensor_cores:
+            w._plan_info = w._cached_module.plan(
+                *buffers, self.qo_indptr_host, idx.indptr, m.kv_seq_lens_host, b, b,
+                spec.num_heads, spec.num_kv_heads, spec.block_size, True, spec.head_dim, spec.head_dim,
+                False, window, -1, False, 0,
+            )
+        else:
+            w._plan_info = w._cached_module.plan(
+                *buffers, idx.indptr, b, spec.num_heads, spec.num_kv_heads, spec.block_size, True,
+                window, spec.logits_soft_cap or 0.0, spec.head_dim, spec.head_dim,
+                torch.empty(0, dtype=spec.dtype), torch.empty(0, dtype=spec.dtype),
+            )
 
 
 class FlashInferAttention(AttentionBackend):
@@ -116,9 +211,9 @@ class FlashInferAttention(AttentionBackend):
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace, "NHD", use_tensor_cores=self.use_tensor_cores
         )
-        self.graph_decode: dict[Hashable, object] = {}
-        self.graph_slots: dict[Hashable, torch.Tensor] = {}  # static slot mapping per captured bucket
+        self.buckets: dict[Hashable, _DecodeBucket] = {}
         self.index_builder = PagedIndexBuilder(spec.block_size)
+        self._scheduled: torch.cuda.Event | None = None  # the eager wrappers' last plan
         self._caches: list[LayerCache] = []
         self._wrapper = None
         self._slot_mapping: torch.Tensor | None = None
@@ -137,42 +232,36 @@ class FlashInferAttention(AttentionBackend):
             kv_data_type=s.dtype,
         )
 
-    def _graph_wrapper(self, key: Hashable, m: AttentionMetadata):
-        if key not in self.graph_decode:
-            b, device = m.num_seqs, m.device
-            i32 = dict(dtype=torch.int32, device=device)
-            self.graph_decode[key] = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace,
-                "NHD",
-                use_cuda_graph=True,
-                use_tensor_cores=self.use_tensor_cores,
-                paged_kv_indptr_buffer=torch.zeros(b + 1, **i32),
-                paged_kv_indices_buffer=torch.zeros(b * m.block_table.shape[1], **i32),
-                paged_kv_last_page_len_buffer=torch.ones(b, **i32),
-            )
-        return self.graph_decode[key]
-
     def plan(self, metadata: AttentionMetadata, graph_key: Hashable | None = None) -> None:
-        s, idx = self.spec, self.index_builder.build(metadata)
-        is_decode = metadata.kind == BatchKind.DECODE and idx.num_real_tokens == metadata.num_seqs
+        m, s = metadata, self.spec
+        idx = self.index_builder.build(m)
+        is_decode = m.kind == BatchKind.DECODE and idx.num_real_tokens == m.num_seqs
         if graph_key is not None:
             if not is_decode:
                 raise ValueError("FlashInferAttention captures decode batches only; run others eagerly")
-            wrapper = self._graph_wrapper(graph_key, metadata)
-        else:
-            wrapper = self.decode if is_decode else self.prefill
+            bucket = self.buckets.get(graph_key)
+            if bucket is None:
+                bucket = self.buckets[graph_key] = _DecodeBucket(
+                    self._fi, self.workspace, self.use_tensor_cores, m.num_seqs, m.num_seqs * m.block_table.shape[1]
+                )
+            bucket.plan(m, idx, s, self._common())
+            self.index_builder.release()
+            self._wrapper, self._num_real = bucket.wrapper, idx.num_real_tokens
+            self._slot_mapping = bucket.slots.copy_(m.slot_mapping, non_blocking=True)
+            return
+        if self._scheduled is not None:  # the wrappers stage their schedule in one pinned buffer
+            self._scheduled.synchronize()
+        ids = self.index_builder.page_ids(m, idx)
         heads = (s.num_heads, s.num_kv_heads, s.head_dim, s.block_size)
         if is_decode:
-            wrapper.plan(idx.indptr, idx.indices, idx.last_page_len, *heads, **self._common())
+            self.decode.plan(idx.indptr, ids, idx.last_page_len, *heads, **self._common())
         else:
-            wrapper.plan(idx.qo_indptr, idx.indptr, idx.indices, idx.last_page_len, *heads, causal=True, **self._common())
+            self.prefill.plan(idx.qo_indptr, idx.indptr, ids, idx.last_page_len, *heads, causal=True, **self._common())
         self.index_builder.release()
-        slots = metadata.slot_mapping
-        if graph_key is not None:  # the captured KV write reads this bucket's own static buffer
-            if graph_key not in self.graph_slots:
-                self.graph_slots[graph_key] = slots.clone()
-            slots = self.graph_slots[graph_key].copy_(slots, non_blocking=True)
-        self._wrapper, self._slot_mapping, self._num_real = wrapper, slots, idx.num_real_tokens
+        self._scheduled = torch.cuda.Event()
+        self._scheduled.record()
+        self._wrapper = self.decode if is_decode else self.prefill
+        self._slot_mapping, self._num_real = m.slot_mapping, idx.num_real_tokens
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self._caches[layer_id]

@@ -19,10 +19,12 @@ class DecodeGraphs:
     """Captures one decode graph per bucket size and replays it.
 
     A batch of B decode sequences runs in the smallest bucket >= B. Its live inputs are copied
-    into persistent buffers sized for the largest bucket; the B..bucket padding rows get token 0,
-    position 0, slot -1 (never written) and a 1-token KV length over block 0, so their rows are
-    garbage that no real row ever reads. Host ints baked into a graph (num_seqs, num_tokens,
-    max_query_len, max_seq_len) are bucket constants, never live values.
+    into persistent buffers sized for the largest bucket; the B..bucket padding rows carry slot
+    -1 (never written) and a 1-token KV length; their token, position and block-table row are
+    whatever an earlier step left there (always valid ids), so their outputs are garbage that no
+    real row ever reads. A real row's block-table columns past its KV length are not cleared
+    either: no backend reads past a sequence's pages. Host ints baked into a graph (num_seqs,
+    num_tokens, max_query_len, max_seq_len) are bucket constants, never live values.
     """
 
     def __init__(
@@ -48,6 +50,11 @@ class DecodeGraphs:
         self.kv_cu_seq_lens = torch.zeros(n + 1, **i32)
         self.q_seq_lens_host = torch.ones(n, dtype=torch.int32)
         self.kv_seq_lens_host = torch.ones(n, dtype=torch.int32)
+        self._live = 0  # rows [0, _live) may hold a real row's slot and KV length
+        self._kv_host = self.kv_seq_lens_host.numpy()
+        self._bucket_of = [next(s for s in self.sizes if s >= b) for b in range(n + 1)]
+        self._rows: dict[int, list[torch.Tensor]] = {}  # b -> views of the first b rows
+        self._padded: dict[int, tuple[AttentionMetadata, torch.Tensor]] = {}  # bucket -> metadata, cu out
 
     def bucket_for(self, metadata: AttentionMetadata) -> int | None:
         """The bucket that can run this batch, or None when it must run eagerly."""
@@ -59,42 +66,50 @@ class DecodeGraphs:
             or metadata.block_table.shape[1] > self.block_table.shape[1]
         ):
             return None
-        return next(s for s in self.sizes if s >= b)
+        return self._bucket_of[b]
+
+    def _padded_metadata(self, bucket: int) -> tuple[AttentionMetadata, torch.Tensor]:
+        """The bucket's metadata (views of the persistent buffers, the same object every step)
+        and the view its KV prefix sums are written into."""
+        if bucket not in self._padded:
+            metadata = AttentionMetadata(
+                kind=BatchKind.DECODE,
+                num_seqs=bucket,
+                num_tokens=bucket,
+                max_query_len=1,
+                max_seq_len=self.config.max_model_len,
+                q_cu_seq_lens=self.q_cu_seq_lens[: bucket + 1],
+                kv_cu_seq_lens=self.kv_cu_seq_lens[: bucket + 1],
+                q_seq_lens=self.q_seq_lens[:bucket],
+                kv_seq_lens=self.kv_seq_lens[:bucket],
+                q_seq_lens_host=self.q_seq_lens_host[:bucket],
+                kv_seq_lens_host=self.kv_seq_lens_host[:bucket],
+                block_table=self.block_table[:bucket],
+                slot_mapping=self.slot_mapping[:bucket],
+            )
+            self._padded[bucket] = metadata, self.kv_cu_seq_lens[1 : bucket + 1]
+        return self._padded[bucket]
 
     def _stage(self, input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata, bucket: int) -> AttentionMetadata:
+        """Copy a step into the persistent buffers: three device ops in steady state (this step's
+        rows as one multi-tensor copy, its block table, the KV prefix sums), since host time per
+        op is what a graph step spends."""
         b, width = m.num_seqs, m.block_table.shape[1]
-        self.input_ids[:b].copy_(input_ids, non_blocking=True)
-        self.input_ids[b:bucket].zero_()
-        self.positions[:b].copy_(positions, non_blocking=True)
-        self.positions[b:bucket].zero_()
-        self.slot_mapping[:b].copy_(m.slot_mapping, non_blocking=True)
-        self.slot_mapping[b:bucket].fill_(-1)
+        rows = self._rows.get(b)
+        if rows is None:
+            rows = self._rows[b] = [self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], self.kv_seq_lens[:b]]
+        torch._foreach_copy_(rows, [input_ids, positions, m.slot_mapping, m.kv_seq_lens], non_blocking=True)
         self.block_table[:b, :width].copy_(m.block_table, non_blocking=True)
-        self.block_table[:b, width:].zero_()
-        self.block_table[b:bucket].zero_()
-        self.kv_seq_lens[:b].copy_(m.kv_seq_lens, non_blocking=True)
-        self.kv_seq_lens[b:bucket].fill_(1)
-        # host twins (numpy: a handful of values, where torch's per-op cost would dominate);
-        # padding rows hold one token each
-        kv_host = self.kv_seq_lens_host.numpy()
-        kv_host[:b] = m.kv_seq_lens_host.numpy()
-        kv_host[b:bucket] = 1
-        torch.cumsum(self.kv_seq_lens[:bucket], 0, dtype=torch.int32, out=self.kv_cu_seq_lens[1 : bucket + 1])
-        return AttentionMetadata(
-            kind=BatchKind.DECODE,
-            num_seqs=bucket,
-            num_tokens=bucket,
-            max_query_len=1,
-            max_seq_len=self.config.max_model_len,
-            q_cu_seq_lens=self.q_cu_seq_lens[: bucket + 1],
-            kv_cu_seq_lens=self.kv_cu_seq_lens[: bucket + 1],
-            q_seq_lens=self.q_seq_lens[:bucket],
-            kv_seq_lens=self.kv_seq_lens[:bucket],
-            q_seq_lens_host=self.q_seq_lens_host[:bucket],
-            kv_seq_lens_host=self.kv_seq_lens_host[:bucket],
-            block_table=self.block_table[:bucket],
-            slot_mapping=self.slot_mapping[:bucket],
-        )
+        if self._live > b:  # rows an earlier, larger step left: back to padding (slot -1, 1 token)
+            self.slot_mapping[b : self._live].fill_(-1)
+            self.kv_seq_lens[b : self._live].fill_(1)
+        self._live = b
+        # host twin (numpy: a handful of values, where torch's per-op cost would dominate)
+        self._kv_host[:b] = m.kv_seq_lens_host.numpy()
+        self._kv_host[b:bucket] = 1
+        padded, kv_cu = self._padded_metadata(bucket)
+        torch.cumsum(padded.kv_seq_lens, 0, dtype=torch.int32, out=kv_cu)
+        return padded
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, bucket: int) -> torch.Tensor:
         """Hidden states of the real rows; a view of the graph's static output, valid until the
