@@ -141,6 +141,14 @@ def test_gptj_style_partial_rotary_matches_transformers() -> None:
     torch.testing.assert_close(k_out, reference(k), rtol=1e-5, atol=1e-6)
 
 
+def test_rotary_table_stays_float32_when_the_model_is_cast() -> None:
+    rope = RotaryEmbedding(64, 64, 4096, 500000.0)
+    table = rope.cos_sin_cache.clone()
+    model = torch.nn.Sequential(rope, torch.nn.Linear(4, 4)).to(torch.bfloat16)
+    assert model[1].weight.dtype == torch.bfloat16
+    assert rope.cos_sin_cache.dtype == torch.float32 and torch.equal(rope.cos_sin_cache, table)
+
+
 def test_unsupported_rope_type_is_named() -> None:
     with pytest.raises(ValueError, match="'dynamic'.*supported"):
         RotaryEmbedding(

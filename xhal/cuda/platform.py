@@ -45,9 +45,9 @@ class CudaPlatform(Platform):
         self.has_flashinfer = self.use_flashinfer and importlib.util.find_spec("flashinfer") is not None
         if self.use_flashinfer and not self.has_flashinfer:
             logger.warning("flashinfer is not installed: using Triton attention (%s)", _INSTALL)
-        from xhal.cuda.ops import FlashInferOps, TorchCudaOps
+        from xhal.cuda.ops import CudaOps, FlashInferOps
 
-        self._ops = FlashInferOps() if self.has_flashinfer else TorchCudaOps()
+        self._ops = FlashInferOps() if self.has_flashinfer else CudaOps()
         self._workspace: torch.Tensor | None = None
 
     @classmethod

@@ -46,6 +46,15 @@ class RotaryEmbedding(nn.Module):
             "cos_sin_cache", cache.to(torch.get_default_device()), persistent=False
         )  # [max_position, rotary_dim] float32
 
+    def _apply(self, fn, recurse=True):
+        """``module.to(dtype)`` moves the table but keeps it float32: rounded to bf16, cos / sin
+        at large positions lose the precision rope needs (transformers keeps them float32 too)."""
+        table = self.cos_sin_cache
+        result = super()._apply(fn, recurse)
+        if self.cos_sin_cache.dtype != torch.float32:
+            self.cos_sin_cache = table.to(device=self.cos_sin_cache.device)
+        return result
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
