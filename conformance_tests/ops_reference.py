@@ -17,6 +17,11 @@ def _f64(*xs: torch.Tensor) -> list[torch.Tensor]:
     return [x.detach().to("cpu", F64) for x in xs]
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = _f64(x)[0] @ _f64(weight)[0].T
+    return out if bias is None else out + _f64(bias)[0]
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x, weight = _f64(x, weight)
     return x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps) * weight

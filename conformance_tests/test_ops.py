@@ -44,6 +44,28 @@ def check(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, record_
     assert err <= tolerance("ops", dtype), f"max error {err:.3e} > {tolerance('ops', dtype):.1e}"
 
 
+# small M is where a platform may swap in its own kernel (GEMV for decode); sizes off powers of 2
+LINEAR_CASES = [(1, 256, 96), (2, 200, 72), (3, 64, 1000), (4, 512, 520), (8, 136, 40), (16, 64, 64), (33, 128, 96)]
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("m,k,n", LINEAR_CASES, ids=str)
+def test_linear(m, k, n, bias, dtype, device, record_error) -> None:
+    x = rand(m, k, dtype=dtype, device=device)
+    w = rand(n, k, dtype=dtype, device=device, scale=k**-0.5, seed=1)
+    b = rand(n, dtype=dtype, device=device, seed=2) if bias else None
+    check(ops.linear(x, w, b), ref.linear(x, w, b), dtype, record_error)
+
+
+def test_linear_strided_and_batched_inputs(dtype, device, record_error) -> None:
+    w = rand(48, 80, dtype=dtype, device=device, scale=80**-0.5, seed=1)
+    wide = rand(2, 160, dtype=dtype, device=device)
+    strided = wide[:, :80]  # rows 160 apart, as a slice of a fused projection is
+    check(ops.linear(strided, w), ref.linear(strided, w, None), dtype, record_error)
+    batched = rand(2, 3, 80, dtype=dtype, device=device)
+    check(ops.linear(batched, w), ref.linear(batched, w, None), dtype, record_error)
+
+
 # eps=0.5 on small inputs makes an ignored eps visible
 NORM_CASES = [
     ((7, 64), 1e-6, 1.0),

@@ -1,10 +1,11 @@
-"""Stateless device ops: norms, rotary embedding, activations and sampling."""
+"""Stateless device ops: linear, norms, rotary embedding, activations and sampling."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
 import torch
+import torch.nn.functional as F
 
 
 class DeviceOps(ABC):
@@ -13,6 +14,12 @@ class DeviceOps(ABC):
     Every op is out of place and returns tensors in the input's dtype, computing internally in at
     least float32. Shapes: leading dimensions are free unless stated.
     """
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T (+ bias)``, weight ``[out, in]`` as in ``nn.Linear``. The default is
+        torch's GEMM; a platform overrides it where the vendor library is weak (the skinny
+        matrices of small decode batches on a GPU) and falls back to it elsewhere."""
+        return F.linear(x, weight, bias)
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xhal import ops
 from xhal.forward_context import get_forward_context
 from xhal.layers.parallel import TensorParallel
 from xhal.layers.weights import check_shape
@@ -69,7 +70,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[S, hidden]`` -> float32 logits ``[S, vocab]`` (gathered over ranks)."""
-        logits = F.linear(hidden, self.weight)  # [S, vocab / tp] (padded)
+        logits = ops.linear(hidden, self.weight)  # [S, vocab / tp] (padded)
         if self.tp.size > 1:
             logits = get_forward_context().collective.all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings].float()

@@ -8,9 +8,9 @@ through the step's ``Collective`` (``get_forward_context().collective``) and are
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from xhal import ops
 from xhal.forward_context import get_forward_context
 from xhal.layers.parallel import TensorParallel
 from xhal.layers.weights import check_shape, copy_shard
@@ -55,7 +55,7 @@ class ColumnParallelLinear(nn.Module):
         copy_shard(param, loaded_weight, 0, self.tp.rank * n, n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # [T, out / tp]
+        y = ops.linear(x, self.weight, self.bias)  # [T, out / tp]
         if self.gather_output and self.tp.size > 1:
             y = get_forward_context().collective.all_gather(y, dim=-1)  # [T, out]
         return y
@@ -130,11 +130,11 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return ops.linear(x, self.weight, self.bias)
         n = self.input_size_per_partition
         if not self.input_is_parallel:
             x = x.narrow(-1, self.tp.rank * n, n)  # [T, in / tp]
-        y = F.linear(x, self.weight)  # [T, out], this rank's partial sum
+        y = ops.linear(x, self.weight)  # [T, out], this rank's partial sum
         if self.reduce_results:
             y = get_forward_context().collective.all_reduce(y)
         return y + self.bias if self.bias is not None else y
