@@ -97,6 +97,26 @@ def profile_host(executor: ModelExecutor, ids, pos, meta, iters: int = 20) -> No
     pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
+def profile_kernels(step, title: str, iters: int = 5) -> None:
+    """Which kernels a step runs and their device time (CUPTI sees inside graph replays)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events) / iters
+    launches = sum(e.count for e in events) / iters
+    print(f"--- kernels per step, {title}: {launches:.0f} launches, {total:.0f} us of device time")
+    for e in events[:20]:
+        print(f"  {e.count / iters:6.0f} x {e.self_device_time_total / e.count:8.2f} us = "
+              f"{e.self_device_time_total / iters:8.1f} us  {e.key[:90]}")
+
+
 def hf_decode_ms(batch: int, ctx: int, device) -> float:
     """transformers' LlamaForCausalLM (sdpa, dynamic cache, eager) one decode step after ctx-1."""
     import transformers
@@ -160,6 +180,7 @@ def main() -> None:
                 if args.profile:
                     print(f"--- host profile, graph decode, batch {batch}")
                     profile_host(ex, ids, pos, meta)
+                    profile_kernels(step, f"graph decode, batch {batch}")
         row["graph_speedup"] = row["eager_ms"] / row["graph_ms"]
         rows.append(row)
     print(table(rows, f"decode step (execute + logits), Llama-3-8B shape, bf16, {weight_bytes / 1e9:.2f} GB weights; floor = (weights + KV read) / copy rate"))

@@ -61,7 +61,9 @@ async def one_request(client, url: str, payload: dict, headers: dict) -> Result:
                     result.error = str(chunk["error"].get("message"))
                     return result
                 now = time.perf_counter()
-                if any(c.get("text") for c in chunk.get("choices", [])):
+                # a token arrived: text, or its ids (random-weight models emit ids the tokenizer
+                # decodes to nothing)
+                if any(c.get("text") or c.get("token_ids") for c in chunk.get("choices", [])):
                     if result.ttft == 0.0:
                         result.ttft = now - start
                     else:
@@ -106,6 +108,7 @@ async def run_workload(
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
+            "return_token_ids": True,
         }
         async with limit:
             result = await one_request(client, url, payload, headers)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: install the carried wheels, then the stages named on the command
-# line (default: all): conformance (cuda, cuda-triton), bench_attention, bench_model.
+# line (default: all): prebuild (FlashInfer's JIT modules, compiled in parallel), conformance
+# (cuda, cuda-triton), bench_gemv, bench_attention, bench_model; serve on request.
 # Call with `.whl` carried; FlashInfer's JIT cache goes to .fi_cache/ (ignored) so later calls on a
 # warm machine reuse it. Results land in $OUT when set.
 set -uo pipefail
@@ -11,11 +12,12 @@ fi
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} FLASHINFER_WORKSPACE_BASE=$PWD/.fi_cache
 export MAX_JOBS=16 PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/xhal-gpu}; mkdir -p "$out"
-stages=${*:-conformance bench_attention bench_model}
+stages=${*:-prebuild conformance bench_gemv bench_attention bench_model}
 status=0
 for stage in $stages; do
   echo "=== $stage ($(date +%T))"
   case $stage in
+    prebuild) python3 scripts/fi_prebuild.py 2>&1 | tee "$out/prebuild.txt" || status=1 ;;
     conformance)
       for dev in cuda cuda-triton; do
         python3 -m conformance_tests.cli --device $dev --report "$out/conformance-$dev.json" || status=1
