@@ -1,6 +1,7 @@
-"""CUDA DeviceOps: our Triton kernels for the fused residual add + RMSNorm and rotary embedding
-(out of place, one launch each), FlashInfer's RMSNorm / activation kernels when FlashInfer is
-present, vectorized torch otherwise; sampling without host syncs."""
+"""CUDA DeviceOps: our Triton kernels for small-batch linear layers (GEMV), the fused residual
+add + RMSNorm and rotary embedding (out of place, one launch each), FlashInfer's RMSNorm /
+activation kernels when FlashInfer is present, vectorized torch otherwise; sampling without host
+syncs."""
 
 from __future__ import annotations
 
@@ -8,13 +9,22 @@ import torch
 import torch.nn.functional as F
 
 from xhal import sampling
-from xhal.cuda.kernels import norm, rotary
+from xhal.cuda.kernels import gemv, norm, rotary
 from xhal.interfaces.ops import DeviceOps
 
 
 class CudaOps(DeviceOps):
-    """Triton for the two ops that run twice per layer; vectorized torch for the rest (no per-row
-    loops, no host syncs: the CPU reference loops; this must not)."""
+    """Triton where a decode step spends its launches and weight bandwidth (small-M linear, the
+    two ops that run twice per layer); vectorized torch for the rest (no per-row loops, no host
+    syncs: the CPU reference loops; this must not)."""
+
+    # rows up to which our GEMV beats cuBLAS (benchmarks/bench_gemv.py on the H200)
+    gemv_max_rows = 1
+
+    def linear(self, x, weight, bias=None):
+        if x.dim() == 2 and x.shape[0] <= self.gemv_max_rows and gemv.supports_gemv(x, weight):
+            return gemv.gemv(x, weight, bias)
+        return F.linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         xf = x.float()
@@ -54,13 +64,23 @@ class FlashInferOps(CudaOps):
             return super().rms_norm(x, weight, eps)
         return self._fi.rmsnorm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
 
+    @staticmethod
+    def _fi_activation_fits(x: torch.Tensor) -> bool:
+        """FlashInfer's activations take fp16 / bf16 halves of a whole number of 16-byte vectors
+        from a 16-byte aligned, contiguous input."""
+        half_bytes = x.shape[-1] // 2 * x.element_size()
+        return (
+            x.dtype in (torch.float16, torch.bfloat16) and x.is_contiguous()
+            and half_bytes % 16 == 0 and x.data_ptr() % 16 == 0
+        )
+
     def silu_and_mul(self, x):
-        if x.dtype not in (torch.float16, torch.bfloat16):
+        if not self._fi_activation_fits(x):
             return super().silu_and_mul(x)
         return self._fi.silu_and_mul(x)
 
     def gelu_and_mul(self, x, approximate="none"):
-        if x.dtype not in (torch.float16, torch.bfloat16):
+        if not self._fi_activation_fits(x):
             return super().gelu_and_mul(x, approximate)
         fn = self._fi.gelu_tanh_and_mul if approximate == "tanh" else self._fi.gelu_and_mul
         return fn(x)

@@ -1,0 +1,357 @@
+"""The CUDA backend's Triton kernels against float64 references: gemv (split K or not, bias, fp16 /
+bf16 / fp32, M up to 16, ragged N and K, strided x), the paged KV write (slot -1 skipped) and
+paged attention (decode and prefill batches).
+
+Without a CUDA device they run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set
+here before triton is imported); with one they run compiled on the GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton", reason="the Triton kernels need triton (xhal[cuda])")
+tl = pytest.importorskip("triton.language")
+
+from xhal.cuda.kernels.gemv import MAX_M, gemv, gemv_config, supports_gemv  # noqa: E402
+from xhal.cuda.kernels.kv_write import write_kv  # noqa: E402
+from xhal.cuda.kernels.paged_attention import paged_attention  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _loop_to(out_ptr, n):
+    total = 0
+    for i in range(0, n):
+        total += i
+    tl.store(out_ptr, total)
+
+
+def _runtime_loop_bounds_work() -> bool:
+    """Whether this Triton runs a loop whose bound is a kernel argument. Triton 3.6's interpreter
+    turns such a bound into a Python int with ``int()`` of a 1-element array, which numpy 2.4
+    rejects; compiled kernels are not affected."""
+    if not INTERPRETED:
+        return True
+    out = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    try:
+        _loop_to[(1,)](out, 4)
+    except triton.runtime.errors.InterpreterError:
+        return False
+    return out.item() == 6
+
+
+# gemv ------------------------------------------------------------------------------------------
+
+TOL = {torch.float16: 2**-10, torch.bfloat16: 2**-7, torch.float32: 1e-5}  # fp16 / bf16: their eps
+
+
+def _gemv_case(M: int, N: int, K: int, dtype: torch.dtype, bias: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(dtype).to(DEVICE)
+    w = torch.randn(N, K, generator=g).to(dtype).to(DEVICE)
+    b = torch.randn(N, generator=g).to(dtype).to(DEVICE) if bias else None
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    return x, w, b, ref
+
+
+def _assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == dtype and out.shape == ref.shape
+    # within one unit in the last place at the output's largest magnitude: fp32 accumulation
+    # plus the final rounding; a missed or doubled K tile is off by whole units
+    err = (out.double() - ref).abs().max().item()
+    assert err <= TOL[dtype] * ref.abs().max().item(), err
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 8, 16])
+def test_gemv_heuristic_config(M: int, bias: bool, dtype: torch.dtype) -> None:
+    x, w, b, ref = _gemv_case(M, 100, 72, dtype, bias)  # N, K: no multiple of any block size
+    _assert_matches(gemv(x, w, b), ref, dtype)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("M", [1, 3, 8, 16])
+@pytest.mark.parametrize(
+    "config",
+    [
+        (16, 32, 3, 4, 2),  # split K: 3 splits of one 32-wide step, the last one ragged
+        (8, 32, 1, 4, 3),  # no split: three steps through K in one program, pipelined
+        (4, 16, 8, 4, 1),  # 8 splits asked, 5 steps of 16: trimmed to 5 (none left empty)
+        (32, 128, 1, 4, 1),  # one step wider than K
+    ],
+)
+def test_gemv_forced_config(config: tuple[int, ...], M: int, bias: bool) -> None:
+    x, w, b, ref = _gemv_case(M, 100, 72, torch.bfloat16, bias)
+    _assert_matches(gemv(x, w, b, config=config), ref, torch.bfloat16)
+
+
+def test_gemv_split_is_deterministic_and_matches_no_split() -> None:
+    x, w, b, ref = _gemv_case(4, 64, 96, torch.float32, True, seed=1)
+    split = gemv(x, w, b, config=(16, 16, 6, 4, 1))
+    assert torch.equal(split, gemv(x, w, b, config=(16, 16, 6, 4, 1)))
+    _assert_matches(split, ref, torch.float32)
+    _assert_matches(gemv(x, w, b, config=(16, 16, 1, 4, 1)), ref, torch.float32)
+
+
+def test_gemv_strided_x() -> None:
+    _, w, b, _ = _gemv_case(3, 40, 24, torch.float16, True)
+    wide = torch.randn(3, 48).to(torch.float16).to(DEVICE)
+    x = wide[:, ::2]  # x_stride_k = 2
+    ref = x.double() @ w.double().T + b.double()
+    _assert_matches(gemv(x, w, b), ref, torch.float16)
+    xt = torch.randn(24, 3).to(torch.float16).to(DEVICE).T  # column-major x
+    ref_t = xt.double() @ w.double().T + b.double()
+    _assert_matches(gemv(xt, w, b, config=(8, 16, 2, 4, 1)), ref_t, torch.float16)
+
+
+def test_supports_gemv_rejects_what_the_kernel_cannot_do() -> None:
+    bf16 = dict(dtype=torch.bfloat16, device=DEVICE)
+    w = torch.randn(32, 16, **bf16)
+    assert supports_gemv(torch.randn(1, 16, **bf16), w)
+    assert supports_gemv(torch.randn(MAX_M, 16, **bf16), w)
+    rejected = {
+        "too many rows": (torch.randn(MAX_M + 1, 16, **bf16), w),
+        "no rows": (torch.randn(0, 16, **bf16), w),
+        "3-D x": (torch.randn(1, 1, 16, **bf16), w),
+        "K mismatch": (torch.randn(1, 8, **bf16), w),
+        "dtype mismatch": (torch.randn(1, 16, dtype=torch.float16, device=DEVICE), w),
+        "integer dtype": (torch.ones(1, 16, dtype=torch.int32, device=DEVICE), w.to(torch.int32)),
+        "transposed weight": (torch.randn(1, 32, **bf16), w.T),
+        "strided weight": (torch.randn(1, 8, **bf16), w[:, ::2]),
+    }
+    for name, (x, weight) in rejected.items():
+        assert not supports_gemv(x, weight), name
+        with pytest.raises(ValueError, match="gemv"):
+            gemv(x, weight)
+
+
+def test_gemv_rejects_bad_bias_and_config() -> None:
+    x, w, _, _ = _gemv_case(2, 32, 16, torch.float16, False)
+    with pytest.raises(ValueError, match="bias"):
+        gemv(x, w, torch.zeros(31, dtype=torch.float16, device=DEVICE))
+    with pytest.raises(ValueError, match="power-of-2"):
+        gemv(x, w, config=(12, 16, 1, 4, 1))
+    with pytest.raises(ValueError, match=">= 1"):
+        gemv(x, w, config=(16, 16, 0, 4, 1))
+
+
+def test_gemv_config_splits_only_narrow_weights() -> None:
+    sms = 132
+    for M in range(1, MAX_M + 1):
+        for N, K in [(4096, 4096), (28672, 4096), (512, 4096), (100, 72), (7, 5)]:
+            block_n, block_k, split_k, num_warps, num_stages = gemv_config(M, N, K, sms)
+            assert block_n & (block_n - 1) == 0 and block_k & (block_k - 1) == 0
+            k_steps = math.ceil(K / block_k)
+            assert 1 <= split_k <= k_steps and 1 <= num_stages <= 3 and num_warps >= 1
+            n_blocks = math.ceil(N / block_n)
+            if n_blocks >= 2 * sms:
+                assert split_k == 1, (M, N, K)
+            elif k_steps >= 2:  # too few row blocks to fill the SMs: K is split
+                assert split_k > 1, (M, N, K)
+    with pytest.raises(ValueError):
+        gemv_config(MAX_M + 1, 64, 64)
+
+
+# kv write --------------------------------------------------------------------------------------
+
+
+def test_write_kv_skips_slot_minus_one() -> None:
+    num_blocks, block_size, kv_heads, head_dim = 3, 4, 2, 8
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.full(shape, 7.0, device=DEVICE)
+    v_cache = torch.full(shape, -7.0, device=DEVICE)
+    k = torch.randn(5, kv_heads, head_dim, device=DEVICE)
+    v = torch.randn(5, kv_heads, head_dim, device=DEVICE)
+    slots = torch.tensor([5, -1, 0, 11, -1], dtype=torch.int32, device=DEVICE)
+    write_kv(k, v, k_cache, v_cache, slots)
+    k_ref = torch.full(shape, 7.0).view(-1, kv_heads, head_dim)
+    v_ref = torch.full(shape, -7.0).view(-1, kv_heads, head_dim)
+    for token, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            k_ref[slot], v_ref[slot] = k[token].cpu(), v[token].cpu()
+    assert torch.equal(k_cache.cpu(), k_ref.view(shape))
+    assert torch.equal(v_cache.cpu(), v_ref.view(shape))
+
+
+# paged attention -------------------------------------------------------------------------------
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 4
+
+needs_runtime_loops = pytest.mark.skipif(
+    not _runtime_loop_bounds_work(),
+    reason=f"paged attention loops to a runtime bound, which Triton {triton.__version__}'s interpreter "
+    f"cannot run under numpy {np.__version__} (int() of a 1-element array); it runs compiled on CUDA",
+)
+
+
+def _paged_case(q_lens: list[int], kv_lens: list[int], pad: int, seed: int = 0):
+    """Sequences with random distinct blocks, a random cache, and ``pad`` padding rows."""
+    g = torch.Generator().manual_seed(seed)
+    per_seq = max(math.ceil(n / BLOCK) for n in kv_lens)
+    num_blocks = per_seq * len(kv_lens) + 2
+    table = torch.randperm(num_blocks, generator=g)[: per_seq * len(kv_lens)].view(len(kv_lens), per_seq)
+    cache_shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    k_cache, v_cache = torch.randn(cache_shape, generator=g), torch.randn(cache_shape, generator=g)
+    num_tokens = sum(q_lens) + pad
+    q = torch.randn(num_tokens, HEADS, HEAD_DIM, generator=g)
+    token_seq = [s for s, n in enumerate(q_lens) for _ in range(n)] + [-1] * pad
+    q_cu = [0]
+    for n in q_lens:
+        q_cu.append(q_cu[-1] + n)
+    i32 = dict(dtype=torch.int32)
+    meta = [torch.tensor(v, **i32) for v in (token_seq, q_cu, kv_lens)]
+    return q, k_cache, v_cache, *meta, table.int()
+
+
+def _attention_ref(q, k_cache, v_cache, token_seq, q_cu, kv_lens, table, scale, soft_cap, window):
+    """Each token attends causally (bottom-right aligned) to its sequence's keys, gathered
+    position by position through the block table; padding rows stay zero."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    group = HEADS // KV_HEADS
+    for t, seq in enumerate(token_seq.tolist()):
+        if seq < 0:
+            continue
+        q_start, q_len = q_cu[seq].item(), (q_cu[seq + 1] - q_cu[seq]).item()
+        kv_len = kv_lens[seq].item()
+        pos = kv_len - q_len + (t - q_start)
+        n = torch.arange(kv_len)
+        blocks = table[seq, n // BLOCK].long()
+        keys = k_cache[blocks, n % BLOCK].double()  # [kv_len, Hkv, D]
+        values = v_cache[blocks, n % BLOCK].double()
+        visible = n <= pos
+        if window > 0:
+            visible &= pos - n < window
+        for h in range(HEADS):
+            s = keys[:, h // group] @ q[t, h].double() * scale
+            if soft_cap > 0:
+                s = soft_cap * torch.tanh(s / soft_cap)
+            p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=0)
+            out[t, h] = p @ values[:, h // group]
+    return out
+
+
+def _run_paged(case, scale: float, soft_cap: float, window: int) -> None:
+    q, k_cache, v_cache, token_seq, q_cu, kv_lens, table = case
+    dev = [t.to(DEVICE) for t in case]
+    out = torch.zeros_like(dev[0])
+    paged_attention(*dev, scale, soft_cap, window, out)
+    ref = _attention_ref(q, k_cache, v_cache, token_seq, q_cu, kv_lens, table, scale, soft_cap, window)
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=1e-4, atol=1e-5)
+
+
+@needs_runtime_loops
+@pytest.mark.parametrize("soft_cap, window", [(0.0, 0), (5.0, 3)])
+def test_paged_attention_decode(soft_cap: float, window: int) -> None:
+    case = _paged_case(q_lens=[1, 1, 1], kv_lens=[5, 1, 9], pad=1)
+    _run_paged(case, HEAD_DIM**-0.5, soft_cap, window)
+
+
+@needs_runtime_loops
+def test_paged_attention_prefill() -> None:
+    # a fresh prompt, a chunk continuing a cached prefix, and a padding row
+    case = _paged_case(q_lens=[6, 3], kv_lens=[6, 10], pad=1, seed=1)
+    _run_paged(case, HEAD_DIM**-0.5, 0.0, 0)
+
+
+# fused add + RMSNorm, rotary -------------------------------------------------------------------
+
+from conformance_tests import ops_reference as ops_ref  # noqa: E402
+from xhal.cuda.kernels.norm import fused_add_rms_norm  # noqa: E402
+from xhal.cuda.kernels.rotary import rotary_embedding  # noqa: E402
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape, eps", [((3, 100), 1e-6), ((2, 2, 64), 0.5), ((1, 4096), 1e-5)])
+def test_fused_add_rms_norm(shape: tuple[int, ...], eps: float, dtype: torch.dtype) -> None:
+    x, residual = _randn(*shape, dtype=dtype, seed=0), _randn(*shape, dtype=dtype, seed=1)
+    w = 1.0 + _randn(shape[-1], dtype=dtype, seed=2, scale=0.1)
+    before = (x.clone(), residual.clone())
+    normed, summed = fused_add_rms_norm(x, residual, w, eps)
+    want_normed, want_summed = ops_ref.fused_add_rms_norm(x.cpu(), residual.cpu(), w.cpu(), eps)
+    _assert_matches(summed, want_summed, dtype)
+    _assert_matches(normed, want_normed, dtype)
+    assert torch.equal(x, before[0]) and torch.equal(residual, before[1])
+
+
+def test_fused_add_rms_norm_strided_rows() -> None:
+    wide = _randn(3, 256, dtype=torch.float32, seed=0)
+    x, residual = wide[:, :128], wide[:, 128:]  # rows 256 apart
+    w = _randn(128, dtype=torch.float32, seed=1)
+    normed, summed = fused_add_rms_norm(x, residual, w, 1e-6)
+    want_normed, want_summed = ops_ref.fused_add_rms_norm(x.cpu(), residual.cpu(), w.cpu(), 1e-6)
+    _assert_matches(normed, want_normed, torch.float32)
+    _assert_matches(summed, want_summed, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("head_dim, rotary_dim", [(64, 64), (64, 32), (80, 48)])
+def test_rotary_embedding(head_dim: int, rotary_dim: int, is_neox: bool, dtype: torch.dtype) -> None:
+    heads, kv_heads, tokens = 4, 2, 5
+    # q and k as slices of one fused qkv projection, as the model hands them over
+    qkv = _randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=0)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    positions = torch.tensor([0, 7, 300, 1, 4095], dtype=torch.int32, device=DEVICE)
+    cache = ops_ref.rope_cache(4096, rotary_dim).to(DEVICE)
+    q_out, k_out = rotary_embedding(positions, q, k, cache, is_neox)
+    _assert_matches(q_out, ops_ref.rotary_embedding(positions.cpu(), q.cpu(), cache.cpu(), is_neox), dtype)
+    _assert_matches(k_out, ops_ref.rotary_embedding(positions.cpu(), k.cpu(), cache.cpu(), is_neox), dtype)
+    assert torch.equal(qkv, _randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=0))
+
+
+# FlashInfer's page table, built on the host -----------------------------------------------------
+
+@pytest.mark.parametrize("host_pages", [False, True], ids=["device_gather", "host_built"])
+def test_paged_index_builder(host_pages: bool) -> None:
+    """CSR page table of a mixed batch: indptr, last-page lengths and page ids per row, and the
+    one contiguous run a captured decode bucket uploads."""
+    from conformance_tests.batches import Seq, build_batch
+    from xhal.cuda.attention import PagedIndexBuilder
+    from xhal.interfaces import BatchKind
+
+    bs = 16
+    seqs = [Seq(1, 17), Seq(5, 5), Seq(3, 35), Seq(1, 1, padding=True)]
+    rows = [[7, 2], [9], [4, 0, 11], []]
+    batch = build_batch(BatchKind.MIXED, seqs, rows, bs, torch.device("cpu"), paged_kv=host_pages)
+    m = batch.metadata
+    builder = PagedIndexBuilder(bs, pin=False)
+    idx = builder.build(m)
+    assert idx.qo_indptr.tolist() == [0, 1, 6, 9, 10] and idx.num_real_tokens == 10
+    assert idx.indptr.tolist() == [0, 2, 3, 6, 7] and idx.num_pages == 7
+    assert idx.last_page_len.tolist() == [1, 5, 3, 1]
+    assert builder.page_ids(m, idx).tolist() == [7, 2, 9, 4, 0, 11, 0]  # the dummy row reads block 0
+    run = idx.ptr_last_flat.tolist()
+    assert run[:9] == idx.indptr.tolist() + idx.last_page_len.tolist()
+    if host_pages:
+        assert idx.positions is None and len(run) == 9
+    else:  # flat block-table positions: row * width + page
+        width = m.block_table.shape[1]
+        assert run[9:] == [0, 1, width, 2 * width, 2 * width + 1, 2 * width + 2, 3 * width]
+
+
+def test_flashinfer_activations_only_get_inputs_they_take() -> None:
+    """Odd widths (22 -> 11 channels, found failing on the H200) go to the torch path."""
+    from xhal.cuda.ops import FlashInferOps
+
+    fits = FlashInferOps._fi_activation_fits
+    assert fits(torch.zeros(3, 2 * 4096, dtype=torch.bfloat16))
+    assert not fits(torch.zeros(1, 22, dtype=torch.bfloat16))
+    assert not fits(torch.zeros(3, 2 * 64, dtype=torch.float32))
+    assert not fits(torch.zeros(3, 2 * 4096 + 16, dtype=torch.float16)[:, 8:])  # strided, misaligned
