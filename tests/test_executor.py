@@ -170,6 +170,18 @@ def test_decode_staging_resets_rows_a_larger_step_left():
     assert padded.kv_cu_seq_lens.tolist() == [0, meta.kv_seq_lens_host.item(), *range(meta.kv_seq_lens_host.item() + 1, meta.kv_seq_lens_host.item() + 4)]
 
 
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "piecewise"])
+def test_warm_up_prefill_writes_no_cache(checkpoint_factory, enforce_eager):
+    h = Harness(checkpoint_factory("llama_tied"), enforce_eager=enforce_eager)
+    caches = h.executor.backends[0]._caches
+    before = [(c.key.clone(), c.value.clone()) for c in caches]
+    assert h.executor.warm_up(40) > 0
+    assert all(torch.equal(k, c.key) and torch.equal(v, c.value) for (k, v), c in zip(before, caches))
+    seqs = prompts(h.vocab, [7])
+    logits, _ = h.step([(0, seqs[0])])  # and the executor serves normally afterwards
+    assert rel_err(logits[-1], h.reference(seqs[0])[-1]) < RTOL
+
+
 def test_xllm_tuple_caches_synchronizer_and_empty(checkpoint_factory):
     h = Harness(checkpoint_factory("llama_tied"))
     model = load_model(checkpoint_factory("llama_tied"), dtype=torch.float32, progress=False)

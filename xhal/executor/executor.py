@@ -48,6 +48,7 @@ class ModelExecutor:
         self.backends = list(by_spec.values())
         self.hidden_size = self._hidden_size(model)
         self._caches_bound = False
+        self._num_blocks = 0
         self.decode_graphs = self.piecewise = None
         if not self.config.enforce_eager and platform.capabilities.graphs:
             self.decode_graphs = DecodeGraphs(platform, self.backends, self.config, self._forward)
@@ -118,6 +119,7 @@ class ModelExecutor:
                 )
         for backend in self.backends:
             backend.bind_kv_caches(caches)
+        self._num_blocks = caches[0].num_blocks
         self._caches_bound = True
 
     def capture_graphs(self, progress: bool = True) -> dict[str, float]:
@@ -128,6 +130,36 @@ class ModelExecutor:
         if not self._caches_bound:
             raise RuntimeError("bind_kv_caches(...) must be called before capture_graphs()")
         return self.decode_graphs.capture_all(progress)
+
+    def warm_up(self, num_tokens: int | None = None) -> float:
+        """Run one prefill of ``num_tokens`` (default: the batched-token budget, at most
+        ``max_model_len``) whose KV writes all go to slot -1, so the caches are untouched: JIT
+        compilation and lazy initialization (attention prefill modules, kernels at large row
+        counts, piecewise graphs) happen now rather than in the first request. Returns seconds."""
+        import time
+
+        if not self._caches_bound:
+            raise RuntimeError("bind_kv_caches(...) must be called before warm_up()")
+        cfg = self.config
+        n = min(num_tokens or cfg.max_num_batched_tokens, cfg.max_model_len)
+        pages = -(-n // cfg.block_size)
+        device, i32 = self.platform.device(), dict(dtype=torch.int32)
+        lens = torch.tensor([n], **i32)
+        zero_n = torch.tensor([0, n], **i32)
+        metadata = AttentionMetadata(
+            kind=BatchKind.PREFILL, num_seqs=1, num_tokens=n, max_query_len=n, max_seq_len=n,
+            q_cu_seq_lens=zero_n.to(device), kv_cu_seq_lens=zero_n.to(device),
+            q_seq_lens=lens.to(device), kv_seq_lens=lens.to(device),
+            q_seq_lens_host=lens, kv_seq_lens_host=lens.clone(),
+            block_table=(torch.arange(pages, **i32) % self._num_blocks)[None].to(device),  # read only
+            slot_mapping=torch.full((n,), -1, **i32).to(device),
+        )
+        start = time.perf_counter()
+        tokens = torch.zeros(n, **i32).to(device)
+        hidden = self.execute(tokens, torch.arange(n, **i32).to(device), metadata)
+        self.compute_logits(hidden, torch.tensor([n - 1]))
+        self.platform.synchronize()
+        return time.perf_counter() - start
 
     # one step ----------------------------------------------------------------------------------
 

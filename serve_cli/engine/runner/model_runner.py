@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     from serve_cli.engine.runner.tp_group import TPWorkers
     from serve_cli.engine.sampling import SamplingParams, TokenLogprobs
 
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,9 @@ class ModelRunner:
                 # capture every decode bucket now (progress bar; time and memory logged) so no
                 # request pays for a capture; with TP all ranks would have to capture in step
                 self.executor.capture_graphs()
+                # and compile what a prefill needs (FlashInfer JIT: a minute on a fresh machine),
+                # which the first request would otherwise wait for
+                logger.info("prefill warm-up took %.1f s", self.executor.warm_up())
         except BaseException:
             self.close()
             raise
