@@ -14,7 +14,7 @@ import time
 import torch
 
 import xhal
-from benchmarks.common import ceilings, table, time_cuda
+from benchmarks.common import ceilings, table, time_cuda, time_cuda_pipelined
 from models.llama import LlamaForCausalLM
 from xhal.executor import ExecutorConfig, ModelExecutor
 from xhal.interfaces import AttentionMetadata, BatchKind
@@ -97,6 +97,28 @@ def profile_host(executor: ModelExecutor, ids, pos, meta, iters: int = 20) -> No
     pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
+def host_breakdown(executor: ModelExecutor, ids, pos, meta, iters: int = 50) -> dict[str, float]:
+    """Median host microseconds of a graph decode step's parts: staging copies, attention plan,
+    graph launch (device idle at entry, as in ``host_time_us``)."""
+    graphs = executor.decode_graphs
+    bucket = graphs.bucket_for(meta)
+    key = ("decode", bucket)
+    samples: dict[str, list[float]] = {"stage": [], "plan": [], "replay": []}
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        padded = graphs._stage(ids, pos, meta, bucket)
+        t1 = time.perf_counter()
+        for backend in graphs.backends:
+            backend.plan(padded, graph_key=key)
+        t2 = time.perf_counter()
+        graphs.graphs.replay(key)
+        t3 = time.perf_counter()
+        for name, dt in zip(samples, (t1 - t0, t2 - t1, t3 - t2)):
+            samples[name].append(dt * 1e6)
+    return {f"{name}_us": sorted(v)[len(v) // 2] for name, v in samples.items()}
+
+
 def profile_kernels(step, title: str, iters: int = 5) -> None:
     """Which kernels a step runs and their device time (CUPTI sees inside graph replays)."""
     from torch.profiler import ProfilerActivity, profile
@@ -176,10 +198,13 @@ def main() -> None:
             row["eager_ms" if eager else "graph_ms"] = ms
             row["eager_x_floor" if eager else "graph_x_floor"] = ms / floor_ms
             if not eager:
+                row["pipelined_ms"] = time_cuda_pipelined(step)
+                row["pipelined_x_floor"] = row["pipelined_ms"] / floor_ms
                 row["host_us"] = host_time_us(ex, ids, pos, meta)
                 if args.profile:
                     print(f"--- host profile, graph decode, batch {batch}")
                     profile_host(ex, ids, pos, meta)
+                    print(f"--- host parts, graph decode, batch {batch}: {host_breakdown(ex, ids, pos, meta)}")
                     profile_kernels(step, f"graph decode, batch {batch}")
         row["graph_speedup"] = row["eager_ms"] / row["graph_ms"]
         rows.append(row)

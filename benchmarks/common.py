@@ -24,6 +24,26 @@ def time_cuda(fn: Callable[[], object], iters: int = 50, warmup: int = 5) -> flo
     return times[len(times) // 2]
 
 
+def time_cuda_pipelined(fn: Callable[[], object], steps: int = 20, reps: int = 5) -> float:
+    """Median milliseconds per call of ``fn`` issued ``steps`` times back to back, one sync at the
+    end: the host queues the next call while the device runs this one, as a server with async
+    scheduling does. ``time_cuda`` instead starts each call on an idle device, so it also counts
+    the host time before the first kernel."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / steps)
+    times.sort()
+    return times[len(times) // 2]
+
+
 def time_graph(fn: Callable[[], object], iters: int = 50) -> float:
     """Median ms of ``fn`` captured in one CUDA graph (launch overhead removed)."""
     side = torch.cuda.Stream()
