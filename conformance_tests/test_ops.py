@@ -57,6 +57,22 @@ def test_linear(m, k, n, bias, dtype, device, record_error) -> None:
     check(ops.linear(x, w, b), ref.linear(x, w, b), dtype, record_error)
 
 
+@pytest.mark.parametrize("m,k,n", [c for c in LINEAR_CASES if c[0] <= 4], ids=str)
+def test_linear_in_a_graph(m, k, n, platform, dtype, device, record_error) -> None:
+    """Decode steps run their linears captured: a platform may pick another kernel there."""
+    if not platform.capabilities.graphs:
+        pytest.skip(f"{platform.name} declares no graphs")
+    x = rand(m, k, dtype=dtype, device=device)
+    w = rand(n, k, dtype=dtype, device=device, scale=k**-0.5, seed=1)
+    b = rand(n, dtype=dtype, device=device, seed=2)
+    runner = platform.graph_runner()
+    runner.capture("linear", lambda: ops.linear(x, w, b))
+    x.copy_(rand(m, k, dtype=dtype, device=device, seed=3))  # replay reads the new input
+    out = runner.replay("linear")
+    platform.synchronize()
+    check(out, ref.linear(x, w, b), dtype, record_error)
+
+
 def test_linear_strided_and_batched_inputs(dtype, device, record_error) -> None:
     w = rand(48, 80, dtype=dtype, device=device, scale=80**-0.5, seed=1)
     wide = rand(2, 160, dtype=dtype, device=device)

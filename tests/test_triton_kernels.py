@@ -355,3 +355,28 @@ def test_flashinfer_activations_only_get_inputs_they_take() -> None:
     assert not fits(torch.zeros(1, 22, dtype=torch.bfloat16))
     assert not fits(torch.zeros(3, 2 * 64, dtype=torch.float32))
     assert not fits(torch.zeros(3, 2 * 4096 + 16, dtype=torch.float16)[:, 8:])  # strided, misaligned
+
+
+def test_cuda_linear_uses_gemv_only_once_eagerly_then_in_captures(monkeypatch) -> None:
+    from xhal.cuda import ops as cuda_ops
+
+    calls = []
+    real_gemv = cuda_ops.gemv.gemv
+    monkeypatch.setattr(cuda_ops.gemv, "gemv", lambda *a: calls.append("gemv") or real_gemv(*a))
+    capturing = [False]
+    monkeypatch.setattr(cuda_ops.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    linear = cuda_ops.CudaOps().linear
+    x, w, w2 = _randn(1, 64, dtype=torch.float32, seed=0), _randn(32, 64, dtype=torch.float32, seed=1), _randn(16, 64, dtype=torch.float32, seed=2)
+    want = x.double() @ w.double().T
+    capturing[0] = True
+    _assert_matches(linear(x, w), want, torch.float32)  # never launched: cuBLAS under capture
+    assert calls == []
+    capturing[0] = False
+    for expected in (["gemv"], ["gemv"]):  # first eager call loads it; later eager ones: cuBLAS
+        _assert_matches(linear(x, w), want, torch.float32)
+        assert calls == expected
+    capturing[0] = True
+    _assert_matches(linear(x, w), want, torch.float32)
+    linear(x, w2)  # another shape, never launched eagerly
+    linear(torch.cat([x, x]), w)  # two rows: past gemv_max_rows
+    assert calls == ["gemv", "gemv"]
