@@ -2,9 +2,10 @@
 conformance suite and the benchmarks use, in parallel processes, before they run.
 
 FlashInfer compiles a module on first use (~30 s for decode, ~70 s for prefill on the H200 host)
-and the suite meets two dozen of them one after another; compiled here side by side they cost a
-few minutes once. Each job runs one real step through xhal's backend, so exactly the modules the
-tests will load get built (into FLASHINFER_WORKSPACE_BASE).
+and the suite meets two dozen of them one after another. Each job here runs one real step through
+xhal's backend, so exactly the modules the tests will load get built (into
+FLASHINFER_WORKSPACE_BASE). Measured once: with 16 jobs side by side the first module took 150 s
+and the run was cut off before the rest reported, so the gain over building in turn is unproven.
 
     python3 scripts/fi_prebuild.py [--workers 16]
 """

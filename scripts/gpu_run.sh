@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: install the carried wheels, then the stages named on the command
-# line (default: all): prebuild (FlashInfer's JIT modules, compiled in parallel), conformance
-# (cuda, cuda-triton), bench_gemv, bench_attention, bench_model; serve on request.
+# line (default: conformance (cuda, cuda-triton), bench_gemv, bench_attention, bench_model); also
+# serve, conformance-<device>, and prebuild (FlashInfer's JIT modules compiled side by side:
+# an experiment, see docs/h200-results.md).
 # Call with `.whl` carried; FlashInfer's JIT cache goes to .fi_cache/ (ignored) so later calls on a
 # warm machine reuse it. Results land in $OUT when set.
 set -uo pipefail
@@ -12,7 +13,7 @@ fi
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} FLASHINFER_WORKSPACE_BASE=$PWD/.fi_cache
 export MAX_JOBS=16 PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/xhal-gpu}; mkdir -p "$out"
-stages=${*:-prebuild conformance bench_gemv bench_attention bench_model}
+stages=${*:-conformance bench_gemv bench_attention bench_model}
 status=0
 for stage in $stages; do
   echo "=== $stage ($(date +%T))"
