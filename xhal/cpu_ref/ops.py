@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from xhal.interfaces.ops import DeviceOps
 
@@ -45,17 +44,6 @@ class CpuOps(DeviceOps):
             rotated = _rotate(xf[..., :rotary_dim], cos, sin, is_neox)
             out.append(torch.cat([rotated, xf[..., rotary_dim:]], dim=-1).to(x.dtype))
         return out[0], out[1]
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.float().chunk(2, dim=-1)
-        return (F.silu(gate) * up).to(x.dtype)
-
-    def gelu_and_mul(self, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-        gate, up = x.float().chunk(2, dim=-1)
-        return (F.gelu(gate, approximate=approximate) * up).to(x.dtype)
-
-    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits.float().argmax(dim=-1)
 
     def sample(
         self,

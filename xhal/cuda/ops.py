@@ -52,17 +52,6 @@ class CudaOps(DeviceOps):
     def rotary_embedding(self, positions, q, k, cos_sin_cache, is_neox):
         return rotary.rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return (F.silu(gate.float()) * up.float()).to(x.dtype)
-
-    def gelu_and_mul(self, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return (F.gelu(gate.float(), approximate=approximate) * up.float()).to(x.dtype)
-
-    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits.float().argmax(dim=-1)
-
     def sample(self, logits, temperature, top_k, top_p, generator=None):
         return sampling.sample(logits, temperature, top_k, top_p, generator)
 

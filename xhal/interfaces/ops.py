@@ -47,17 +47,22 @@ class DeviceOps(ABC):
         2i + 1. Channels past ``rotary_dim`` pass through.
         """
 
-    @abstractmethod
+    # The three below have vectorized torch defaults that are right on any device; a platform
+    # overrides them with its kernels.
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., 2d] -> [..., d]``: ``silu(x[..., :d]) * x[..., d:]``."""
+        gate, up = x.float().chunk(2, dim=-1)
+        return (F.silu(gate) * up).to(x.dtype)
 
-    @abstractmethod
     def gelu_and_mul(self, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
         """``[..., 2d] -> [..., d]``: ``gelu(x[..., :d]) * x[..., d:]`` (approximate: none|tanh)."""
+        gate, up = x.float().chunk(2, dim=-1)
+        return (F.gelu(gate, approximate=approximate) * up).to(x.dtype)
 
-    @abstractmethod
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy pick: float ``[B, V]`` -> int64 ``[B]`` (lowest index on ties)."""
+        return logits.float().argmax(dim=-1)
 
     @abstractmethod
     def sample(

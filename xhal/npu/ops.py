@@ -6,7 +6,6 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 
 from xhal import sampling
 from xhal.interfaces.ops import DeviceOps
@@ -60,13 +59,6 @@ class NpuOps(DeviceOps):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         # silu(A) * B with A, B = x.chunk(2), on a contiguous input (section 3)
         return self.npu.npu_swiglu(x.contiguous(), dim=-1)
-
-    def gelu_and_mul(self, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return (F.gelu(gate.float(), approximate=approximate) * up.float()).to(x.dtype)
-
-    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits.float().argmax(dim=-1)
 
     def sample(
         self,
