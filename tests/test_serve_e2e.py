@@ -238,6 +238,21 @@ def test_disconnected_stream_is_aborted_and_frees_its_blocks(server: ServerProce
     assert samples["xhal_generation_tokens_total"] - before < max_tokens  # stopped early
 
 
+def test_client_leaving_a_non_streamed_request_aborts_it(server: ServerProcess) -> None:
+    max_tokens = MAX_MODEL_LEN - 20
+    before = server.metrics()["xhal_generation_tokens_total"]
+    body = {"model": "tiny", "prompt": prompts(1, 16, seed=11)[0], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=0.3)
+    deadline = time.monotonic() + 10
+    while server.metrics()["xhal_kv_blocks_used"] > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    samples = assert_all_blocks_free(server)
+    assert samples["xhal_generation_tokens_total"] - before < max_tokens  # stopped early
+
+
 def test_bench_serve_reports_the_workload(server: ServerProcess, tmp_path: Path) -> None:
     import json
 

@@ -6,7 +6,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
 from serve_cli.api.common import server_state
 from serve_cli.api.generation import Generation, new_id
@@ -41,8 +41,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     header = dict(id=gen.request_id, created=int(time.time()), model=state.model_name)
     if body.stream:
         return sse_response(_chunks(state, body, gen, header))
-    async for _ in gen.outputs():
-        pass
+    if not await gen.run_to_end(request):
+        return Response(status_code=499)  # the client left; nobody reads this
     choices = [
         ChatChoice(
             index=c.index,

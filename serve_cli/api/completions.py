@@ -6,7 +6,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
 from serve_cli.api.common import server_state
 from serve_cli.api.errors import invalid
@@ -36,8 +36,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     header = dict(id=gen.request_id, created=int(time.time()))
     if body.stream:
         return sse_response(_chunks(state, body, gen, header))
-    async for _ in gen.outputs():
-        pass
+    if not await gen.run_to_end(request):
+        return Response(status_code=499)  # the client left; nobody reads this
     choices = [_choice(state, body, c, c.text, c.token_ids, c.logprobs) for c in gen.choices]
     return CompletionResponse(**header, model=state.model_name, choices=choices, usage=gen.usage())
 

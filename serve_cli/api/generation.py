@@ -8,6 +8,7 @@ early (a disconnected client, an error), which frees their KV blocks in the engi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -85,6 +86,27 @@ class Generation:
                 yield choice, item
         finally:
             client.abort([c.request_id for c in self.choices if c.finish_reason is None])
+
+    async def run_to_end(self, request: Any, poll_seconds: float = 0.5) -> bool:
+        """Consume every output for a non-streamed response, checking every ``poll_seconds``
+        that the client is still there; if it left, stop, which aborts the unfinished engine
+        requests (their KV blocks come back). Returns False when the client left."""
+
+        async def consume() -> None:
+            async for _ in self.outputs():
+                pass
+
+        task = asyncio.ensure_future(consume())
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_seconds)
+            if done:
+                task.result()  # raises what the generation raised
+                return True
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return False
 
     def usage(self) -> Usage:
         completion = sum(len(c.token_ids) for c in self.choices)
