@@ -128,37 +128,16 @@ def test_completion_token_id_and_batched_prompts(client: openai.OpenAI) -> None:
 
 
 def test_n_samples(client: openai.OpenAI) -> None:
-    out = client.completions.create(
-        model=MODEL,
-        prompt="The children",
-        max_tokens=6,
-        n=3,
-        temperature=1.0,
-        seed=7,
+    request = dict(
+        model=MODEL, prompt="The children", max_tokens=6, n=3, temperature=1.0, seed=7,
         extra_body={"ignore_eos": True},
     )
+    out = client.completions.create(**request)
     assert sorted(c.index for c in out.choices) == [0, 1, 2]
     assert out.usage.completion_tokens == 18
-    again = client.completions.create(
-        model=MODEL,
-        prompt="The children",
-        max_tokens=6,
-        n=3,
-        temperature=1.0,
-        seed=7,
-        extra_body={"ignore_eos": True},
-    )
+    again = client.completions.create(**request)
     assert [c.text for c in again.choices] == [c.text for c in out.choices]  # seeded: reproducible
-    streamed = client.completions.create(
-        model=MODEL,
-        prompt="The children",
-        max_tokens=6,
-        n=3,
-        temperature=1.0,
-        seed=7,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
+    streamed = client.completions.create(**request, stream=True)
     texts = ["", "", ""]
     for chunk in streamed:
         for c in chunk.choices:
