@@ -39,6 +39,22 @@ class PagedIndex:
     num_real_tokens: int
 
 
+class UploadFence:
+    """An event after the last uploads queued from a reused page-locked buffer: ``wait`` before
+    rewriting the buffer, ``mark`` once new uploads from it are queued."""
+
+    def __init__(self) -> None:
+        self._event: torch.cuda.Event | None = None
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+
+    def mark(self) -> None:
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+
 class PinnedRing:
     """Page-locked int32 staging reused across steps, with no allocation on the hot path.
 
@@ -50,14 +66,13 @@ class PinnedRing:
     def __init__(self, slots: int = 2, pin: bool | None = None) -> None:
         self._pin = torch.cuda.is_available() if pin is None else pin
         self._buffers = [torch.empty(0, dtype=torch.int32) for _ in range(slots)]
-        self._events: list[torch.cuda.Event | None] = [None] * slots
+        self._fences = [UploadFence() for _ in range(slots)]
         self._slot = 0
 
     def acquire(self, size: int) -> torch.Tensor:
         """A pinned int32 buffer of ``size`` values; valid until the next ``release``."""
         self._slot = (self._slot + 1) % len(self._buffers)
-        if self._events[self._slot] is not None:
-            self._events[self._slot].synchronize()
+        self._fences[self._slot].wait()
         if self._buffers[self._slot].numel() < size:  # grows a few times, then never again
             grown = max(size, 2 * self._buffers[self._slot].numel())
             self._buffers[self._slot] = torch.empty(grown, dtype=torch.int32, pin_memory=self._pin)
@@ -66,9 +81,7 @@ class PinnedRing:
     def release(self) -> None:
         """Mark the current buffer busy until the uploads queued so far have run."""
         if self._pin:
-            event = torch.cuda.Event()
-            event.record()
-            self._events[self._slot] = event
+            self._fences[self._slot].mark()
 
 
 class PagedIndexBuilder:
@@ -154,13 +167,12 @@ class _DecodeBucket:
         )
         self.fast = getattr(fi, "__version__", "") in _FAST_PLAN_VERSIONS
         self._planned = False
-        self._scheduled: torch.cuda.Event | None = None  # after the last plan's upload of its schedule
+        self._scheduled = UploadFence()  # FlashInfer stages the schedule in one pinned buffer
 
     def plan(self, m: AttentionMetadata, idx: PagedIndex, spec: AttentionSpec, common: dict) -> None:
         if idx.num_pages > self.indices.numel():
             raise ValueError(f"decode bucket of {self.batch} holds {self.indices.numel()} pages, the step has {idx.num_pages}")
-        if self._scheduled is not None:  # FlashInfer stages the schedule in one pinned buffer
-            self._scheduled.synchronize()
+        self._scheduled.wait()
         heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.block_size)
         if not (self.fast and self._planned):
             ids = PagedIndexBuilder.page_ids(m, idx)
@@ -174,15 +186,14 @@ class _DecodeBucket:
             else:
                 table = m.block_table.contiguous().view(-1)
                 torch.index_select(table, 0, self.meta[2 * self.batch + 1 : n], out=self.indices[: idx.num_pages])
-            self._schedule(m, idx, spec)
-        self._scheduled = torch.cuda.Event()
-        self._scheduled.record()
+            self._schedule(m, idx, spec, common)
+        self._scheduled.mark()
 
-    def _schedule(self, m: AttentionMetadata, idx: PagedIndex, spec: AttentionSpec) -> None:
+    def _schedule(self, m: AttentionMetadata, idx: PagedIndex, spec: AttentionSpec, common: dict) -> None:
         """FlashInfer's scheduler for this bucket, as the wrapper's ``plan`` calls it with
-        ``use_cuda_graph=True`` (0.5.3); the captured kernels read its output from the int
-        workspace."""
-        w, b, window = self.wrapper, self.batch, (spec.sliding_window - 1) if spec.sliding_window else -1
+        ``use_cuda_graph=True`` (0.5.3) and the same ``common`` arguments; the captured kernels
+        read its output from the int workspace."""
+        w, b, window = self.wrapper, self.batch, common["window_left"]
         buffers = (w._float_workspace_buffer, w._int_workspace_buffer, w._pin_memory_int_workspace_buffer)
         if w.use_tensor_cores:
             w._plan_info = w._cached_module.plan(
@@ -193,8 +204,8 @@ class _DecodeBucket:
         else:
             w._plan_info = w._cached_module.plan(
                 *buffers, idx.indptr, b, spec.num_heads, spec.num_kv_heads, spec.block_size, True,
-                window, spec.logits_soft_cap or 0.0, spec.head_dim, spec.head_dim,
-                torch.empty(0, dtype=spec.dtype), torch.empty(0, dtype=spec.dtype),
+                window, common["logits_soft_cap"] or 0.0, spec.head_dim, spec.head_dim,
+                torch.empty(0, dtype=common["q_data_type"]), torch.empty(0, dtype=common["kv_data_type"]),
             )
 
 
@@ -213,7 +224,7 @@ class FlashInferAttention(AttentionBackend):
         )
         self.buckets: dict[Hashable, _DecodeBucket] = {}
         self.index_builder = PagedIndexBuilder(spec.block_size)
-        self._scheduled: torch.cuda.Event | None = None  # the eager wrappers' last plan
+        self._scheduled = UploadFence()  # the eager wrappers stage their schedule in pinned buffers
         self._caches: list[LayerCache] = []
         self._wrapper = None
         self._slot_mapping: torch.Tensor | None = None
@@ -249,8 +260,7 @@ class FlashInferAttention(AttentionBackend):
             self._wrapper, self._num_real = bucket.wrapper, idx.num_real_tokens
             self._slot_mapping = bucket.slots.copy_(m.slot_mapping, non_blocking=True)
             return
-        if self._scheduled is not None:  # the wrappers stage their schedule in one pinned buffer
-            self._scheduled.synchronize()
+        self._scheduled.wait()
         ids = self.index_builder.page_ids(m, idx)
         heads = (s.num_heads, s.num_kv_heads, s.head_dim, s.block_size)
         if is_decode:
@@ -258,8 +268,7 @@ class FlashInferAttention(AttentionBackend):
         else:
             self.prefill.plan(idx.qo_indptr, idx.indptr, ids, idx.last_page_len, *heads, causal=True, **self._common())
         self.index_builder.release()
-        self._scheduled = torch.cuda.Event()
-        self._scheduled.record()
+        self._scheduled.mark()
         self._wrapper = self.decode if is_decode else self.prefill
         self._slot_mapping, self._num_real = m.slot_mapping, idx.num_real_tokens
 

@@ -40,7 +40,7 @@ def fused_add_rms_norm(
         x2 = x2.contiguous()
     if r2.stride(-1) != 1:
         r2 = r2.contiguous()
-    normed, summed = torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    normed, summed = x.new_empty(x.shape), x.new_empty(x.shape)  # contiguous, whatever x's strides
     rows = x2.shape[0]
     if rows:
         block = triton.next_power_of_2(n)

@@ -61,7 +61,7 @@ def rotary_embedding(
     if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.stride(-1) != 1:
         cos_sin_cache = cos_sin_cache.float().contiguous()
     half = cos_sin_cache.shape[-1] // 2
-    q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    q_out, k_out = q.new_empty(q.shape), k.new_empty(k.shape)  # contiguous
     if num_tokens:
         tail = d - 2 * half
         _rotary_kernel[(num_tokens, hq + hk)](
