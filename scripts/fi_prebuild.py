@@ -4,8 +4,8 @@ conformance suite and the benchmarks use, in parallel processes, before they run
 FlashInfer compiles a module on first use (~30 s for decode, ~70 s for prefill on the H200 host)
 and the suite meets two dozen of them one after another. Each job here runs one real step through
 xhal's backend, so exactly the modules the tests will load get built (into
-FLASHINFER_WORKSPACE_BASE). Measured once: with 16 jobs side by side the first module took 150 s
-and the run was cut off before the rest reported, so the gain over building in turn is unproven.
+FLASHINFER_WORKSPACE_BASE). ``gpu_run.sh pack`` then bundles the built libraries so a later,
+fresh machine loads them instead of compiling (see gpu_run.sh).
 
     python3 scripts/fi_prebuild.py [--workers 16]
 """
@@ -27,14 +27,15 @@ FEATURES = {"plain": {}, "window": {"sliding_window": 8}, "soft_cap": {"logits_s
 def jobs() -> list[tuple]:
     """(dtype, head_dim, gqa group, feature, kind): decode per group (CUDA-core for 1, tensor-core
     for 4), prefill once (one module serves prefill, chunked and mixed)."""
-    out = []
+    prefill, decode = [], []
     for dtype in ("bfloat16", "float16"):
         for head_dim in (64, 128):
-            out += [(dtype, head_dim, 1, "plain", "DECODE"), (dtype, head_dim, 4, "plain", "DECODE"),
-                    (dtype, head_dim, 4, "plain", "PREFILL")]
+            decode += [(dtype, head_dim, 1, "plain", "DECODE"), (dtype, head_dim, 4, "plain", "DECODE")]
+            prefill.append((dtype, head_dim, 4, "plain", "PREFILL"))
         for feature in ("window", "soft_cap", "window_soft_cap"):
-            out += [(dtype, 128, 4, feature, "DECODE"), (dtype, 128, 4, feature, "PREFILL")]
-    return out + [("ops",)]
+            decode.append((dtype, 128, 4, feature, "DECODE"))
+            prefill.append((dtype, 128, 4, feature, "PREFILL"))
+    return prefill + decode + [("ops",)]  # the slowest builds first, so the tail is short
 
 
 def run_job(job: tuple) -> tuple[tuple, float, str]:
@@ -83,13 +84,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     args = parser.parse_args()
-    os.environ.setdefault("MAX_JOBS", "4")  # each build's ninja; the jobs run side by side
+    # each build's ninja; the jobs run side by side (16 x 4 nvcc at once thrashed the host once)
+    os.environ["MAX_JOBS"] = os.environ.get("PREBUILD_MAX_JOBS", "2")
     todo, start, failed = jobs(), time.perf_counter(), 0
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=context) as pool:
-        for job, seconds, status in pool.map(run_job, todo):
+        for future in concurrent.futures.as_completed([pool.submit(run_job, job) for job in todo]):
+            job, seconds, status = future.result()
             failed += status != "ok"
-            print(f"  {'/'.join(map(str, job)):<36} {seconds:6.1f} s  {status}", flush=True)
+            print(f"  {time.perf_counter() - start:5.0f} s  {'/'.join(map(str, job)):<36} {seconds:6.1f} s  {status}",
+                  flush=True)
     print(f"prebuilt {len(todo) - failed}/{len(todo)} configurations in {time.perf_counter() - start:.0f} s")
 
 

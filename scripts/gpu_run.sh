@@ -1,31 +1,42 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: install the carried wheels, then the stages named on the command
 # line (default: conformance (cuda, cuda-triton), bench_gemv, bench_attention, bench_model); also
-# serve, conformance-<device>, and prebuild (FlashInfer's JIT modules compiled side by side:
-# an experiment, see docs/h200-results.md).
+# serve, conformance-<device>, prebuild (FlashInfer's JIT modules compiled side by side) and pack.
 # Call with `.whl` carried; FlashInfer's JIT cache goes to .fi_cache/ (ignored) so later calls on a
-# warm machine reuse it. Results land in $OUT when set.
+# warm machine reuse it. `pack` bundles the compiled FlashInfer libraries into $OUT/fi_aot.tar.xz.*;
+# put those parts in .fi_aot/ (ignored) and carry it too: they are unpacked as FlashInfer's AOT
+# directory, so a fresh machine loads them instead of compiling. Results land in $OUT when set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -d /tmp/site/flashinfer ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
 fi
+aot=/tmp/site/flashinfer/data/aot
+if ls .fi_aot/fi_aot.tar.xz.* >/dev/null 2>&1 && [ ! -d "$aot" ]; then
+  mkdir -p "$aot" && cat .fi_aot/fi_aot.tar.xz.* | tar -xJ -C "$aot" && echo "FlashInfer AOT: $(ls "$aot" | wc -l) modules"
+fi
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} FLASHINFER_WORKSPACE_BASE=$PWD/.fi_cache
 export MAX_JOBS=16 PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/xhal-gpu}; mkdir -p "$out"
+py() { timeout -k 10 "${STAGE_TIMEOUT:-0}" python3 "$@"; }  # STAGE_TIMEOUT=N bounds each stage
 stages=${*:-conformance bench_gemv bench_attention bench_model}
 status=0
 for stage in $stages; do
   echo "=== $stage ($(date +%T))"
   case $stage in
-    prebuild) python3 scripts/fi_prebuild.py 2>&1 | tee "$out/prebuild.txt" || status=1 ;;
+    prebuild) py scripts/fi_prebuild.py 2>&1 | tee "$out/prebuild.txt" || status=1 ;;
+    pack)  # every compiled module (<name>/<name>.so, the AOT layout), the ones unpacked above too
+      find .fi_cache "$aot" -name '*.so' -path '*/cached_ops/*' -o -name '*.so' -path "$aot/*" 2>/dev/null \
+        | while read -r so; do d=/tmp/fi_pack/$(basename "$so" .so); mkdir -p "$d"; [ -e "$d/${so##*/}" ] || cp "$so" "$d/"; done
+      du -sh /tmp/fi_pack; XZ_OPT="-T16 -6" tar -cJ -C /tmp/fi_pack . | split -b 15M - "$out/fi_aot.tar.xz."
+      ls -l "$out"/fi_aot.tar.xz.* ;;
     conformance)
       for dev in cuda cuda-triton; do
-        python3 -m conformance_tests.cli --device $dev --report "$out/conformance-$dev.json" || status=1
+        py -m conformance_tests.cli --device $dev --report "$out/conformance-$dev.json" || status=1
       done ;;
     conformance-*)  # CONF_ARGS narrows it, e.g. "--family attention" (FlashInfer's JIT is slow)
-      python3 -m conformance_tests.cli --device "${stage#conformance-}" ${CONF_ARGS:-} --report "$out/$stage.json" || status=1 ;;
-    bench_*) python3 -m benchmarks.$stage ${BENCH_ARGS:-} 2>&1 | tee "$out/$stage.txt" || status=1 ;;
+      py -m conformance_tests.cli --device "${stage#conformance-}" ${CONF_ARGS:-} --report "$out/$stage.json" || status=1 ;;
+    bench_*) py -m benchmarks.$stage ${BENCH_ARGS:-} 2>&1 | tee "$out/$stage.txt" || status=1 ;;
     serve)  # xhal-serve --device cuda on the 8B-shaped random model, under xhal-bench-serve
       dir=$(python3 -m benchmarks.make_dummy_model /tmp/dummy-8b | tail -1)
       python3 -m serve_cli --device cuda --model "$dir" --load-format dummy --dtype bfloat16 \

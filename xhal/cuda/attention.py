@@ -4,6 +4,11 @@ One plan per step (per attention group) serves every layer. Decode batches use t
 (tensor cores for GQA >= 4); prefill, chunked prefill and mixed batches use the paged prefill
 wrapper with a bottom-right causal mask. Each captured decode bucket gets its own wrapper over
 static buffers (``use_cuda_graph=True``), re-planned on the host before every replay.
+
+Prefill runs FlashInfer's FA2 kernels by default, not FA3 (FlashInfer's choice on Hopper): the
+tensor-core decode wrapper is built from the same FA2 module, so one JIT build per configuration
+serves both, where FA3 adds a second one of several minutes per configuration. Pass
+``prefill_backend="fa3"`` (or set ``XHAL_FLASHINFER_PREFILL=fa3``) for FA3.
 """
 
 from __future__ import annotations
@@ -210,7 +215,10 @@ class _DecodeBucket:
 
 
 class FlashInferAttention(AttentionBackend):
-    def __init__(self, spec: AttentionSpec, workspace: torch.Tensor, use_tensor_cores: bool | None = None) -> None:
+    def __init__(
+        self, spec: AttentionSpec, workspace: torch.Tensor, use_tensor_cores: bool | None = None,
+        prefill_backend: str = "fa2",
+    ) -> None:
         super().__init__(spec)
         import flashinfer
 
@@ -218,7 +226,7 @@ class FlashInferAttention(AttentionBackend):
         self.workspace = workspace
         # FlashInfer's advice: tensor-core decode pays from a GQA group of 4 up
         self.use_tensor_cores = spec.group_size >= 4 if use_tensor_cores is None else use_tensor_cores
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=prefill_backend)
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace, "NHD", use_tensor_cores=self.use_tensor_cores
         )

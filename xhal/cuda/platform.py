@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -68,7 +69,10 @@ class CudaPlatform(Platform):
         if self.has_flashinfer and spec.dtype in (torch.float16, torch.bfloat16):
             if self._workspace is None:  # one zeroed workspace shared by every wrapper
                 self._workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device())
-            return FlashInferAttention(spec, self._workspace)
+            prefill = os.environ.get("XHAL_FLASHINFER_PREFILL", "fa2")
+            if prefill not in ("fa2", "fa3", "auto"):
+                raise ValueError(f"XHAL_FLASHINFER_PREFILL={prefill!r}: use fa2, fa3 or auto")
+            return FlashInferAttention(spec, self._workspace, prefill_backend=prefill)
         return TritonAttention(spec)
 
     def graph_runner(self):
