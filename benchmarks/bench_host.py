@@ -39,7 +39,8 @@ def busy_us(op: Callable[[], object], iters: int = 50) -> float:
     return elapsed / iters * 1e6
 
 
-def main() -> None:
+def op_costs() -> list[dict]:
+    """One row per operation: its host cost with the device idle at entry and busy."""
     dev = torch.device("cuda")
     i32 = dict(dtype=torch.int32, device=dev)
     small = [torch.zeros(64, **i32) for _ in range(8)]
@@ -70,9 +71,12 @@ def main() -> None:
         "graph replay, 1 kernel": one_kernel.replay,
         "graph replay, 400 kernels": many_kernels.replay,
     }
-    rows = [{"operation": name, "us, device idle at entry (median)": round(idle_us(op), 1),
+    return [{"operation": name, "us, device idle at entry (median)": round(idle_us(op), 1),
              "us, device busy (mean)": round(busy_us(op), 1)} for name, op in ops.items()]
-    print(table(rows, f"--- host cost per operation on {torch.cuda.get_device_name()}"))
+
+
+def main() -> None:
+    print(table(op_costs(), f"--- host cost per operation on {torch.cuda.get_device_name()}"))
 
 
 if __name__ == "__main__":

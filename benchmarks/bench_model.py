@@ -71,11 +71,19 @@ def prefill_metadata(tokens: int, device) -> tuple[torch.Tensor, torch.Tensor, A
     return ids, torch.arange(tokens, dtype=torch.int32, device=device), meta
 
 
-def host_time_us(executor: ModelExecutor, ids, pos, meta, iters: int = 50) -> float:
-    """CPU time of one ``execute`` call with the device idle at entry (device work excluded)."""
+def _enter(busy: bool) -> None:
+    """Start a timed call from an idle device, or (``busy``) with ~20 ms of device work queued
+    ahead, so the host neither waits on the device nor starts cold from a long synchronize."""
+    torch.cuda.synchronize()
+    if busy:
+        torch.cuda._sleep(40_000_000)
+
+
+def host_time_us(executor: ModelExecutor, ids, pos, meta, iters: int = 50, busy: bool = False) -> float:
+    """CPU time of one ``execute`` call (device work excluded): the device idle at entry, or busy."""
     samples = []
     for _ in range(iters):
-        torch.cuda.synchronize()
+        _enter(busy)
         t0 = time.perf_counter()
         executor.execute(ids, pos, meta)
         samples.append(time.perf_counter() - t0)
@@ -97,15 +105,15 @@ def profile_host(executor: ModelExecutor, ids, pos, meta, iters: int = 20) -> No
     pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
-def host_breakdown(executor: ModelExecutor, ids, pos, meta, iters: int = 50) -> dict[str, float]:
+def host_breakdown(executor: ModelExecutor, ids, pos, meta, iters: int = 50, busy: bool = False) -> dict[str, float]:
     """Median host microseconds of a graph decode step's parts: staging copies, attention plan,
-    graph launch (device idle at entry, as in ``host_time_us``)."""
+    graph launch (entered as in ``host_time_us``)."""
     graphs = executor.decode_graphs
     bucket = graphs.bucket_for(meta)
     key = ("decode", bucket)
     samples: dict[str, list[float]] = {"stage": [], "plan": [], "replay": []}
     for _ in range(iters):
-        torch.cuda.synchronize()
+        _enter(busy)
         t0 = time.perf_counter()
         padded = graphs._stage(ids, pos, meta, bucket)
         t1 = time.perf_counter()
@@ -186,6 +194,10 @@ def main() -> None:
     capture = executors[False].capture_graphs()
     print(f"decode graph capture: {capture['graphs']} buckets in {capture['seconds']:.1f} s, "
           f"{capture.get('memory_bytes', 0) / 2**20:.0f} MiB")
+    if args.profile:  # the same operations as bench_host, in this process (model, caches, graphs loaded)
+        from benchmarks.bench_host import op_costs
+
+        print(table(op_costs(), "--- host cost per operation, in the model's process"))
     rows = []
     for batch in batches:
         ids, pos, meta = decode_metadata(batch, CTX, device)
@@ -201,13 +213,21 @@ def main() -> None:
                 row["pipelined_ms"] = time_cuda_pipelined(step)
                 row["pipelined_x_floor"] = row["pipelined_ms"] / floor_ms
                 row["host_us"] = host_time_us(ex, ids, pos, meta)
-                if args.profile:
-                    print(f"--- host profile, graph decode, batch {batch}")
-                    profile_host(ex, ids, pos, meta)
-                    print(f"--- host parts, graph decode, batch {batch}: {host_breakdown(ex, ids, pos, meta)}")
-                    profile_kernels(step, f"graph decode, batch {batch}")
+                row["host_busy_us"] = host_time_us(ex, ids, pos, meta, busy=True)
         row["graph_speedup"] = row["eager_ms"] / row["graph_ms"]
         rows.append(row)
+    if args.profile:  # after every timing: once CUPTI has run in a process, CUDA calls cost more
+        ex = executors[False]
+        for batch in batches:
+            ids, pos, meta = decode_metadata(batch, CTX, device)
+            print(f"--- host profile, graph decode, batch {batch}")
+            profile_host(ex, ids, pos, meta)
+            for busy in (False, True):
+                parts = host_breakdown(ex, ids, pos, meta, busy=busy)
+                print(f"--- host parts, graph decode, batch {batch}, device {'busy' if busy else 'idle'}: {parts}")
+        for batch in batches:
+            ids, pos, meta = decode_metadata(batch, CTX, device)
+            profile_kernels(lambda: ex.compute_logits(ex.execute(ids, pos, meta)), f"graph decode, batch {batch}")
     print(table(rows, f"decode step (execute + logits), Llama-3-8B shape, bf16, {weight_bytes / 1e9:.2f} GB weights; floor = (weights + KV read) / copy rate"))
     tokens = 4096
     ids, pos, meta = prefill_metadata(tokens, device)

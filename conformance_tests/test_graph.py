@@ -19,6 +19,9 @@ import xhal
 from conformance_tests import reference
 from conformance_tests.batches import (
     Batch,
+    Seq,
+    allocate_blocks,
+    build_batch,
     declared_head_dim,
     decode_bucket,
     one_cpu_thread,
@@ -268,5 +271,28 @@ def test_bucket_padding_keeps_real_rows(platform, device, record_error, dtype, b
             assert err <= tol, (
                 f"layer {layer}, {num_real} real rows: padded != unpadded ({err:.3e})"
             )
+    record_error(worst)
+    assert worst <= tol, f"max abs error {worst:.3e} > tolerance {tol:.1e} for {spec}"
+
+
+@block_sizes
+@dtypes
+def test_decode_steps_within_pages(platform, device, record_error, dtype, block_size):
+    """Consecutive replays whose sequences each grow by one token inside their last page keep the
+    page counts of the step before while lengths, page ids and slots change: a backend that
+    reuses work keyed on the page layout (FlashInfer's schedule) must still read the new step."""
+    case = DecodeCase(platform, device, dtype, block_size, f"within pages {dtype} {block_size}")
+    spec, caches, tol, worst = case.spec, case.caches, tolerance("attention", dtype), 0.0
+    bs, rng = block_size, case.rng
+    # every sequence starts 3 tokens short of a page boundary, so 3 steps stay in the same pages
+    start = [rng.randint(0, case.max_blocks - 2) * bs + bs - 3 for _ in range(BUCKET)]
+    seqs = [Seq(1, n) for n in start]
+    for step in range(3):
+        grown = [Seq(1, s.kv_len + step) for s in seqs]
+        rows = allocate_blocks(grown, bs, caches[0].num_blocks, rng)  # new page ids every step
+        batch = build_batch(BatchKind.DECODE, grown, rows, bs, device, max_blocks=case.max_blocks)
+        inputs, before = case.qkv(BUCKET), reference.snapshot(caches)
+        outs = case.replay(batch, inputs)
+        worst = max(worst, reference.check_layers(outs, inputs, before, caches, batch, spec))
     record_error(worst)
     assert worst <= tol, f"max abs error {worst:.3e} > tolerance {tol:.1e} for {spec}"

@@ -46,7 +46,8 @@ class PagedIndex:
 
 class UploadFence:
     """An event after the last uploads queued from a reused page-locked buffer: ``wait`` before
-    rewriting the buffer, ``mark`` once new uploads from it are queued."""
+    rewriting the buffer, ``mark`` once new uploads from it are queued. One CUDA event, re-recorded
+    (creating one per step cost host time a graph step cannot spare)."""
 
     def __init__(self) -> None:
         self._event: torch.cuda.Event | None = None
@@ -55,9 +56,11 @@ class UploadFence:
         if self._event is not None:
             self._event.synchronize()
 
-    def mark(self) -> None:
-        self._event = torch.cuda.Event()
-        self._event.record()
+    def mark(self, stream: torch.cuda.Stream | None = None) -> None:
+        """``stream``: the stream the uploads went to (default: the current one)."""
+        if self._event is None:
+            self._event = torch.cuda.Event()
+        self._event.record(stream)
 
 
 class PinnedRing:
@@ -83,10 +86,10 @@ class PinnedRing:
             self._buffers[self._slot] = torch.empty(grown, dtype=torch.int32, pin_memory=self._pin)
         return self._buffers[self._slot][:size]
 
-    def release(self) -> None:
-        """Mark the current buffer busy until the uploads queued so far have run."""
+    def release(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Mark the current buffer busy until the uploads queued so far (on ``stream``) have run."""
         if self._pin:
-            self._fences[self._slot].mark()
+            self._fences[self._slot].mark(stream)
 
 
 class PagedIndexBuilder:
@@ -101,8 +104,8 @@ class PagedIndexBuilder:
         self.block_size = block_size
         self.staging = PinnedRing(pin=pin)
 
-    def release(self) -> None:
-        self.staging.release()
+    def release(self, stream: torch.cuda.Stream | None = None) -> None:
+        self.staging.release(stream)
 
     def build(self, m: AttentionMetadata) -> PagedIndex:
         bs, b = self.block_size, m.num_seqs
@@ -111,7 +114,8 @@ class PagedIndexBuilder:
         nnz = int(num_pages.sum())
         gather = m.paged_kv_indices is None  # else the host built the page ids (xLLM's CUDA builder)
         buf = self.staging.acquire(3 * b + 2 + (nnz if gather else 0))
-        qo, ptr, last, flat = np.split(buf.numpy(), [b + 1, 2 * b + 2, 3 * b + 2])
+        host = buf.numpy()
+        qo, ptr, last, flat = host[: b + 1], host[b + 1 : 2 * b + 2], host[2 * b + 2 : 3 * b + 2], host[3 * b + 2 :]
         qo[0] = ptr[0] = 0
         np.cumsum(q_lens, out=qo[1:])
         np.cumsum(num_pages, out=ptr[1:])
@@ -150,7 +154,10 @@ class _DecodeBucket:
     gather the page ids straight into the wrapper's indices buffer and call FlashInfer's C++
     scheduler directly: the wrapper's Python ``plan`` re-derives, on every call, things that are
     fixed for a bucket (dtypes, module lookup, host copies of device arrays) and dominated the
-    host time of a graph decode step.
+    host time of a graph decode step. The scheduler's output is a function of the page counts
+    alone (its C++ reads indptr, never the last-page lengths), so it reruns only when a sequence
+    of the bucket gained or lost a page: one decode step in ``block_size`` at batch 1. The
+    schedule it left in this wrapper's own int workspace stays valid until then.
     """
 
     def __init__(self, fi, workspace: torch.Tensor, use_tensor_cores: bool, batch: int, max_pages: int) -> None:
@@ -172,17 +179,24 @@ class _DecodeBucket:
         )
         self.fast = getattr(fi, "__version__", "") in _FAST_PLAN_VERSIONS
         self._planned = False
+        self._scheduled_indptr = np.empty(0, dtype=np.int32)  # page indptr of the live schedule
+        self._tags: tuple[torch.Tensor, torch.Tensor] | None = None
         self._scheduled = UploadFence()  # FlashInfer stages the schedule in one pinned buffer
 
-    def plan(self, m: AttentionMetadata, idx: PagedIndex, spec: AttentionSpec, common: dict) -> None:
+    def plan(
+        self, m: AttentionMetadata, idx: PagedIndex, spec: AttentionSpec, common: dict, stream: torch.cuda.Stream
+    ) -> None:
         if idx.num_pages > self.indices.numel():
             raise ValueError(f"decode bucket of {self.batch} holds {self.indices.numel()} pages, the step has {idx.num_pages}")
-        self._scheduled.wait()
         heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.block_size)
+        indptr = idx.indptr.numpy()
         if not (self.fast and self._planned):
+            self._scheduled.wait()
             ids = PagedIndexBuilder.page_ids(m, idx)
             self.wrapper.plan(idx.indptr, ids, idx.last_page_len, *heads, **common)
             self._planned = True
+            self._scheduled_indptr = indptr.copy()
+            self._scheduled.mark(stream)
         else:
             n = idx.ptr_last_flat.numel()
             self.meta[:n].copy_(idx.ptr_last_flat, non_blocking=True)
@@ -191,8 +205,11 @@ class _DecodeBucket:
             else:
                 table = m.block_table.contiguous().view(-1)
                 torch.index_select(table, 0, self.meta[2 * self.batch + 1 : n], out=self.indices[: idx.num_pages])
-            self._schedule(m, idx, spec, common)
-        self._scheduled.mark()
+            if not np.array_equal(indptr, self._scheduled_indptr):
+                self._scheduled.wait()
+                self._schedule(m, idx, spec, common)
+                self._scheduled_indptr = indptr.copy()
+                self._scheduled.mark(stream)
 
     def _schedule(self, m: AttentionMetadata, idx: PagedIndex, spec: AttentionSpec, common: dict) -> None:
         """FlashInfer's scheduler for this bucket, as the wrapper's ``plan`` calls it with
@@ -210,8 +227,14 @@ class _DecodeBucket:
             w._plan_info = w._cached_module.plan(
                 *buffers, idx.indptr, b, spec.num_heads, spec.num_kv_heads, spec.block_size, True,
                 window, common["logits_soft_cap"] or 0.0, spec.head_dim, spec.head_dim,
-                torch.empty(0, dtype=common["q_data_type"]), torch.empty(0, dtype=common["kv_data_type"]),
+                *self._dtype_tags(common),
             )
+
+    def _dtype_tags(self, common: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Empty q / kv tensors whose dtypes the CUDA-core scheduler reads (made once)."""
+        if self._tags is None:
+            self._tags = torch.empty(0, dtype=common["q_data_type"]), torch.empty(0, dtype=common["kv_data_type"])
+        return self._tags
 
 
 class FlashInferAttention(AttentionBackend):
@@ -230,6 +253,13 @@ class FlashInferAttention(AttentionBackend):
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace, "NHD", use_tensor_cores=self.use_tensor_cores
         )
+        self._common = dict(  # the plan arguments every wrapper gets
+            sm_scale=spec.softmax_scale,
+            window_left=(spec.sliding_window - 1) if spec.sliding_window else -1,
+            logits_soft_cap=spec.logits_soft_cap,
+            q_data_type=spec.dtype,
+            kv_data_type=spec.dtype,
+        )
         self.buckets: dict[Hashable, _DecodeBucket] = {}
         self.index_builder = PagedIndexBuilder(spec.block_size)
         self._scheduled = UploadFence()  # the eager wrappers stage their schedule in pinned buffers
@@ -240,16 +270,6 @@ class FlashInferAttention(AttentionBackend):
 
     def bind_kv_caches(self, caches: Sequence[LayerCache]) -> None:
         self._caches = normalize_layer_caches(caches)
-
-    def _common(self) -> dict:
-        s = self.spec
-        return dict(
-            sm_scale=s.softmax_scale,
-            window_left=(s.sliding_window - 1) if s.sliding_window else -1,
-            logits_soft_cap=s.logits_soft_cap,
-            q_data_type=s.dtype,
-            kv_data_type=s.dtype,
-        )
 
     def plan(self, metadata: AttentionMetadata, graph_key: Hashable | None = None) -> None:
         m, s = metadata, self.spec
@@ -263,8 +283,9 @@ class FlashInferAttention(AttentionBackend):
                 bucket = self.buckets[graph_key] = _DecodeBucket(
                     self._fi, self.workspace, self.use_tensor_cores, m.num_seqs, m.num_seqs * m.block_table.shape[1]
                 )
-            bucket.plan(m, idx, s, self._common())
-            self.index_builder.release()
+            stream = torch.cuda.current_stream()  # looked up once: it costs more than the record
+            bucket.plan(m, idx, s, self._common, stream)
+            self.index_builder.release(stream)
             self._wrapper, self._num_real = bucket.wrapper, idx.num_real_tokens
             self._slot_mapping = bucket.slots.copy_(m.slot_mapping, non_blocking=True)
             return
@@ -272,9 +293,9 @@ class FlashInferAttention(AttentionBackend):
         ids = self.index_builder.page_ids(m, idx)
         heads = (s.num_heads, s.num_kv_heads, s.head_dim, s.block_size)
         if is_decode:
-            self.decode.plan(idx.indptr, ids, idx.last_page_len, *heads, **self._common())
+            self.decode.plan(idx.indptr, ids, idx.last_page_len, *heads, **self._common)
         else:
-            self.prefill.plan(idx.qo_indptr, idx.indptr, ids, idx.last_page_len, *heads, causal=True, **self._common())
+            self.prefill.plan(idx.qo_indptr, idx.indptr, ids, idx.last_page_len, *heads, causal=True, **self._common)
         self.index_builder.release()
         self._scheduled.mark()
         self._wrapper = self.decode if is_decode else self.prefill
