@@ -71,19 +71,26 @@ def prefill_metadata(tokens: int, device) -> tuple[torch.Tensor, torch.Tensor, A
     return ids, torch.arange(tokens, dtype=torch.int32, device=device), meta
 
 
-def _enter(busy: bool) -> None:
-    """Start a timed call from an idle device, or (``busy``) with ~20 ms of device work queued
-    ahead, so the host neither waits on the device nor starts cold from a long synchronize."""
+def _enter(mode: str) -> None:
+    """Start a timed call: ``idle`` right after a synchronize, ``busy`` with ~20 ms of device
+    work queued ahead (the host never waits on the device), ``spun`` after a synchronize and 2 ms
+    of Python spinning (a host thread that was busy rather than blocked in the synchronize)."""
     torch.cuda.synchronize()
-    if busy:
+    if mode == "busy":
         torch.cuda._sleep(40_000_000)
+    elif mode == "spun":
+        end = time.perf_counter() + 2e-3
+        while time.perf_counter() < end:
+            pass
 
 
-def host_time_us(executor: ModelExecutor, ids, pos, meta, iters: int = 50, busy: bool = False) -> float:
-    """CPU time of one ``execute`` call (device work excluded): the device idle at entry, or busy."""
+def host_time_us(executor: ModelExecutor, steps: list[tuple], iters: int = 50, mode: str = "idle") -> float:
+    """CPU time of one ``execute`` call (device work excluded), cycling over ``steps`` (ids,
+    positions, metadata), entered as ``_enter(mode)``."""
     samples = []
-    for _ in range(iters):
-        _enter(busy)
+    for i in range(iters):
+        ids, pos, meta = steps[i % len(steps)]
+        _enter(mode)
         t0 = time.perf_counter()
         executor.execute(ids, pos, meta)
         samples.append(time.perf_counter() - t0)
@@ -105,7 +112,7 @@ def profile_host(executor: ModelExecutor, ids, pos, meta, iters: int = 20) -> No
     pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
-def host_breakdown(executor: ModelExecutor, ids, pos, meta, iters: int = 50, busy: bool = False) -> dict[str, float]:
+def host_breakdown(executor: ModelExecutor, ids, pos, meta, iters: int = 50, mode: str = "idle") -> dict[str, float]:
     """Median host microseconds of a graph decode step's parts: staging copies, attention plan,
     graph launch (entered as in ``host_time_us``)."""
     graphs = executor.decode_graphs
@@ -113,7 +120,7 @@ def host_breakdown(executor: ModelExecutor, ids, pos, meta, iters: int = 50, bus
     key = ("decode", bucket)
     samples: dict[str, list[float]] = {"stage": [], "plan": [], "replay": []}
     for _ in range(iters):
-        _enter(busy)
+        _enter(mode)
         t0 = time.perf_counter()
         padded = graphs._stage(ids, pos, meta, bucket)
         t1 = time.perf_counter()
@@ -212,8 +219,13 @@ def main() -> None:
             if not eager:
                 row["pipelined_ms"] = time_cuda_pipelined(step)
                 row["pipelined_x_floor"] = row["pipelined_ms"] / floor_ms
-                row["host_us"] = host_time_us(ex, ids, pos, meta)
-                row["host_busy_us"] = host_time_us(ex, ids, pos, meta, busy=True)
+                # same page layout every step (as 15 of 16 steps at batch 1), then alternating
+                # layouts, so the attention schedule is rebuilt every step (most steps at batch 64)
+                row["host_us"] = host_time_us(ex, [(ids, pos, meta)])
+                row["host_busy_us"] = host_time_us(ex, [(ids, pos, meta)], mode="busy")
+                row["host_spun_us"] = host_time_us(ex, [(ids, pos, meta)], mode="spun")
+                longer = decode_metadata(batch, CTX + BLOCK, device)
+                row["host_replan_us"] = host_time_us(ex, [(ids, pos, meta), longer])
         row["graph_speedup"] = row["eager_ms"] / row["graph_ms"]
         rows.append(row)
     if args.profile:  # after every timing: once CUPTI has run in a process, CUDA calls cost more
@@ -222,9 +234,9 @@ def main() -> None:
             ids, pos, meta = decode_metadata(batch, CTX, device)
             print(f"--- host profile, graph decode, batch {batch}")
             profile_host(ex, ids, pos, meta)
-            for busy in (False, True):
-                parts = host_breakdown(ex, ids, pos, meta, busy=busy)
-                print(f"--- host parts, graph decode, batch {batch}, device {'busy' if busy else 'idle'}: {parts}")
+            for mode in ("idle", "busy", "spun"):
+                parts = host_breakdown(ex, ids, pos, meta, mode=mode)
+                print(f"--- host parts, graph decode, batch {batch}, entered {mode}: {parts}")
         for batch in batches:
             ids, pos, meta = decode_metadata(batch, CTX, device)
             profile_kernels(lambda: ex.compute_logits(ex.execute(ids, pos, meta)), f"graph decode, batch {batch}")
