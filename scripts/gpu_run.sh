@@ -5,7 +5,8 @@
 # Call with `.whl` carried; FlashInfer's JIT cache goes to .fi_cache/ (ignored) so later calls on a
 # warm machine reuse it. `pack` bundles the compiled FlashInfer libraries into $OUT/fi_aot.tar.xz.*;
 # put those parts in .fi_aot/ (ignored) and carry it too: they are unpacked as FlashInfer's AOT
-# directory, so a fresh machine loads them instead of compiling. Results land in $OUT when set.
+# directory, so a fresh machine loads them instead of compiling. Results land in $OUT when set;
+# a short summary of them (scripts/gpu_summary.py) comes last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -d /tmp/site/flashinfer ]; then
@@ -52,4 +53,5 @@ for stage in $stages; do
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done
+python3 scripts/gpu_summary.py "$out"
 exit $status

@@ -1,0 +1,78 @@
+"""The short table ``gpu_run.sh`` prints last: conformance per device and family, then the headline
+figure of each benchmark that ran, read back from the reports and logs in the results folder.
+
+    python3 scripts/gpu_summary.py RESULTS_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+
+def read_table(text: str, title_start: str) -> list[dict[str, str]]:
+    """Rows of the first ``benchmarks.common.table`` whose title starts with ``title_start``."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(title_start) and i + 1 < len(lines):
+            header = lines[i + 1].split()
+            rows = []
+            for row in lines[i + 2 :]:
+                cells = row.split()
+                if len(cells) != len(header):
+                    break
+                rows.append(dict(zip(header, cells)))
+            return rows
+    return []
+
+
+def conformance(out: Path) -> list[str]:
+    lines = []
+    for report in sorted(out.glob("conformance-*.json")):
+        data = json.loads(report.read_text())
+        families = data.get("families", data)
+        for name, r in sorted(families.items()):
+            if isinstance(r, dict) and "passed" in r:
+                lines.append(f"conformance {data.get('device', report.stem):<12} {name:<11} "
+                             f"{r['passed']:>4} passed {r['failed']:>3} failed {r['skipped']:>3} skipped")
+    return lines
+
+
+def benchmarks(out: Path) -> list[str]:
+    lines = []
+    model = out / "bench_model.txt"
+    if model.exists():
+        for r in read_table(model.read_text(), "decode step"):
+            lines.append(f"decode 8B batch {r['batch']:>3}: pipelined {r.get('pipelined_ms', '?')} ms = "
+                         f"{r.get('pipelined_x_floor', '?')}x floor, graph/eager {r.get('graph_speedup', '?')}x, "
+                         f"host {r.get('host_us', '?')} us")
+        for r in read_table(model.read_text(), "peer:"):
+            speedups = {k: v for k, v in r.items() if k.startswith("xhal_graph_speedup")}
+            lines.append(f"transformers batch {r['batch']:>3}: xhal faster by " +
+                         ", ".join(f"{v}x ({k.removeprefix('xhal_graph_speedup_vs_')})" for k, v in speedups.items()))
+    attention = out / "bench_attention.txt"
+    if attention.exists():
+        for r in read_table(attention.read_text(), "decode attention"):
+            if r["batch"] == "64" and r["ctx"] == "2048":
+                lines.append(f"decode attention {r['path']} 64 x 2K: {r['us']} us, {r['of_copy_ceiling']} of copy ceiling")
+    serve = out / "serve_bench.txt"
+    if serve.exists():
+        text = serve.read_text()
+        tpot = re.findall(r"Mean TPOT \(ms\)\s+([\d.]+)", text)
+        ttft = re.findall(r"P50 TTFT \(ms\)\s+([\d.]+)", text)
+        for c, (t, f) in zip((1, 64), zip(tpot, ttft)):
+            lines.append(f"xhal-serve concurrency {c:>2}: TPOT {t} ms, TTFT p50 {f} ms")
+    return lines
+
+
+def main() -> None:
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/xhal-gpu")
+    lines = conformance(out) + benchmarks(out)
+    print("=== summary")
+    print("\n".join(lines) if lines else f"no results in {out}")
+
+
+if __name__ == "__main__":
+    main()
