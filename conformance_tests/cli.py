@@ -17,8 +17,19 @@ SUITE_DIR = Path(__file__).resolve().parent
 
 
 def family_of(nodeid: str) -> str:
+    """A test's family: its file's name after ``test_`` up to any ``_<topic>``, so a family split
+    over ``test_adapter_from_xllm.py`` and ``test_adapter_to_xllm.py`` is the one "adapter"."""
     stem = Path(nodeid.split("::")[0]).stem
-    return stem.removeprefix("test_")
+    return stem.removeprefix("test_").split("_", 1)[0]
+
+
+def family_files(family: str) -> list[Path]:
+    """``test_<family>.py`` and every ``test_<family>_<topic>.py`` of the suite."""
+    return sorted(p for p in SUITE_DIR.glob(f"test_{family}*.py") if family_of(p.name) == family)
+
+
+def known_families() -> list[str]:
+    return sorted({family_of(p.name) for p in SUITE_DIR.glob("test_*.py")})
 
 
 class _Collector:
@@ -56,7 +67,7 @@ class _Collector:
 
 
 def run(device: str, families: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> tuple[int, _Collector]:
-    paths = [str(SUITE_DIR / f"test_{f}.py") for f in families] or [str(SUITE_DIR)]
+    paths = [str(p) for f in families for p in family_files(f)] or [str(SUITE_DIR)]
     collector = _Collector()
     args = [*paths, f"--device={device}", "-p", "no:cacheprovider", f"--rootdir={SUITE_DIR}", *extra]
     code = pytest.main(args, plugins=[collector])
@@ -92,9 +103,9 @@ def main(device: str, report: str | None, families: tuple[str, ...], plugins: tu
     known = xhal.platforms.names()
     if device not in known:
         raise click.BadParameter(f"unknown device {device!r}; known: {', '.join(known)}", param_hint="--device")
-    unknown = [f for f in families if not (SUITE_DIR / f"test_{f}.py").exists()]
+    have = known_families()
+    unknown = [f for f in families if f not in have]
     if unknown:
-        have = sorted(p.stem.removeprefix("test_") for p in SUITE_DIR.glob("test_*.py"))
         raise click.BadParameter(f"unknown family {unknown}; families: {', '.join(have)}", param_hint="--family")
 
     start = time.perf_counter()

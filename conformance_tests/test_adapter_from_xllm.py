@@ -1,113 +1,33 @@
-"""The "adapter" family: xLLM's metadata layouts (npu and cuda conventions) -> AttentionMetadata.
+"""The "adapter" family, xLLM -> xhal: ``from_xllm`` reads xLLM's metadata layouts (npu and cuda
+conventions) into ``AttentionMetadata``: the normalized fields, zero-copy views of the given
+tensors, fields derived from host values, the batch kind, and refusal of malformed input.
 
 Expected values are written out by hand; errors are exact (recorded as 0.0).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
 
-from xhal.adapter import from_xllm, to_xllm
-from xhal.interfaces.metadata import AttentionMetadata, BatchKind
-
-CONVENTIONS = ("npu", "cuda")
-
-# One batch, block_size 4: seq 0 decodes 1 token over 4 cached, seq 1 adds a 3-token chunk over 4
-# cached, seq 2 is a fresh 4-token prompt; 2 padding tokens (slot -1) end the step.
-Q, KV = [1, 3, 4], [5, 7, 4]
-BLOCK_ROWS = [[7, 2], [3, 9], [5]]
-BLOCKS = [[7, 2], [3, 9], [5, 0]]  # padded with 0
-SLOTS = [2 * 4 + 0, 9 * 4 + 0, 9 * 4 + 1, 9 * 4 + 2, 20, 21, 22, 23, -1, -1]
-NORMALIZED = {
-    "q_cu_seq_lens": [0, 1, 4, 8],
-    "kv_cu_seq_lens": [0, 5, 12, 16],
-    "q_seq_lens": Q,
-    "kv_seq_lens": KV,
-    "q_seq_lens_host": Q,
-    "kv_seq_lens_host": KV,
-    "block_table": BLOCKS,
-    "slot_mapping": SLOTS,
-}
-# The same batch as xLLM's builder lays it out per platform.
-LAYOUT = {
-    "npu": {"q_seq_lens": Q, "kv_seq_lens": KV, "q_cu_seq_lens": [0, 1, 4, 8]},
-    "cuda": {"q_seq_lens": [0, 1, 4, 8], "kv_seq_lens": [0, 5, 12, 16], "q_cu_seq_lens": [1, 4, 8]},
-}
-PAGED = {
-    "paged_kv_indptr": [0, 2, 4, 5],
-    "paged_kv_indices": [7, 2, 3, 9, 5],
-    "paged_kv_last_page_len": [1, 3, 4],
-}
-HOST_FIELDS = ("q_seq_lens_host", "kv_seq_lens_host")
-
-
-def i32(values: list, device: torch.device | str) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32, device=device)
-
-
-def cum(lens: list[int]) -> list[int]:
-    out = [0]
-    for n in lens:
-        out.append(out[-1] + n)
-    return out
-
-
-def xllm_view(convention: str, device: torch.device | str, **overrides: object) -> dict:
-    """The batch above in xLLM's layout; an override of ``None`` leaves a field out."""
-    lay = LAYOUT[convention]
-    view = {
-        "slot_mapping": i32(SLOTS, device),
-        "block_table": i32(BLOCKS, device),
-        "q_seq_lens": i32(lay["q_seq_lens"], device),
-        "kv_seq_lens": i32(lay["kv_seq_lens"], device),
-        "q_cu_seq_lens": i32(lay["q_cu_seq_lens"], device),
-        "kv_cu_seq_lens": i32([0, 5, 12, 16], device),
-        "q_seq_lens_host": i32(lay["q_seq_lens"], "cpu"),
-        "kv_seq_lens_host": i32(lay["kv_seq_lens"], "cpu"),
-        "kv_seq_lens_host_values": list(lay["kv_seq_lens"]),
-        "is_prefill": False,
-        "is_chunked_prefill": True,
-    }
-    view.update(overrides)
-    return {k: v for k, v in view.items() if v is not None}
-
-
-def lengths_view(
-    convention: str, device: torch.device | str, q: list[int], kv: list[int], **extra: object
-) -> dict:
-    """Only what is required, plus host lengths, for per-sequence ``q``/``kv`` in ``convention``."""
-    host = cum if convention == "cuda" else list
-    view = {
-        "slot_mapping": i32([0] * sum(q), device),
-        "block_table": torch.zeros(len(q), 4, dtype=torch.int32, device=device),
-        "q_seq_lens_host": i32(host(q), "cpu"),
-        "kv_seq_lens_host_values": host(kv),
-    }
-    view.update(extra)
-    return {k: v for k, v in view.items() if v is not None}
-
-
-def assert_exact(
-    actual: torch.Tensor, expected: list, record_error: Callable[[float], None]
-) -> None:
-    want = torch.tensor(expected, dtype=torch.int32)
-    assert actual.dtype == torch.int32
-    assert tuple(actual.shape) == tuple(want.shape), (tuple(actual.shape), tuple(want.shape))
-    err = float((actual.cpu().long() - want.long()).abs().max()) if want.numel() else 0.0
-    record_error(err)
-    assert err == 0.0, f"{actual.tolist()} != {expected}"
-
-
-def assert_normalized(md: AttentionMetadata, device: torch.device, record_error) -> None:
-    for name, expected in NORMALIZED.items():
-        t = getattr(md, name)
-        assert_exact(t, expected, record_error)
-        want = "cpu" if name in HOST_FIELDS else device.type
-        assert t.device.type == want, f"{name} is on {t.device}, expected {want}"
-    md.validate()
+from conformance_tests.adapter_cases import (
+    BLOCKS,
+    CONVENTIONS,
+    HOST_FIELDS,
+    KV,
+    LAYOUT,
+    PAGED,
+    Q,
+    SLOTS,
+    assert_exact,
+    assert_normalized,
+    cum,
+    i32,
+    lengths_view,
+    xllm_view,
+)
+from xhal.adapter import from_xllm
+from xhal.interfaces.metadata import BatchKind
 
 
 @pytest.mark.parametrize("convention", CONVENTIONS)
@@ -399,80 +319,3 @@ def test_malformed_input_raises(convention, build, match, device):
 def test_unknown_convention_raises(device):
     with pytest.raises(ValueError, match="unknown convention 'rocm'"):
         from_xllm(xllm_view("npu", device), "rocm")
-
-
-@pytest.mark.parametrize("convention", CONVENTIONS)
-def test_to_xllm_emits_the_xllm_layout(convention, device, record_error):
-    out = to_xllm(Q, KV, BLOCK_ROWS, SLOTS, convention, device, block_size=4)
-    lay = LAYOUT[convention]
-    expected = {**lay, "q_seq_lens_host": lay["q_seq_lens"], "kv_seq_lens_host": lay["kv_seq_lens"]}
-    expected |= {
-        "kv_cu_seq_lens": [0, 5, 12, 16],
-        "block_table": BLOCKS,
-        "slot_mapping": SLOTS,
-        **PAGED,
-    }
-    expected["qo_indptr"] = [0, 1, 4, 8]
-    for name, values in expected.items():
-        assert_exact(out[name], values, record_error)
-        want = "cpu" if name in HOST_FIELDS else device.type
-        assert out[name].device.type == want, name
-    assert out["kv_seq_lens_host_values"] == lay["kv_seq_lens"]
-    assert (out["batch_forward_type"], out["is_prefill"], out["is_chunked_prefill"]) == (
-        3,
-        False,
-        True,
-    )
-
-
-@pytest.mark.parametrize("convention", CONVENTIONS)
-@pytest.mark.parametrize("block_size", [None, 4])
-def test_round_trip(convention, block_size, device, record_error):
-    out = to_xllm(Q, KV, BLOCK_ROWS, SLOTS, convention, device, block_size=block_size)
-    md = from_xllm(out, convention)
-    assert md.kind == BatchKind.MIXED
-    assert_normalized(md, device, record_error)
-    for name in ("slot_mapping", "block_table", *(PAGED if block_size else ())):
-        assert getattr(md, name).data_ptr() == out[name].data_ptr(), f"{name} was copied"
-    if block_size:
-        for name, values in PAGED.items():
-            assert_exact(getattr(md, name), values, record_error)
-
-
-def test_round_trip_npu_graph_mode(device, record_error):
-    out = to_xllm(Q, KV, BLOCK_ROWS, SLOTS, "npu", device, graph_mode=True)
-    assert_exact(out["q_cu_seq_lens"], [1, 4, 8], record_error)
-    assert_normalized(from_xllm(out, "npu"), device, record_error)
-
-
-@pytest.mark.parametrize("convention", CONVENTIONS)
-@pytest.mark.parametrize(
-    "q, kv, kind",
-    [
-        ([], [], BatchKind.EMPTY),
-        ([1, 1], [6, 2], BatchKind.DECODE),
-        ([2, 5], [2, 5], BatchKind.PREFILL),
-        ([2, 5], [4, 5], BatchKind.CHUNKED_PREFILL),
-    ],
-)
-def test_round_trip_kinds(convention, q, kv, kind, device, record_error):
-    rows = [[i] * -(-n // 4) for i, n in enumerate(kv)]
-    md = from_xllm(to_xllm(q, kv, rows, [0] * sum(q), convention, device, block_size=4), convention)
-    assert (md.kind, md.num_seqs, md.num_tokens) == (kind, len(q), sum(q))
-    assert_exact(md.q_cu_seq_lens, cum(q), record_error)
-    assert_exact(md.kv_seq_lens, kv, record_error)
-
-
-@pytest.mark.parametrize(
-    "args, kwargs, match",
-    [
-        (([1, 2], [5], [[0], [1]], [0, 0, 0], "npu"), {}, "sequences"),
-        (([3], [2], [[0]], [0, 0, 0], "npu"), {}, "q_seq_lens <= kv_seq_lens"),
-        (([1], [9], [[0, 1]], [0], "npu"), {"block_size": 4}, "needs 3 blocks"),
-        (([1], [5], [[0, 1]], [0], "cuda"), {"graph_mode": True}, "graph_mode"),
-        (([1], [5], [[0, 1], [2]], [0], "npu"), {}, "block_table has 2 rows"),
-    ],
-)
-def test_to_xllm_rejects_bad_input(args, kwargs, match, device):
-    with pytest.raises(ValueError, match=match):
-        to_xllm(*args[:4], args[4], device, **kwargs)
