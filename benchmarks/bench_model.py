@@ -9,12 +9,12 @@ shape in the same run.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 import xhal
 from benchmarks.common import ceilings, table, time_cuda, time_cuda_pipelined
+from benchmarks.host_timing import call_breakdown, host_breakdown, host_time_us, profile_host
 from models.llama import LlamaForCausalLM
 from xhal.executor import ExecutorConfig, ModelExecutor
 from xhal.interfaces import AttentionMetadata, BatchKind
@@ -69,69 +69,6 @@ def prefill_metadata(tokens: int, device) -> tuple[torch.Tensor, torch.Tensor, A
     )
     ids = torch.randint(0, CONFIG["vocab_size"], (tokens,), dtype=torch.int32, device=device)
     return ids, torch.arange(tokens, dtype=torch.int32, device=device), meta
-
-
-def _enter(mode: str) -> None:
-    """Start a timed call: ``idle`` right after a synchronize, ``busy`` with ~20 ms of device
-    work queued ahead (the host never waits on the device), ``spun`` after a synchronize and 2 ms
-    of Python spinning (a host thread that was busy rather than blocked in the synchronize)."""
-    torch.cuda.synchronize()
-    if mode == "busy":
-        torch.cuda._sleep(40_000_000)
-    elif mode == "spun":
-        end = time.perf_counter() + 2e-3
-        while time.perf_counter() < end:
-            pass
-
-
-def host_time_us(executor: ModelExecutor, steps: list[tuple], iters: int = 50, mode: str = "idle") -> float:
-    """CPU time of one ``execute`` call (device work excluded), cycling over ``steps`` (ids,
-    positions, metadata), entered as ``_enter(mode)``."""
-    samples = []
-    for i in range(iters):
-        ids, pos, meta = steps[i % len(steps)]
-        _enter(mode)
-        t0 = time.perf_counter()
-        executor.execute(ids, pos, meta)
-        samples.append(time.perf_counter() - t0)
-    samples.sort()
-    return samples[len(samples) // 2] * 1e6
-
-
-def profile_host(executor: ModelExecutor, ids, pos, meta, iters: int = 20) -> None:
-    """Where the host time of ``execute`` goes: cProfile over ``iters`` synchronized calls."""
-    import cProfile
-    import pstats
-
-    profiler = cProfile.Profile()
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        profiler.enable()
-        executor.execute(ids, pos, meta)
-        profiler.disable()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
-
-
-def host_breakdown(executor: ModelExecutor, ids, pos, meta, iters: int = 50, mode: str = "idle") -> dict[str, float]:
-    """Median host microseconds of a graph decode step's parts: staging copies, attention plan,
-    graph launch (entered as in ``host_time_us``)."""
-    graphs = executor.decode_graphs
-    bucket = graphs.bucket_for(meta)
-    key = ("decode", bucket)
-    samples: dict[str, list[float]] = {"stage": [], "plan": [], "replay": []}
-    for _ in range(iters):
-        _enter(mode)
-        t0 = time.perf_counter()
-        padded = graphs._stage(ids, pos, meta, bucket)
-        t1 = time.perf_counter()
-        for backend in graphs.backends:
-            backend.plan(padded, graph_key=key)
-        t2 = time.perf_counter()
-        graphs.graphs.replay(key)
-        t3 = time.perf_counter()
-        for name, dt in zip(samples, (t1 - t0, t2 - t1, t3 - t2)):
-            samples[name].append(dt * 1e6)
-    return {f"{name}_us": sorted(v)[len(v) // 2] for name, v in samples.items()}
 
 
 def profile_kernels(step, title: str, iters: int = 5) -> None:
@@ -257,6 +194,7 @@ def main() -> None:
             for mode in ("idle", "busy", "spun"):
                 parts = host_breakdown(ex, ids, pos, meta, mode=mode)
                 print(f"--- host parts, graph decode, batch {batch}, entered {mode}: {parts}")
+            print(table(call_breakdown(ex, ids, pos, meta), f"--- host us per step by call, graph decode, batch {batch}"))
         for batch in batches:
             ids, pos, meta = decode_metadata(batch, CTX, device)
             profile_kernels(lambda: ex.compute_logits(ex.execute(ids, pos, meta)), f"graph decode, batch {batch}")

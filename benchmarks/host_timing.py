@@ -1,0 +1,152 @@
+"""Host time of a graph decode step (device work excluded), for ``bench_model --profile``: the
+whole ``execute`` call, its three parts, and the calls inside it one by one.
+
+A step is entered three ways (``enter``): ``idle`` right after a synchronize, ``busy`` with ~20 ms
+of device work queued ahead (the host never waits on the device), ``spun`` after a synchronize
+and 2 ms of Python spinning (a thread that was running rather than blocked in the synchronize).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from xhal.executor import ModelExecutor
+
+
+def enter(mode: str) -> None:
+    """Start a timed call the way ``mode`` (idle, busy, spun) names."""
+    torch.cuda.synchronize()
+    if mode == "busy":
+        torch.cuda._sleep(40_000_000)
+    elif mode == "spun":
+        end = time.perf_counter() + 2e-3
+        while time.perf_counter() < end:
+            pass
+
+
+def host_time_us(executor: ModelExecutor, steps: list[tuple], iters: int = 50, mode: str = "idle") -> float:
+    """CPU time of one ``execute`` call (device work excluded), cycling over ``steps`` (ids,
+    positions, metadata), entered as ``enter(mode)``."""
+    samples = []
+    for i in range(iters):
+        ids, pos, meta = steps[i % len(steps)]
+        enter(mode)
+        t0 = time.perf_counter()
+        executor.execute(ids, pos, meta)
+        samples.append(time.perf_counter() - t0)
+    samples.sort()
+    return samples[len(samples) // 2] * 1e6
+
+
+def profile_host(executor: ModelExecutor, ids, pos, meta, iters: int = 20) -> None:
+    """Where the host time of ``execute`` goes: cProfile over ``iters`` synchronized calls."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        profiler.enable()
+        executor.execute(ids, pos, meta)
+        profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
+def host_breakdown(executor: ModelExecutor, ids, pos, meta, iters: int = 50, mode: str = "idle") -> dict[str, float]:
+    """Median host microseconds of a graph decode step's parts: staging copies, attention plan,
+    graph launch (entered as in ``host_time_us``)."""
+    graphs = executor.decode_graphs
+    bucket = graphs.bucket_for(meta)
+    key = ("decode", bucket)
+    samples: dict[str, list[float]] = {"stage": [], "plan": [], "replay": []}
+    for _ in range(iters):
+        enter(mode)
+        t0 = time.perf_counter()
+        padded = graphs._stage(ids, pos, meta, bucket)
+        t1 = time.perf_counter()
+        for backend in graphs.backends:
+            backend.plan(padded, graph_key=key)
+        t2 = time.perf_counter()
+        graphs.graphs.replay(key)
+        t3 = time.perf_counter()
+        for name, dt in zip(samples, (t1 - t0, t2 - t1, t3 - t2)):
+            samples[name].append(dt * 1e6)
+    return {f"{name}_us": sorted(v)[len(v) // 2] for name, v in samples.items()}
+
+
+def _timed_calls() -> list[tuple[object, str, str]]:
+    """(owner, attribute, label) of every call a graph decode step makes that may cost host time."""
+    from xhal.cuda import attention as cuda_attention
+    from xhal.executor.decode_graph import DecodeGraphs
+
+    return [
+        (torch, "_foreach_copy_", "torch._foreach_copy_"),
+        (torch.Tensor, "copy_", "Tensor.copy_"),
+        (torch.Tensor, "fill_", "Tensor.fill_"),
+        (torch, "cumsum", "torch.cumsum"),
+        (torch, "index_select", "torch.index_select"),
+        (torch.cuda, "current_stream", "torch.cuda.current_stream"),
+        (torch.cuda.Event, "record", "Event.record"),
+        (torch.cuda.Event, "synchronize", "Event.synchronize"),
+        (torch.cuda.CUDAGraph, "replay", "CUDAGraph.replay"),
+        (cuda_attention.PagedIndexBuilder, "build", "PagedIndexBuilder.build (numpy)"),
+        (cuda_attention._DecodeBucket, "_schedule", "FlashInfer scheduler (C++)"),
+        (DecodeGraphs, "_padded_metadata", "DecodeGraphs._padded_metadata"),
+    ]
+
+
+@contextmanager
+def timing(totals: dict[str, float], calls: list[tuple[object, str, str]] | None = None) -> Iterator[None]:
+    """Wrap each (owner, attribute, label) of ``calls`` (default ``_timed_calls()``) so its
+    exclusive wall time (less the timed calls it makes itself) adds to ``totals[label]``, in
+    seconds; the originals are back on exit."""
+    originals, children = [], [0.0]  # children: time of timed calls inside the innermost open one
+    for owner, name, label in calls if calls is not None else _timed_calls():
+        original = getattr(owner, name)
+
+        def timed(*args, _original=original, _label=label, **kwargs):
+            children.append(0.0)
+            t0 = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - t0
+                inner = children.pop()
+                children[-1] += elapsed
+                totals[_label] = totals.get(_label, 0.0) + elapsed - inner
+
+        originals.append((owner, name, original))
+        setattr(owner, name, timed)
+    try:
+        yield
+    finally:
+        for owner, name, original in reversed(originals):
+            setattr(owner, name, original)
+
+
+def call_breakdown(executor: ModelExecutor, ids, pos, meta, iters: int = 50) -> list[dict]:
+    """Median host microseconds per step spent in each timed call, exclusive of the timed calls it
+    makes (device idle at entry), and the rest of ``execute`` (Python between them) as "other".
+    The wrappers add about half a microsecond per call."""
+    per_step: list[dict[str, float]] = []
+    for _ in range(iters):
+        totals: dict[str, float] = {}
+        with timing(totals):
+            enter("idle")
+            t0 = time.perf_counter()
+            executor.execute(ids, pos, meta)
+            totals["execute (whole call)"] = time.perf_counter() - t0
+        per_step.append(totals)
+    labels = sorted({k for step in per_step for k in step})
+    rows = []
+    for label in labels:
+        values = sorted(step.get(label, 0.0) * 1e6 for step in per_step)
+        rows.append({"call": label, "us_per_step": round(values[len(values) // 2], 1)})
+    whole = next(r["us_per_step"] for r in rows if r["call"] == "execute (whole call)")
+    inner = sum(r["us_per_step"] for r in rows if r["call"] != "execute (whole call)")
+    rows.append({"call": "other (Python between the calls above)", "us_per_step": round(whole - inner, 1)})
+    return rows
