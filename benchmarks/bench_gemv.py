@@ -1,8 +1,9 @@
 """Decode GEMV on the GPU: the Triton ``gemv`` against cuBLAS (F.linear) on Llama-3-8B's bf16
-projections at M = 1, 2, 4, 8 rows: microseconds per call, weight bytes streamed per second, the
-fraction of the copy ceiling measured in the same run, and the speedup over cuBLAS.
+projections at M = 1, 2, 4, 8 rows (and up to 64 with ``--m``: above 16 rows gemv runs on tensor
+cores): microseconds per call, weight bytes streamed per second, the fraction of the copy ceiling
+measured in the same run, and the speedup over cuBLAS.
 
-    python -m benchmarks.bench_gemv [--sweep] [--m 1 4] [--shapes o qkv]
+    python -m benchmarks.bench_gemv [--sweep] [--m 1 4 32 64] [--shapes o qkv]
 
 Each path is timed as one CUDA graph of CALLS back-to-back calls (Python launch overhead
 excluded, as in a served decode step) that cycle through enough copies of the weight to overflow
@@ -76,9 +77,16 @@ def candidates(M: int, N: int, K: int, num_sms: int) -> list[tuple[int, int, int
     split by ``gemv_split_k``. Every one compiles for sm_90 without register spills."""
     import triton
 
-    from xhal.cuda.kernels.gemv import GemvConfig, gemv_config, gemv_split_k
+    from xhal.cuda.kernels.gemv import MAX_CORE_M, GemvConfig, gemv_config, gemv_split_k
 
     heuristic = gemv_config(M, N, K, num_sms)
+    if M > MAX_CORE_M:  # tensor cores: weight tiles of 32-128 rows x 64-256, split or not
+        grid = {heuristic, heuristic._replace(num_stages=3)}
+        for block_n, block_k, warps in [(32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 256, 4), (128, 128, 8)]:
+            block_k = min(block_k, max(16, triton.next_power_of_2(K)))
+            for split_k in {1, 2, gemv_split_k(N, K, block_n, block_k, num_sms)}:
+                grid.add(GemvConfig(block_n, block_k, split_k, warps, 4))
+        return sorted(grid)
     grid = {heuristic._replace(num_stages=s) for s in (2, 3, 4)}
     wide = 2 * heuristic.block_n  # the same weights per thread over 8 warps
     grid.add(GemvConfig(wide, heuristic.block_k, gemv_split_k(N, K, wide, heuristic.block_k, num_sms), 8, 3))

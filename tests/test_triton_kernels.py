@@ -1,31 +1,21 @@
-"""The CUDA backend's Triton kernels against float64 references: gemv (split K or not, bias, fp16 /
-bf16 / fp32, M up to 16, ragged N and K, strided x), the paged KV write (slot -1 skipped) and
-paged attention (decode and prefill batches).
-
-Without a CUDA device they run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set
-here before triton is imported); with one they run compiled on the GPU.
+"""The CUDA backend's Triton kernels against float64 references: the paged KV write (slot -1
+skipped), paged attention (decode and prefill batches), fused add + RMSNorm and rotary, and the
+host-built FlashInfer page table (gemv: test_triton_gemv.py). Interpreted on CPU when there is no
+CUDA device (tests/triton_env.py).
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton", reason="the Triton kernels need triton (xhal[cuda])")
-tl = pytest.importorskip("triton.language")
+from triton_env import DEVICE, INTERPRETED, assert_matches, tl, triton  # sets TRITON_INTERPRET first
 
-from xhal.cuda.kernels.gemv import MAX_M, gemv, gemv_config, supports_gemv  # noqa: E402
 from xhal.cuda.kernels.kv_write import write_kv  # noqa: E402
 from xhal.cuda.kernels.paged_attention import paged_attention  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -48,119 +38,6 @@ def _runtime_loop_bounds_work() -> bool:
     except triton.runtime.errors.InterpreterError:
         return False
     return out.item() == 6
-
-
-# gemv ------------------------------------------------------------------------------------------
-
-TOL = {torch.float16: 2**-10, torch.bfloat16: 2**-7, torch.float32: 1e-5}  # fp16 / bf16: their eps
-
-
-def _gemv_case(M: int, N: int, K: int, dtype: torch.dtype, bias: bool, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=g).to(dtype).to(DEVICE)
-    w = torch.randn(N, K, generator=g).to(dtype).to(DEVICE)
-    b = torch.randn(N, generator=g).to(dtype).to(DEVICE) if bias else None
-    ref = x.double() @ w.double().T + (b.double() if bias else 0)
-    return x, w, b, ref
-
-
-def _assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
-    assert out.dtype == dtype and out.shape == ref.shape
-    # within one unit in the last place at the output's largest magnitude: fp32 accumulation
-    # plus the final rounding; a missed or doubled K tile is off by whole units
-    err = (out.double() - ref).abs().max().item()
-    assert err <= TOL[dtype] * ref.abs().max().item(), err
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 8, 16])
-def test_gemv_heuristic_config(M: int, bias: bool, dtype: torch.dtype) -> None:
-    x, w, b, ref = _gemv_case(M, 100, 72, dtype, bias)  # N, K: no multiple of any block size
-    _assert_matches(gemv(x, w, b), ref, dtype)
-
-
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("M", [1, 3, 8, 16])
-@pytest.mark.parametrize(
-    "config",
-    [
-        (16, 32, 3, 4, 2),  # split K: 3 splits of one 32-wide step, the last one ragged
-        (8, 32, 1, 4, 3),  # no split: three steps through K in one program, pipelined
-        (4, 16, 8, 4, 1),  # 8 splits asked, 5 steps of 16: trimmed to 5 (none left empty)
-        (32, 128, 1, 4, 1),  # one step wider than K
-    ],
-)
-def test_gemv_forced_config(config: tuple[int, ...], M: int, bias: bool) -> None:
-    x, w, b, ref = _gemv_case(M, 100, 72, torch.bfloat16, bias)
-    _assert_matches(gemv(x, w, b, config=config), ref, torch.bfloat16)
-
-
-def test_gemv_split_is_deterministic_and_matches_no_split() -> None:
-    x, w, b, ref = _gemv_case(4, 64, 96, torch.float32, True, seed=1)
-    split = gemv(x, w, b, config=(16, 16, 6, 4, 1))
-    assert torch.equal(split, gemv(x, w, b, config=(16, 16, 6, 4, 1)))
-    _assert_matches(split, ref, torch.float32)
-    _assert_matches(gemv(x, w, b, config=(16, 16, 1, 4, 1)), ref, torch.float32)
-
-
-def test_gemv_strided_x() -> None:
-    _, w, b, _ = _gemv_case(3, 40, 24, torch.float16, True)
-    wide = torch.randn(3, 48).to(torch.float16).to(DEVICE)
-    x = wide[:, ::2]  # x_stride_k = 2
-    ref = x.double() @ w.double().T + b.double()
-    _assert_matches(gemv(x, w, b), ref, torch.float16)
-    xt = torch.randn(24, 3).to(torch.float16).to(DEVICE).T  # column-major x
-    ref_t = xt.double() @ w.double().T + b.double()
-    _assert_matches(gemv(xt, w, b, config=(8, 16, 2, 4, 1)), ref_t, torch.float16)
-
-
-def test_supports_gemv_rejects_what_the_kernel_cannot_do() -> None:
-    bf16 = dict(dtype=torch.bfloat16, device=DEVICE)
-    w = torch.randn(32, 16, **bf16)
-    assert supports_gemv(torch.randn(1, 16, **bf16), w)
-    assert supports_gemv(torch.randn(MAX_M, 16, **bf16), w)
-    rejected = {
-        "too many rows": (torch.randn(MAX_M + 1, 16, **bf16), w),
-        "no rows": (torch.randn(0, 16, **bf16), w),
-        "3-D x": (torch.randn(1, 1, 16, **bf16), w),
-        "K mismatch": (torch.randn(1, 8, **bf16), w),
-        "dtype mismatch": (torch.randn(1, 16, dtype=torch.float16, device=DEVICE), w),
-        "integer dtype": (torch.ones(1, 16, dtype=torch.int32, device=DEVICE), w.to(torch.int32)),
-        "transposed weight": (torch.randn(1, 32, **bf16), w.T),
-        "strided weight": (torch.randn(1, 8, **bf16), w[:, ::2]),
-    }
-    for name, (x, weight) in rejected.items():
-        assert not supports_gemv(x, weight), name
-        with pytest.raises(ValueError, match="gemv"):
-            gemv(x, weight)
-
-
-def test_gemv_rejects_bad_bias_and_config() -> None:
-    x, w, _, _ = _gemv_case(2, 32, 16, torch.float16, False)
-    with pytest.raises(ValueError, match="bias"):
-        gemv(x, w, torch.zeros(31, dtype=torch.float16, device=DEVICE))
-    with pytest.raises(ValueError, match="power-of-2"):
-        gemv(x, w, config=(12, 16, 1, 4, 1))
-    with pytest.raises(ValueError, match=">= 1"):
-        gemv(x, w, config=(16, 16, 0, 4, 1))
-
-
-def test_gemv_config_splits_only_narrow_weights() -> None:
-    sms = 132
-    for M in range(1, MAX_M + 1):
-        for N, K in [(4096, 4096), (28672, 4096), (512, 4096), (100, 72), (7, 5)]:
-            block_n, block_k, split_k, num_warps, num_stages = gemv_config(M, N, K, sms)
-            assert block_n & (block_n - 1) == 0 and block_k & (block_k - 1) == 0
-            k_steps = math.ceil(K / block_k)
-            assert 1 <= split_k <= k_steps and 1 <= num_stages <= 3 and num_warps >= 1
-            n_blocks = math.ceil(N / block_n)
-            if n_blocks >= 2 * sms:
-                assert split_k == 1, (M, N, K)
-            elif k_steps >= 2:  # too few row blocks to fill the SMs: K is split
-                assert split_k > 1, (M, N, K)
-    with pytest.raises(ValueError):
-        gemv_config(MAX_M + 1, 64, 64)
 
 
 # kv write --------------------------------------------------------------------------------------
@@ -284,8 +161,8 @@ def test_fused_add_rms_norm(shape: tuple[int, ...], eps: float, dtype: torch.dty
     before = (x.clone(), residual.clone())
     normed, summed = fused_add_rms_norm(x, residual, w, eps)
     want_normed, want_summed = ops_ref.fused_add_rms_norm(x.cpu(), residual.cpu(), w.cpu(), eps)
-    _assert_matches(summed, want_summed, dtype)
-    _assert_matches(normed, want_normed, dtype)
+    assert_matches(summed, want_summed, dtype)
+    assert_matches(normed, want_normed, dtype)
     assert torch.equal(x, before[0]) and torch.equal(residual, before[1])
 
 
@@ -295,8 +172,8 @@ def test_fused_add_rms_norm_strided_rows() -> None:
     w = _randn(128, dtype=torch.float32, seed=1)
     normed, summed = fused_add_rms_norm(x, residual, w, 1e-6)
     want_normed, want_summed = ops_ref.fused_add_rms_norm(x.cpu(), residual.cpu(), w.cpu(), 1e-6)
-    _assert_matches(normed, want_normed, torch.float32)
-    _assert_matches(summed, want_summed, torch.float32)
+    assert_matches(normed, want_normed, torch.float32)
+    assert_matches(summed, want_summed, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -311,8 +188,8 @@ def test_rotary_embedding(head_dim: int, rotary_dim: int, is_neox: bool, dtype: 
     positions = torch.tensor([0, 7, 300, 1, 4095], dtype=torch.int32, device=DEVICE)
     cache = ops_ref.rope_cache(4096, rotary_dim).to(DEVICE)
     q_out, k_out = rotary_embedding(positions, q, k, cache, is_neox)
-    _assert_matches(q_out, ops_ref.rotary_embedding(positions.cpu(), q.cpu(), cache.cpu(), is_neox), dtype)
-    _assert_matches(k_out, ops_ref.rotary_embedding(positions.cpu(), k.cpu(), cache.cpu(), is_neox), dtype)
+    assert_matches(q_out, ops_ref.rotary_embedding(positions.cpu(), q.cpu(), cache.cpu(), is_neox), dtype)
+    assert_matches(k_out, ops_ref.rotary_embedding(positions.cpu(), k.cpu(), cache.cpu(), is_neox), dtype)
     assert torch.equal(qkv, _randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=0))
 
 
@@ -369,14 +246,14 @@ def test_cuda_linear_uses_gemv_only_once_eagerly_then_in_captures(monkeypatch) -
     x, w, w2 = _randn(1, 64, dtype=torch.float32, seed=0), _randn(32, 64, dtype=torch.float32, seed=1), _randn(16, 64, dtype=torch.float32, seed=2)
     want = x.double() @ w.double().T
     capturing[0] = True
-    _assert_matches(linear(x, w), want, torch.float32)  # never launched: cuBLAS under capture
+    assert_matches(linear(x, w), want, torch.float32)  # never launched: cuBLAS under capture
     assert calls == []
     capturing[0] = False
     for expected in (["gemv"], ["gemv"]):  # first eager call loads it; later eager ones: cuBLAS
-        _assert_matches(linear(x, w), want, torch.float32)
+        assert_matches(linear(x, w), want, torch.float32)
         assert calls == expected
     capturing[0] = True
-    _assert_matches(linear(x, w), want, torch.float32)
+    assert_matches(linear(x, w), want, torch.float32)
     linear(x, w2)  # another shape, never launched eagerly
     linear(torch.cat([x, x]), w)  # two rows: past gemv_max_rows
     assert calls == ["gemv", "gemv"]

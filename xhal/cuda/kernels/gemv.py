@@ -1,9 +1,14 @@
-"""Small-M matmul (decode GEMV): ``x @ weight.T (+ bias)`` for x [M <= 16, K], weight read once.
+"""Small-M matmul (decode GEMV): ``x @ weight.T (+ bias)`` for x [M <= 64, K], weight read once.
 
 cuBLAS streams small decode weights (e.g. a 4096 x 4096 o_proj at batch 1) well below HBM rate.
 Here each program owns BLOCK_N weight rows and one K range: per step it loads a [BLOCK_N, BLOCK_K]
-weight tile once and multiplies it with all M rows of x, keeping the products unreduced until the
-loop ends. When the row blocks alone cannot fill the chip, K is split: stage 1 writes fp32
+weight tile once and multiplies it with all M rows of x. Up to 16 rows that is CUDA-core math,
+the products kept unreduced until the loop ends; from 17 to 64 rows the tile goes through
+``tl.dot`` (tensor cores), x padded to 16, 32 or 64 rows. At batch 64 cuBLAS streams the 8B
+shape's qkv and o projections at 66-69% of the copy ceiling on the H200, with fewer programs than
+SMs; the split-K tensor-core path is there for that case, and is not used by CudaOps until it is
+measured faster (bench_gemv --m 32 64 --sweep). When the row blocks alone cannot fill the chip, K
+is split: stage 1 writes fp32
 partials [SPLIT_K, M, N], stage 2 sums them in a fixed order (deterministic, no atomics), adds
 the bias and casts. Both launches allocate only with torch.empty, so the call is safe inside CUDA
 graph capture (once compiled: the first call per shape and config compiles, so warm up first).
@@ -18,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_M = 16
+MAX_M = 64
+MAX_CORE_M = 16  # up to here CUDA cores (_gemv_kernel), above it tensor cores (_gemv_dot_kernel)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _REDUCE_BLOCK = 1024
 
@@ -74,6 +80,40 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _gemv_dot_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr,
+    M, N, K, x_stride_m, x_stride_k,
+    K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """The same program layout as ``_gemv_kernel`` (BLOCK_N weight rows, one K range), with the
+    [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] product on tensor cores; rows past M load zeros."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    ms = tl.arange(0, BLOCK_M)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
+    x_rows = x_ptr + ms[:, None] * x_stride_m
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_start = pid_k * K_PER_SPLIT
+    for k0 in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
+        ks = k_start + k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_rows + ks[None, :] * x_stride_k, mask=(ms[:, None] < M) & k_mask[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    offs = ms[:, None] * N + rows[None, :]
+    mask = (ms[:, None] < M) & row_mask[None, :]
+    if SPLIT:
+        tl.store(part_ptr + pid_k * M * N + offs, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _gemv_reduce_kernel(
     part_ptr, bias_ptr, out_ptr, N, MN,
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
@@ -107,6 +147,17 @@ def gemv_config(M: int, N: int, K: int, num_sms: int = 132) -> GemvConfig:
     """
     if not 1 <= M <= MAX_M:
         raise ValueError(f"gemv_config: M={M}; gemv takes 1..{MAX_M} rows")
+    if M > MAX_CORE_M:
+        # tensor cores, untuned: 32 x 128 weight tiles, K split only until every SM has one
+        # program, since each split writes and reads back fp32 partials of M x N (at M = 64 and
+        # N = 4096 a split of 8 would add half the weight's bytes again)
+        block_n, block_k = 32, min(128, max(16, triton.next_power_of_2(K)))
+        n_blocks, k_steps = triton.cdiv(N, block_n), triton.cdiv(K, block_k)
+        split_k = 1
+        while n_blocks * split_k < num_sms and 2 * split_k <= k_steps:
+            split_k *= 2
+        steps = triton.cdiv(k_steps, split_k)
+        return GemvConfig(block_n, block_k, split_k, 4, min(steps, 4))
     block_n, block_k = _TILES[triton.next_power_of_2(M)]
     block_k = min(block_k, max(16, triton.next_power_of_2(K)))
     split_k = gemv_split_k(N, K, block_n, block_k, num_sms)
@@ -141,7 +192,7 @@ def _unsupported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
 
 
 def supports_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``gemv(x, weight)`` runs: 2-D, one float dtype, 1 <= M <= 16, contiguous weight.
+    """Whether ``gemv(x, weight)`` runs: 2-D, one float dtype, 1 <= M <= 64, contiguous weight.
     Any N and K work (masked); x may be strided."""
     return _unsupported(x, weight) is None
 
@@ -159,7 +210,7 @@ def gemv(
     bias: torch.Tensor | None = None,
     config: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """``x @ weight.T + bias`` for x [M, K] (M <= 16) and weight [N, K]: fp32 accumulation, the
+    """``x @ weight.T + bias`` for x [M, K] (M <= 64) and weight [N, K]: fp32 accumulation, the
     weight read once, output [M, N] in x's dtype. ``config`` (block_n, block_k, split_k,
     num_warps, num_stages) overrides ``gemv_config``; split_k is trimmed so no split is empty.
     No host sync and no value-dependent allocation: safe to capture in a CUDA graph."""
@@ -181,12 +232,22 @@ def gemv(
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     bias_arg = out if bias is None else bias.contiguous()  # any pointer when there is no bias
     part = out if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
-    _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
-        x, weight, bias_arg, out, part, N, K, x.stride(0), x.stride(1),
-        K_PER_SPLIT=k_per_split, M=M, BLOCK_M=triton.next_power_of_2(M),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split_k > 1, HAS_BIAS=bias is not None,
-        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    grid = (triton.cdiv(N, cfg.block_n), split_k)
+    common = dict(
+        K_PER_SPLIT=k_per_split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split_k > 1,
+        HAS_BIAS=bias is not None, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if M > MAX_CORE_M:
+        _gemv_dot_kernel[grid](
+            x, weight, bias_arg, out, part, M, N, K, x.stride(0), x.stride(1),
+            BLOCK_M=max(16, triton.next_power_of_2(M)),
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **common,
+        )
+    else:
+        _gemv_kernel[grid](
+            x, weight, bias_arg, out, part, N, K, x.stride(0), x.stride(1),
+            M=M, BLOCK_M=triton.next_power_of_2(M), **common,
+        )
     if split_k > 1:
         _gemv_reduce_kernel[(triton.cdiv(M * N, _REDUCE_BLOCK),)](
             part, bias_arg, out, N, M * N,
