@@ -257,3 +257,16 @@ def test_cuda_linear_uses_gemv_only_once_eagerly_then_in_captures(monkeypatch) -
     linear(x, w2)  # another shape, never launched eagerly
     linear(torch.cat([x, x]), w)  # two rows: past gemv_max_rows
     assert calls == ["gemv", "gemv"]
+
+
+def test_cuda_gemv_rows_from_the_environment(monkeypatch) -> None:
+    from xhal.cuda import ops as cuda_ops
+
+    monkeypatch.setenv("XHAL_CUDA_GEMV_MAX_ROWS", "64")
+    assert cuda_ops.CudaOps().gemv_max_rows == 64
+    monkeypatch.delenv("XHAL_CUDA_GEMV_MAX_ROWS")
+    assert cuda_ops.CudaOps().gemv_max_rows == 1
+    for bad in ("65", "-1", "many"):
+        monkeypatch.setenv("XHAL_CUDA_GEMV_MAX_ROWS", bad)
+        with pytest.raises(ValueError, match="XHAL_CUDA_GEMV_MAX_ROWS"):
+            cuda_ops.CudaOps()

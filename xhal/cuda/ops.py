@@ -5,6 +5,8 @@ syncs."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -18,11 +20,17 @@ class CudaOps(DeviceOps):
     two ops that run twice per layer); vectorized torch for the rest (no per-row loops, no host
     syncs: the CPU reference loops; this must not)."""
 
-    # rows up to which our GEMV beats cuBLAS (benchmarks/bench_gemv.py on the H200)
+    # rows up to which our GEMV beats cuBLAS (benchmarks/bench_gemv.py on the H200); the
+    # environment variable raises it to measure the tensor-core path (17-64 rows) in a model step
     gemv_max_rows = 1
 
     def __init__(self) -> None:
         self._gemv_loaded: set[tuple] = set()
+        rows = os.environ.get("XHAL_CUDA_GEMV_MAX_ROWS")
+        if rows is not None:
+            if not rows.isdigit() or not 0 <= int(rows) <= gemv.MAX_M:
+                raise ValueError(f"XHAL_CUDA_GEMV_MAX_ROWS={rows!r}: give 0..{gemv.MAX_M} (0: cuBLAS always)")
+            self.gemv_max_rows = int(rows)
 
     def linear(self, x, weight, bias=None):
         """Our GEMV for one-row linears captured into a CUDA graph, cuBLAS otherwise. A Triton
