@@ -91,15 +91,18 @@ class DecodeGraphs:
         return self._padded[bucket]
 
     def _stage(self, input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata, bucket: int) -> AttentionMetadata:
-        """Copy a step into the persistent buffers: three device ops in steady state (this step's
-        rows as one multi-tensor copy, its block table, the KV prefix sums), since host time per
-        op is what a graph step spends."""
+        """Copy a step into the persistent buffers: two device calls in steady state (this step's
+        rows and block table as one multi-tensor copy, then the KV prefix sums), since host time
+        per call is what a graph step spends."""
         b, width = m.num_seqs, m.block_table.shape[1]
         rows = self._rows.get(b)
         if rows is None:
             rows = self._rows[b] = [self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], self.kv_seq_lens[:b]]
-        torch._foreach_copy_(rows, [input_ids, positions, m.slot_mapping, m.kv_seq_lens], non_blocking=True)
-        self.block_table[:b, :width].copy_(m.block_table, non_blocking=True)
+        torch._foreach_copy_(
+            [*rows, self.block_table[:b, :width]],
+            [input_ids, positions, m.slot_mapping, m.kv_seq_lens, m.block_table],
+            non_blocking=True,
+        )
         if self._live > b:  # rows an earlier, larger step left: back to padding (slot -1, 1 token)
             self.slot_mapping[b : self._live].fill_(-1)
             self.kv_seq_lens[b : self._live].fill_(1)
