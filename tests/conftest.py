@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -59,3 +59,15 @@ def qwen3_dir(checkpoint_factory: Callable[[str], Path]) -> Path:
 def tiny_checkpoint(request: pytest.FixtureRequest, checkpoint_factory) -> Path:
     """Each tiny checkpoint in turn."""
     return checkpoint_factory(request.param)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Torch on one CPU thread for a module (``pytestmark = pytest.mark.usefixtures(...)``): tiny
+    matmuls only gain contention from more threads on a busy CI machine."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -4,7 +4,6 @@ step N is read back; a failing launch fails only its own batch."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,12 +19,7 @@ from serve_cli.engine.sampling import SamplingParams  # noqa: E402
 BASE = dict(max_num_seqs=8, max_num_batched_tokens=48, max_model_len=128, num_kv_blocks=48)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _engine(model_dir: Path, overlap: bool, **overrides) -> EngineCore:

@@ -3,7 +3,6 @@ the executor (and transformers), preemption, prefix caching, stop strings, seeds
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,13 +24,7 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 SMALL = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, num_kv_blocks=48)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # tiny matmuls: threads only add contention on a busy CI machine
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _engine(model_dir: Path, **overrides) -> EngineCore:
