@@ -95,6 +95,9 @@ def test_gemv_rejects_bad_bias_and_config() -> None:
         gemv(x, w, config=(12, 16, 1, 4, 1))
     with pytest.raises(ValueError, match=">= 1"):
         gemv(x, w, config=(16, 16, 0, 4, 1))
+    x32, w32, _, _ = _gemv_case(32, 32, 16, torch.float16, False)
+    with pytest.raises(ValueError, match="tensor cores"):
+        gemv(x32, w32, config=(8, 16, 1, 4, 1))
 
 
 def test_gemv_config_splits_only_narrow_weights() -> None:

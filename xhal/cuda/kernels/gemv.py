@@ -4,11 +4,10 @@ cuBLAS streams small decode weights (e.g. a 4096 x 4096 o_proj at batch 1) well 
 Here each program owns BLOCK_N weight rows and one K range: per step it loads a [BLOCK_N, BLOCK_K]
 weight tile once and multiplies it with all M rows of x. Up to 16 rows that is CUDA-core math,
 the products kept unreduced until the loop ends; from 17 to 64 rows the tile goes through
-``tl.dot`` (tensor cores), x padded to 16, 32 or 64 rows. At batch 64 cuBLAS streams the 8B
-shape's qkv and o projections at 66-69% of the copy ceiling on the H200, with fewer programs than
-SMs; the split-K tensor-core path is there for that case, and is not used by CudaOps until it is
-measured faster (bench_gemv --m 32 64 --sweep). When the row blocks alone cannot fill the chip, K
-is split: stage 1 writes fp32
+``tl.dot`` (tensor cores), x padded to 32 or 64 rows. (At batch 64 cuBLAS streams the 8B shape's
+qkv and o projections at 66-69% of the copy ceiling on the H200, with fewer programs than SMs;
+the tensor-core path is for that case, and CudaOps does not use it until bench_gemv measures it
+faster.) When the row blocks alone cannot fill the chip, K is split: stage 1 writes fp32
 partials [SPLIT_K, M, N], stage 2 sums them in a fixed order (deterministic, no atomics), adds
 the bias and casts. Both launches allocate only with torch.empty, so the call is safe inside CUDA
 graph capture (once compiled: the first call per shape and config compiles, so warm up first).
@@ -227,6 +226,8 @@ def gemv(
     cfg = GemvConfig(*config) if config is not None else gemv_config(M, N, K, _num_sms(x.device))
     if any(v < 1 or v & (v - 1) for v in (cfg.block_n, cfg.block_k)) or min(cfg) < 1:
         raise ValueError(f"gemv: {cfg} needs power-of-2 block sizes and every field >= 1")
+    if M > MAX_CORE_M and min(cfg.block_n, cfg.block_k) < 16:
+        raise ValueError(f"gemv: {cfg} at {M} rows runs on tensor cores, which need blocks of 16 or more")
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(K, k_per_split)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
