@@ -39,6 +39,23 @@ class GemvConfig(NamedTuple):
 
 
 @triton.jit
+def _store_tile(
+    out, ms, rows, row_mask, M, N, pid_k, bias_ptr, out_ptr, part_ptr,
+    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """Both kernels' epilogue for a fp32 [BLOCK_M, BLOCK_N] tile: this split's partials, or (no
+    split) plus the bias, cast and stored; rows past M and N are masked."""
+    offs = ms[:, None] * N + rows[None, :]
+    mask = (ms[:, None] < M) & row_mask[None, :]
+    if SPLIT:
+        tl.store(part_ptr + pid_k * M * N + offs, out, mask=mask)
+    else:
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr,
     N, K, x_stride_m, x_stride_k,
@@ -68,14 +85,7 @@ def _gemv_kernel(
         x = tl.load(x_rows + ks[None, :] * x_stride_k, mask=x_mask, other=0.0)
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
-    offs = ms[:, None] * N + rows[None, :]
-    mask = (ms[:, None] < M) & row_mask[None, :]
-    if SPLIT:
-        tl.store(part_ptr + pid_k * M * N + offs, out, mask=mask)
-    else:
-        if HAS_BIAS:
-            out += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_tile(out, ms, rows, row_mask, M, N, pid_k, bias_ptr, out_ptr, part_ptr, SPLIT, HAS_BIAS)
 
 
 @triton.jit
@@ -102,14 +112,7 @@ def _gemv_dot_kernel(
         w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_rows + ks[None, :] * x_stride_k, mask=(ms[:, None] < M) & k_mask[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-    offs = ms[:, None] * N + rows[None, :]
-    mask = (ms[:, None] < M) & row_mask[None, :]
-    if SPLIT:
-        tl.store(part_ptr + pid_k * M * N + offs, acc, mask=mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_tile(acc, ms, rows, row_mask, M, N, pid_k, bias_ptr, out_ptr, part_ptr, SPLIT, HAS_BIAS)
 
 
 @triton.jit
