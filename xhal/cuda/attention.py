@@ -160,7 +160,9 @@ class _DecodeBucket:
     schedule it left in this wrapper's own int workspace stays valid until then.
     """
 
-    def __init__(self, fi, workspace: torch.Tensor, use_tensor_cores: bool, batch: int, max_pages: int) -> None:
+    def __init__(
+        self, fi, workspace: torch.Tensor, use_tensor_cores: bool, batch: int, max_pages: int, dtype: torch.dtype
+    ) -> None:
         i32 = dict(dtype=torch.int32, device=workspace.device)
         self.batch = batch
         self.meta = torch.zeros(2 * batch + 1 + max_pages, **i32)  # indptr | last_page_len | positions
@@ -180,7 +182,7 @@ class _DecodeBucket:
         self.fast = getattr(fi, "__version__", "") in _FAST_PLAN_VERSIONS
         self._planned = False
         self._scheduled_indptr = np.empty(0, dtype=np.int32)  # page indptr of the live schedule
-        self._tags: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._dtype_tag = torch.empty(0, dtype=dtype)  # the CUDA-core scheduler reads q / kv dtypes off it
         self._scheduled = UploadFence()  # FlashInfer stages the schedule in one pinned buffer
 
     def plan(
@@ -227,14 +229,8 @@ class _DecodeBucket:
             w._plan_info = w._cached_module.plan(
                 *buffers, idx.indptr, b, spec.num_heads, spec.num_kv_heads, spec.block_size, True,
                 window, common["logits_soft_cap"] or 0.0, spec.head_dim, spec.head_dim,
-                *self._dtype_tags(common),
+                self._dtype_tag, self._dtype_tag,
             )
-
-    def _dtype_tags(self, common: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Empty q / kv tensors whose dtypes the CUDA-core scheduler reads (made once)."""
-        if self._tags is None:
-            self._tags = torch.empty(0, dtype=common["q_data_type"]), torch.empty(0, dtype=common["kv_data_type"])
-        return self._tags
 
 
 class FlashInferAttention(AttentionBackend):
@@ -281,7 +277,8 @@ class FlashInferAttention(AttentionBackend):
             bucket = self.buckets.get(graph_key)
             if bucket is None:
                 bucket = self.buckets[graph_key] = _DecodeBucket(
-                    self._fi, self.workspace, self.use_tensor_cores, m.num_seqs, m.num_seqs * m.block_table.shape[1]
+                    self._fi, self.workspace, self.use_tensor_cores, m.num_seqs, m.num_seqs * m.block_table.shape[1],
+                    s.dtype,
                 )
             stream = torch.cuda.current_stream()  # looked up once: it costs more than the record
             bucket.plan(m, idx, s, self._common, stream)
