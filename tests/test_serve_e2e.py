@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from checkpoints import llama_gqa
+from processes import spawned_children, wait_gone
 
 from serve_cli.launcher import ServerProcess
 
@@ -336,10 +337,7 @@ def test_shutdown_leaves_no_process(model_dir: Path, sig: int, group: bool) -> N
         code = srv.process.wait(30)
     finally:
         srv.stop(signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while _alive(engine) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(engine), "the engine process outlived the server"
+    wait_gone([engine], "the engine process outlived the server")
     if sig != signal.SIGKILL:
         assert code in (0, -sig), srv.log()
         assert "Traceback" not in srv.log(), srv.log()
@@ -347,18 +345,6 @@ def test_shutdown_leaves_no_process(model_dir: Path, sig: int, group: bool) -> N
 
 def engine_pid(server: ServerProcess) -> int:
     """The server's engine process: its child started by multiprocessing's spawn."""
-    pid = server.process.pid
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    for child in children:
-        cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
-        if b"spawn_main" in cmdline:
-            return int(child)
-    raise AssertionError(f"no engine process among the children {children} of {pid}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
-    except FileNotFoundError:
-        return False
-    return state != "Z"  # a zombie has exited; only its parent's wait() is missing
+    spawned = spawned_children(server.process.pid)
+    assert spawned, f"no engine process among the children of {server.process.pid}"
+    return spawned[0]

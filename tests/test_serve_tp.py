@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import alive, spawned_children, wait_gone
 
 from serve_cli.engine.config import EngineConfig
 from serve_cli.engine.core import EngineCore
@@ -64,19 +65,8 @@ def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
-    except FileNotFoundError:
-        return False
-    return state != "Z"  # a zombie has exited; only its parent's wait() is missing
-
-
-def _wait_gone(pids: list[int], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while any(map(_alive, pids)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [p for p in pids if _alive(p)], f"processes {pids} outlived their engine"
+def _wait_gone(pids: list[int]) -> None:
+    wait_gone(pids, f"processes {pids} outlived their engine")
 
 
 def _kv_bytes_per_block(model_dir: Path, tp: int, block_size: int = 16) -> int:
@@ -104,7 +94,7 @@ def test_tp2_engine_matches_tp1_with_chunked_prefill_and_preemption(llama_gqa_di
         # the budget is per rank: each holds one of the two KV heads, so a block costs half
         assert engine.stats()["kv_blocks_total"] == 16
         workers = engine.runner.workers.pids
-        assert len(workers) == 1 and all(map(_alive, workers))
+        assert len(workers) == 1 and all(map(alive, workers))
         assert engine.generate(prompts, GREEDY) == expected
         stats = engine.stats()
         assert stats["num_preemptions_total"] > 0
@@ -165,9 +155,9 @@ def test_serve_tp2_answers_like_tp1_and_leaves_no_worker(llama_gqa_dir: Path) ->
         expected = complete(server)
     server = ServerProcess([*args, "--tensor-parallel-size", "2"]).start()
     try:
-        engine = _spawned_children(server.process.pid)
+        engine = spawned_children(server.process.pid)
         assert len(engine) == 1
-        workers = _spawned_children(engine[0])
+        workers = spawned_children(engine[0])
         assert len(workers) == 1
         assert complete(server) == expected
         assert any(text for text, _ in expected), expected  # text, not only ids, is compared
@@ -176,17 +166,6 @@ def test_serve_tp2_answers_like_tp1_and_leaves_no_worker(llama_gqa_dir: Path) ->
     assert code in (0, -signal.SIGTERM), server.log()
     assert "Traceback" not in server.log(), server.log()
     _wait_gone(engine + workers)
-
-
-def _spawned_children(pid: int) -> list[int]:
-    """``pid``'s children started by multiprocessing's spawn (the engine, the TP workers)."""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    spawned = []
-    for child in children:
-        cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
-        if b"spawn_main" in cmdline:
-            spawned.append(int(child))
-    return spawned
 
 
 def test_a_model_that_does_not_split_fails_to_start_and_leaves_no_worker(

@@ -1,0 +1,34 @@
+"""Linux process checks the server tests share: which children a process spawned, whether a
+process is still alive, and waiting until a set of them is gone."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+
+def spawned_children(pid: int) -> list[int]:
+    """``pid``'s children started by multiprocessing's spawn (the engine, the TP workers)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    spawned = []
+    for child in children:
+        cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+        if b"spawn_main" in cmdline:
+            spawned.append(int(child))
+    return spawned
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has exited; only its parent's wait() is missing
+
+
+def wait_gone(pids: list[int], message: str, timeout: float = 10.0) -> None:
+    """Wait up to ``timeout`` seconds for every process in ``pids`` to exit; else fail with ``message``."""
+    deadline = time.monotonic() + timeout
+    while any(map(alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if alive(p)], message
