@@ -246,7 +246,7 @@ def test_client_leaving_a_non_streamed_request_aborts_it(server: ServerProcess) 
             "temperature": 0, "ignore_eos": True}  # fmt: skip
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
-        httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=0.3)
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=0.1)
     deadline = time.monotonic() + 10
     while server.metrics()["xhal_kv_blocks_used"] > 0 and time.monotonic() < deadline:
         time.sleep(0.05)

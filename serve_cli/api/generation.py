@@ -26,6 +26,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+async def client_left(request: Any) -> None:
+    """Return when the client closes its connection. The request body has been read by now, so
+    the next ASGI message is ``http.disconnect``; waiting on it wakes at once, where polling
+    ``is_disconnected`` would notice only at its next poll."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 @dataclass
 class Choice:
     """What one engine request has produced so far."""
@@ -87,26 +95,30 @@ class Generation:
         finally:
             client.abort([c.request_id for c in self.choices if c.finish_reason is None])
 
-    async def run_to_end(self, request: Any, poll_seconds: float = 0.5) -> bool:
-        """Consume every output for a non-streamed response, checking every ``poll_seconds``
-        that the client is still there; if it left, stop, which aborts the unfinished engine
-        requests (their KV blocks come back). Returns False when the client left."""
+    async def run_to_end(self, request: Any) -> bool:
+        """Consume every output for a non-streamed response while listening for the client
+        leaving; if it leaves, stop at once, which aborts the unfinished engine requests (their
+        KV blocks come back). Returns False when the client left."""
 
         async def consume() -> None:
             async for _ in self.outputs():
                 pass
 
         task = asyncio.ensure_future(consume())
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_seconds)
-            if done:
-                task.result()  # raises what the generation raised
-                return True
-            if await request.is_disconnected():
+        gone = asyncio.ensure_future(client_left(request))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not task.done():
                 task.cancel()
+            for job in (gone, task):
                 with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                return False
+                    await job
+        if task.cancelled():
+            return False
+        task.result()  # raises what the generation raised
+        return True
 
     def usage(self) -> Usage:
         completion = sum(len(c.token_ids) for c in self.choices)
