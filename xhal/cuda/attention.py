@@ -13,7 +13,7 @@ serves both, where FA3 adds a second one of several minutes per configuration. P
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,9 +47,12 @@ class PagedIndex:
 class UploadFence:
     """An event after the last uploads queued from a reused page-locked buffer: ``wait`` before
     rewriting the buffer, ``mark`` once new uploads from it are queued. One CUDA event, re-recorded
-    (creating one per step cost host time a graph step cannot spare)."""
+    (creating one per step cost host time a graph step cannot spare). ``enabled=False`` (tensors
+    not on a CUDA device, as under the tests' FlashInfer emulation) makes both no-ops: a device
+    that runs on the host has nothing in flight."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self._enabled = enabled
         self._event: torch.cuda.Event | None = None
 
     def wait(self) -> None:
@@ -58,6 +61,8 @@ class UploadFence:
 
     def mark(self, stream: torch.cuda.Stream | None = None) -> None:
         """``stream``: the stream the uploads went to (default: the current one)."""
+        if not self._enabled:
+            return
         if self._event is None:
             self._event = torch.cuda.Event()
         self._event.record(stream)
@@ -183,7 +188,7 @@ class _DecodeBucket:
         self._planned = False
         self._scheduled_indptr = np.empty(0, dtype=np.int32)  # page indptr of the live schedule
         self._dtype_tag = torch.empty(0, dtype=dtype)  # the CUDA-core scheduler reads q / kv dtypes off it
-        self._scheduled = UploadFence()  # FlashInfer stages the schedule in one pinned buffer
+        self._scheduled = UploadFence(workspace.is_cuda)  # FlashInfer stages the schedule in one pinned buffer
 
     def plan(
         self, m: AttentionMetadata, idx: PagedIndex, spec: AttentionSpec, common: dict, stream: torch.cuda.Stream
@@ -234,15 +239,20 @@ class _DecodeBucket:
 
 
 class FlashInferAttention(AttentionBackend):
+    """``kv_write(k, v, k_cache, v_cache, slot_mapping)`` writes a step's keys and values (default:
+    the Triton kernel); the tests' FlashInfer emulation on the CPU passes the reference's."""
+
     def __init__(
         self, spec: AttentionSpec, workspace: torch.Tensor, use_tensor_cores: bool | None = None,
-        prefill_backend: str = "fa2",
+        prefill_backend: str = "fa2", kv_write: Callable[..., None] = write_kv,
     ) -> None:
         super().__init__(spec)
         import flashinfer
 
         self._fi = flashinfer
         self.workspace = workspace
+        self._kv_write = kv_write
+        self._on_cuda = workspace.is_cuda
         # FlashInfer's advice: tensor-core decode pays from a GQA group of 4 up
         self.use_tensor_cores = spec.group_size >= 4 if use_tensor_cores is None else use_tensor_cores
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=prefill_backend)
@@ -257,8 +267,8 @@ class FlashInferAttention(AttentionBackend):
             kv_data_type=spec.dtype,
         )
         self.buckets: dict[Hashable, _DecodeBucket] = {}
-        self.index_builder = PagedIndexBuilder(spec.block_size)
-        self._scheduled = UploadFence()  # the eager wrappers stage their schedule in pinned buffers
+        self.index_builder = PagedIndexBuilder(spec.block_size, pin=self._on_cuda)
+        self._scheduled = UploadFence(self._on_cuda)  # the eager wrappers stage their schedule in pinned buffers
         self._caches: list[LayerCache] = []
         self._wrapper = None
         self._slot_mapping: torch.Tensor | None = None
@@ -280,7 +290,8 @@ class FlashInferAttention(AttentionBackend):
                     self._fi, self.workspace, self.use_tensor_cores, m.num_seqs, m.num_seqs * m.block_table.shape[1],
                     s.dtype,
                 )
-            stream = torch.cuda.current_stream()  # looked up once: it costs more than the record
+            # looked up once: it costs more than the record
+            stream = torch.cuda.current_stream() if self._on_cuda else None
             bucket.plan(m, idx, s, self._common, stream)
             self.index_builder.release(stream)
             self._wrapper, self._num_real = bucket.wrapper, idx.num_real_tokens
@@ -300,7 +311,7 @@ class FlashInferAttention(AttentionBackend):
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self._caches[layer_id]
-        write_kv(k, v, cache.key, cache.value, self._slot_mapping)
+        self._kv_write(k, v, cache.key, cache.value, self._slot_mapping)
         n = self._num_real
         if n == q.shape[0]:
             return self._wrapper.run(q, (cache.key, cache.value))

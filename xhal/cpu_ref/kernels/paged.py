@@ -34,33 +34,42 @@ def gather_sequence(cache: torch.Tensor, block_row: torch.Tensor, kv_len: int) -
     return cache[block_row[positions // block_size].long(), positions % block_size]
 
 
+def attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, sliding_window: int, soft_cap: float
+) -> torch.Tensor:
+    """float32 attention of ``q`` ``[Lq, H, D]``, the sequence's last ``Lq`` positions, over its
+    ``keys`` / ``values`` ``[L, Hkv, D]``: causal (bottom-right aligned), the last
+    ``sliding_window`` positions only when it is > 0, logits capped by ``soft_cap`` when > 0."""
+    q_len, kv_len, num_heads = q.shape[0], keys.shape[0], q.shape[1]
+    group = num_heads // keys.shape[1]
+    keys = keys.float().repeat_interleave(group, dim=1)  # [L, H, D]
+    values = values.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale  # [H, Lq, L]
+    if soft_cap > 0:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    q_pos = torch.arange(kv_len - q_len, kv_len).unsqueeze(1)
+    k_pos = torch.arange(kv_len).unsqueeze(0)
+    visible = k_pos <= q_pos
+    if sliding_window > 0:
+        visible &= q_pos - k_pos < sliding_window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), values)
+
+
 @torch.library.impl(_lib, "paged_attention", "CPU")
 def paged_attention(
     q, k_cache, v_cache, q_cu_seq_lens, kv_seq_lens, block_table, scale, sliding_window, soft_cap
 ):
     # q: [T, H, D]; rows past q_cu_seq_lens[-1] are padding and come out as zeros
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     out = torch.zeros(q.shape, dtype=torch.float32)
     q_cu, kv_lens = q_cu_seq_lens.tolist(), kv_seq_lens.tolist()
     for i, kv_len in enumerate(kv_lens):
         start, end = q_cu[i], q_cu[i + 1]
-        q_len = end - start
-        if q_len == 0:
+        if end == start:
             continue
-        keys = gather_sequence(k_cache, block_table[i], kv_len).float()  # [L, Hkv, D]
-        values = gather_sequence(v_cache, block_table[i], kv_len).float()
-        keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [L, H, D]
-        values = values.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale  # [H, Lq, L]
-        if soft_cap > 0:
-            scores = soft_cap * torch.tanh(scores / soft_cap)
-        q_pos = torch.arange(kv_len - q_len, kv_len).unsqueeze(1)  # bottom-right aligned
-        k_pos = torch.arange(kv_len).unsqueeze(0)
-        visible = k_pos <= q_pos
-        if sliding_window > 0:
-            visible &= q_pos - k_pos < sliding_window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), values)
+        keys = gather_sequence(k_cache, block_table[i], kv_len)  # [L, Hkv, D]
+        values = gather_sequence(v_cache, block_table[i], kv_len)
+        out[start:end] = attend(q[start:end], keys, values, scale, sliding_window, soft_cap)
     return out.to(q.dtype)
 
 

@@ -1,0 +1,185 @@
+"""The CUDA platform's FlashInfer attention (``xhal.cuda.attention``) on the FlashInfer emulation
+(``tests/flashinfer_emulation``, CPU tensors), so its bookkeeping is tested on every CI run and not
+only on a GPU:
+
+- the conformance families that drive attention (attention, graph) pass through
+  ``xhal-conformance --device flashinfer-emulated --plugin ...``;
+- full-graph decode through the executor, with batches shrinking and growing in a bucket and
+  sequences crossing pages, equals eager decode on the same backend and the CPU reference, on the
+  tensor-core and the CUDA-core paths;
+- FlashInfer's scheduler reruns only when a sequence's page count changes; skipping that rerun
+  gives wrong numbers here, as it would on a GPU;
+- the emulated compiled module rejects a call that drifted from 0.5.3's argument layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from itertools import pairwise
+from pathlib import Path
+
+import pytest
+import torch
+
+import xhal
+from paged_host import PagedHost
+from xhal.interfaces import BatchKind
+
+REPO = Path(__file__).resolve().parents[1]
+PLUGIN = "tests.flashinfer_emulation.plugin"
+BLOCK_SIZE = 16
+PROMPTS = {0: 14, 1: 31, 2: 5, 3: 47}  # prompt lengths; decode steps take 0, 1 and 3 across pages
+STEPS = [[0, 1, 2], [0, 1, 2, 3], [1, 3], [3, 0, 2], [2], [0, 1, 2, 3], [0, 1, 2, 3]]
+
+
+def test_conformance_attention_and_graph_pass(tmp_path: Path) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.pop("XHAL_PLUGINS", None)
+    env.pop("PYTEST_ADDOPTS", None)
+    env["OMP_NUM_THREADS"] = "1"
+    report = tmp_path / "fi.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "conformance_tests.cli",
+        "--device",
+        "flashinfer-emulated",
+        "--plugin",
+        PLUGIN,
+    ]
+    cmd += ["--family", "attention", "--family", "graph", "--report", str(report)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    explain = f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, explain
+    families = json.loads(report.read_text())["families"]
+    assert sorted(families) == ["attention", "graph"], explain
+    for name, fam in families.items():
+        assert fam["failed"] == 0 and fam["passed"] > 0, f"family {name}: {fam}\n{explain}"
+
+
+# the executor on the emulated platform ---------------------------------------------------------
+
+
+@pytest.fixture
+def emulated() -> Iterator[type]:
+    """The emulated platform's class; the emulation is uninstalled after the test."""
+    from flashinfer_emulation import uninstall
+    from flashinfer_emulation.plugin import EmulatedFlashInferPlatform
+
+    try:
+        yield EmulatedFlashInferPlatform
+    finally:
+        uninstall()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("transformers", reason="the tiny checkpoint is built with transformers")
+    from checkpoints import build_checkpoint
+
+    return build_checkpoint(tmp_path_factory.mktemp("fi-llama"), "llama", seed=5)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir: Path) -> torch.nn.Module:
+    from models.loader import load_model
+
+    return load_model(model_dir, dtype=torch.bfloat16, progress=False)
+
+
+def decode_run(platform, model: torch.nn.Module, enforce_eager: bool) -> list[torch.Tensor]:
+    """Prefill four prompts, then the decode steps of ``STEPS`` (bucket 4: other rows, lengths and
+    page counts at every replay). Returns each decode step's logits."""
+    from xhal.executor import ExecutorConfig, ModelExecutor
+
+    config = ExecutorConfig(
+        dtype=torch.bfloat16, block_size=BLOCK_SIZE, max_num_seqs=4, max_model_len=128,
+        enforce_eager=enforce_eager, decode_capture_sizes=(4,), piecewise_token_sizes=(),
+    )  # fmt: skip
+    executor = ModelExecutor(model, platform, config)
+    executor.bind_kv_caches(executor.allocate_kv_caches(num_blocks=24))
+    host = PagedHost(24, BLOCK_SIZE, seed=3)
+    chunks = [(s, [(7 * s + j) % 200 + 3 for j in range(n)]) for s, n in PROMPTS.items()]
+    executor.execute(*host.step(chunks))
+    logits = []
+    for step, seqs in enumerate(STEPS):
+        ids, pos, meta = host.step([(s, [(11 * step + s) % 200 + 3]) for s in seqs])
+        assert meta.kind == BatchKind.DECODE
+        logits.append(executor.compute_logits(executor.execute(ids, pos, meta)).clone())
+    return logits
+
+
+@pytest.mark.parametrize("tensor_cores", [True, False], ids=["tensor-cores", "cuda-cores"])
+def test_graph_decode_equals_eager_and_the_reference(emulated, model, tensor_cores: bool) -> None:
+    platform = emulated(use_tensor_cores=tensor_cores)
+    graph = decode_run(platform, model, enforce_eager=False)
+    eager = decode_run(platform, model, enforce_eager=True)
+    reference = decode_run(xhal.platforms.get("cpu"), model, enforce_eager=True)
+    for step, (g, e, r) in enumerate(zip(graph, eager, reference)):
+        assert torch.equal(g, e), f"decode step {step}: graph replay != eager"
+        assert torch.allclose(g, r, atol=2e-2, rtol=0), f"decode step {step}: != the CPU reference"
+
+
+def test_scheduler_reruns_only_when_a_page_count_changes(emulated, model, monkeypatch) -> None:
+    from xhal.cuda.attention import _DecodeBucket
+
+    counts: list[tuple[int, ...]] = []
+    schedule = _DecodeBucket._schedule
+
+    def counting(self, m, idx, spec, common):
+        counts.append(tuple(idx.indptr.tolist()))
+        schedule(self, m, idx, spec, common)
+
+    monkeypatch.setattr(_DecodeBucket, "_schedule", counting)
+    decode_run(emulated(use_tensor_cores=True), model, enforce_eager=False)
+    # the first replay plans through the wrapper; later ones reschedule when the page indptr moves
+    host, indptrs = PagedHost(24, BLOCK_SIZE), []
+    host.step([(s, [3] * n) for s, n in PROMPTS.items()])
+    for seqs in STEPS:
+        _, _, meta = host.step([(s, [3]) for s in seqs])
+        pages = [-(-n // BLOCK_SIZE) for n in meta.kv_seq_lens_host.tolist()] + [1] * (
+            4 - len(seqs)
+        )
+        indptrs.append(tuple(torch.tensor([0, *pages]).cumsum(0).tolist()))
+    expected = [b for a, b in pairwise(indptrs) if a != b]
+    assert counts == expected
+    assert 0 < len(counts) < len(STEPS) - 1, "the steps should both keep and change page counts"
+
+
+def test_skipping_the_reschedule_gives_wrong_numbers(emulated, model, monkeypatch) -> None:
+    from xhal.cuda.attention import _DecodeBucket
+
+    platform = emulated(use_tensor_cores=True)
+    eager = decode_run(platform, model, enforce_eager=True)
+    monkeypatch.setattr(_DecodeBucket, "_schedule", lambda *args: None)
+    stale = decode_run(platform, model, enforce_eager=False)
+    wrong = [step for step, (s, e) in enumerate(zip(stale, eager)) if not torch.equal(s, e)]
+    assert wrong, "a schedule left stale after page counts changed went unnoticed"
+
+
+# the emulation's own checks --------------------------------------------------------------------
+
+
+def test_compiled_module_rejects_a_drifted_argument_layout(emulated) -> None:
+    from flashinfer_emulation.compiled import compiled_module
+
+    plan = compiled_module(True, torch.bfloat16, torch.bfloat16, 64, False, False).plan
+    ws, host = torch.zeros(1 << 16, dtype=torch.uint8), torch.zeros(1 << 16, dtype=torch.uint8)
+    indptr, lens = (
+        torch.tensor([0, 1, 3], dtype=torch.int32),
+        torch.tensor([5, 20], dtype=torch.int32),
+    )
+    qo = torch.arange(3, dtype=torch.int32)
+    args = [ws, ws, host, qo, indptr, lens, 2, 2, 4, 1, 16, True, 64, 64, False, -1, -1, False, 0]
+    assert plan(*args) == [2, 16, 4, 1]
+    with pytest.raises(ValueError, match="19 arguments"):  # before 0.5.3: no num_colocated_ctas
+        plan(*args[:-1])
+    with pytest.raises(ValueError, match="host int32"):  # indptr left on the device, or int64
+        plan(*args[:4], indptr.long(), *args[5:])
+    with pytest.raises(ValueError, match="head dims"):
+        plan(*args[:12], 128, 128, *args[14:])
