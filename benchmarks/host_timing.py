@@ -93,7 +93,7 @@ def _timed_calls() -> list[tuple[object, str, str]]:
         (torch.cuda.Event, "record", "Event.record"),
         (torch.cuda.Event, "synchronize", "Event.synchronize"),
         (torch.cuda.CUDAGraph, "replay", "CUDAGraph.replay"),
-        (cuda_attention.PagedIndexBuilder, "build", "PagedIndexBuilder.build (numpy)"),
+        (cuda_attention._DecodeBucket, "plan", "FlashInfer bucket plan (numpy)"),
         (cuda_attention._DecodeBucket, "_schedule", "FlashInfer scheduler (C++)"),
         (DecodeGraphs, "_padded_metadata", "DecodeGraphs._padded_metadata"),
     ]

@@ -2,13 +2,15 @@
 
 A replay re-runs the captured device work on the captured tensors: it sees new values written in
 place into its inputs, never calls the captured function again, and keeps the Python values of
-capture. Attention runs inside a graph the way the executor's decode buckets use it: plan on the
+capture. Attention runs inside a graph the way the executor's decode buckets use it: copy the
+step's metadata into the bucket's persistent device tensors (the graph may read them), plan on the
 host with the bucket's ``graph_key`` before capture and before every replay, ``before_replay``,
 copy the step's q/k/v into static buffers, replay. Padding sequences never change real rows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Iterator
 
@@ -33,9 +35,11 @@ from conformance_tests.batches import (
     spec_or_skip,
 )
 from conformance_tests.tolerances import tolerance
-from xhal.interfaces import BatchKind, GraphRunner, LayerCache, Platform
+from xhal.interfaces import AttentionMetadata, BatchKind, GraphRunner, LayerCache, Platform
 
 BUCKET = 4  # decode sequences per captured graph
+# the metadata's device tensors: a graph bucket gets the same ones at capture and every replay
+PERSISTENT = ("q_cu_seq_lens", "kv_cu_seq_lens", "q_seq_lens", "kv_seq_lens", "block_table", "slot_mapping")
 KEY = ("decode", BUCKET)
 NUM_LAYERS = 2
 UNKNOWN_KEY_ERRORS = (LookupError, RuntimeError, ValueError)
@@ -166,7 +170,8 @@ def test_runner_keys_and_reset(platform, device):
 
 class DecodeCase:
     """One attention group over ``NUM_LAYERS`` random caches with a decode bucket captured the
-    executor's way: static q/k/v per layer, ``plan(graph_key=KEY)``, one graph over every layer."""
+    executor's way: static q/k/v per layer, metadata in persistent device tensors rewritten in
+    place every step, ``plan(graph_key=KEY)``, one graph over every layer."""
 
     def __init__(
         self, platform, device: torch.device, dtype: torch.dtype, block_size: int, seed: str
@@ -184,7 +189,8 @@ class DecodeCase:
         self.backend.bind_kv_caches(self.caches)
         batch, _ = self.bucket(BUCKET)
         self.statics = self.qkv(BUCKET)
-        self.backend.plan(batch.metadata, graph_key=KEY)
+        self.persistent = {name: getattr(batch.metadata, name).clone() for name in PERSISTENT}
+        self.backend.plan(self.staged(batch.metadata), graph_key=KEY)
         self.runner.capture(
             KEY, lambda: [self.backend.forward(i, *x) for i, x in enumerate(self.statics)]
         )
@@ -199,8 +205,14 @@ class DecodeCase:
     def qkv(self, num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         return [random_qkv(num_tokens, self.spec, self.device, self.rng) for _ in range(NUM_LAYERS)]
 
+    def staged(self, metadata: AttentionMetadata) -> AttentionMetadata:
+        """``metadata`` with its device tensors copied into the bucket's persistent ones."""
+        for name, static in self.persistent.items():
+            static.copy_(getattr(metadata, name))
+        return dataclasses.replace(metadata, **self.persistent)
+
     def replay(self, batch: Batch, inputs: list) -> list[torch.Tensor]:
-        self.backend.plan(batch.metadata, graph_key=KEY)
+        self.backend.plan(self.staged(batch.metadata), graph_key=KEY)
         self.backend.before_replay(KEY)
         for static, new in zip(self.statics, inputs):
             for s, n in zip(static, new):

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import xhal
 from paged_host import PagedHost
@@ -131,9 +132,9 @@ def test_scheduler_reruns_only_when_a_page_count_changes(emulated, model, monkey
     counts: list[tuple[int, ...]] = []
     schedule = _DecodeBucket._schedule
 
-    def counting(self, m, idx, spec, common):
-        counts.append(tuple(idx.indptr.tolist()))
-        schedule(self, m, idx, spec, common)
+    def counting(self, m, indptr, spec, common):
+        counts.append(tuple(indptr.tolist()))
+        schedule(self, m, indptr, spec, common)
 
     monkeypatch.setattr(_DecodeBucket, "_schedule", counting)
     decode_run(emulated(use_tensor_cores=True), model, enforce_eager=False)
@@ -183,3 +184,62 @@ def test_compiled_module_rejects_a_drifted_argument_layout(emulated) -> None:
         plan(*args[:4], indptr.long(), *args[5:])
     with pytest.raises(ValueError, match="head dims"):
         plan(*args[:12], 128, 128, *args[14:])
+
+
+# the bucket's host work ------------------------------------------------------------------------
+
+
+class _DeviceCalls(TorchDispatchMode):
+    """Counts the tensor ops (device calls, on a GPU) dispatched while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_bucket_plan_queues_device_work_only_when_pages_change(emulated, model) -> None:
+    """Within pages a graph step's attention plan queues nothing: the graph refreshes page ids and
+    last-page lengths from the persistent metadata. A page boundary costs one upload."""
+    from xhal.executor import ExecutorConfig, ModelExecutor
+
+    config = ExecutorConfig(
+        dtype=torch.bfloat16, block_size=BLOCK_SIZE, max_num_seqs=2, max_model_len=128,
+        decode_capture_sizes=(2,), piecewise_token_sizes=(),
+    )  # fmt: skip
+    executor = ModelExecutor(model, emulated(use_tensor_cores=True), config)
+    executor.bind_kv_caches(executor.allocate_kv_caches(num_blocks=8))
+    host = PagedHost(8, BLOCK_SIZE, seed=1)
+    executor.execute(*host.step([(0, [5] * 13), (1, [6] * 3)]))
+    backend, plan, device_calls = executor.backends[0], executor.backends[0].plan, []
+
+    def counted(metadata, graph_key=None):
+        with _DeviceCalls() as calls:
+            plan(metadata, graph_key)
+        device_calls.append([op for op in calls.ops if op != "detach.default"])  # .numpy()
+
+    backend.plan = counted
+    lengths = (14, 15, 16, 17, 18)  # sequence 0 takes its second page at 17
+    for _ in lengths:
+        executor.execute(*host.step([(0, [7]), (1, [8])]))
+    for kv_len, ops in zip(lengths, device_calls):
+        # the first step creates the bucket and plans it through FlashInfer's wrapper
+        assert bool(ops) == (kv_len in (14, 17)), f"kv length {kv_len}: {ops}"
+
+
+def test_bucket_refuses_metadata_other_than_its_persistent_tensors(emulated) -> None:
+    from xhal.interfaces import AttentionSpec
+
+    platform = emulated()
+    spec = AttentionSpec(4, 1, 64, torch.bfloat16, BLOCK_SIZE)
+    backend = platform.attention_backend(spec)
+    host = PagedHost(8, BLOCK_SIZE)
+    host.step([(0, [1] * 20), (1, [1] * 3)])
+    _, _, meta = host.step([(0, [2]), (1, [2])])
+    backend.plan(meta, graph_key="bucket")
+    _, _, fresh = host.step([(0, [3]), (1, [3])])  # new tensors, not the captured ones
+    with pytest.raises(ValueError, match="persistent"):
+        backend.plan(fresh, graph_key="bucket")

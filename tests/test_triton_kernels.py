@@ -6,6 +6,7 @@ CUDA device (tests/triton_env.py).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -197,8 +198,8 @@ def test_rotary_embedding(head_dim: int, rotary_dim: int, is_neox: bool, dtype: 
 
 @pytest.mark.parametrize("host_pages", [False, True], ids=["device_gather", "host_built"])
 def test_paged_index_builder(host_pages: bool) -> None:
-    """CSR page table of a mixed batch: indptr, last-page lengths and page ids per row, and the
-    one contiguous run a captured decode bucket uploads."""
+    """CSR page table of a mixed batch: indptr, last-page lengths, page ids per row and the flat
+    block-table positions they are gathered from."""
     from conformance_tests.batches import Seq, build_batch
     from xhal.cuda.attention import PagedIndexBuilder
     from xhal.interfaces import BatchKind
@@ -214,13 +215,26 @@ def test_paged_index_builder(host_pages: bool) -> None:
     assert idx.indptr.tolist() == [0, 2, 3, 6, 7] and idx.num_pages == 7
     assert idx.last_page_len.tolist() == [1, 5, 3, 1]
     assert builder.page_ids(m, idx).tolist() == [7, 2, 9, 4, 0, 11, 0]  # the dummy row reads block 0
-    run = idx.ptr_last_flat.tolist()
-    assert run[:9] == idx.indptr.tolist() + idx.last_page_len.tolist()
     if host_pages:
-        assert idx.positions is None and len(run) == 9
+        assert idx.positions is None
     else:  # flat block-table positions: row * width + page
         width = m.block_table.shape[1]
-        assert run[9:] == [0, 1, width, 2 * width, 2 * width + 1, 2 * width + 2, 3 * width]
+        assert idx.positions.tolist() == [0, 1, width, 2 * width, 2 * width + 1, 2 * width + 2, 3 * width]
+
+
+def test_page_positions_follow_the_table_strides() -> None:
+    """A graph bucket gathers page ids from its block table as laid out in memory: positions in
+    a column-major table view name the same entries as in a row-major one."""
+    from xhal.cuda.attention import page_positions
+
+    table = torch.tensor([[7, 2, 0], [9, 0, 0], [4, 1, 11]], dtype=torch.int32)
+    pages = np.array([2, 1, 3], dtype=np.int32)
+    indptr = np.array([0, 2, 3, 6], dtype=np.int32)
+    for view in (table, table.t().contiguous().t()):
+        out = np.empty(6, dtype=np.int32)
+        page_positions(pages, indptr, *view.stride(), out=out)
+        flat = view.as_strided((view.numel(),), (1,))
+        assert flat[torch.from_numpy(out).long()].tolist() == [7, 2, 9, 4, 1, 11]
 
 
 def test_flashinfer_activations_only_get_inputs_they_take() -> None:
@@ -270,3 +284,41 @@ def test_cuda_gemv_rows_from_the_environment(monkeypatch) -> None:
         monkeypatch.setenv("XHAL_CUDA_GEMV_MAX_ROWS", bad)
         with pytest.raises(ValueError, match="XHAL_CUDA_GEMV_MAX_ROWS"):
             cuda_ops.CudaOps()
+
+
+def test_triton_graph_plan_reads_the_persistent_metadata() -> None:
+    """A graph bucket's plan binds the persistent metadata itself, rebuilds token_seq only when
+    query lengths change, and refuses other tensors."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from conformance_tests.batches import Seq, build_batch
+    from xhal.cuda.attention import TritonAttention
+    from xhal.interfaces import AttentionSpec, BatchKind
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def step(kv_lens: list[int]):
+        seqs = [Seq(1, n) for n in kv_lens] + [Seq(1, 1, padding=True)]
+        rows = [[3, 5], [1], []]
+        return build_batch(BatchKind.DECODE, seqs, rows, 16, torch.device("cpu"), max_blocks=2).metadata
+
+    backend = TritonAttention(AttentionSpec(4, 1, 64, torch.float32, 16))
+    first = step([17, 4])
+    backend.plan(first, graph_key="b")
+    assert backend._plan.token_seq.tolist() == [0, 1, 2] and backend._plan.slot_mapping is first.slot_mapping
+    nxt = step([18, 5])  # staged into the first step's tensors, as the executor does
+    fields = ("q_cu_seq_lens", "kv_cu_seq_lens", "q_seq_lens", "kv_seq_lens", "block_table", "slot_mapping")
+    for name in fields:
+        getattr(first, name).copy_(getattr(nxt, name))
+    with Ops() as ops:
+        backend.plan(dataclasses.replace(nxt, **{n: getattr(first, n) for n in fields}), graph_key="b")
+    assert [n for n in ops.names if n != "detach.default"] == []  # nothing queued on the device
+    with pytest.raises(ValueError, match="persistent"):
+        backend.plan(nxt, graph_key="b")

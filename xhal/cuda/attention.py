@@ -26,20 +26,22 @@ from xhal.interfaces.cache import LayerCache, normalize_layer_caches
 from xhal.interfaces.metadata import AttentionMetadata, BatchKind
 
 
+def page_positions(num_pages: np.ndarray, indptr: np.ndarray, row_stride: int, col_stride: int, out: np.ndarray) -> None:
+    """Where each sequence's page ids sit in a block table flattened by its strides, in FlashInfer's
+    page order: sequence r's j-th page (``indptr[r] + j`` of ``out``) at ``r * row_stride + j *
+    col_stride``."""
+    rows = np.repeat(np.arange(len(num_pages), dtype=np.int32), num_pages)
+    out[:] = rows * row_stride + (np.arange(len(out), dtype=np.int32) - indptr[rows]) * col_stride
+
+
 @dataclass
 class PagedIndex:
-    """FlashInfer's CSR page table of one step, built on the host in pinned memory.
-
-    ``ptr_last_flat`` is one contiguous pinned int32 run ``[indptr (B+1) | last_page_len (B) |
-    gather positions (nnz)]`` (positions only when the host gathers page ids), so a captured
-    bucket uploads it in one copy.
-    """
+    """FlashInfer's CSR page table of one eager step, built on the host in pinned memory."""
 
     qo_indptr: torch.Tensor  # int32 [B+1], cpu
     indptr: torch.Tensor  # int32 [B+1], cpu
     last_page_len: torch.Tensor  # int32 [B], cpu
     positions: torch.Tensor | None  # int32 [nnz], cpu: flat block-table positions of the page ids
-    ptr_last_flat: torch.Tensor  # int32 [2B+1 (+nnz)], cpu: indptr | last_page_len | positions
     num_pages: int  # nnz
     num_real_tokens: int
 
@@ -125,15 +127,13 @@ class PagedIndexBuilder:
         np.cumsum(q_lens, out=qo[1:])
         np.cumsum(num_pages, out=ptr[1:])
         last[:] = kv_lens - (num_pages - 1) * bs
-        if gather:  # row r's pages sit at r * width + 0 .. num_pages[r] - 1 of the flat table
-            rows = np.repeat(np.arange(b, dtype=np.int32), num_pages)
-            flat[:] = rows * m.block_table.shape[1] + (np.arange(nnz, dtype=np.int32) - ptr[rows])
+        if gather:  # positions in the contiguous table (page_ids makes it contiguous)
+            page_positions(num_pages, ptr, m.block_table.shape[1], 1, out=flat)
         return PagedIndex(
             qo_indptr=buf[: b + 1],
             indptr=buf[b + 1 : 2 * b + 2],
             last_page_len=buf[2 * b + 2 : 3 * b + 2],
             positions=buf[3 * b + 2 :] if gather else None,
-            ptr_last_flat=buf[b + 1 :],
             num_pages=nnz,
             num_real_tokens=int(qo[b]),
         )
@@ -152,73 +152,99 @@ _FAST_PLAN_VERSIONS = ("0.5.3",)
 
 
 class _DecodeBucket:
-    """One captured decode bucket: a FlashInfer decode wrapper over static device buffers.
+    """One captured decode bucket: a FlashInfer decode wrapper over static device buffers that the
+    graph refreshes from the executor's persistent metadata.
 
-    The first ``plan`` goes through the wrapper. Later ones (on FlashInfer versions in
-    ``_FAST_PLAN_VERSIONS``) upload indptr | last-page lengths | gather positions in one copy,
-    gather the page ids straight into the wrapper's indices buffer and call FlashInfer's C++
-    scheduler directly: the wrapper's Python ``plan`` re-derives, on every call, things that are
-    fixed for a bucket (dtypes, module lookup, host copies of device arrays) and dominated the
-    host time of a graph decode step. The scheduler's output is a function of the page counts
-    alone (its C++ reads indptr, never the last-page lengths), so it reruns only when a sequence
-    of the bucket gained or lost a page: one decode step in ``block_size`` at batch 1. The
-    schedule it left in this wrapper's own int workspace stays valid until then.
+    A graph bucket's metadata tensors are the same at capture and at every replay (the
+    ``AttentionBackend`` contract for graph keys), so the graph reads them itself: the KV write
+    reads ``slot_mapping``, and ``refresh`` (recorded by the bucket's first layer) gathers the page
+    ids from ``block_table`` at uploaded positions and sets the last-page lengths to
+    ``kv_seq_lens + offset``. Positions, offsets, the page indptr and FlashInfer's schedule are
+    functions of the page counts alone (FlashInfer's C++ scheduler reads the page indptr, never
+    the lengths), so the host uploads them and reruns the scheduler only when a sequence of the
+    bucket gains or loses a page: one decode step in ``block_size`` at batch 1. On every other
+    step ``plan`` compares page counts and queues no device work.
+
+    The first plan, and every plan on FlashInfer versions outside ``_FAST_PLAN_VERSIONS``, goes
+    through the wrapper's ``plan``; later ones call the scheduler directly, since the wrapper's
+    Python re-derives on every call what is fixed for a bucket.
     """
 
     def __init__(
-        self, fi, workspace: torch.Tensor, use_tensor_cores: bool, batch: int, max_pages: int, dtype: torch.dtype
+        self, fi, workspace: torch.Tensor, use_tensor_cores: bool, m: AttentionMetadata, spec: AttentionSpec
     ) -> None:
+        b, table = m.num_seqs, m.block_table
         i32 = dict(dtype=torch.int32, device=workspace.device)
-        self.batch = batch
-        self.meta = torch.zeros(2 * batch + 1 + max_pages, **i32)  # indptr | last_page_len | positions
-        self.meta[batch + 1 : 2 * batch + 1] = 1
+        self.batch, self.block_size, self.inputs = b, spec.block_size, m
+        self._inputs = _addresses(m.slot_mapping, m.kv_seq_lens, m.block_table)  # what the graph reads
+        max_pages = b * table.shape[1]
+        self.meta = torch.zeros(2 * b + 1 + max_pages, **i32)  # indptr | offset | positions, uploaded
+        self._offset, self._positions = self.meta[b + 1 : 2 * b + 1], self.meta[2 * b + 1 :]
+        self.last_page_len = torch.ones(b, **i32)
         self.indices = torch.zeros(max_pages, **i32)
-        self.slots = torch.full((batch,), -1, **i32)  # the captured KV write reads these
-        self.qo_indptr_host = torch.arange(batch + 1, dtype=torch.int32)
+        # every entry of the bucket's block table as one flat view, whatever its strides
+        extent = (b - 1) * table.stride(0) + (table.shape[1] - 1) * table.stride(1) + 1
+        self._table = table.as_strided((extent,), (1,))
+        self.qo_indptr_host = torch.arange(b + 1, dtype=torch.int32)
         self.wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
             workspace,
             "NHD",
             use_cuda_graph=True,
             use_tensor_cores=use_tensor_cores,
-            paged_kv_indptr_buffer=self.meta[: batch + 1],
+            paged_kv_indptr_buffer=self.meta[: b + 1],
             paged_kv_indices_buffer=self.indices,
-            paged_kv_last_page_len_buffer=self.meta[batch + 1 : 2 * batch + 1],
+            paged_kv_last_page_len_buffer=self.last_page_len,
         )
         self.fast = getattr(fi, "__version__", "") in _FAST_PLAN_VERSIONS
+        self.first_layer: int | None = None  # the layer whose forward records ``refresh``
         self._planned = False
-        self._scheduled_indptr = np.empty(0, dtype=np.int32)  # page indptr of the live schedule
-        self._dtype_tag = torch.empty(0, dtype=dtype)  # the CUDA-core scheduler reads q / kv dtypes off it
+        self._pages: np.ndarray | None = None  # page counts of the uploaded layout and the schedule
+        self._dtype_tag = torch.empty(0, dtype=spec.dtype)  # the CUDA-core scheduler reads dtypes off it
+        self.staging = PinnedRing(pin=workspace.is_cuda)
         self._scheduled = UploadFence(workspace.is_cuda)  # FlashInfer stages the schedule in one pinned buffer
 
-    def plan(
-        self, m: AttentionMetadata, idx: PagedIndex, spec: AttentionSpec, common: dict, stream: torch.cuda.Stream
-    ) -> None:
-        if idx.num_pages > self.indices.numel():
-            raise ValueError(f"decode bucket of {self.batch} holds {self.indices.numel()} pages, the step has {idx.num_pages}")
-        heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.block_size)
-        indptr = idx.indptr.numpy()
-        if not (self.fast and self._planned):
-            self._scheduled.wait()
-            ids = PagedIndexBuilder.page_ids(m, idx)
-            self.wrapper.plan(idx.indptr, ids, idx.last_page_len, *heads, **common)
-            self._planned = True
-            self._scheduled_indptr = indptr.copy()
-            self._scheduled.mark(stream)
+    def plan(self, m: AttentionMetadata, spec: AttentionSpec, common: dict, stream: Callable[[], object]) -> None:
+        """``stream()``: the stream uploads go to, looked up only when there are any."""
+        if _addresses(m.slot_mapping, m.kv_seq_lens, m.block_table) != self._inputs:
+            raise ValueError(_NOT_PERSISTENT)
+        bs, b = self.block_size, self.batch
+        kv = m.kv_seq_lens_host.numpy()
+        pages = (kv + (bs - 1)) // bs
+        if self.fast and self._planned and np.array_equal(pages, self._pages):
+            return  # the graph refreshes page ids and last-page lengths from the metadata itself
+        nnz = int(pages.sum())
+        if nnz > self.indices.numel():
+            raise ValueError(f"decode bucket of {b} holds {self.indices.numel()} pages, the step has {nnz}")
+        buf = self.staging.acquire(2 * b + 1 + nnz)
+        host = buf.numpy()
+        indptr, offset = host[: b + 1], host[b + 1 : 2 * b + 1]
+        indptr[0] = 0
+        np.cumsum(pages, out=indptr[1:])
+        offset[:] = bs - pages * bs  # last-page length = kv length + offset
+        row_stride, col_stride = m.block_table.stride()
+        page_positions(pages, indptr, row_stride, col_stride, out=host[2 * b + 1 :])
+        upload_stream = stream()
+        self.meta[: buf.numel()].copy_(buf, non_blocking=True)
+        self.staging.release(upload_stream)
+        self._scheduled.wait()
+        if self.fast and self._planned:
+            self._schedule(m, buf[: b + 1], spec, common)
         else:
-            n = idx.ptr_last_flat.numel()
-            self.meta[:n].copy_(idx.ptr_last_flat, non_blocking=True)
-            if idx.positions is None:
-                self.indices[: idx.num_pages].copy_(m.paged_kv_indices, non_blocking=True)
-            else:
-                table = m.block_table.contiguous().view(-1)
-                torch.index_select(table, 0, self.meta[2 * self.batch + 1 : n], out=self.indices[: idx.num_pages])
-            if not np.array_equal(indptr, self._scheduled_indptr):
-                self._scheduled.wait()
-                self._schedule(m, idx, spec, common)
-                self._scheduled_indptr = indptr.copy()
-                self._scheduled.mark(stream)
+            ids = torch.index_select(self._table, 0, self._positions[:nnz])
+            last = torch.from_numpy(kv + offset)
+            heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim, bs)
+            self.wrapper.plan(buf[: b + 1], ids, last, *heads, **common)
+            self._planned = True
+        self._scheduled.mark(upload_stream)
+        self._pages = pages.copy()
 
-    def _schedule(self, m: AttentionMetadata, idx: PagedIndex, spec: AttentionSpec, common: dict) -> None:
+    def refresh(self) -> None:
+        """This step's page ids and last-page lengths from the persistent metadata: device work,
+        recorded in the graph by the bucket's first layer."""
+        torch.index_select(self._table, 0, self._positions, out=self.indices)
+        torch.add(self.inputs.kv_seq_lens, self._offset, out=self.last_page_len)
+
+    def _schedule(self, m: AttentionMetadata, indptr: torch.Tensor, spec: AttentionSpec, common: dict) -> None:
         """FlashInfer's scheduler for this bucket, as the wrapper's ``plan`` calls it with
         ``use_cuda_graph=True`` (0.5.3) and the same ``common`` arguments; the captured kernels
         read its output from the int workspace."""
@@ -226,16 +252,26 @@ class _DecodeBucket:
         buffers = (w._float_workspace_buffer, w._int_workspace_buffer, w._pin_memory_int_workspace_buffer)
         if w.use_tensor_cores:
             w._plan_info = w._cached_module.plan(
-                *buffers, self.qo_indptr_host, idx.indptr, m.kv_seq_lens_host, b, b,
+                *buffers, self.qo_indptr_host, indptr, m.kv_seq_lens_host, b, b,
                 spec.num_heads, spec.num_kv_heads, spec.block_size, True, spec.head_dim, spec.head_dim,
                 False, window, -1, False, 0,
             )
         else:
             w._plan_info = w._cached_module.plan(
-                *buffers, idx.indptr, b, spec.num_heads, spec.num_kv_heads, spec.block_size, True,
+                *buffers, indptr, b, spec.num_heads, spec.num_kv_heads, spec.block_size, True,
                 window, common["logits_soft_cap"] or 0.0, spec.head_dim, spec.head_dim,
                 self._dtype_tag, self._dtype_tag,
             )
+
+
+def _addresses(*tensors: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.data_ptr() for t in tensors)
+
+
+_NOT_PERSISTENT = (
+    "a graph bucket reads the metadata tensors it was captured with: plan it with the same "
+    "(persistent) device tensors, rewritten in place, at every replay"
+)
 
 
 class FlashInferAttention(AttentionBackend):
@@ -271,6 +307,7 @@ class FlashInferAttention(AttentionBackend):
         self._scheduled = UploadFence(self._on_cuda)  # the eager wrappers stage their schedule in pinned buffers
         self._caches: list[LayerCache] = []
         self._wrapper = None
+        self._bucket: _DecodeBucket | None = None  # the graph bucket of the last plan, if any
         self._slot_mapping: torch.Tensor | None = None
         self._num_real = 0
 
@@ -279,24 +316,20 @@ class FlashInferAttention(AttentionBackend):
 
     def plan(self, metadata: AttentionMetadata, graph_key: Hashable | None = None) -> None:
         m, s = metadata, self.spec
-        idx = self.index_builder.build(m)
-        is_decode = m.kind == BatchKind.DECODE and idx.num_real_tokens == m.num_seqs
         if graph_key is not None:
-            if not is_decode:
+            if m.kind != BatchKind.DECODE or m.num_tokens != m.num_seqs:
                 raise ValueError("FlashInferAttention captures decode batches only; run others eagerly")
             bucket = self.buckets.get(graph_key)
             if bucket is None:
                 bucket = self.buckets[graph_key] = _DecodeBucket(
-                    self._fi, self.workspace, self.use_tensor_cores, m.num_seqs, m.num_seqs * m.block_table.shape[1],
-                    s.dtype,
+                    self._fi, self.workspace, self.use_tensor_cores, m, s
                 )
-            # looked up once: it costs more than the record
-            stream = torch.cuda.current_stream() if self._on_cuda else None
-            bucket.plan(m, idx, s, self._common, stream)
-            self.index_builder.release(stream)
-            self._wrapper, self._num_real = bucket.wrapper, idx.num_real_tokens
-            self._slot_mapping = bucket.slots.copy_(m.slot_mapping, non_blocking=True)
+            bucket.plan(m, s, self._common, self._stream)
+            self._bucket, self._wrapper, self._num_real = bucket, bucket.wrapper, m.num_seqs
+            self._slot_mapping = m.slot_mapping  # the bucket's persistent slots
             return
+        idx = self.index_builder.build(m)
+        is_decode = m.kind == BatchKind.DECODE and idx.num_real_tokens == m.num_seqs
         self._scheduled.wait()
         ids = self.index_builder.page_ids(m, idx)
         heads = (s.num_heads, s.num_kv_heads, s.head_dim, s.block_size)
@@ -306,10 +339,18 @@ class FlashInferAttention(AttentionBackend):
             self.prefill.plan(idx.qo_indptr, idx.indptr, ids, idx.last_page_len, *heads, causal=True, **self._common)
         self.index_builder.release()
         self._scheduled.mark()
+        self._bucket = None
         self._wrapper = self.decode if is_decode else self.prefill
         self._slot_mapping, self._num_real = m.slot_mapping, idx.num_real_tokens
 
+    def _stream(self) -> torch.cuda.Stream | None:
+        return torch.cuda.current_stream() if self._on_cuda else None
+
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        bucket = self._bucket
+        if bucket is not None and bucket.first_layer in (None, layer_id):
+            bucket.first_layer = layer_id  # the graph's first attention layer refreshes the bucket
+            bucket.refresh()
         cache = self._caches[layer_id]
         self._kv_write(k, v, cache.key, cache.value, self._slot_mapping)
         n = self._num_real
@@ -327,10 +368,15 @@ class _TritonPlan:
     kv_seq_lens: torch.Tensor
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
+    q_lens_host: np.ndarray | None = None  # a graph plan's query lengths, which fix token_seq
 
 
 class TritonAttention(AttentionBackend):
-    """The fallback: one Triton kernel for every batch kind, any float dtype."""
+    """The fallback: one Triton kernel for every batch kind, any float dtype.
+
+    A graph bucket's plan reads the persistent metadata directly (the ``AttentionBackend``
+    contract for graph keys) and rebuilds its one own input, each token's sequence, only when the
+    query lengths change: a decode replay's plan queues no device work."""
 
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__(spec)
@@ -341,21 +387,28 @@ class TritonAttention(AttentionBackend):
     def bind_kv_caches(self, caches: Sequence[LayerCache]) -> None:
         self._caches = normalize_layer_caches(caches)
 
-    def plan(self, metadata: AttentionMetadata, graph_key: Hashable | None = None) -> None:
-        m = metadata
+    @staticmethod
+    def _token_seq(m: AttentionMetadata) -> torch.Tensor:
+        """Each query row's sequence (-1 for padding rows), on the device."""
         seq_ids = torch.repeat_interleave(torch.arange(m.num_seqs, dtype=torch.int32), m.q_seq_lens_host)
         pad = torch.full((m.num_tokens - seq_ids.shape[0],), -1, dtype=torch.int32)
-        token_seq = torch.cat([seq_ids, pad]).to(m.device, non_blocking=True)
-        live = _TritonPlan(token_seq, m.q_cu_seq_lens, m.kv_seq_lens, m.block_table, m.slot_mapping)
+        return torch.cat([seq_ids, pad]).to(m.device, non_blocking=True)
+
+    def plan(self, metadata: AttentionMetadata, graph_key: Hashable | None = None) -> None:
+        m = metadata
+        tables = (m.q_cu_seq_lens, m.kv_seq_lens, m.block_table, m.slot_mapping)
         if graph_key is None:
-            self._plan = live
+            self._plan = _TritonPlan(self._token_seq(m), *tables)
             return
-        if graph_key not in self._graph_plans:
-            self._graph_plans[graph_key] = _TritonPlan(*(t.clone() for t in vars(live).values()))
-        else:
-            for name, t in vars(live).items():
-                getattr(self._graph_plans[graph_key], name).copy_(t, non_blocking=True)
-        self._plan = self._graph_plans[graph_key]
+        plan, q_lens = self._graph_plans.get(graph_key), m.q_seq_lens_host.numpy()
+        if plan is None:
+            plan = self._graph_plans[graph_key] = _TritonPlan(self._token_seq(m), *tables, q_lens.copy())
+        elif _addresses(*tables) != _addresses(plan.q_cu_seq_lens, plan.kv_seq_lens, plan.block_table, plan.slot_mapping):
+            raise ValueError(_NOT_PERSISTENT)
+        elif not np.array_equal(q_lens, plan.q_lens_host):
+            plan.token_seq.copy_(self._token_seq(m), non_blocking=True)
+            plan.q_lens_host = q_lens.copy()
+        self._plan = plan
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache, p, s = self._caches[layer_id], self._plan, self.spec

@@ -53,7 +53,7 @@ class DecodeGraphs:
         self._live = 0  # rows [0, _live) may hold a real row's slot and KV length
         self._kv_host = self.kv_seq_lens_host.numpy()
         self._bucket_of = [next(s for s in self.sizes if s >= b) for b in range(n + 1)]
-        self._rows: dict[int, list[torch.Tensor]] = {}  # b -> views of the first b rows
+        self._rows: dict[int, list[torch.Tensor]] = {}  # b -> views of the first b rows, table last
         self._padded: dict[int, tuple[AttentionMetadata, torch.Tensor]] = {}  # bucket -> metadata, cu out
 
     def bucket_for(self, metadata: AttentionMetadata) -> int | None:
@@ -91,18 +91,23 @@ class DecodeGraphs:
         return self._padded[bucket]
 
     def _stage(self, input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata, bucket: int) -> AttentionMetadata:
-        """Copy a step into the persistent buffers: two device calls in steady state (this step's
-        rows and block table as one multi-tensor copy, then the KV prefix sums), since host time
-        per call is what a graph step spends."""
+        """Copy a step into the persistent buffers in as few device calls as it takes, since host
+        time per call is what a graph step spends: this step's rows as one multi-tensor copy (with
+        the block table when it is as wide as the persistent one; else the table's own copy), then
+        the KV prefix sums."""
         b, width = m.num_seqs, m.block_table.shape[1]
         rows = self._rows.get(b)
         if rows is None:
-            rows = self._rows[b] = [self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], self.kv_seq_lens[:b]]
-        torch._foreach_copy_(
-            [*rows, self.block_table[:b, :width]],
-            [input_ids, positions, m.slot_mapping, m.kv_seq_lens, m.block_table],
-            non_blocking=True,
-        )
+            rows = self._rows[b] = [
+                self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], self.kv_seq_lens[:b], self.block_table[:b]
+            ]  # fmt: skip
+        sources = [input_ids, positions, m.slot_mapping, m.kv_seq_lens]
+        # the multi-tensor kernel takes dense pairs of equal strides only; a narrower table is not
+        if width == self.block_table.shape[1]:
+            torch._foreach_copy_(rows, [*sources, m.block_table], non_blocking=True)
+        else:
+            torch._foreach_copy_(rows[:4], sources, non_blocking=True)
+            self.block_table[:b, :width].copy_(m.block_table, non_blocking=True)
         if self._live > b:  # rows an earlier, larger step left: back to padding (slot -1, 1 token)
             self.slot_mapping[b : self._live].fill_(-1)
             self.kv_seq_lens[b : self._live].fill_(1)

@@ -62,7 +62,10 @@ class AttentionBackend(ABC):
       captured graph.
     - ``plan(metadata, graph_key=key)`` refreshes the static state a graph captured under ``key``
       reads; the executor calls it before capturing and before every replay of ``key``, with
-      metadata of the bucket's padded shape.
+      metadata of the bucket's padded shape whose device tensors are the bucket's persistent
+      inputs: the same tensors at capture and at every replay, rewritten in place by the caller
+      before ``plan``. A backend may read them from the graph instead of copying them (the host
+      twins, ``*_host``, may be new tensors every step).
     - ``forward`` writes k and v at ``metadata.slot_mapping`` (rows with slot -1 are not written)
       and then attends over the cache, so a token sees its own K/V. It does no host sync and no
       allocation whose size depends on tensor values: it is safe to capture in a graph.
