@@ -152,22 +152,26 @@ def test_graph_decode_batches_shrinking_in_a_bucket(checkpoint_factory):
 
 def test_decode_staging_resets_rows_a_larger_step_left():
     """The persistent rows past a smaller batch carry slot -1 and one KV token again (a stale
-    slot could belong to a block since given to another sequence)."""
+    slot could belong to a block since given to another sequence); the graph derives the KV
+    prefix sums from them."""
     from xhal.executor.decode_graph import DecodeGraphs
 
     config = ExecutorConfig(max_num_seqs=8, max_model_len=64, block_size=16)
-    graphs = DecodeGraphs(xhal.platforms.get("cpu"), [], config, forward=None)
+    graphs = DecodeGraphs(
+        xhal.platforms.get("cpu"), [], config, forward=lambda ids, pos, m: m.slot_mapping.clone()
+    )
     host = PagedHost(64, 16)
     ids, pos, meta = host.step([(i, [1] * (3 + i)) for i in range(4)])
     ids, pos, meta = host.step([(i, [2]) for i in range(4)])
-    padded = graphs._stage(ids, pos, meta, bucket=4)
-    assert padded.slot_mapping.tolist() == meta.slot_mapping.tolist()
+    assert graphs.run(ids, pos, meta, bucket=4).tolist() == meta.slot_mapping.tolist()
     ids, pos, meta = host.step([(2, [3])])
-    padded = graphs._stage(ids, pos, meta, bucket=4)
+    graphs.run(ids, pos, meta, bucket=4)
+    padded, _ = graphs._padded_metadata(4)
+    n = meta.kv_seq_lens_host.item()
     assert padded.slot_mapping.tolist() == meta.slot_mapping.tolist() + [-1, -1, -1]
-    assert padded.kv_seq_lens.tolist() == meta.kv_seq_lens.tolist() + [1, 1, 1]
+    assert padded.kv_seq_lens.tolist() == [n, 1, 1, 1]
     assert padded.kv_seq_lens_host.tolist() == padded.kv_seq_lens.tolist()
-    assert padded.kv_cu_seq_lens.tolist() == [0, meta.kv_seq_lens_host.item(), *range(meta.kv_seq_lens_host.item() + 1, meta.kv_seq_lens_host.item() + 4)]
+    assert padded.kv_cu_seq_lens.tolist() == [0, n, n + 1, n + 2, n + 3]
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "piecewise"])

@@ -92,9 +92,9 @@ class DecodeGraphs:
 
     def _stage(self, input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata, bucket: int) -> AttentionMetadata:
         """Copy a step into the persistent buffers in as few device calls as it takes, since host
-        time per call is what a graph step spends: this step's rows as one multi-tensor copy (with
-        the block table when it is as wide as the persistent one; else the table's own copy), then
-        the KV prefix sums."""
+        time per call is what a graph step spends: this step's rows as one multi-tensor copy, with
+        the block table when it is as wide as the persistent one (else the table's own copy). The
+        KV prefix sums are not copied: the graph derives them before its first layer."""
         b, width = m.num_seqs, m.block_table.shape[1]
         rows = self._rows.get(b)
         if rows is None:
@@ -115,9 +115,7 @@ class DecodeGraphs:
         # host twin (numpy: a handful of values, where torch's per-op cost would dominate)
         self._kv_host[:b] = m.kv_seq_lens_host.numpy()
         self._kv_host[b:bucket] = 1
-        padded, kv_cu = self._padded_metadata(bucket)
-        torch.cumsum(padded.kv_seq_lens, 0, dtype=torch.int32, out=kv_cu)
-        return padded
+        return self._padded_metadata(bucket)[0]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, bucket: int) -> torch.Tensor:
         """Hidden states of the real rows; a view of the graph's static output, valid until the
@@ -128,7 +126,13 @@ class DecodeGraphs:
             backend.plan(padded, graph_key=key)
         if key not in self.graphs:
             ids, pos = self.input_ids[:bucket], self.positions[:bucket]
-            self.graphs.capture(key, lambda: self.forward(ids, pos, padded))
+            kv_cu = self._padded_metadata(bucket)[1]
+
+            def step() -> torch.Tensor:  # the KV prefix sums are derived inside the graph
+                torch.cumsum(padded.kv_seq_lens, 0, dtype=torch.int32, out=kv_cu)
+                return self.forward(ids, pos, padded)
+
+            self.graphs.capture(key, step)
         for backend in self.backends:
             backend.before_replay(key)
         return self.graphs.replay(key)[: metadata.num_seqs]

@@ -65,7 +65,9 @@ class AttentionBackend(ABC):
       metadata of the bucket's padded shape whose device tensors are the bucket's persistent
       inputs: the same tensors at capture and at every replay, rewritten in place by the caller
       before ``plan``. A backend may read them from the graph instead of copying them (the host
-      twins, ``*_host``, may be new tensors every step).
+      twins, ``*_host``, may be new tensors every step). One exception: the executor's decode
+      graphs derive ``kv_cu_seq_lens`` inside the graph, before the first layer, so a backend
+      reads that one from the graph only, never in ``plan``.
     - ``forward`` writes k and v at ``metadata.slot_mapping`` (rows with slot -1 are not written)
       and then attends over the cache, so a token sees its own K/V. It does no host sync and no
       allocation whose size depends on tensor values: it is safe to capture in a graph.
