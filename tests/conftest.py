@@ -71,3 +71,22 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def fail_first_call(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+    """``fail_first_call(owner, name)``: ``owner.name`` raises an injected device fault
+    (``RuntimeError``) on its first call and works from then on."""
+
+    def install(owner: object, name: str, message: str = "injected device fault") -> None:
+        original, calls = getattr(owner, name), []
+
+        def failing(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError(message)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, failing)
+
+    return install

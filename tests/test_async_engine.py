@@ -206,7 +206,7 @@ def test_step_n_plus_1_executes_before_step_n_is_read_back(engines, monkeypatch)
 
 
 def test_a_failing_launch_fails_its_batch_after_the_step_before_is_read(
-    llama_gqa_dir: Path, monkeypatch
+    llama_gqa_dir: Path, fail_first_call
 ) -> None:
     engine = _engine(llama_gqa_dir, True, max_num_seqs=2)
     a, b, c = _prompts([20, 7, 13], seed=15)
@@ -214,15 +214,7 @@ def test_a_failing_launch_fails_its_batch_after_the_step_before_is_read(
     for rid, prompt in zip("abc", (a, b, c)):
         engine.add_request(rid, prompt, params)
     assert engine.step() == []  # a and b prefill, in flight; c waits (max_num_seqs=2)
-    execute, calls = engine.runner.executor.execute, []
-
-    def fails_once(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("injected device fault")
-        return execute(*args, **kwargs)
-
-    monkeypatch.setattr(engine.runner.executor, "execute", fails_once)
+    fail_first_call(engine.runner.executor, "execute")
     outputs = engine.step()  # the prefill's tokens, then the failed decode's errors
     assert [(o.request_id, o.finish_reason) for o in outputs] == [
         ("a", None), ("b", None), ("a", "error"), ("b", "error")

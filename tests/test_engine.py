@@ -213,21 +213,13 @@ def test_logprobs_are_log_softmax_of_the_logits(engine: EngineCore, llama_gqa_di
     assert [lp for _, lp in first.top] == pytest.approx(expected[top_ids].tolist(), abs=1e-4)
 
 
-def test_failing_step_fails_only_its_batch(llama_gqa_dir: Path, reference, monkeypatch) -> None:
+def test_failing_step_fails_only_its_batch(llama_gqa_dir: Path, reference, fail_first_call) -> None:
     engine = _engine(llama_gqa_dir, max_num_seqs=2)
     a, b, c = _prompts([20, 7, 13], seed=8)
     for rid, prompt in zip("abc", (a, b, c)):
         engine.add_request(rid, prompt, GREEDY)
     engine.step()  # a and b prefilled, holding blocks; c waits (max_num_seqs=2)
-    execute, calls = engine.runner.executor.execute, []
-
-    def fails_once(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("injected device fault")
-        return execute(*args, **kwargs)
-
-    monkeypatch.setattr(engine.runner.executor, "execute", fails_once)
+    fail_first_call(engine.runner.executor, "execute")
     outputs = engine.step()
     assert {o.request_id: o.finish_reason for o in outputs} == {"a": "error", "b": "error"}
     assert all("injected device fault" in o.error for o in outputs)
