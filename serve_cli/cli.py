@@ -168,8 +168,8 @@ POSITIVE = click.IntRange(min=1)
     "--async-scheduling/--no-async-scheduling",
     default=None,
     help="Build step N+1 on the host while step N runs on the device (one step of look-ahead "
-    "with placeholder tokens; outputs are identical). [default: on for accelerators, off for "
-    "--device cpu and with --tensor-parallel-size > 1]",
+    "with placeholder tokens; outputs are identical; with tensor parallelism rank 0 broadcasts the "
+    "tokens in flight to the workers). [default: on for accelerators, off for --device cpu]",
 )
 @click.option(
     "--enable-prefix-caching/--no-enable-prefix-caching",

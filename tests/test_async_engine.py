@@ -64,9 +64,9 @@ def _run(engine: EngineCore, requests: dict[str, tuple[list[int], SamplingParams
 def test_config_default_is_off_on_the_cpu_and_on_elsewhere() -> None:
     assert EngineConfig().async_scheduling is False
     assert EngineConfig(device="cuda").async_scheduling is True
-    assert EngineConfig(device="npu", tensor_parallel_size=2).async_scheduling is False
+    assert EngineConfig(device="npu", tensor_parallel_size=2).async_scheduling is True
     with pytest.raises(ValueError, match="async_scheduling"):
-        EngineConfig(device="cuda", tensor_parallel_size=2, async_scheduling=True)
+        EngineConfig(device="cuda", async_scheduling="yes")
 
 
 def _assert_same(on: dict[str, dict], off: dict[str, dict]) -> None:

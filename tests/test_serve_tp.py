@@ -106,6 +106,35 @@ def test_tp2_engine_matches_tp1_with_chunked_prefill_and_preemption(llama_gqa_di
     _wait_gone(workers)
 
 
+def test_tp2_with_async_scheduling_matches_tp1(llama_gqa_dir: Path) -> None:
+    """Steps launched before the one before is read back: the worker fills its placeholders from
+    rank 0's broadcast of the tokens in flight, under chunked prefill and preemption."""
+    prompts = _prompts([5, 70, 17, 90, 3, 44], seed=4)
+    single = EngineCore(EngineConfig(model_dir=llama_gqa_dir, num_kv_blocks=64, **BASE))
+    expected = single.generate(prompts, GREEDY)
+    config = EngineConfig(
+        model_dir=llama_gqa_dir, tensor_parallel_size=2, num_kv_blocks=16, async_scheduling=True, **BASE
+    )
+    engine = EngineCore(config)
+    describe, with_placeholders = engine.runner.input_builder.describe, []
+
+    def counting(batch):
+        step = describe(batch)
+        with_placeholders.append(bool(step.placeholder_idxes))
+        return step
+
+    engine.runner.input_builder.describe = counting
+    workers = engine.runner.workers.pids
+    try:
+        assert engine.generate(prompts, GREEDY) == expected
+        assert sum(with_placeholders) > 10, "the steps did not overlap"
+        assert engine.stats()["num_preemptions_total"] > 0
+        assert engine.stats()["kv_blocks_used"] == 0
+    finally:
+        engine.close()
+    _wait_gone(workers)
+
+
 def test_a_worker_failure_fails_the_step_not_the_engine(
     llama_gqa_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

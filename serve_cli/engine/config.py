@@ -23,8 +23,9 @@ class EngineConfig:
     ``async_scheduling`` schedules and builds step N+1 on the host while step N runs on the
     device (its sampled tokens reach step N+1 on the device), and only then reads step N back.
     None (the default) turns it on for every device but the CPU, where nothing runs
-    asynchronously to overlap with; it needs ``tensor_parallel_size`` 1. After construction it
-    is a bool.
+    asynchronously to overlap with. With tensor parallelism rank 0 broadcasts each step's sampled
+    tokens to the workers on the device, where the next step's placeholders read them. After
+    construction it is a bool.
     """
 
     model_dir: str | Path | None = None
@@ -60,14 +61,9 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         overlap = self.async_scheduling
         if overlap is None:
-            overlap = self.device.split(":")[0] != "cpu" and self.tensor_parallel_size == 1
+            overlap = self.device.split(":")[0] != "cpu"
         elif not isinstance(overlap, bool):
             raise ValueError(f"async_scheduling must be a boolean or None, got {overlap!r}")
-        elif overlap and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "async_scheduling needs tensor_parallel_size 1 (the workers would need the "
-                "sampled tokens of the step in flight); turn one of them off"
-            )
         object.__setattr__(self, "async_scheduling", overlap)
 
     @property

@@ -58,7 +58,9 @@ class ModelRunner:
     With ``tensor_parallel_size`` N > 1 this is rank 0 of N: it starts N-1 worker processes
     (``tp_group.TPWorkers``) that hold the other shards and mirror every step; the KV budget is
     per rank (each holds its share of the KV heads) and every rank binds the same block count.
-    Only rank 0 samples. With N = 1 no process or pipe is involved.
+    Only rank 0 samples; a step whose inputs hold the tokens of the step in flight (async
+    scheduling) broadcasts them from rank 0 on the device first. With N = 1 no process or pipe is
+    involved.
     """
 
     def __init__(self, model_dir: Path, config: EngineConfig, max_model_len: int) -> None:
@@ -134,14 +136,19 @@ class ModelRunner:
         from ``previous`` (the step before, still in flight); nothing waits for the device."""
         step = self.input_builder.describe(batch)
         prev = None if previous is None else previous.previous_tokens()
+        if step.placeholder_idxes and prev is None:
+            raise ValueError("the step feeds tokens sampled by a previous step, but none was given")
         if self.workers is None:
             logits = forward(self.executor, self.input_builder.upload(step, prev))
         else:
-            if step.placeholder_idxes:
-                raise RuntimeError("async scheduling does not support tensor parallelism")
-            logits = self.workers.run_step(
-                step, lambda: forward(self.executor, self.input_builder.upload(step))
-            )
+            workers = self.workers
+
+            def local() -> torch.Tensor | None:
+                if step.placeholder_idxes:  # the workers fill theirs from rank 0's tokens
+                    workers.collective.broadcast(prev.tokens, 0)
+                return forward(self.executor, self.input_builder.upload(step, prev))
+
+            logits = workers.run_step(step, local)
         if logits is None:
             return LaunchedStep([], None)
         rids = step.sampled_request_ids

@@ -3,7 +3,8 @@
 It loads its shard, binds as many KV blocks as rank 0 and then mirrors rank 0's steps: each
 ``HostStep`` from the pipe is uploaded through the same input builder and adapter, run with the
 same ``execute`` and ``compute_logits`` (whose collectives pair with rank 0's), and the logits are
-dropped: only rank 0 samples. On any error it reports ``Failed`` and exits, which closes its
+dropped: only rank 0 samples. A step that feeds on the tokens of the step before (async
+scheduling) first receives them from rank 0's broadcast. On any error it reports ``Failed`` and exits, which closes its
 sockets, so a rank blocked in a collective with it errors out instead of waiting.
 """
 
@@ -51,9 +52,10 @@ def run_tp_worker(args: WorkerArgs, conn: Connection) -> None:
 
 
 def _serve(args: WorkerArgs, conn: Connection) -> None:
+    import torch
     import torch.distributed as dist
 
-    from serve_cli.engine.runner.input_builder import InputBuilder
+    from serve_cli.engine.runner.input_builder import InputBuilder, PreviousTokens
     from serve_cli.engine.runner.rank import build_executor, forward
     from xhal import platforms
     from xhal.layers import TensorParallel
@@ -79,7 +81,13 @@ def _serve(args: WorkerArgs, conn: Connection) -> None:
     executor.bind_kv_caches(executor.allocate_kv_caches(num_blocks=bind.num_blocks))
     builder = InputBuilder(platform.device(), config.metadata_convention, config.block_size)
     conn.send(Ready(args.rank))
+    sampled_before: list[str] = []  # the request ids the step before sampled, in its order
     while not isinstance(step := conn.recv(), Stop):
-        forward(executor, builder.upload(step))  # logits dropped: rank 0 samples
+        previous = None
+        if step.placeholder_idxes:  # async scheduling: rank 0 broadcasts the step before's tokens
+            tokens = torch.empty(len(sampled_before), dtype=torch.int64, device=platform.device())
+            previous = PreviousTokens(sampled_before, executor.collective.broadcast(tokens, 0))
+        forward(executor, builder.upload(step, previous))  # logits dropped: rank 0 samples
+        sampled_before = step.sampled_request_ids
         conn.send(StepDone())
     dist.destroy_process_group()
