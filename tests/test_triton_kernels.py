@@ -201,7 +201,7 @@ def test_paged_index_builder(host_pages: bool) -> None:
     """CSR page table of a mixed batch: indptr, last-page lengths, page ids per row and the flat
     block-table positions they are gathered from."""
     from conformance_tests.batches import Seq, build_batch
-    from xhal.cuda.attention import PagedIndexBuilder
+    from xhal.cuda.page_table import PagedIndexBuilder
     from xhal.interfaces import BatchKind
 
     bs = 16
@@ -225,7 +225,7 @@ def test_paged_index_builder(host_pages: bool) -> None:
 def test_page_positions_follow_the_table_strides() -> None:
     """A graph bucket gathers page ids from its block table as laid out in memory: positions in
     a column-major table view name the same entries as in a row-major one."""
-    from xhal.cuda.attention import page_positions
+    from xhal.cuda.page_table import page_positions
 
     table = torch.tensor([[7, 2, 0], [9, 0, 0], [4, 1, 11]], dtype=torch.int32)
     pages = np.array([2, 1, 3], dtype=np.int32)
