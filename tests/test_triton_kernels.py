@@ -13,32 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from triton_env import DEVICE, INTERPRETED, assert_matches, tl, triton  # sets TRITON_INTERPRET first
+from triton_env import DEVICE, NO_RUNTIME_LOOPS, RUNTIME_LOOPS, assert_matches  # sets TRITON_INTERPRET first
 
 from xhal.cuda.kernels.kv_write import write_kv  # noqa: E402
 from xhal.cuda.kernels.paged_attention import paged_attention  # noqa: E402
-
-
-@triton.jit
-def _loop_to(out_ptr, n):
-    total = 0
-    for i in range(0, n):
-        total += i
-    tl.store(out_ptr, total)
-
-
-def _runtime_loop_bounds_work() -> bool:
-    """Whether this Triton runs a loop whose bound is a kernel argument. Triton 3.6's interpreter
-    turns such a bound into a Python int with ``int()`` of a 1-element array, which numpy 2.4
-    rejects; compiled kernels are not affected."""
-    if not INTERPRETED:
-        return True
-    out = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    try:
-        _loop_to[(1,)](out, 4)
-    except triton.runtime.errors.InterpreterError:
-        return False
-    return out.item() == 6
 
 
 # kv write --------------------------------------------------------------------------------------
@@ -66,11 +44,7 @@ def test_write_kv_skips_slot_minus_one() -> None:
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 4
 
-needs_runtime_loops = pytest.mark.skipif(
-    not _runtime_loop_bounds_work(),
-    reason=f"paged attention loops to a runtime bound, which Triton {triton.__version__}'s interpreter "
-    f"cannot run under numpy {np.__version__} (int() of a 1-element array); it runs compiled on CUDA",
-)
+needs_runtime_loops = pytest.mark.skipif(not RUNTIME_LOOPS, reason=f"paged attention {NO_RUNTIME_LOOPS}")
 
 
 def _paged_case(q_lens: list[int], kv_lens: list[int], pad: int, seed: int = 0):
