@@ -39,3 +39,11 @@ def test_a_raising_call_still_counts_and_is_restored() -> None:
         except ValueError:
             pass
     assert Boom.go is go and totals["go"] >= 0.0
+
+
+def test_every_timed_call_of_a_graph_step_exists() -> None:
+    """The breakdown names calls of xhal's own classes: a rename must fail here, not on the GPU."""
+    from benchmarks.host_timing import _timed_calls
+
+    missing = [label for owner, name, label in _timed_calls() if not hasattr(owner, name)]
+    assert not missing, missing
