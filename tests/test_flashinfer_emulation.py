@@ -128,6 +128,37 @@ def test_graph_decode_equals_eager_and_the_reference(emulated, model, tensor_cor
         assert torch.allclose(g, r, atol=2e-2, rtol=0), f"decode step {step}: != the CPU reference"
 
 
+def test_piecewise_prefill_and_mixed_steps_equal_eager(emulated, model) -> None:
+    """Prefill, chunked and mixed steps through piecewise graphs, FlashInfer's prefill wrapper
+    planned per step between the pieces, equal eager steps on the same backend."""
+    from xhal.executor import ExecutorConfig, ModelExecutor
+
+    platform = emulated()
+
+    def run(enforce_eager: bool) -> list[torch.Tensor]:
+        config = ExecutorConfig(
+            dtype=torch.bfloat16, block_size=BLOCK_SIZE, max_num_seqs=4, max_model_len=128,
+            enforce_eager=enforce_eager, decode_capture_sizes=(4,), piecewise_token_sizes=(16, 32),
+        )  # fmt: skip
+        executor = ModelExecutor(model, platform, config)
+        executor.bind_kv_caches(executor.allocate_kv_caches(num_blocks=24))
+        host, out = PagedHost(24, BLOCK_SIZE, seed=6), []
+        a, b, c = ([(5 * n + j) % 200 + 3 for j in range(n)] for n in (7, 20, 31))
+        for chunks in (
+            [(0, a), (1, b[:9])],  # 16 tokens: bucket 16
+            [(1, b[9:]), (2, c[:5])],  # 16 again, other lengths: a replay
+            [(0, [4]), (2, c[5:])],  # mixed, 27 tokens: bucket 32
+            [(2, [9]), (1, [5]), (0, [6, 7, 8])],  # mixed, 5 tokens
+        ):
+            out.append(executor.execute(*host.step(chunks)).clone())
+        if not enforce_eager:
+            assert {("tokens", 16), ("tokens", 32)} <= set(executor.piecewise.graphs._graphs)
+        return out
+
+    for step, (g, e) in enumerate(zip(run(False), run(True))):
+        assert torch.equal(g, e), f"step {step}: piecewise != eager"
+
+
 def test_scheduler_reruns_only_when_a_page_count_changes(emulated, model, monkeypatch) -> None:
     from xhal.cuda.attention import _DecodeBucket
 
