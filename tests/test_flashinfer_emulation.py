@@ -152,7 +152,7 @@ def test_piecewise_prefill_and_mixed_steps_equal_eager(emulated, model) -> None:
         ):
             out.append(executor.execute(*host.step(chunks)).clone())
         if not enforce_eager:
-            assert {("tokens", 16), ("tokens", 32)} <= set(executor.piecewise.graphs._graphs)
+            assert all(("tokens", n) in executor.piecewise.graphs for n in (16, 32))
         return out
 
     for step, (g, e) in enumerate(zip(run(False), run(True))):
