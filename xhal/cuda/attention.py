@@ -56,8 +56,8 @@ class _DecodeBucket:
     ) -> None:
         b, table = m.num_seqs, m.block_table
         i32 = dict(dtype=torch.int32, device=workspace.device)
-        self.batch, self.block_size, self.inputs = b, spec.block_size, m
-        self._inputs = _addresses(m.slot_mapping, m.kv_seq_lens, m.block_table)  # what the graph reads
+        self.batch, self.block_size, self.persistent = b, spec.block_size, m
+        self._captured = _addresses(m.slot_mapping, m.kv_seq_lens, m.block_table)  # what the graph reads
         max_pages = b * table.shape[1]
         self.meta = torch.zeros(2 * b + 1 + max_pages, **i32)  # indptr | offset | positions, uploaded
         self._offset, self._positions = self.meta[b + 1 : 2 * b + 1], self.meta[2 * b + 1 :]
@@ -86,7 +86,7 @@ class _DecodeBucket:
 
     def plan(self, m: AttentionMetadata, spec: AttentionSpec, common: dict, stream: Callable[[], object]) -> None:
         """``stream()``: the stream uploads go to, looked up only when there are any."""
-        if _addresses(m.slot_mapping, m.kv_seq_lens, m.block_table) != self._inputs:
+        if _addresses(m.slot_mapping, m.kv_seq_lens, m.block_table) != self._captured:
             raise ValueError(_NOT_PERSISTENT)
         bs, b = self.block_size, self.batch
         kv = m.kv_seq_lens_host.numpy()
@@ -123,7 +123,7 @@ class _DecodeBucket:
         """This step's page ids and last-page lengths from the persistent metadata: device work,
         recorded in the graph by the bucket's first layer."""
         torch.index_select(self._table, 0, self._positions, out=self.indices)
-        torch.add(self.inputs.kv_seq_lens, self._offset, out=self.last_page_len)
+        torch.add(self.persistent.kv_seq_lens, self._offset, out=self.last_page_len)
 
     def _schedule(self, m: AttentionMetadata, indptr: torch.Tensor, spec: AttentionSpec, common: dict) -> None:
         """FlashInfer's scheduler for this bucket, as the wrapper's ``plan`` calls it with
