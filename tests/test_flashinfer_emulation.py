@@ -95,17 +95,23 @@ def model(model_dir: Path) -> torch.nn.Module:
     return load_model(model_dir, dtype=torch.bfloat16, progress=False)
 
 
+def executor_on(platform, model, seqs: int, max_model_len: int = 128, num_blocks: int = 24, **config):
+    """A bf16 executor on ``platform`` with one decode bucket of ``seqs`` and its KV cache bound."""
+    from xhal.executor import ExecutorConfig, ModelExecutor
+
+    config = {"decode_capture_sizes": (seqs,), "piecewise_token_sizes": (), **config}
+    cfg = ExecutorConfig(
+        dtype=torch.bfloat16, block_size=BLOCK_SIZE, max_num_seqs=seqs, max_model_len=max_model_len, **config
+    )
+    executor = ModelExecutor(model, platform, cfg)
+    executor.bind_kv_caches(executor.allocate_kv_caches(num_blocks=num_blocks))
+    return executor
+
+
 def decode_run(platform, model: torch.nn.Module, enforce_eager: bool) -> list[torch.Tensor]:
     """Prefill four prompts, then the decode steps of ``STEPS`` (bucket 4: other rows, lengths and
     page counts at every replay). Returns each decode step's logits."""
-    from xhal.executor import ExecutorConfig, ModelExecutor
-
-    config = ExecutorConfig(
-        dtype=torch.bfloat16, block_size=BLOCK_SIZE, max_num_seqs=4, max_model_len=128,
-        enforce_eager=enforce_eager, decode_capture_sizes=(4,), piecewise_token_sizes=(),
-    )  # fmt: skip
-    executor = ModelExecutor(model, platform, config)
-    executor.bind_kv_caches(executor.allocate_kv_caches(num_blocks=24))
+    executor = executor_on(platform, model, 4, enforce_eager=enforce_eager)
     host = PagedHost(24, BLOCK_SIZE, seed=3)
     chunks = [(s, [(7 * s + j) % 200 + 3 for j in range(n)]) for s, n in PROMPTS.items()]
     executor.execute(*host.step(chunks))
@@ -131,17 +137,10 @@ def test_graph_decode_equals_eager_and_the_reference(emulated, model, tensor_cor
 def test_piecewise_prefill_and_mixed_steps_equal_eager(emulated, model) -> None:
     """Prefill, chunked and mixed steps through piecewise graphs, FlashInfer's prefill wrapper
     planned per step between the pieces, equal eager steps on the same backend."""
-    from xhal.executor import ExecutorConfig, ModelExecutor
-
     platform = emulated()
 
     def run(enforce_eager: bool) -> list[torch.Tensor]:
-        config = ExecutorConfig(
-            dtype=torch.bfloat16, block_size=BLOCK_SIZE, max_num_seqs=4, max_model_len=128,
-            enforce_eager=enforce_eager, decode_capture_sizes=(4,), piecewise_token_sizes=(16, 32),
-        )  # fmt: skip
-        executor = ModelExecutor(model, platform, config)
-        executor.bind_kv_caches(executor.allocate_kv_caches(num_blocks=24))
+        executor = executor_on(platform, model, 4, enforce_eager=enforce_eager, piecewise_token_sizes=(16, 32))
         host, out = PagedHost(24, BLOCK_SIZE, seed=6), []
         a, b, c = ([(5 * n + j) % 200 + 3 for j in range(n)] for n in (7, 20, 31))
         for chunks in (
@@ -248,14 +247,7 @@ class _DeviceCalls(TorchDispatchMode):
 def test_bucket_plan_queues_device_work_only_when_pages_change(emulated, model) -> None:
     """Within pages a graph step's attention plan queues nothing: the graph refreshes page ids and
     last-page lengths from the persistent metadata. A page boundary costs one upload."""
-    from xhal.executor import ExecutorConfig, ModelExecutor
-
-    config = ExecutorConfig(
-        dtype=torch.bfloat16, block_size=BLOCK_SIZE, max_num_seqs=2, max_model_len=128,
-        decode_capture_sizes=(2,), piecewise_token_sizes=(),
-    )  # fmt: skip
-    executor = ModelExecutor(model, emulated(use_tensor_cores=True), config)
-    executor.bind_kv_caches(executor.allocate_kv_caches(num_blocks=8))
+    executor = executor_on(emulated(use_tensor_cores=True), model, 2, num_blocks=8)
     host = PagedHost(8, BLOCK_SIZE, seed=1)
     executor.execute(*host.step([(0, [5] * 13), (1, [6] * 3)]))
     backend, plan, device_calls = executor.backends[0], executor.backends[0].plan, []
@@ -300,14 +292,7 @@ def test_a_steady_graph_step_queues_one_or_two_device_ops_besides_the_replay(
     """Host time per graph step is mostly its device calls. Within pages, ``execute`` queues the
     staging copy of the step's rows (plus the block table's own copy when the caller's table is
     narrower than the persistent one) and the replay, nothing else."""
-    from xhal.executor import ExecutorConfig, ModelExecutor
-
-    config = ExecutorConfig(
-        dtype=torch.bfloat16, block_size=BLOCK_SIZE, max_num_seqs=2, max_model_len=64,
-        decode_capture_sizes=(2,), piecewise_token_sizes=(),
-    )  # fmt: skip
-    executor = ModelExecutor(model, emulated(use_tensor_cores=True), config)
-    executor.bind_kv_caches(executor.allocate_kv_caches(num_blocks=8))
+    executor = executor_on(emulated(use_tensor_cores=True), model, 2, max_model_len=64, num_blocks=8)
     host = PagedHost(8, BLOCK_SIZE, seed=2)
     executor.execute(*host.step([(0, [5] * 3), (1, [6] * 4)]))
     runner = executor.decode_graphs.graphs
@@ -318,7 +303,7 @@ def test_a_steady_graph_step_queues_one_or_two_device_ops_besides_the_replay(
             return replay(key)
 
     runner.replay = replay_unseen
-    width = config.max_blocks_per_seq if full_width else 1
+    width = executor.config.max_blocks_per_seq if full_width else 1
     for _ in range(3):  # kv lengths 4..6 and 5..7: inside the first page
         ids, pos, meta = host.step([(0, [7]), (1, [8])])
         table = torch.zeros(2, width, dtype=torch.int32)
