@@ -318,6 +318,27 @@ def test_bad_chat_input_is_400(server: ServerProcess, body: dict, param: str) ->
     assert response.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize(
+    "field,value",
+    [("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("repetition_penalty", 1.2),
+     ("logit_bias", {"5": 10}), ("min_tokens", 4), ("response_format", {"type": "json_object"})],
+)  # fmt: skip
+def test_unimplemented_sampling_fields_are_refused_not_ignored(
+    server: ServerProcess, field: str, value: object
+) -> None:
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for path, body in (("/v1/completions", GOOD), ("/v1/chat/completions", chat)):
+        response = post(server, path, {**body, field: value})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == field and error["code"] == "unsupported_parameter"
+        assert "not supported" in error["message"]
+    # at the value that leaves sampling alone, as clients send by default, they are accepted
+    neutral = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "logit_bias": {},
+               "min_tokens": 0, "response_format": {"type": "text"}}[field]  # fmt: skip
+    assert post(server, "/v1/completions", {**GOOD, field: neutral}).status_code == 200
+
+
 def test_malformed_json_is_400(server: ServerProcess) -> None:
     for raw in (b'{"model": "xhal-tiny-random", "prompt": ', b"[1, 2]", b"not json"):
         response = post(server, "/v1/completions", None, raw=raw)

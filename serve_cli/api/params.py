@@ -9,10 +9,45 @@ from serve_cli.engine.sampling import SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
+# OpenAI and vLLM request fields that change what is sampled and that xhal-serve does not
+# implement, with the values that leave sampling as it is. Unknown fields are otherwise ignored;
+# these are refused when set to anything else, since ignoring them would answer a different
+# request than the one sent.
+NOT_IMPLEMENTED: dict[str, tuple] = {
+    "presence_penalty": (0, None),
+    "frequency_penalty": (0, None),
+    "repetition_penalty": (1, None),
+    "logit_bias": ({}, None),
+    "min_p": (0, None),
+    "min_tokens": (0, None),
+    "stop_token_ids": ([], None),
+    "bad_words": ([], None),
+    "response_format": ({"type": "text"}, None),
+    "tools": ([], None),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+}
+
+
+def refuse_unimplemented(request: SamplingFields) -> None:
+    """400 for a field of ``NOT_IMPLEMENTED`` set to a value that would change sampling."""
+    extra = request.model_extra or {}
+    for name, neutral in NOT_IMPLEMENTED.items():
+        if name in extra and extra[name] not in neutral:
+            raise invalid(
+                f"'{name}' is not supported by xhal-serve; leave it out (or at "
+                f"{neutral[0]!r}) to sample without it",
+                name,
+                "unsupported_parameter",
+            )
+
 
 def sampling_params(
     request: SamplingFields, max_tokens: int, logprobs: int | None
 ) -> SamplingParams:
+    refuse_unimplemented(request)
     stop = request.stop
     params = SamplingParams(
         max_tokens=max_tokens,

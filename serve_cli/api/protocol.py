@@ -1,7 +1,9 @@
 """Pydantic models of the request bodies (the OpenAI fields xhal-serve implements).
 
 Field constraints carry the 400s: a violated one is reported naming its field. Unknown fields
-are accepted and ignored, as OpenAI clients send extras. ``None`` means "the default".
+are accepted and ignored, as OpenAI clients send extras, except the sampling features xhal-serve
+does not implement (``params.NOT_IMPLEMENTED``: penalties, logit bias, guided decoding, ...),
+which are refused when set. ``None`` means "the default".
 """
 
 from __future__ import annotations
