@@ -43,6 +43,7 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(n, **i32)
         self.positions = torch.zeros(n, **i32)
         self.slot_mapping = torch.full((n,), -1, **i32)
+        self._no_slots = torch.full((n,), -1, **i32)  # what padding rows' slots are reset to
         self.block_table = torch.zeros(n, config.max_blocks_per_seq, **i32)
         self.q_cu_seq_lens = torch.arange(n + 1, **i32)  # one token per sequence, always
         self.q_seq_lens = torch.ones(n, **i32)
@@ -91,26 +92,29 @@ class DecodeGraphs:
         return self._padded[bucket]
 
     def _stage(self, input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata, bucket: int) -> AttentionMetadata:
-        """Copy a step into the persistent buffers in as few device calls as it takes, since host
-        time per call is what a graph step spends: this step's rows as one multi-tensor copy, with
-        the block table when it is as wide as the persistent one (else the table's own copy). The
-        KV prefix sums are not copied: the graph derives them before its first layer."""
+        """Copy a step into the persistent buffers in one multi-tensor copy where it can (host
+        time per device call is what a graph step spends): this step's rows, its block table
+        when it is as wide as the persistent one (else the table's own copy), and the padding
+        values (slot -1, one KV token) back into rows an earlier, larger step left. The KV prefix
+        sums are not copied: the graph derives them before its first layer."""
         b, width = m.num_seqs, m.block_table.shape[1]
         rows = self._rows.get(b)
         if rows is None:
             rows = self._rows[b] = [
                 self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], self.kv_seq_lens[:b], self.block_table[:b]
             ]  # fmt: skip
-        sources = [input_ids, positions, m.slot_mapping, m.kv_seq_lens]
+        dst, src = rows[:4], [input_ids, positions, m.slot_mapping, m.kv_seq_lens]
         # the multi-tensor kernel takes dense pairs of equal strides only; a narrower table is not
-        if width == self.block_table.shape[1]:
-            torch._foreach_copy_(rows, [*sources, m.block_table], non_blocking=True)
-        else:
-            torch._foreach_copy_(rows[:4], sources, non_blocking=True)
+        wide = width == self.block_table.shape[1]
+        if wide:
+            dst, src = rows, [*src, m.block_table]
+        if self._live > b:  # a stale slot could belong to a block since given to another sequence
+            stale = self._live - b
+            dst = [*dst, self.slot_mapping[b : self._live], self.kv_seq_lens[b : self._live]]
+            src = [*src, self._no_slots[:stale], self.q_seq_lens[:stale]]  # q_seq_lens: all ones
+        torch._foreach_copy_(dst, src, non_blocking=True)
+        if not wide:
             self.block_table[:b, :width].copy_(m.block_table, non_blocking=True)
-        if self._live > b:  # rows an earlier, larger step left: back to padding (slot -1, 1 token)
-            self.slot_mapping[b : self._live].fill_(-1)
-            self.kv_seq_lens[b : self._live].fill_(1)
         self._live = b
         # host twin (numpy: a handful of values, where torch's per-op cost would dominate)
         self._kv_host[:b] = m.kv_seq_lens_host.numpy()
