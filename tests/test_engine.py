@@ -179,6 +179,20 @@ def test_eos_finishes_with_stop_unless_ignored(llama_gqa_dir: Path, reference) -
     assert outputs["ignore"][-1].finish_reason == "length"
 
 
+def test_stop_token_ids_finish_after_the_token_even_ignoring_eos(llama_gqa_dir: Path, reference) -> None:
+    engine = _engine(llama_gqa_dir)
+    prompt = _prompts([12], seed=3)[0]
+    expected = reference(prompt)
+    k = next(i for i in range(1, len(expected)) if expected[i] not in expected[:i])
+    engine.add_request("stop", prompt, replace(GREEDY, stop_token_ids=(expected[k], 10**6)))
+    engine.add_request("plain", prompt, GREEDY)
+    outputs = _drain(engine)
+    stop = outputs["stop"]
+    assert sum((o.new_token_ids for o in stop), []) == expected[: k + 1]  # the stop token included
+    assert stop[-1].finish_reason == "stop"
+    assert sum((o.new_token_ids for o in outputs["plain"]), []) == expected
+
+
 def test_seeded_sampling_is_reproducible_in_any_batch(engine: EngineCore) -> None:
     prompt = _prompts([15], seed=4)[0]
     seeded = SamplingParams(

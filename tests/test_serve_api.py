@@ -165,6 +165,15 @@ def test_stop_string_cuts_the_output(client: openai.OpenAI) -> None:
     assert "".join(c.choices[0].text for c in streamed if c.choices) == cut
 
 
+def test_stop_token_ids_end_the_output_after_the_token(client: openai.OpenAI) -> None:
+    kwargs = dict(model=MODEL, prompt="Where did you put", max_tokens=12, temperature=0)
+    body = {"ignore_eos": True, "return_token_ids": True}
+    full = client.completions.create(**kwargs, extra_body=body).choices[0].token_ids
+    k = next(i for i in range(2, len(full)) if full[i] not in full[:i])
+    out = client.completions.create(**kwargs, extra_body={**body, "stop_token_ids": [full[k]]})
+    assert (out.choices[0].token_ids, out.choices[0].finish_reason) == (full[: k + 1], "stop")
+
+
 def test_logprobs(client: openai.OpenAI) -> None:
     out = client.completions.create(
         model=MODEL,
@@ -283,6 +292,7 @@ BAD_INPUTS = [
     ("stop list of ints", {**GOOD, "stop": [1, 2]}, "stop"),
     ("missing prompt", {"model": MODEL}, "prompt"),
     ("token id out of vocab", {**GOOD, "prompt": [10**9]}, "prompt"),
+    ("stop_token_ids negative", {**GOOD, "stop_token_ids": [-1]}, "stop_token_ids"),
 ]
 
 

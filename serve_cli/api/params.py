@@ -20,7 +20,6 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     "logit_bias": ({}, None),
     "min_p": (0, None),
     "min_tokens": (0, None),
-    "stop_token_ids": ([], None),
     "bad_words": ([], None),
     "response_format": ({"type": "text"}, None),
     "tools": ([], None),
@@ -58,6 +57,7 @@ def sampling_params(
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
         logprobs=logprobs,
         ignore_eos=request.ignore_eos,
+        stop_token_ids=tuple(request.stop_token_ids or ()),
     )
     try:
         params.validate()

@@ -35,6 +35,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False  # vLLM's extension: each choice carries its token ids
+    stop_token_ids: list[int] | None = None  # vLLM's extension: stop after any of these tokens
 
     @property
     def include_usage(self) -> bool:

@@ -268,7 +268,9 @@ class EngineCore:
                 errors[s.request_id] = f"{type(exc).__name__}: {exc}"
                 finished[s.request_id] = RequestStatus.FINISHED_ERROR
                 continue
-            eos = s.token_id in self.eos_token_ids and not state.params.ignore_eos
+            params = state.params
+            eos = s.token_id in self.eos_token_ids and not params.ignore_eos
+            eos = eos or s.token_id in params.stop_token_ids
             if eos or state.detokenizer.stopped:
                 finished[s.request_id] = RequestStatus.FINISHED_STOPPED
         tokens = {s.request_id: s.token_id for s in sampled}

@@ -17,7 +17,8 @@ class SamplingParams:
 
     ``temperature`` 0 is greedy. ``top_k`` 0 or -1 and ``top_p`` 1 are off. ``seed`` makes the
     request's tokens reproducible whatever it is batched with. ``stop`` strings end the output
-    before them (finish reason "stop"). ``logprobs`` N returns, per generated token, its logprob
+    before them (finish reason "stop"); a token of ``stop_token_ids`` ends it after itself
+    (finish reason "stop", even with ``ignore_eos``, as vLLM does). ``logprobs`` N returns, per generated token, its logprob
     and the N most likely tokens' (from the raw logits, before temperature). Construction only
     normalizes (a single stop string becomes a tuple); ``validate`` checks.
     """
@@ -30,6 +31,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
     ignore_eos: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -40,6 +42,8 @@ class SamplingParams:
         elif isinstance(stop, (list, tuple)):
             stop = tuple(stop)
         object.__setattr__(self, "stop", stop)
+        if isinstance(self.stop_token_ids, (list, tuple, set)):
+            object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
@@ -69,6 +73,9 @@ class SamplingParams:
             )
         if not isinstance(self.ignore_eos, bool):
             raise ParamError("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
+        ids = self.stop_token_ids
+        if not isinstance(ids, frozenset) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise ParamError("stop_token_ids", "must be a list of integer token ids >= 0")
 
 
 def _is_int(value: object) -> bool:
