@@ -46,7 +46,7 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _executor(batch: int, ctx: int):
+def _executor(batch: int, ctx: int, shape: dict):
     sys.path.insert(0, str(REPO / "tests"))
     try:
         from flashinfer_emulation.plugin import EmulatedFlashInferPlatform
@@ -56,7 +56,7 @@ def _executor(batch: int, ctx: int):
     from xhal.executor import ExecutorConfig, ModelExecutor
 
     model_dir = Path(tempfile.mkdtemp())
-    config = {**CONFIG, "num_hidden_layers": 1, "model_type": "llama", "dtype": "bfloat16"}
+    config = {**shape, "num_hidden_layers": 1, "model_type": "llama", "dtype": "bfloat16"}
     (model_dir / "config.json").write_text(json.dumps(config))
     model = load_model(model_dir, dtype=torch.bfloat16, progress=False, load_format="dummy")
     platform = EmulatedFlashInferPlatform(use_tensor_cores=True)
@@ -93,10 +93,11 @@ def _steps(batch: int, ctx: int, count: int) -> list[tuple]:
     return out
 
 
-def measure(batch: int, ctx: int, steps: int = 64) -> dict:
+def measure(batch: int, ctx: int, steps: int = 64, shape: dict = CONFIG) -> dict:
     """Three runs of ``steps`` consecutive steps (page crossings at their natural rate): the
-    staging and the attention plan timed apart, then whole ``execute`` calls, then counted."""
-    executor = _executor(batch, ctx)
+    staging and the attention plan timed apart, then whole ``execute`` calls, then counted.
+    ``shape``: the model config (one layer of it is built)."""
+    executor = _executor(batch, ctx, shape)
     work = _steps(batch, ctx, 3 * steps + 1)
     executor.execute(*work[0])  # captures the bucket
     graphs, key = executor.decode_graphs, ("decode", batch)
