@@ -9,20 +9,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from fake_model import next_token, reference
 
 from serve_cli.engine import BlockManager, Request, RequestStatus, ScheduledBatch, Scheduler
 from serve_cli.engine.batch import PLACEHOLDER_TOKEN_ID
-
-
-def next_token(context: list[int]) -> int:
-    return (sum(context) * 31 + len(context)) % 1000
-
-
-def reference(prompt: list[int], n: int) -> list[int]:
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(next_token(seq))
-    return seq
 
 
 class PipelinedFakeEngine:

@@ -9,22 +9,11 @@ import random
 from pathlib import Path
 
 import pytest
+from fake_model import next_token, reference_output
 
 from serve_cli.engine import BlockManager, Request, RequestStatus, ScheduledBatch, Scheduler
 
 ENGINE_DIR = Path(__file__).resolve().parents[1] / "serve_cli" / "engine"
-
-
-def next_token(context: list[int]) -> int:
-    """The fake model: the next token is a function of the whole context."""
-    return (sum(context) * 31 + len(context)) % 1000
-
-
-def reference_output(prompt: list[int], num_tokens: int) -> list[int]:
-    seq = list(prompt)
-    for _ in range(num_tokens):
-        seq.append(next_token(seq))
-    return seq[len(prompt) :]
 
 
 class FakeEngine:
