@@ -23,27 +23,13 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.bench_model import CONFIG
 from benchmarks.common import table
+from benchmarks.host_timing import DeviceCalls
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = 16
-
-
-class _Ops(TorchDispatchMode):
-    """Counts the tensor operations dispatched while active (views excluded: no device work)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        returns = func._schema.returns
-        if not any(r.alias_info is not None and not r.alias_info.is_write for r in returns):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _executor(batch: int, ctx: int, shape: dict):
@@ -117,9 +103,9 @@ def measure(batch: int, ctx: int, steps: int = 64, shape: dict = CONFIG) -> dict
         executor.execute(ids, pos, meta)
         whole.append((time.perf_counter() - t0) * 1e6)
     for ids, pos, meta in work[2 * steps + 1 :]:
-        with _Ops() as counter:
+        with DeviceCalls() as calls:
             executor.execute(ids, pos, meta)
-        ops.append(counter.count)
+        ops.append(len(calls.ops))
     return {
         "batch": batch, "ctx": ctx, "stage_us": statistics.median(stage),
         "attention_plan_us": statistics.median(plan), "plan_p95_us": sorted(plan)[int(0.95 * steps)],

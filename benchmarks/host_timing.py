@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from xhal.executor import ModelExecutor
 
@@ -150,3 +151,30 @@ def call_breakdown(executor: ModelExecutor, ids, pos, meta, iters: int = 50) -> 
     inner = sum(r["us_per_step"] for r in rows if r["call"] != "execute (whole call)")
     rows.append({"call": "other (Python between the calls above)", "us_per_step": round(whole - inner, 1)})
     return rows
+
+
+class DeviceCalls(TorchDispatchMode):
+    """Records the names of the tensor operations (device calls, on a GPU) dispatched while it is
+    active, views left out (they queue no device work), except while ``paused``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self._paused = False
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self._paused and not _is_view(func):
+            self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _is_view(func) -> bool:
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)

@@ -20,15 +20,14 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
 from itertools import pairwise
 from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import xhal
+from benchmarks.host_timing import DeviceCalls
 from paged_host import PagedHost
 from xhal.interfaces import BatchKind
 
@@ -221,29 +220,6 @@ def test_compiled_module_rejects_a_drifted_argument_layout(emulated) -> None:
 # the bucket's host work ------------------------------------------------------------------------
 
 
-class _DeviceCalls(TorchDispatchMode):
-    """Records the tensor ops (device calls, on a GPU) dispatched while it is active, views left
-    out (no device work), except while ``ops_paused``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-        self._paused = False
-
-    @contextmanager
-    def ops_paused(self) -> Iterator[None]:
-        self._paused = True
-        try:
-            yield
-        finally:
-            self._paused = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self._paused and not _is_view(func):
-            self.ops.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 def test_bucket_plan_queues_device_work_only_when_pages_change(emulated, model) -> None:
     """Within pages a graph step's attention plan queues nothing: the graph refreshes page ids and
     last-page lengths from the persistent metadata. A page boundary costs one upload."""
@@ -253,7 +229,7 @@ def test_bucket_plan_queues_device_work_only_when_pages_change(emulated, model) 
     backend, plan, device_calls = executor.backends[0], executor.backends[0].plan, []
 
     def counted(metadata, graph_key=None):
-        with _DeviceCalls() as calls:
+        with DeviceCalls() as calls:
             plan(metadata, graph_key)
         device_calls.append(calls.ops)  # .numpy()
 
@@ -281,10 +257,6 @@ def test_bucket_refuses_metadata_other_than_its_persistent_tensors(emulated) -> 
         backend.plan(fresh, graph_key="bucket")
 
 
-def _is_view(func) -> bool:
-    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
-
-
 @pytest.mark.parametrize("full_width", [True, False], ids=["full-width-table", "narrow-table"])
 def test_a_steady_graph_step_queues_one_or_two_device_ops_besides_the_replay(
     emulated, model, full_width: bool
@@ -299,7 +271,7 @@ def test_a_steady_graph_step_queues_one_or_two_device_ops_besides_the_replay(
     replay, outside = runner.replay, []
 
     def replay_unseen(key):
-        with calls.ops_paused():
+        with calls.paused():
             return replay(key)
 
     runner.replay = replay_unseen
@@ -311,7 +283,7 @@ def test_a_steady_graph_step_queues_one_or_two_device_ops_besides_the_replay(
         table = torch.zeros(len(seqs), width, dtype=torch.int32)
         table[:, : meta.block_table.shape[1]] = meta.block_table
         meta = dataclasses.replace(meta, block_table=table)
-        with _DeviceCalls() as calls:
+        with DeviceCalls() as calls:
             executor.execute(ids, pos, meta)
         outside.append(calls.ops)
     expected = ["_foreach_copy_.default"] + ([] if full_width else ["copy_.default"])

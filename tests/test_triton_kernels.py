@@ -263,20 +263,10 @@ def test_cuda_gemv_rows_from_the_environment(monkeypatch) -> None:
 def test_triton_graph_plan_reads_the_persistent_metadata() -> None:
     """A graph bucket's plan binds the persistent metadata itself, rebuilds token_seq only when
     query lengths change, and refuses other tensors."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    from benchmarks.host_timing import DeviceCalls
     from conformance_tests.batches import Seq, build_batch
     from xhal.cuda.attention import TritonAttention
     from xhal.interfaces import AttentionSpec, BatchKind
-
-    class Ops(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.names: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.__name__)
-            return func(*args, **(kwargs or {}))
 
     def step(kv_lens: list[int]):
         seqs = [Seq(1, n) for n in kv_lens] + [Seq(1, 1, padding=True)]
@@ -291,8 +281,8 @@ def test_triton_graph_plan_reads_the_persistent_metadata() -> None:
     fields = ("q_cu_seq_lens", "kv_cu_seq_lens", "q_seq_lens", "kv_seq_lens", "block_table", "slot_mapping")
     for name in fields:
         getattr(first, name).copy_(getattr(nxt, name))
-    with Ops() as ops:
+    with DeviceCalls() as calls:
         backend.plan(dataclasses.replace(nxt, **{n: getattr(first, n) for n in fields}), graph_key="b")
-    assert [n for n in ops.names if n != "detach.default"] == []  # nothing queued on the device
+    assert calls.ops == []  # nothing queued on the device
     with pytest.raises(ValueError, match="persistent"):
         backend.plan(nxt, graph_key="b")
