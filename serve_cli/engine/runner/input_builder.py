@@ -143,10 +143,15 @@ class InputBuilder:
         )
 
 
+def require_previous(step: HostStep, previous: PreviousTokens | None) -> None:
+    """``ValueError`` when ``step`` has placeholders and no ``previous`` tokens to fill them."""
+    if step.placeholder_idxes and previous is None:
+        raise ValueError("the step feeds tokens sampled by a previous step, but none was given")
+
+
 def _rows(step: HostStep, previous: PreviousTokens | None) -> list[int]:
     """Each placeholder's row in ``previous.tokens``."""
-    if previous is None:
-        raise ValueError("the step feeds tokens sampled by a previous step, but none was given")
+    require_previous(step, previous)
     row_of = {rid: i for i, rid in enumerate(previous.request_ids)}
     missing = [r for r in step.placeholder_request_ids if r not in row_of]
     if missing:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from serve_cli.engine.kv_budget import default_num_blocks
-from serve_cli.engine.runner.input_builder import InputBuilder, PreviousTokens
+from serve_cli.engine.runner.input_builder import InputBuilder, PreviousTokens, require_previous
 from serve_cli.engine.runner.rank import build_executor, forward
 from serve_cli.engine.runner.sampler import PendingSample, Sampler
 
@@ -136,8 +136,7 @@ class ModelRunner:
         from ``previous`` (the step before, still in flight); nothing waits for the device."""
         step = self.input_builder.describe(batch)
         prev = None if previous is None else previous.previous_tokens()
-        if step.placeholder_idxes and prev is None:
-            raise ValueError("the step feeds tokens sampled by a previous step, but none was given")
+        require_previous(step, prev)  # before any worker waits on a broadcast
         if self.workers is None:
             logits = forward(self.executor, self.input_builder.upload(step, prev))
         else:
