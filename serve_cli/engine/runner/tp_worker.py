@@ -4,8 +4,9 @@ It loads its shard, binds as many KV blocks as rank 0 and then mirrors rank 0's 
 ``HostStep`` from the pipe is uploaded through the same input builder and adapter, run with the
 same ``execute`` and ``compute_logits`` (whose collectives pair with rank 0's), and the logits are
 dropped: only rank 0 samples. A step that feeds on the tokens of the step before (async
-scheduling) first receives them from rank 0's broadcast. On any error it reports ``Failed`` and exits, which closes its
-sockets, so a rank blocked in a collective with it errors out instead of waiting.
+scheduling) first receives them from rank 0's broadcast. On any error it reports ``Failed`` and
+exits, which closes its sockets, so a rank blocked in a collective with it errors out instead of
+waiting.
 """
 
 from __future__ import annotations
