@@ -57,7 +57,7 @@ def sampling_params(
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
         logprobs=logprobs,
         ignore_eos=request.ignore_eos,
-        stop_token_ids=tuple(request.stop_token_ids or ()),
+        stop_token_ids=request.stop_token_ids or (),
     )
     try:
         params.validate()

@@ -18,9 +18,10 @@ class SamplingParams:
     ``temperature`` 0 is greedy. ``top_k`` 0 or -1 and ``top_p`` 1 are off. ``seed`` makes the
     request's tokens reproducible whatever it is batched with. ``stop`` strings end the output
     before them (finish reason "stop"); a token of ``stop_token_ids`` ends it after itself
-    (finish reason "stop", even with ``ignore_eos``, as vLLM does). ``logprobs`` N returns, per generated token, its logprob
-    and the N most likely tokens' (from the raw logits, before temperature). Construction only
-    normalizes (a single stop string becomes a tuple); ``validate`` checks.
+    (finish reason "stop", even with ``ignore_eos``, as vLLM does). ``logprobs`` N returns, per
+    generated token, its logprob and the N most likely tokens' (from the raw logits, before
+    temperature). Construction only normalizes (a single stop string becomes a tuple, stop token
+    ids a frozenset); ``validate`` checks.
     """
 
     max_tokens: int = 16
