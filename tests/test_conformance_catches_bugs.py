@@ -4,18 +4,14 @@ same family through the same command line."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conformance_run import REPO, run_conformance
 
-REPO = Path(__file__).resolve().parents[1]
 SUITE = REPO / "conformance_tests"
 PLUGIN = "tests.broken_platforms"
 
@@ -62,21 +58,11 @@ class CliRun:
 
 
 def run_cli(device: str, family: str, report: Path, *, stop_at_first_failure: bool) -> CliRun:
-    env = dict(os.environ)
-    # the plugin is imported as ``tests.broken_platforms``, also by the collective's child ranks
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.pop("XHAL_PLUGINS", None)  # only --plugin, so the CLI's own plumbing is what is tested
-    env["OMP_NUM_THREADS"] = "1"  # several runs share the machine; tiny tensors gain nothing
     # A broken platform has shown what it must at its family's first failure; the rest of the
     # family (the attention family is the slow one) would only repeat it. The CLI passes no pytest
     # flags, so pytest's own environment variable carries --maxfail.
-    env.pop("PYTEST_ADDOPTS", None)
-    if stop_at_first_failure:
-        env["PYTEST_ADDOPTS"] = "--maxfail=1"
-    cmd = [sys.executable, "-m", "conformance_tests.cli", "--device", device, "--plugin", PLUGIN]
-    cmd += ["--family", family, "--report", str(report)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    data = json.loads(report.read_text()) if report.exists() else None
+    env = {"PYTEST_ADDOPTS": "--maxfail=1"} if stop_at_first_failure else {}
+    proc, data = run_conformance(device, PLUGIN, report, (family,), **env)
     return CliRun(device, family, proc.returncode, proc.stdout, proc.stderr, data)
 
 

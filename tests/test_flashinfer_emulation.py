@@ -15,10 +15,6 @@ only on a GPU:
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from itertools import pairwise
 from pathlib import Path
@@ -28,10 +24,10 @@ import torch
 
 import xhal
 from benchmarks.host_timing import DeviceCalls
+from conformance_run import explain, run_conformance
 from paged_host import PagedHost
 from xhal.interfaces import BatchKind
 
-REPO = Path(__file__).resolve().parents[1]
 PLUGIN = "tests.flashinfer_emulation.plugin"
 BLOCK_SIZE = 16
 PROMPTS = {0: 14, 1: 31, 2: 5, 3: 47}  # prompt lengths; decode steps take 0, 1 and 3 across pages
@@ -39,29 +35,12 @@ STEPS = [[0, 1, 2], [0, 1, 2, 3], [1, 3], [3, 0, 2], [2], [0, 1, 2, 3], [0, 1, 2
 
 
 def test_conformance_attention_and_graph_pass(tmp_path: Path) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.pop("XHAL_PLUGINS", None)
-    env.pop("PYTEST_ADDOPTS", None)
-    env["OMP_NUM_THREADS"] = "1"
-    report = tmp_path / "fi.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "conformance_tests.cli",
-        "--device",
-        "flashinfer-emulated",
-        "--plugin",
-        PLUGIN,
-    ]
-    cmd += ["--family", "attention", "--family", "graph", "--report", str(report)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    explain = f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}"
-    assert proc.returncode == 0, explain
-    families = json.loads(report.read_text())["families"]
-    assert sorted(families) == ["attention", "graph"], explain
-    for name, fam in families.items():
-        assert fam["failed"] == 0 and fam["passed"] > 0, f"family {name}: {fam}\n{explain}"
+    families = ("attention", "graph")
+    proc, report = run_conformance("flashinfer-emulated", PLUGIN, tmp_path / "fi.json", families)
+    assert proc.returncode == 0, explain(proc)
+    assert sorted(report["families"]) == ["attention", "graph"], explain(proc)
+    for name, fam in report["families"].items():
+        assert fam["failed"] == 0 and fam["passed"] > 0, f"family {name}: {fam}\n{explain(proc)}"
 
 
 # the executor on the emulated platform ---------------------------------------------------------

@@ -10,10 +10,6 @@ tensors):
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Hashable, Iterator
 from pathlib import Path
 
@@ -21,10 +17,10 @@ import pytest
 import torch
 
 import xhal
+from conformance_run import REPO, explain, run_conformance
 from paged_host import PagedHost
 from xhal.interfaces import AttentionSpec, BatchKind, LayerCache
 
-REPO = Path(__file__).resolve().parents[1]
 PLUGIN = "tests.npu_emulation.plugin"
 SUITE = REPO / "conformance_tests"
 # test_<family>.py, or test_<family>_<topic>.py for a family split over several files
@@ -36,21 +32,11 @@ BLOCK_SIZE = 128
 
 
 def test_conformance_passes_every_family(tmp_path: Path) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.pop("XHAL_PLUGINS", None)  # only --plugin: the CLI's own plumbing is what runs
-    env.pop("PYTEST_ADDOPTS", None)
-    env["OMP_NUM_THREADS"] = "1"
-    report = tmp_path / "npu.json"
-    cmd = [sys.executable, "-m", "conformance_tests.cli", "--device", "npu", "--plugin", PLUGIN]
-    cmd += ["--report", str(report)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    explain = f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}"
-    assert proc.returncode == 0, explain
-    families = json.loads(report.read_text())["families"]
-    assert sorted(families) == FAMILIES, explain
-    for name, fam in families.items():
-        assert fam["failed"] == 0 and fam["passed"] > 0, f"family {name}: {fam}\n{explain}"
+    proc, report = run_conformance("npu", PLUGIN, tmp_path / "npu.json")
+    assert proc.returncode == 0, explain(proc)
+    assert sorted(report["families"]) == FAMILIES, explain(proc)
+    for name, fam in report["families"].items():
+        assert fam["failed"] == 0 and fam["passed"] > 0, f"family {name}: {fam}\n{explain(proc)}"
 
 
 # the platform in this process -----------------------------------------------------------------

@@ -6,24 +6,19 @@ family runs compiled on the GPU."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from conformance_run import REPO, suite_env
 from triton_env import NO_RUNTIME_LOOPS, RUNTIME_LOOPS
 
-REPO = Path(__file__).resolve().parents[1]
 CASES = "bfloat16 and bs16 and not prefill and not d256"
 
 
 @pytest.mark.skipif(not RUNTIME_LOOPS, reason=f"paged attention {NO_RUNTIME_LOOPS}")
 def test_triton_attention_passes_the_attention_family_interpreted() -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.update(XHAL_PLUGINS="tests.triton_interpreted_platform", TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    env.pop("PYTEST_ADDOPTS", None)
+    env = suite_env(XHAL_PLUGINS="tests.triton_interpreted_platform", TRITON_INTERPRET="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning",
            "conformance_tests/test_attention.py", "--device", "cuda-triton-interpreted", "-k", CASES]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
