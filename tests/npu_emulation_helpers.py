@@ -14,6 +14,38 @@ from types import SimpleNamespace
 import pytest
 import torch
 from npu_emulation import install, is_installed, reset_state, uninstall
+from npu_emulation.wheel import WheelUnavailable, wheel_files
+
+
+def require_wheel() -> None:
+    """Skip the calling test module when the pinned torch-npu wheel cannot be had: the emulation
+    takes its schemas and meta functions from it (npu_emulation/wheel.py)."""
+    try:
+        wheel_files()
+    except WheelUnavailable as err:
+        pytest.skip(f"torch-npu wheel unavailable, NPU emulation tests skipped: {err}",
+                    allow_module_level=True)
+
+
+require_wheel()  # every module that imports these helpers runs on the emulation
+
+
+def assert_calls_bound_and_checked(counts: dict, where: str) -> None:
+    """Every emulated op ``where`` ran was bound to its wheel schema, and every kernel run of an
+    op with a meta function in the wheel passed it; prints the totals."""
+    assert counts, f"{where}: no emulated torch_npu call was counted"
+    lines = []
+    for op, c in sorted(counts.items()):
+        runs = c.get("meta", 0) + c.get("no_meta", 0)
+        assert c.get("bound", 0) > 0, f"{where}: {op} ran {runs} times without a bound call"
+        lines.append(f"{op}: bound {c.get('bound', 0)}, meta-checked {c.get('meta', 0)}, "
+                     f"no meta in the wheel {c.get('no_meta', 0)}")
+    bound = sum(c.get("bound", 0) for c in counts.values())
+    meta = sum(c.get("meta", 0) for c in counts.values())
+    no_meta = sum(c.get("no_meta", 0) for c in counts.values())
+    print(f"\n[{where}] emulated torch_npu calls: {bound} bound to the wheel's schemas; kernel "
+          f"runs {meta + no_meta}: {meta} passed the wheel's meta function, {no_meta} of ops "
+          "without one\n  " + "\n  ".join(lines))
 
 BF16 = torch.bfloat16
 MASK = torch.triu(torch.ones(2048, 2048), diagonal=1).to(torch.int8)

@@ -160,7 +160,7 @@ def test_query_rows_must_equal_last_cumulative_length(npu):
 
 def test_layout_dtype_and_cache_view_rejected(npu):
     b = make_batch([3], [3])
-    with pytest.raises(RuntimeError, match="input_layout"):
+    with pytest.raises(RuntimeError, match="meta function.*Layout TNDX is not supported"):
         call_fia(npu, b, input_layout="TNDX")
     with pytest.raises(NotImplementedError, match="TND"):
         call_fia(npu, b, input_layout="BSH")
@@ -176,18 +176,26 @@ def test_layout_dtype_and_cache_view_rejected(npu):
 
 
 # KV-cache writers ---------------------------------------------------------------------------------
-def test_scatter_pa_kv_cache_norm_skips_padding(npu):
+def test_scatter_pa_kv_cache_norm_writes_and_refuses_padding_slots(npu):
     k, v = torch.randn(4, 2, 128).to(BF16), torch.randn(4, 2, 128).to(BF16)
     kc, vc = torch.zeros(3, 128, 2, 128, dtype=BF16), torch.zeros(3, 128, 2, 128, dtype=BF16)
-    slots = torch.tensor([5, -1, 300, 128], dtype=torch.int32)
+    slots = torch.tensor([5, 7, 300, 128], dtype=torch.int32)
     npu.npu_scatter_pa_kv_cache(k, v, kc, vc, slots, cache_mode="Norm")
     assert torch.equal(kc[0, 5], k[0]) and torch.equal(vc[2, 44], v[2])
     assert torch.equal(kc[1, 0], k[3])
-    assert int((kc != 0).any(-1).any(-1).sum()) == 3  # the -1 row wrote nothing
+    assert int((kc != 0).any(-1).any(-1).sum()) == 4
+    # the doc: 'slot_mapping的值范围[0,num_blocks*block_size-1]': a -1 slot is out of range
+    with pytest.raises(RuntimeError, match=r"\[0,num_blocks\*block_size-1\]"):
+        npu.npu_scatter_pa_kv_cache(k, v, kc, vc, torch.tensor([5, -1, 300, 128]),
+                                    cache_mode="Norm")
     with pytest.raises(RuntimeError, match="PA_NZ"):
         npu.npu_scatter_pa_kv_cache(k, v, kc, vc, slots)  # default cache_mode expects NZ
-    with pytest.raises(RuntimeError, match="unique"):
+    # a repeated slot has no defined result unless every write of it carries the same values
+    with pytest.raises(RuntimeError, match="repeats a slot"):
         npu.npu_scatter_pa_kv_cache(k, v, kc, vc, torch.tensor([1, 1, 2, 3]), cache_mode="Norm")
+    same = torch.tensor([1, 2, 3, 1])
+    npu.npu_scatter_pa_kv_cache(k[[0, 1, 2, 0]], v[[0, 1, 2, 0]], kc, vc, same, cache_mode="Norm")
+    assert torch.equal(kc[0, 1], k[0])
     with pytest.raises(RuntimeError, match="contiguous"):
         npu.npu_scatter_pa_kv_cache(k.transpose(0, 1).contiguous().transpose(0, 1), v, kc, vc,
                                     slots, cache_mode="Norm")
@@ -199,10 +207,10 @@ def test_reshape_and_cache_and_scatter_nd_update(npu):
     npu._npu_reshape_and_cache(k, v, kc, vc, torch.tensor([17, -1, 0], dtype=torch.int32))
     assert torch.equal(kc[1, 1], k[0]) and torch.equal(vc[0, 0], v[2])
     assert int(kc.ne(0).sum()) == 256
-    flat_cache = kc.view(32, 2, 64)  # the portable fallback: one slot per index row (§1.2)
+    flat_cache = kc.view(32, 2, 64)  # the portable fallback: one slot per index row (its doc: indices of at least 2 dims)
     npu.npu_scatter_nd_update_(flat_cache, torch.tensor([[31], [2]]), k[:2])
     assert torch.equal(kc[1, 15], k[0]) and torch.equal(kc[0, 2], k[1])
-    with pytest.raises(RuntimeError, match="does NOT skip -1"):
+    with pytest.raises(RuntimeError, match="不支持越界"):
         npu.npu_scatter_nd_update_(flat_cache, torch.tensor([[-1], [2]]), k[:2])
 
 

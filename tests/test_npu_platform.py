@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conformance_run import REPO, explain, run_conformance
+from npu_emulation.registry import read_counts
+from npu_emulation_helpers import assert_calls_bound_and_checked
+from paged_host import PagedHost
 
 import xhal
-from conformance_run import REPO, explain, run_conformance
-from paged_host import PagedHost
 from xhal.interfaces import AttentionSpec, BatchKind, LayerCache
 
 PLUGIN = "tests.npu_emulation.plugin"
@@ -32,11 +34,16 @@ BLOCK_SIZE = 128
 
 
 def test_conformance_passes_every_family(tmp_path: Path) -> None:
-    proc, report = run_conformance("npu", PLUGIN, tmp_path / "npu.json")
+    counts = tmp_path / "counts"
+    proc, report = run_conformance("npu", PLUGIN, tmp_path / "npu.json",
+                                   XHAL_NPU_EMULATION_COUNTS=str(counts))
     assert proc.returncode == 0, explain(proc)
     assert sorted(report["families"]) == FAMILIES, explain(proc)
     for name, fam in report["families"].items():
         assert fam["failed"] == 0 and fam["passed"] > 0, f"family {name}: {fam}\n{explain(proc)}"
+    # every emulated op call went through the wheel's schema, and every run of an op the wheel has
+    # a meta function for passed it (the totals are printed for docs/npu.md)
+    assert_calls_bound_and_checked(read_counts(counts), "conformance")
 
 
 # the platform in this process -----------------------------------------------------------------

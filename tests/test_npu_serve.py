@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 from checkpoints import build_checkpoint
+from npu_emulation.registry import read_counts
+from npu_emulation_helpers import assert_calls_bound_and_checked
 
 from serve_cli.launcher import ServerProcess
 
@@ -49,11 +51,18 @@ def _serve(model_dir: Path, device: str) -> ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def servers(model_dir: Path) -> Iterator[dict[str, ServerProcess]]:
+def counts_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the NPU server's processes write their emulated-call counts."""
+    return tmp_path_factory.mktemp("npu-counts")
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir: Path, counts_dir: Path) -> Iterator[dict[str, ServerProcess]]:
     """Both servers, started side by side; the plugin reaches the NPU server's engine process
     through the environment, as it would reach a real deployment's."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XHAL_PLUGINS", "tests.npu_emulation.plugin")
+        mp.setenv("XHAL_NPU_EMULATION_COUNTS", str(counts_dir))
         paths = [str(REPO), os.environ.get("PYTHONPATH")]
         mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
         npu = _serve(model_dir, "npu").start()
@@ -131,3 +140,11 @@ def test_chat_equals_the_cpu_server(servers: dict[str, ServerProcess], stream: b
     # (ids past the tokenizer's few words decode to nothing, so some texts are short or empty)
     assert all(len(ids) == MAX_TOKENS for _, ids in npu) and any(t.split() for t, _ in npu), npu
     assert npu == _chat(servers["cpu"], stream=False)
+
+
+def test_every_npu_call_bound_and_checked(servers: dict[str, ServerProcess],
+                                           counts_dir: Path) -> None:
+    """Last in this file: after the requests above, the NPU server stops (its processes save their
+    counts) and every emulated torch_npu call it made was bound to the wheel's schema."""
+    servers["npu"].stop()
+    assert_calls_bound_and_checked(read_counts(counts_dir), "xhal-serve --device npu")

@@ -1,9 +1,10 @@
-"""Emulated ``torch_npu.npu_fused_infer_attention_score`` (FIA) and its ``.out`` variant
-(npu.md §1.3 schema, §1.4 semantics, §2.2 capture protocol).
+"""Emulated ``torch_npu.npu_fused_infer_attention_score`` (FIA), its ``.out`` overload and
+``_npu_fused_infer_attention_score_get_max_workspace``, registered with ``real_op``: the wheel's
+schemas and FIA's meta function in front of the checks and numerics of ``fia_check.py``.
 
-FIA is a custom op, so a captured graph records it as ONE entry whose host int lists
+FIA is one custom op, so a captured graph records it as ONE entry whose host int lists
 (``actual_seq_lengths``, ``actual_seq_lengths_kv``) are arguments of that entry: baked at capture,
-replaced only by the graph update API (``graph.py``). Checks and numerics live in ``fia_check.py``.
+replaced only by the graph update API (``graph.py``, ``task_update.py``).
 """
 
 from __future__ import annotations
@@ -11,148 +12,113 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
 
-from . import graph, task_update
-from .fia_check import INT_MAX, OP, attend, check, fail, host_int_list
+from . import binding, graph, task_update
+from .fia_check import OP, attend, check, fail
+from .registry import real_op
 
-# §1.3 schema: keyword arguments the emulation implements, with their defaults
-_EMULATED: dict[str, Any] = {
-    "atten_mask": None, "actual_seq_lengths": None, "actual_seq_lengths_kv": None,
-    "block_table": None, "num_heads": 1, "scale": 1.0, "pre_tokens": INT_MAX,
-    "next_tokens": INT_MAX, "input_layout": "BSH", "num_key_value_heads": 0, "sparse_mode": 0,
-    "block_size": 0, "softmax_lse_flag": False,
+# schema arguments the emulation implements; every other one must stay at its schema default
+_EMULATED = {
+    "atten_mask", "actual_seq_lengths", "actual_seq_lengths_kv", "block_table", "num_heads",
+    "scale", "pre_tokens", "next_tokens", "input_layout", "num_key_value_heads", "sparse_mode",
+    "block_size", "softmax_lse_flag", "inner_precise",
 }
-# §1.3 schema: the rest, accepted only at their defaults (quantization, rope, prefixes, padding)
-_NOT_EMULATED: dict[str, Any] = {
-    name: None for name in (
-        "pse_shift", "dequant_scale1", "quant_scale1", "dequant_scale2", "quant_scale2",
-        "quant_offset2", "antiquant_scale", "antiquant_offset", "key_antiquant_scale",
-        "key_antiquant_offset", "value_antiquant_scale", "value_antiquant_offset",
-        "query_padding_size", "kv_padding_size", "key_shared_prefix", "value_shared_prefix",
-        "actual_shared_prefix_len", "query_rope", "key_rope", "key_rope_antiquant_scale",
-    )
-} | {"antiquant_mode": 0, "key_antiquant_mode": 0, "value_antiquant_mode": 0}
-_HOST_LISTS = ("actual_seq_lengths", "actual_seq_lengths_kv")
-
-_ARGS = (
-    "Tensor query, Tensor key, Tensor value, *, Tensor? atten_mask=None, "
-    "int[]? actual_seq_lengths=None, int[]? actual_seq_lengths_kv=None, Tensor? block_table=None, "
-    "int num_heads=1, float scale=1.0, int pre_tokens=2147483647, int next_tokens=2147483647, "
-    "str input_layout='BSH', int num_key_value_heads=0, int sparse_mode=0, int block_size=0, "
-    "bool softmax_lse_flag=False"
-)
-_lib = torch.library.Library("npu_emu", "FRAGMENT")
-_lib.define(f"fia({_ARGS}) -> (Tensor, Tensor)")
-_lib.define(f"fia_out({_ARGS}, Tensor? workspace=None, Tensor(a!) attention_out, "
-            "Tensor(b!) softmax_lse) -> ()")
+_OUTS = ("attention_out", "softmax_lse")
 
 
-def _lse_placeholder(kw: dict[str, Any], num_tokens: int, num_heads: int) -> torch.Tensor:
-    # §1.3 doc: (T, N, 1) float32 with softmax_lse_flag, else a [1] tensor holding 0
+def _emulated_kwargs(kw: dict[str, Any]) -> dict[str, Any]:
+    schema = npu_fused_infer_attention_score.schema
+    for arg in schema.arguments:
+        if arg.kwarg_only and arg.name not in _EMULATED and arg.name in kw:
+            value = kw[arg.name]
+            if isinstance(value, torch.Tensor) or value != arg.default_value:
+                raise NotImplementedError(f"{OP}: argument {arg.name!r} (quantization, rope, "
+                                          "shared prefix, padding, pse) is not emulated; leave it "
+                                          f"at {arg.default_value!r}")
+    if kw.get("inner_precise", 0) not in (0, 1, 2, 3):
+        raise fail(f"inner_precise={kw['inner_precise']}; the doc: '一共4种模式: 0、1、2、3'")
+    return {k: v for k, v in kw.items() if k in _EMULATED}
+
+
+def _lse(kw: dict[str, Any], num_tokens: int, num_heads: int) -> torch.Tensor:
+    # the meta function: (T, N, 1) float32 with softmax_lse_flag under TND, else an empty [0]
+    # (the doc says a [1] zero tensor; the meta function is what the shapes are checked against)
     if kw.get("softmax_lse_flag", False):
         return torch.zeros(num_tokens, num_heads, 1, dtype=torch.float32)
-    return torch.zeros(1, dtype=torch.float32)
+    return torch.zeros(0, dtype=torch.float32)
 
 
-@torch.library.impl(_lib, "fia", "CPU")
-def _fia(query, key, value, **kw):
+def _fia(query, key, value, **kwargs):
+    kw = _emulated_kwargs(kwargs)
     out, lse = attend(query, key, value, kw, check(query, key, value, kw))
-    return out, lse if kw.get("softmax_lse_flag", False) else _lse_placeholder(kw, 0, 0)
+    return out, lse if kw.get("softmax_lse_flag", False) else _lse(kw, 0, 0)
 
 
 def _check_out(query, kw, attention_out, softmax_lse) -> None:
     if attention_out.shape != query.shape or attention_out.dtype != query.dtype:
-        raise fail(f"attention_out is {attention_out.dtype} {tuple(attention_out.shape)}, expected "
-                   f"{query.dtype} {tuple(query.shape)}")
-    lse = _lse_placeholder(kw, *query.shape[:2])
+        raise fail(f"attention_out is {attention_out.dtype} {tuple(attention_out.shape)}; the doc: "
+                   "its shape is query's (TND), dtype query's")
+    lse = _lse(kw, *query.shape[:2])
     if kw.get("softmax_lse_flag", False) and (softmax_lse.shape != lse.shape
                                               or softmax_lse.dtype != torch.float32):
         raise fail(f"softmax_lse is {softmax_lse.dtype} {tuple(softmax_lse.shape)}, expected "
-                   f"float32 {tuple(lse.shape)} with softmax_lse_flag=True")
+                   f"float32 {tuple(lse.shape)} with softmax_lse_flag=True (the doc: (T, Q_N, 1))")
 
 
-@torch.library.impl(_lib, "fia_out", "CPU")
-def _fia_out(query, key, value, *, workspace=None, attention_out, softmax_lse, **kw):
+def _fia_out(query, key, value, *, workspace=None, attention_out, softmax_lse, **kwargs):
+    kw = _emulated_kwargs(kwargs)
     _check_out(query, kw, attention_out, softmax_lse)
-    out, lse = _fia(query, key, value, **kw)
+    out, lse = _fia(query, key, value, **kwargs)
     attention_out.copy_(out)
     if kw.get("softmax_lse_flag", False):
         softmax_lse.copy_(lse)
     else:
-        softmax_lse.zero_()
+        softmax_lse.zero_()  # the doc: 'softmax_lse_flag为False时, 则输出shape为[1]的值为0的Tensor'
+    return attention_out, softmax_lse
+
+
+def _get_max_workspace(query, key, value, **kwargs):
+    # the emulation needs no workspace: a 1-byte tensor (FIA's meta checks the arguments)
+    kw = _emulated_kwargs(kwargs)
+    check(query, key, value, kw)
+    return torch.empty(1, dtype=torch.uint8)
+
+
+def _dispatch(op: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """Under ``graph_task_update_begin/end`` a call is queued as the new arguments of the captured
+    one (and returns placeholders); otherwise it runs (and, under capture, is recorded)."""
+    graph.check_recordable(OP)
+    if not task_update.updating():
+        return op(*args, **kwargs)
+    task_update.reissue(op, args, kwargs)
+    if "attention_out" in kwargs:
+        return kwargs["attention_out"], kwargs["softmax_lse"]
+    return torch.empty_like(args[0]), _lse(kwargs, *args[0].shape[:2])
+
+
+npu_fused_infer_attention_score = real_op(
+    "npu_fused_infer_attention_score", _fia, overloads={"out": _fia_out}, dispatch=_dispatch
+)
+_npu_fused_infer_attention_score_get_max_workspace = real_op(
+    "_npu_fused_infer_attention_score_get_max_workspace", _get_max_workspace,
+    meta_from="npu_fused_infer_attention_score",
+)
 
 
 def _validate(args: tuple, kw: dict[str, Any]) -> None:
-    """Update-time check of a re-issued or updated FIA (graph.py, task_update.py)."""
+    """Update-time check of a re-issued or updated FIA (graph.py, task_update.py): the new values
+    bind to the schema (host int lists stay int lists) and pass the documented checks."""
     kw = dict(kw)
-    for name in _HOST_LISTS:
-        kw[name] = host_int_list(name, kw.get(name))
-    extra = {k: kw.pop(k) for k in ("workspace", "attention_out", "softmax_lse") if k in kw}
-    check(*args, kw)
-    if "attention_out" in extra:
-        _check_out(args[0], kw, extra["attention_out"], extra["softmax_lse"])
+    outs = [kw.pop(name) for name in _OUTS if name in kw]
+    overload = npu_fused_infer_attention_score.out if outs else npu_fused_infer_attention_score
+    binding.bind(overload.schema, args, {**kw, **({"out": outs} if outs else {})})
+    kw.pop("workspace", None)
+    emulated = _emulated_kwargs(kw)
+    check(*args, emulated)
+    if outs:
+        _check_out(args[0], emulated, *outs)
 
 
-graph.AUTO_DISPATCH_OPS.update({"npu_emu::fia", "npu_emu::fia_out"})
-task_update.UPDATE_VALIDATORS.update({"npu_emu::fia": _validate, "npu_emu::fia_out": _validate})
-
-
-def _op_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The emulated keyword arguments the caller passed; typed as the real binding types them."""
-    for name, value in kwargs.items():
-        if name not in _EMULATED and name not in _NOT_EMULATED and name != "inner_precise":
-            raise TypeError(f"{OP}() got an unexpected keyword argument '{name}' [emulated]")
-        default = _NOT_EMULATED.get(name)
-        if name in _NOT_EMULATED and (isinstance(value, torch.Tensor) or value != default):
-            raise NotImplementedError(f"{OP}: argument {name!r} is not emulated; leave it at "
-                                      f"{_NOT_EMULATED[name]!r}")
-    if kwargs.get("inner_precise", 0) not in (0, 1, 2, 3):
-        raise fail(f"inner_precise={kwargs['inner_precise']} must be 0, 1, 2 or 3")
-    kw = {k: v for k, v in kwargs.items() if k in _EMULATED}
-    for name in _HOST_LISTS:
-        if name in kw:
-            kw[name] = host_int_list(name, kw[name])
-    return kw
-
-
-def npu_fused_infer_attention_score(
-    query: Tensor, key: Tensor, value: Tensor, **kwargs: Any
-) -> tuple[Tensor, Tensor]:
-    """§1.3: ``(query, key, value, *, ...) -> (attention_out, softmax_lse)``; TND only."""
-    kw = _op_kwargs(kwargs)
-    graph.check_recordable(OP)
-    if task_update.updating():
-        task_update.reissue(torch.ops.npu_emu.fia.default, (query, key, value), kw)
-        return torch.empty_like(query), _lse_placeholder(kw, *query.shape[:2])
-    return torch.ops.npu_emu.fia(query, key, value, **kw)
-
-
-def _npu_fused_infer_attention_score_out(
-    query: Tensor, key: Tensor, value: Tensor, *, workspace: Tensor | None = None,
-    out: list[Tensor] | None = None, **kwargs: Any,
-) -> tuple[Tensor, Tensor]:
-    """§1.3 ``.out``: the same arguments plus ``workspace=None`` and
-    ``out=[attention_out, softmax_lse]``."""
-    if not (isinstance(out, (list, tuple)) and len(out) == 2
-            and all(isinstance(t, torch.Tensor) for t in out)):
-        raise TypeError(f"{OP}.out needs out=[attention_out, softmax_lse] [emulated]")
-    kw = _op_kwargs(kwargs)
-    kw |= {"workspace": workspace, "attention_out": out[0], "softmax_lse": out[1]}
-    graph.check_recordable(f"{OP}.out")
-    if task_update.updating():
-        task_update.reissue(torch.ops.npu_emu.fia_out.default, (query, key, value), kw)
-    else:
-        torch.ops.npu_emu.fia_out(query, key, value, **kw)
-    return out[0], out[1]
-
-
-npu_fused_infer_attention_score.out = _npu_fused_infer_attention_score_out  # type: ignore
-
-
-def _npu_fused_infer_attention_score_get_max_workspace(
-    query: Tensor, key: Tensor, value: Tensor, **kwargs: Any
-) -> Tensor:
-    """§1.3: a workspace for ``.out`` (the emulation needs none: a 1-byte tensor)."""
-    _op_kwargs(kwargs)
-    return torch.empty(1, dtype=torch.uint8)
+_NAME = f"npu_emu::{OP}"
+graph.AUTO_DISPATCH_OPS.add(_NAME)
+task_update.UPDATE_VALIDATORS[_NAME] = _validate

@@ -1,10 +1,10 @@
-"""FIA argument checks and numerics, TND layout (npu.md §1.4; the op-plugin doc it cites is
-``torch_npu-npu_fused_infer_attention_score.md``). Pure functions over already-typed arguments."""
+"""FIA argument checks and numerics, TND layout, from the op's official documentation (the
+wheel's ``_op_plugin_docs.py``, quoted in docs/npu-ops.md). Pure functions over arguments already
+bound to the schema and passed by the wheel's meta function."""
 
 from __future__ import annotations
 
 import math
-import operator
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +15,7 @@ OP = "npu_fused_infer_attention_score"
 INT_MAX = 2147483647
 MASK_SIZE = 2048
 LAYOUTS = ("BSH", "BSND", "BNSD", "TND", "TND_NTD", "NTD_TND", "BNSD_BSND", "BSH_NBSD", "BSND_NBSD",
-           "BNSD_NBSD")  # §1.4 "Layouts"
+           "BNSD_NBSD")  # the layouts the meta function parses
 _MASK_SHAPES = ((MASK_SIZE, MASK_SIZE), (1, MASK_SIZE, MASK_SIZE), (1, 1, MASK_SIZE, MASK_SIZE))
 _MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -23,24 +23,6 @@ _DTYPES = (torch.float16, torch.bfloat16)
 
 def fail(msg: str) -> RuntimeError:
     return RuntimeError(f"{OP}: {msg} [emulated torch_npu]")
-
-
-def host_int_list(name: str, value: Any) -> list[int] | None:
-    """§0, §1.3: ``actual_seq_lengths*`` are ``SymInt[]``: host Python ints, never tensors."""
-    if value is None:
-        return None
-    bad = isinstance(value, torch.Tensor) or not isinstance(value, (list, tuple))
-    if not bad:
-        bad = any(isinstance(v, (torch.Tensor, bool)) or not hasattr(v, "__index__") for v in value)
-    if bad:
-        is_seq = isinstance(value, (list, tuple))
-        kind = "list with a non-int" if is_seq else type(value).__name__
-        raise TypeError(
-            f"{OP}(): argument '{name}' must be tuple of ints, not {kind}. FIA takes host int "
-            "lists (SymInt[]) that a graph bakes at capture; build them on the host in plan() "
-            "(npu.md §0, §1.4) [emulated torch_npu]"
-        )
-    return [operator.index(v) for v in value]
 
 
 @dataclass(frozen=True)
@@ -51,11 +33,11 @@ class Plan:
     num_kv_heads: int
     kv_layout: str  # "BnBsH" | "BnNBsD" | "TND"
     max_q_len: int
-    sparse_mode: int  # effective: 0 when Q_S == 1 (§1.4: ignored there)
+    sparse_mode: int  # effective: 0 when Q_S == 1 (the doc: "Q_S为1且不带rope输入时该参数无效")
 
 
 def check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kw: dict[str, Any]) -> Plan:
-    """Raise as the real op would (RuntimeError) for arguments §1.4 rules out."""
+    """Raise as the real op would (RuntimeError) for arguments the FIA doc rules out."""
     layout = kw.get("input_layout", "BSH")
     if layout not in LAYOUTS:
         raise fail(f"input_layout {layout!r} is not supported; supported: {list(LAYOUTS)}")
@@ -64,7 +46,8 @@ def check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kw: dict[
                                   f"got {layout!r}")
     if query.dtype not in _DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
         raise fail(f"query/key/value dtypes {query.dtype}/{key.dtype}/{value.dtype}: page "
-                   "attention takes float16 or bfloat16, the same for all three (§1.4)")
+                   "attention takes float16 or bfloat16 (the doc: '支持key、value数据类型为float16、bfloat16、"
+                   "int8'; int8 is not emulated), the same for all three")
     if query.dim() != 3:
         raise fail(f"TND query must be [T, N, D], got shape {tuple(query.shape)}")
     num_tokens, num_heads, head_dim = query.shape
@@ -73,25 +56,30 @@ def check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kw: dict[
     num_kv_heads = kw.get("num_key_value_heads", 0) or num_heads
     if num_heads % num_kv_heads or num_heads // num_kv_heads > 64 or num_heads > 256:
         raise fail(f"num_heads={num_heads}, num_key_value_heads={num_kv_heads}: the GQA ratio must "
-                   "divide and be <= 64, N <= 256 (§1.4 'Other limits')")
+                   "divide and be <= 64 (the doc: 'num_heads与num_key_value_heads的比值不能大于64'), "
+                   "N <= 256 ('支持N轴小于等于256')")
     if head_dim > 512 or head_dim % 16:
-        raise fail(f"head dim {head_dim}: D must be <= 512 and 16-aligned for float16/bfloat16")
+        raise fail(f"head dim {head_dim}; the doc: '支持D轴小于等于512', '输入类型全为float16、"
+                   "bfloat16时, D轴需16对齐'")
 
     q_cu = kw.get("actual_seq_lengths")
     kv = kw.get("actual_seq_lengths_kv")
     if q_cu is None or kv is None:
-        raise fail("TND needs both actual_seq_lengths and actual_seq_lengths_kv (§1.4 'TND')")
+        raise fail("TND needs both actual_seq_lengths and actual_seq_lengths_kv; the doc: '当query"
+                   "的input_layout为TND时, 该入参必须传入', 'page attention场景下, 必须传入"
+                   "actual_seq_lengths_kv'")
     num_seqs = len(q_cu)
     if not 1 <= num_seqs <= 4096 or len(kv) != num_seqs:
         raise fail(f"actual_seq_lengths has {num_seqs} entries and actual_seq_lengths_kv "
                    f"{len(kv)}: both give the batch (1..4096 sequences)")
     if q_cu[0] < 0 or any(b < a for a, b in zip(q_cu, q_cu[1:])):
-        raise fail(f"actual_seq_lengths={q_cu} must be CUMULATIVE query lengths (non-decreasing, "
-                   "no leading 0) under TND (§1.4 'TND')")
+        raise fail(f"actual_seq_lengths={q_cu} must be CUMULATIVE query lengths under TND; the "
+                   "doc: '该入参中每个元素的值表示当前Batch与之前所有Batch的seqlen和, 因此后一个元素"
+                   "的值必须大于等于前一个元素的值, 且不能出现负值'")
     if num_tokens != q_cu[-1]:
         raise fail(f"error 561002: TND needs query.shape[0] == actual_seq_lengths[-1], got "
                    f"{num_tokens} != {q_cu[-1]}; slice query or add a dummy sequence "
-                   "(§1.4 'Padding')")
+                   "(the meta function sizes the output by query)")
     q_starts = [0, *q_cu[:-1]]
     q_lens = [e - s for s, e in zip(q_starts, q_cu)]
     max_q_len = max(q_lens)
@@ -112,7 +100,8 @@ def check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kw: dict[
 
 
 def _check_dense_kv(key, value, kv_cu, num_kv_heads, head_dim):
-    # TND without page attention: kv lengths are cumulative like the q ones (§1.4 'TND')
+    # TND without page attention: kv lengths are cumulative like the q ones (the doc: '在非PA场景
+    # 下, 第b个值表示前b个Batch的S轴累加长度')
     if key.shape != value.shape or tuple(key.shape[1:]) != (num_kv_heads, head_dim):
         raise fail(f"TND key/value must be [T_kv, {num_kv_heads}, {head_dim}], got "
                    f"{tuple(key.shape)}/{tuple(value.shape)}")
@@ -124,13 +113,18 @@ def _check_dense_kv(key, value, kv_cu, num_kv_heads, head_dim):
 
 
 def _check_paged(key, value, kw, kv_lens, num_kv_heads, head_dim, max_q_len) -> str:
-    # §1.4 'Page attention' and §1.1: per-sequence kv lengths, cache BnBsH or BnNBsD
+    # the doc's 'page attention场景': per-sequence kv lengths ('在PA场景下, 其长度等于key/value
+    # 的Batch值, 代表每个Batch的实际长度'), cache (blocknum, blocksize, H) or (blocknum, KV_N,
+    # blocksize, D)
     block_size, table = kw.get("block_size", 0), kw["block_table"]
     if max_q_len > 1 and (block_size % 128 or not 128 <= block_size <= 512):
-        raise fail(f"block_size={block_size}: with page attention and Q_S > 1 it must be a "
-                   "multiple of 128 between 128 and 512 (§1.4 'Page attention', §1.1 #8480)")
-    if not 0 < block_size <= 512:
-        raise fail(f"block_size={block_size}: page attention needs 0 < block_size <= 512")
+        raise fail(f"block_size={block_size} with Q_S > 1: page attention needs a multiple of 128 "
+                   "in [128, 512]; the doc: '在使能page attention场景下, "
+                   "block_size最小为128, 最大为512, 且要求是128的倍数'")
+    if not 0 < block_size <= 512 or block_size % 16:
+        raise fail(f"block_size={block_size} with Q_S = 1: it must be a non-zero multiple of 16, at "
+                   "most 512 (fp16/bf16); the doc: 'block_size需要传入非0值，且最大"
+                   "不超过512, key、value输入类型为float16、bfloat16时需要16对齐'")
     if table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] != len(kv_lens):
         raise fail(f"block_table must be int32 [B={len(kv_lens)}, max_blocks], got "
                    f"{table.dtype} {tuple(table.shape)}")
@@ -138,7 +132,9 @@ def _check_paged(key, value, kw, kv_lens, num_kv_heads, head_dim, max_q_len) -> 
         raise fail(f"key {tuple(key.shape)} and value {tuple(value.shape)} caches differ in shape")
     if key.dim() == 3 and tuple(key.shape[1:]) == (block_size, num_kv_heads * head_dim):
         if num_kv_heads * head_dim > 65535:
-            raise fail("KV_N * D > 65535 with a (blocknum, blocksize, H) cache")
+            raise fail(f"KV_N * D = {num_kv_heads * head_dim} with a (blocknum, blocksize, H) "
+                       "cache; the doc: '当输入kv cache排布格式为(blocknum, blocksize, H), 且KV_N*D"
+                       "超过65535时, 受硬件指令约束, 会被拦截报错' -- use (blocknum, KV_N, blocksize, D)")
         layout = "BnBsH"
     elif key.dim() == 4 and tuple(key.shape[1:]) == (num_kv_heads, block_size, head_dim):
         layout = "BnNBsD"
@@ -146,8 +142,9 @@ def _check_paged(key, value, kw, kv_lens, num_kv_heads, head_dim, max_q_len) -> 
         raise fail(
             f"paged key/value {tuple(key.shape)}: expected (blocknum, {block_size}, "
             f"{num_kv_heads * head_dim}) [BnBsH] or (blocknum, {num_kv_heads}, {block_size}, "
-            f"{head_dim}) [BnNBsD]; a [nb, bs, Hkv, D] cache is passed as cache.view(nb, bs, -1) "
-            "(§1.1)"
+            f"{head_dim}) [BnNBsD] (the doc: '当query的input_layout为BNSD、TND时, kv cache排布支持"
+            "(blocknum, blocksize, H)和(blocknum, KV_N, blocksize, D)两种格式'); a [nb, bs, Hkv, D] "
+            "cache is passed as cache.view(nb, bs, -1)"
         )
     if min(kv_lens) < 0:
         raise fail(f"actual_seq_lengths_kv={kv_lens} has a negative length")
@@ -156,34 +153,42 @@ def _check_paged(key, value, kw, kv_lens, num_kv_heads, head_dim, max_q_len) -> 
         i = blocks.index(max(blocks))
         raise fail(f"sequence {i} has kv length {kv_lens[i]} = {blocks[i]} blocks but block_table "
                    f"has {table.shape[1]} columns; under page attention actual_seq_lengths_kv are "
-                   "PER-SEQUENCE lengths, not cumulative (§1.4)")
+                   "PER-SEQUENCE lengths, not cumulative; the doc: 'block_table ... 第二维长度不能"
+                   "小于maxBlockNumPerSeq', '在PA场景下, 其长度等于key/value的Batch值, 代表每个Batch"
+                   "的实际长度'")
     if sum(blocks) > key.shape[0]:
         raise fail(f"actual_seq_lengths_kv={kv_lens} need {sum(blocks)} blocks, more than the "
-                   f"{key.shape[0]} the cache has (per-sequence lengths, not cumulative)")
+                   f"{key.shape[0]} the cache has; the doc: 'blocknum不能小于根据actual_seq_lengths_kv"
+                   "和blockSize计算的每个batch的block数量之和' (per-sequence lengths, not cumulative)")
     return layout
 
 
 def _check_sparse(kw: dict[str, Any], max_q_len: int) -> int:
     mode, mask = kw.get("sparse_mode", 0), kw.get("atten_mask")
     if max_q_len == 1:
-        return 0  # §1.4: 'For Q_S=1 without rope, sparse_mode is ignored' (and so is the mask)
+        # the doc: sparse_mode 'Q_S为1且不带rope输入时该参数无效', pre/next_tokens 'Q_S为1时该参数
+        # 无效': one query per sequence is the decode (IncreFlashAttention) branch, no mask
+        return 0
     if mode not in (0, 1, 2, 3, 4):
         raise fail(f"sparse_mode={mode}: only 0, 1, 2, 3, 4 are supported")
     if mode in (1, 2):
-        raise fail(f"sparse_mode={mode} is not supported with TND: use 0 without a mask or 3 with "
-                   "one (4 for a band)")
+        raise fail(f"sparse_mode={mode} under TND; the doc's TND limits: 'sparse模式仅支持sparse=0"
+                   "且不传mask, 或sparse=3且传入mask', 'sparse模式支持sparse_mode=4且传入mask'")
     if mode == 0:
         if mask is not None:
-            raise fail("sparse_mode=0 with an atten_mask: non-causal attention passes no mask "
-                       "(§1.4 'sparse_mode')")
+            raise fail("sparse_mode=0 with an atten_mask under TND: non-causal attention passes no mask; "
+                       "the doc: '仅支持sparse=0且不传"
+                       "mask'")
         return 0
     if mask is None:
         raise fail(f"sparse_mode={mode} needs atten_mask, the compressed 2048x2048 "
                    "upper-triangular mask (1 = masked): torch.triu(torch.ones(2048, 2048), "
-                   "diagonal=1).to(torch.int8) (§1.4 'sparse_mode')")
+                   "diagonal=1).to(torch.int8); the doc: 'sparse_mode=2、3、4时, ... 不传入atten_mask"
+                   "或者传入的shape不正确报错'")
     if tuple(mask.shape) not in _MASK_SHAPES or mask.dtype not in _MASK_DTYPES:
         raise fail(f"sparse_mode={mode} atten_mask is {mask.dtype} {tuple(mask.shape)}; it must be "
-                   "bool/int8/uint8 of shape (2048,2048), (1,2048,2048) or (1,1,2048,2048)")
+                   "bool/int8/uint8 of shape (2048,2048), (1,2048,2048) or (1,1,2048,2048) (the "
+                   "doc: 'S的值需要固定为2048')")
     if not _is_compressed_causal(mask):
         raise fail("atten_mask is not the compressed causal mask triu(ones(2048, 2048), 1) (1 = "
                    "masked, lower triangle valid); the real op does not check and computes garbage")

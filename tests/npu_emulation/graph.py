@@ -1,5 +1,5 @@
 """Emulated NPU graphs: ``torch.npu.NPUGraph``, ``torch.npu.graph``, task groups and their update
-protocols, ``ExternalEvent`` (npu.md §2.1-2.3).
+protocols, ``ExternalEvent`` (``torch_npu/npu/graphs.py`` of the wheel).
 
 Capture runs the work once under a ``TorchDispatchMode`` that records every op with the very
 tensors it touched; replay re-runs exactly those ops on those tensors (as
@@ -8,10 +8,10 @@ captured outputs. So everything Python-side is baked at capture, and in particul
 lists (``actual_seq_lengths*``): they are arguments of the one recorded FIA entry and change only
 through
 
-* the manual protocol (§2.2): ``graph_task_group_begin(s)`` / FIA / ``h = graph_task_group_end(s)``
+* the manual protocol (vllm-ascend's ``update_graph_params``): ``graph_task_group_begin(s)`` / FIA / ``h = graph_task_group_end(s)``
   under capture; later ``graph_task_update_begin(update_stream, h)``, FIA re-issued with new
   arguments on ``update_stream``, ``graph_task_update_end(update_stream)``;
-* the automatic one (§2.3): capture with ``auto_dispatch_capture=True``, then
+* the automatic one (``NPUGraph.update`` of ``graphs.py``): capture with ``auto_dispatch_capture=True``, then
   ``g.update(cpu_update_input=[{...}])`` before replay.
 
 A captured ``ExternalEvent.wait`` blocks a replay until the event is recorded outside the graph:
@@ -132,7 +132,7 @@ class _Recorder(TorchDispatchMode):
         if g._group is not None and name.split("::")[0] in _COLLECTIVE_NAMESPACES:
             raise RuntimeError(
                 f"collective {name} issued inside a graph task group: capture fails with 507009 on "
-                "HCCL/AIV; never put a collective inside a task group (npu.md §4, "
+                "HCCL/AIV; never put a collective inside a task group ("
                 "vllm-ascend #13688)"
             )
         if g.auto_dispatch_capture and g._group is None and name in AUTO_DISPATCH_OPS:
@@ -216,7 +216,7 @@ class NPUGraph:
         return result
 
     def _auto_dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        # what torch_npu's _GraphDispatchMode does for a registered op (npu.md §2.3)
+        # what torch_npu's _GraphDispatchMode does for a registered op
         s = current_stream()
         event = ExternalEvent()
         event.wait(s)
@@ -262,7 +262,7 @@ class NPUGraph:
     def pool(self) -> Any:
         return self._pool
 
-    # automatic update (npu.md §2.3; torch_npu _GraphDispatchMode.update_capture_record) -----------
+    # automatic update (torch_npu _GraphDispatchMode.update_capture_record) -----------
     def update(self, cpu_update_input: list[dict[str, Any]]) -> None:
         if not self.auto_dispatch_capture:
             raise RuntimeError("The current graph configuration does not support update, Try to "
@@ -287,7 +287,7 @@ class NPUGraph:
             event.record(NPUGraph._update_stream)
 
 
-# task groups (npu.md §2.1-2.2); their manual update is in task_update.py --------------------------
+# task groups (graphs.py: graph_task_group_begin/end); their manual update is in task_update.py --------------------------
 def graph_task_group_begin(stream: Stream) -> None:
     g = runtime.capturing.get(stream)
     if g is None:

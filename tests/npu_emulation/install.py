@@ -14,11 +14,12 @@ from collections.abc import Iterator
 
 import torch
 
-from . import fia, graph, ops, runtime, task_update
+from . import fia, graph, ops, registry, runtime, task_update
 
 BANNER = (
     "EMULATED torch_npu -- xhal TEST EMULATION, NOT the real Ascend torch_npu. Plain torch on CPU "
-    "tensors, written from shared/reference/npu.md; never ship or install it as torch_npu."
+    "tensors behind the real torch-npu wheel's schemas and meta functions; never ship or install it "
+    "as torch_npu."
 )
 
 _NPU_NAMES = {
@@ -68,6 +69,7 @@ def install() -> types.ModuleType:
     if "torch_npu" in sys.modules or hasattr(torch, "npu"):
         raise RuntimeError("a torch_npu module or torch.npu is already present; the emulation "
                            "never shadows a real torch_npu")
+    registry.define_all()  # the wheel's schemas (raises wheel.WheelUnavailable without the wheel)
     npu = _module("torch_npu.npu", _NPU_NAMES)
     mod = _module("torch_npu", dict(_OPS))
     mod.__path__ = []  # a package, so `import torch_npu.npu` works

@@ -5,7 +5,7 @@ tests.npu_emulation.plugin``) registers ``EmulatedNpuPlatform`` as "npu", replac
 It is ``NpuPlatform`` unchanged except that its tensors live on the CPU (the emulated device) and
 its collectives run on gloo; creating it installs the emulation (a ``torch_npu`` module and a
 ``torch.npu`` namespace) and makes its DeviceOps the ones serving "cpu" tensors for the rest of
-the process (ARCHITECTURE.md section 3), so the suite and the served model exercise the NPU ops,
+the process (ARCHITECTURE.md, "DeviceOps"), so the suite and the served model exercise the NPU ops,
 not the CPU reference's.
 
 The emulation is installed when the platform is created, not when this module is imported:
@@ -32,7 +32,7 @@ class EmulatedNpuPlatform(NpuPlatform):
 
         install()
         super().__init__()
-        if activate_ops:  # ARCHITECTURE.md section 3: the emulated platform serves "cpu" while it runs
+        if activate_ops:  # ARCHITECTURE.md ("DeviceOps"): the emulated platform serves "cpu" while it runs
             ops.activate("cpu", self.ops)
 
     @classmethod

@@ -1,4 +1,4 @@
-"""Emulated ``torch.npu`` runtime services: device queries, streams, events (npu.md §2.1, §4).
+"""Emulated ``torch.npu`` runtime services: device queries, streams, events (``torch_npu/npu/streams.py`` of the wheel).
 
 The emulated device is the CPU, and work runs synchronously when it is issued, so a stream is only
 a name that graph capture and the update protocol check. The one asynchronous thing emulated is a
@@ -115,7 +115,7 @@ def _check_no_blocked_replay() -> None:
             f"synchronize would hang: {len(blocked_replays)} NPUGraph replay(s) are blocked on a "
             "captured ExternalEvent.wait that was never recorded. Update the graph (g.update(...) "
             "or graph_task_update_begin/end + event.record(update_stream)) before or right after "
-            "every replay (emulated torch_npu, npu.md §2.2-2.3)"
+            "every replay (emulated torch_npu)"
         )
 
 

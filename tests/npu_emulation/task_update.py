@@ -1,4 +1,4 @@
-"""The manual task-group update protocol (npu.md §2.1-2.2): ``graph_task_update_begin(stream,
+"""The manual task-group update protocol (``graphs.py`` of the wheel, as vllm-ascend uses it): ``graph_task_update_begin(stream,
 handle)``, ops re-issued on ``stream`` (queued, not run), ``graph_task_update_end(stream)`` replaces
 the arguments of the group's recorded entries."""
 
@@ -39,7 +39,7 @@ def graph_task_update_begin(stream: Stream, handle: TaskGroupHandle) -> None:
         raise RuntimeError("graph_task_update_begin: an update is already open")
     if stream is handle.capture_stream:
         raise RuntimeError("graph_task_update_begin: the update stream must differ from the "
-                           "capture stream (npu.md §2.1)")
+                           "capture stream")
     if stream in runtime.capturing:
         raise RuntimeError("graph_task_update_begin on a capturing stream")
     _session = _UpdateSession(stream, handle)

@@ -1,10 +1,13 @@
 """NPU attention: one ``npu_fused_infer_attention_score`` (FIA) call in TND layout over the paged
 cache for every batch kind, after a paged KV write (``npu_scatter_pa_kv_cache``, cache_mode "Norm").
 
-``plan`` turns the step's host lengths into the Python int lists FIA takes (npu.md section 1.6:
-vllm-ascend's metadata builder does the same, once per step). In a captured graph those lists are
-baked, so each layer's FIA is captured as a task group and re-issued with the new lists on the
-update stream before every replay (npu.md section 2.2, the protocol vllm-ascend uses).
+``plan`` turns the step's host lengths into the Python int lists FIA takes (the schema's
+``SymInt[]? actual_seq_lengths``; vllm-ascend's metadata builder does the same, once per step). In a
+captured graph those lists are baked, so each layer's FIA is captured as a task group and re-issued
+with the new lists on the update stream before every replay (``graph_task_group_begin/end`` and
+``graph_task_update_begin/end`` of the wheel's ``torch_npu/npu/graphs.py``, used as vllm-ascend's
+``update_graph_params`` does). Every FIA rule quoted here is from the op's documentation in the
+torch-npu wheel, collected in docs/npu-ops.md.
 """
 
 from __future__ import annotations
@@ -22,17 +25,23 @@ from xhal.interfaces.cache import LayerCache, normalize_layer_caches
 from xhal.interfaces.metadata import AttentionMetadata
 from xhal.npu.kv_write import KV_WRITERS, pick_kv_writer
 
-SPARSE_CAUSAL = 3  # rightDownCausal: bottom-right aligned, what chunked prefill needs (section 1.4)
-SPARSE_BAND = 4  # band: sliding window (section 1.4)
-DUMMY_Q_LEN = 2  # a dummy sequence long enough to route FIA to its prompt kernel
+# FIA sparse_mode: '为3时, 代表rightDownCausal模式的mask, 对应以右顶点为划分的下三角场景'
+# (bottom-right aligned causal, what chunked prefill needs); '为4时, 代表band模式的mask'
+SPARSE_CAUSAL = 3
+SPARSE_BAND = 4
+# '当Query矩阵的S为1, 进入IncreFlashAttention分支, 其余场景进入PromptFlashAttention分支': a
+# 2-token dummy sequence keeps a windowed decode batch on the prompt branch, where the band applies
+DUMMY_Q_LEN = 2
 
 
 @dataclass
 class FiaPlan:
     """One step's FIA arguments, shared by every layer."""
 
-    actual_seq_lengths: list[int]  # cumulative q lengths, TND (section 1.4)
-    actual_seq_lengths_kv: list[int]  # per-sequence kv lengths, not cumulative (section 1.4)
+    # TND: '每个元素的值表示当前Batch与之前所有Batch的seqlen和' (cumulative q lengths)
+    actual_seq_lengths: list[int]
+    # page attention: '在PA场景下, 其长度等于key/value的Batch值, 代表每个Batch的实际长度'
+    actual_seq_lengths_kv: list[int]
     block_table: torch.Tensor  # int32 [B, max_blocks]
     slot_mapping: torch.Tensor  # int32 [T]
     dummy_rows: int = 0  # query rows of a trailing dummy sequence (sliding-window decode)
@@ -40,7 +49,8 @@ class FiaPlan:
 
     @property
     def num_query_rows(self) -> int:
-        """Rows FIA computes: TND needs query.shape[0] == actual_seq_lengths[-1] (section 1.4)."""
+        """Rows FIA computes: the query's T must equal ``actual_seq_lengths[-1]`` under TND (the
+        meta function sizes the output by the query; hardware answers error 561002 otherwise)."""
         return self.actual_seq_lengths[-1] if self.actual_seq_lengths else 0
 
     @property
@@ -87,14 +97,14 @@ class NpuAttention(AttentionBackend):
     # planning ----------------------------------------------------------------------------------
 
     def plan(self, metadata: AttentionMetadata, graph_key: Hashable | None = None) -> None:
-        # host tensors only: no device sync (ARCHITECTURE.md section 2)
+        # host tensors only: no device sync (ARCHITECTURE.md, the step contract)
         q_lens = metadata.q_seq_lens_host.tolist()
         cumulative = list(itertools.accumulate(q_lens))
         kv_lens = metadata.kv_seq_lens_host.tolist()
         table, dummy_rows = metadata.block_table, 0
         if self.spec.sliding_window is not None and max(q_lens, default=0) == 1:
-            # Q_S = 1 routes FIA to its decode kernel, which ignores sparse_mode (section 1.4): a
-            # dummy 2-token sequence over block 0 keeps the band mask in force
+            # FIA's doc: sparse_mode 'Q_S为1且不带rope输入时该参数无效' and pre_tokens 'Q_S为1时
+            # 该参数无效': a dummy 2-token sequence over block 0 keeps the band mask in force
             dummy_rows = DUMMY_Q_LEN
             cumulative.append(cumulative[-1] + dummy_rows)
             kv_lens.append(dummy_rows)
@@ -135,16 +145,17 @@ class NpuAttention(AttentionBackend):
             num_heads=s.num_heads,
             num_key_value_heads=s.num_kv_heads,
             input_layout="TND",
-            scale=s.softmax_scale,  # FIA defaults to 1.0 (section 1.4)
+            scale=s.softmax_scale,  # the schema's default is 1.0 ('用户不特意指定时可传入默认值1.0')
             block_table=plan.block_table,
             block_size=s.block_size,
             actual_seq_lengths=plan.actual_seq_lengths,
             actual_seq_lengths_kv=plan.actual_seq_lengths_kv,
-            atten_mask=self.mask,  # the compressed 2048x2048 mask modes 2-4 need (section 1.4)
+            atten_mask=self.mask,  # 'sparse_mode=2、3、4时, atten_mask的shape需要为(S, S)... S的值需要固定为2048'
             sparse_mode=SPARSE_CAUSAL,
         )
         if s.sliding_window is not None:
-            # band: a query sees itself and the W - 1 keys before it, W keys in all
+            # band: pre_tokens '表示attention需要和前几个Token计算关联' counts the keys before the
+            # query, so W keys including the query itself are pre_tokens = W - 1, next_tokens = 0
             kwargs.update(sparse_mode=SPARSE_BAND, pre_tokens=s.sliding_window - 1, next_tokens=0)
         return kwargs
 
@@ -159,10 +170,13 @@ class NpuAttention(AttentionBackend):
         cache = self._caches[layer_id]
         self._write(self.npu, k, v, cache, plan.slot_mapping)
         num_blocks, block_size = cache.key.shape[:2]
-        key = cache.key.view(num_blocks, block_size, -1)  # BnBsH, as FIA reads it (section 1.1)
+        # (blocknum, blocksize, H): a free view of the host's [nb, bs, Hkv, D] cache; TND takes it
+        # or (blocknum, KV_N, blocksize, D) ('当query的input_layout为BNSD、TND时, kv cache排布支持
+        # (blocknum, blocksize, H)和(blocknum, KV_N, blocksize, D)两种格式')
+        key = cache.key.view(num_blocks, block_size, -1)
         value = cache.value.view(num_blocks, block_size, -1)
         # TND needs query.shape[0] == actual_seq_lengths[-1]: drop the trailing padding rows
-        # (section 1.4; vllm-ascend slices query[:num_tokens] the same way)
+        # (vllm-ascend slices query[:num_tokens] the same way)
         n = plan.num_real_tokens
         query = q[:n].contiguous()  # [n, H, D]
         if plan.dummy_rows:
@@ -187,12 +201,13 @@ class NpuAttention(AttentionBackend):
         key: torch.Tensor,
         value: torch.Tensor,
     ) -> torch.Tensor:
-        """FIA under graph capture, as vllm-ascend's ``full_graph_fia`` (npu.md section 2.2):
-        an event the update will record, then the ``.out`` call alone in a task group."""
+        """FIA under graph capture, as vllm-ascend's ``full_graph_fia``: an event the update
+        will record, then the ``.out`` overload (the schema's ``Tensor? workspace=None`` plus the
+        two outputs) alone in a task group."""
         npu, kwargs = self.npu, self._fia_kwargs(plan)
         stream = torch.npu.current_stream()
         workspace = self._workspaces.get(plan.graph_key)
-        if workspace is None:  # sized for the longest lengths, so any update fits (section 2.2)
+        if workspace is None:  # the "max" workspace: sized so any later update fits
             get_workspace = npu._npu_fused_infer_attention_score_get_max_workspace
             workspace = get_workspace(query, key, value, **kwargs)
             self._workspaces[plan.graph_key] = workspace
@@ -201,7 +216,7 @@ class NpuAttention(AttentionBackend):
         event = torch.npu.ExternalEvent()
         event.wait(stream)
         event.reset(stream)
-        # only FIA inside the group: a collective in a task group fails capture (section 4)
+        # only FIA inside the group: HCCL in a task group fails capture (vllm-ascend #13688)
         torch.npu.graph_task_group_begin(stream)
         npu.npu_fused_infer_attention_score.out(
             query, key, value, workspace=workspace, out=[output, softmax_lse], **kwargs
@@ -213,7 +228,7 @@ class NpuAttention(AttentionBackend):
 
     def before_replay(self, graph_key: Hashable) -> None:
         """Re-issue every captured FIA of ``graph_key`` with the lengths of the latest
-        ``plan(..., graph_key)``, on the update stream, then release its event (section 2.2)."""
+        ``plan(..., graph_key)``, on the update stream, then release its event."""
         captured = self._captured.get(graph_key)
         if not captured:
             return

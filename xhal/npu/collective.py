@@ -1,5 +1,6 @@
-"""HCCL collectives on plain ``torch.distributed`` (vllm-ascend's NPUCommunicator does the same,
-npu.md section 4). Never issued inside an FIA task group: HCCL there fails graph capture."""
+"""HCCL collectives on plain ``torch.distributed`` (vllm-ascend's NPUCommunicator does the same;
+the op documentation has nothing on HCCL). Never issued inside an FIA task group: HCCL there fails
+graph capture (vllm-ascend #13688)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,6 @@ class HcclCollective(TensorCollective):
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         super().__init__(group)
         # HCCL communicators are built lazily by the first collective, and lazy init under
-        # contention fails (error code 7): warm this group up now, once (section 4)
+        # contention fails (error code 7, as vllm-ascend reports): warm this group up now, once
         warm = torch.ones(1, device=device)
         dist.all_reduce(warm, group=group)

@@ -1,4 +1,5 @@
-"""NPU graphs: ``torch.npu.NPUGraph`` captures, all in one memory pool (npu.md section 2.1).
+"""NPU graphs: ``torch.npu.NPUGraph`` captures, all in one memory pool (``NPUGraph``,
+``graph_pool_handle`` and ``graph`` of the wheel's ``torch_npu/npu/graphs.py``).
 
 A key's capture is a list of pieces: NPU graphs and, between them, the eager functions ``split``
 ran (attention, in piecewise mode) with the static tensor each result goes to. Mechanics only:
@@ -14,7 +15,7 @@ from xhal.piecewise_capture import PiecewiseStreamGraphRunner
 
 
 class NpuGraphRunner(PiecewiseStreamGraphRunner):
-    """What ``torch.npu.graph(g, pool=...)`` does (section 2.1), spelled out so that ``split`` can
+    """What ``torch.npu.graph(g, pool=...)`` does (``torch_npu/npu/graphs.py``), spelled out so that ``split`` can
     end one graph and begin the next: synchronize, then capture on a side stream. No eager warm-up
     run (unlike the CUDA runner): under a graph-keyed plan the attention backend opens FIA task
     groups, which exist only under capture."""

@@ -1,8 +1,13 @@
-"""Paged KV-cache writers, in vllm-ascend's order of preference (npu.md sections 1.2 and 1.5).
+"""Paged KV-cache writers, in vllm-ascend's order of preference; the rules quoted are from the
+ops' official documentation (docs/npu-ops.md).
 
 Each writes k, v ``[T, Hkv, D]`` into caches ``[num_blocks, block_size, Hkv, D]`` at
 ``slot_mapping`` (int32 ``[T]``), leaving rows with slot -1 unwritten, with device ops only
-(graph-safe).
+(graph-safe). Neither documented op skips -1: ``npu_scatter_pa_kv_cache`` takes slots in
+"[0, num_blocks*block_size-1]" and ``npu_scatter_nd_update_`` "不支持越界" (no out-of-range index).
+So a -1 row is redirected to repeat the first real row's write (same slot, same values: a repeat
+whose every write is equal leaves one defined result); with no real row, slot 0 is rewritten with
+what it holds.
 """
 
 from __future__ import annotations
@@ -17,41 +22,52 @@ from xhal.interfaces.cache import LayerCache
 KvWriter = Callable[[ModuleType, torch.Tensor, torch.Tensor, LayerCache, torch.Tensor], None]
 
 
-def scatter_pa(
-    npu: ModuleType, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slots: torch.Tensor
-) -> None:
-    # "Norm" is the ND cache; the default "PA_NZ" expects NZ. Contiguous inputs, as vllm-ascend
-    # passes them; -1 slots are skipped (section 1.1, PR #11713)
-    npu.npu_scatter_pa_kv_cache(
-        k.contiguous(), v.contiguous(), cache.key, cache.value, slots, cache_mode="Norm"
-    )
-
-
-def reshape_and_cache(
-    npu: ModuleType, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slots: torch.Tensor
-) -> None:
-    # ATB (needs NNAL's libatb.so); negative slots are skipped (section 1.2)
-    npu._npu_reshape_and_cache(k.contiguous(), v.contiguous(), cache.key, cache.value, slots)
-
-
-def scatter_nd(
-    npu: ModuleType, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slots: torch.Tensor
-) -> None:
-    """The portable fallback: ``npu_scatter_nd_update_`` on the cache flattened to one row per slot
-    (section 1.2, ``sfa_v1.py``). A general scatter skips nothing, so a -1 row is redirected to
-    repeat the first real row's write (same slot, same value); with no real row, slot 0 is
-    rewritten with what it holds."""
+def _redirect_padding(
+    slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(slots, k, v) with every -1 row replaced by a repeat of a real write, device ops only."""
     num_tokens = slots.shape[0]
     valid = slots >= 0
     any_valid = valid.any()
     first = valid.to(torch.int32).argmax()  # the first real row (0 when there is none)
     rows = torch.where(valid, torch.arange(num_tokens, device=slots.device), first)
-    index = torch.where(any_valid, slots.index_select(0, rows), 0).long().view(-1, 1)  # [T, 1]
+    new_slots = torch.where(any_valid, slots.index_select(0, rows), 0).to(slots.dtype)
+    out = []
+    for new, cache_tensor in ((k, cache.key), (v, cache.value)):
+        picked = new.index_select(0, rows)  # [T, Hkv, D]
+        slot0 = cache_tensor[0, 0].unsqueeze(0).expand_as(picked)  # what slot 0 holds
+        out.append(torch.where(any_valid, picked, slot0).contiguous())
+    return new_slots.contiguous(), out[0], out[1]
+
+
+def scatter_pa(
+    npu: ModuleType, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slots: torch.Tensor
+) -> None:
+    # cache_mode "Norm" is the ND cache ('当传None或'Norm'时，仅支持ND内存排布格式'); the default
+    # "PA_NZ" takes NZ. The doc: '输入参数不支持非连续'
+    slots, k, v = _redirect_padding(slots, k, v, cache)
+    npu.npu_scatter_pa_kv_cache(k, v, cache.key, cache.value, slots, cache_mode="Norm")
+
+
+def reshape_and_cache(
+    npu: ModuleType, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slots: torch.Tensor
+) -> None:
+    # ATB (needs NNAL's libatb.so); the wheel documents it nowhere, so padding is redirected here
+    # too rather than trusting ATB to skip negative slots
+    slots, k, v = _redirect_padding(slots, k, v, cache)
+    npu._npu_reshape_and_cache(k, v, cache.key, cache.value, slots)
+
+
+def scatter_nd(
+    npu: ModuleType, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slots: torch.Tensor
+) -> None:
+    """The portable fallback: ``npu_scatter_nd_update_`` on the cache flattened to one row per
+    slot, as vllm-ascend's ``sfa_v1.py`` does."""
+    slots, k, v = _redirect_padding(slots, k, v, cache)
+    index = slots.long().view(-1, 1)  # [T, 1]
     for new, cache_tensor in ((k, cache.key), (v, cache.value)):
         flat = cache_tensor.view(-1, new.shape[-2] * new.shape[-1])  # [num_slots, Hkv*D]
-        updates = new.reshape(num_tokens, -1).index_select(0, rows)
-        updates = torch.where(any_valid, updates, flat[:1].expand_as(updates))
-        npu.npu_scatter_nd_update_(flat, index, updates)
+        npu.npu_scatter_nd_update_(flat, index, new.reshape(new.shape[0], -1))
 
 
 KV_WRITERS: dict[str, KvWriter] = {

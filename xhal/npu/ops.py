@@ -1,5 +1,6 @@
-"""NPU DeviceOps: torch_npu's fused norm, rotary, SwiGLU and top-k/top-p ops (npu.md section 3),
-vectorized torch for the rest (no per-row loops)."""
+"""NPU DeviceOps: torch_npu's fused norm, rotary, SwiGLU and top-k/top-p ops, vectorized torch for
+the rest (no per-row loops). The rules quoted are the ops' official documentation (docs/npu-ops.md).
+"""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 from xhal import sampling
 from xhal.interfaces.ops import DeviceOps
 
-TOP_K_MAX = 1024  # npu_top_k_top_p takes k in [1, 1024] and <= V (section 3)
-ROPE_DIM_MULTIPLE = 32  # npu_mrope's fp16/bf16 dims must be multiples of 32 (section 3)
+TOP_K_MAX = 1024  # npu_top_k_top_p: k '值域为[1, 1024]，且最大值需要小于等于logits.size(1)'
+# npu_mrope: 'BFLOAT16或FLOAT16时，rotary_dim要求是32的倍数，当输入是FLOAT32时...16的倍数'
+ROPE_DIM_MULTIPLE = {torch.float16: 32, torch.bfloat16: 32, torch.float32: 16}
 
 
 class NpuOps(DeviceOps):
@@ -19,13 +21,16 @@ class NpuOps(DeviceOps):
         self.npu = torch_npu
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        y, _ = self.npu.npu_rms_norm(x, weight.to(x.dtype), eps)  # (y, rstd): section 3
-        return y
+        # (y, rstd); gamma '数据类型需要和self保持一致', self '输入shape支持2-8维'
+        x2 = x.unsqueeze(0) if x.dim() == 1 else x  # one row: [1, H]
+        y, _ = self.npu.npu_rms_norm(x2, weight.to(x.dtype), eps)
+        return y.view(x.shape)
 
     def fused_add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # (y, rstd, x1 + x2), inputs untouched: the third output is the new residual (section 3)
+        # (y, rstd, x1 + x2), inputs untouched: the third output is the new residual (the meta
+        # function's outputs; 2.14.0 ships no doc for this op)
         y, _, summed = self.npu.npu_add_rms_norm(x, residual, weight.to(x.dtype), eps)
         return y, summed
 
@@ -38,18 +43,20 @@ class NpuOps(DeviceOps):
         is_neox: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # both ops take 2-D q/k [T, N*D] with head_size D and a [max_pos, R] cache, R <= D (partial
-        # rotary passes channels R.. through); 'half' is NeoX, 'interleaved' GPT-J (section 3)
+        # rotary passes channels R.. through). npu_mrope: 'queryIn、keyIn、cosSinCache只支持2维',
+        # ''half'表示rotate_half(GPT-NeoX style)', ''interleave'表示rotate_interleaved(GPT-J
+        # style)'; the cache's dtypes (BF16/FP16/FP32) are listed apart from the query's, so the
+        # float32 cache the DeviceOps contract hands over is passed as it is
         num_tokens, head_dim, rotary_dim = q.shape[0], q.shape[-1], cos_sin_cache.shape[-1]
         q2 = q.reshape(num_tokens, -1)  # [T, H*D]
         k2 = k.reshape(num_tokens, -1)  # [T, Hkv*D]
-        half_precision = q.dtype in (torch.float16, torch.bfloat16)
-        off_multiple = head_dim % ROPE_DIM_MULTIPLE or rotary_dim % ROPE_DIM_MULTIPLE
-        if not (half_precision and off_multiple):
+        multiple = ROPE_DIM_MULTIPLE.get(q.dtype)
+        if multiple is not None and rotary_dim % multiple == 0:
             q_out, k_out = self.npu.npu_mrope(
                 positions.long(), q2.contiguous(), k2.contiguous(), cos_sin_cache, head_dim,
-                rotary_mode="half" if is_neox else "interleaved",
+                rotary_mode="half" if is_neox else "interleave",
             )
-        else:  # npu_mrope wants fp16/bf16 dims in multiples of 32; the ATB op has no such rule
+        else:  # npu_mrope's rotary_dim rule excludes the shape; the ATB op states none
             q_out, k_out = q2.clone(), k2.clone()
             self.npu._npu_rotary_embedding(
                 positions.long(), q_out, k_out, head_dim, cos_sin_cache, is_neox
@@ -57,7 +64,7 @@ class NpuOps(DeviceOps):
         return q_out.view(q.shape), k_out.view(k.shape)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        # silu(A) * B with A, B = x.chunk(2), on a contiguous input (section 3)
+        # 'swish(A) * B', A and B the halves of x along dim
         return self.npu.npu_swiglu(x.contiguous(), dim=-1)
 
     def sample(

@@ -1,5 +1,6 @@
-"""The Ascend NPU platform, on torch_npu (``shared/reference/npu.md`` holds the API notes cited as
-"section N" across ``xhal/npu``)."""
+"""The Ascend NPU platform, on torch_npu. The op rules quoted across ``xhal/npu`` are from the
+official documentation shipped in the torch-npu wheel (``torch_npu/_op_plugin_docs.py``), collected
+with their sources in docs/npu-ops.md."""
 
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ _INSTALL_HELP = (
 
 
 def import_torch_npu() -> ModuleType:
-    """``import torch_npu``, or one ``RuntimeError`` saying what to install (npu.md section 5:
-    without CANN the import fails with ``libhccl.so: cannot open shared object file``)."""
+    """``import torch_npu``, or one ``RuntimeError`` saying what to install (without CANN the
+    import fails, e.g. with ``libhccl.so: cannot open shared object file``)."""
     try:
         import torch_npu
     except (ImportError, OSError, RuntimeError) as err:
@@ -45,15 +46,17 @@ class NpuPlatform(Platform):
     dist_backend = "hccl"
     capabilities = Capabilities(
         attention=AttentionCapabilities(
-            # FIA page attention reads fp16 / bf16 caches only (npu.md section 1.4)
+            # FIA page attention: '支持key、value数据类型为float16、bfloat16、int8' (int8 needs
+            # quantization arguments xhal does not pass)
             dtypes=(torch.bfloat16, torch.float16),
-            # TND without rope: D must be 128 per the FIA doc (npu.md section 1.4)
+            # the doc allows D <= 512, 16-aligned; 128 is the one head dim declared until hardware
+            # runs the suite (the doc's "TND ... Q_D、K_D等于192" limits belong to its MLA block)
             head_dims=(128,),
-            # FIA with Q_S > 1 needs block_size a multiple of 128 in [128, 512]; vllm-ascend's
-            # kernel block size is 128 (npu.md sections 1.1, 1.4)
+            # FIA page attention with Q_S > 1: 'block_size最小为128, 最大为512, 且要求是128的倍数'
+            # (Q_S = 1 only asks 16-aligned, <= 512; a served batch may prefill, so 128s rule)
             block_sizes=(128,),
             block_size_multiple=128,
-            sliding_window=True,  # FIA sparse_mode=4 (npu.md section 1.4)
+            sliding_window=True,  # FIA sparse_mode=4: '代表band模式的mask'
             logits_soft_cap=False,  # FIA has no soft cap
         ),
         ops_dtypes=(torch.float32, torch.bfloat16, torch.float16),
@@ -62,7 +65,7 @@ class NpuPlatform(Platform):
             "graphs: FIA host arguments updated at every replay (graph_task_update_begin/end)",
         ),
     )
-    max_block_size = 512  # FIA page attention with Q_S > 1 (npu.md section 1.4)
+    max_block_size = 512  # FIA page attention: 'block_size最小为128, 最大为512'
 
     def __init__(self) -> None:
         self.torch_npu = import_torch_npu()
@@ -104,7 +107,8 @@ class NpuPlatform(Platform):
 
     def causal_mask(self) -> torch.Tensor:
         """The one 2048x2048 int8 mask sparse modes 2-4 take, 1 above the diagonal (masked), built
-        once per process as vllm-ascend's ``get_splitfuse_attn_mask`` does (npu.md section 1.4)."""
+        once per process as vllm-ascend's ``get_splitfuse_attn_mask`` does (FIA: 'sparse_mode=2、
+        3、4时, atten_mask的shape需要为(S, S)... S的值需要固定为2048')."""
         if self._mask is None:
             ones = torch.ones(2048, 2048, dtype=torch.int8)
             self._mask = torch.triu(ones, diagonal=1).to(self.device())
@@ -112,7 +116,7 @@ class NpuPlatform(Platform):
 
     def update_stream(self):
         """The side stream FIA task updates are issued on; it must differ from the capture stream
-        (npu.md section 2.1)."""
+        (``graph_task_update_begin(stream, handle)`` re-records tasks of another stream)."""
         if self._update_stream is None:
             self._update_stream = torch.npu.Stream()
         return self._update_stream
@@ -132,7 +136,7 @@ class NpuPlatform(Platform):
         return torch.device("npu", torch.npu.current_device() if index is None else index)
 
     def set_device(self, index: int) -> None:
-        # before init_process_group, as vllm-ascend's worker does (npu.md section 4)
+        # before init_process_group, as vllm-ascend's worker does
         torch.npu.set_device(index)
 
     def synchronize(self) -> None:
