@@ -191,6 +191,35 @@ def test_kv_writers_match_the_reference(npu, writer: str) -> None:
     assert (out[:real].float() - expected[:real].float()).abs().max() < 2e-2
 
 
+def test_hnd_cache_layout_matches_the_reference(npu, monkeypatch) -> None:
+    """XHAL_NPU_KV_LAYOUT=HND: caches [nb, Hkv, bs, D] (FIA's recommended (blocknum, KV_N,
+    blocksize, D)), written by scatter_nd at (block, head, offset) and read by FIA as they are;
+    the same cache contents and outputs as the CPU reference on the NHD layout."""
+    from xhal.cpu_ref.attention import CpuAttention
+
+    assert "HND" in npu.capabilities.attention.kv_cache_layouts
+    monkeypatch.setenv("XHAL_NPU_KV_LAYOUT", "HND")
+    spec, meta, caches, (q, k, v) = _batch(torch.bfloat16, seed=2)
+    backend = npu.attention_backend(spec)
+    assert backend.kv_layout == "HND" and backend.kv_writer == "scatter_nd_hnd"
+    assert backend.kv_cache_shape(8) == (8, 2, BLOCK_SIZE, 128)
+    hnd = [LayerCache(*(t.transpose(1, 2).contiguous() for t in (c.key, c.value))) for c in caches]
+    backend.bind_kv_caches(hnd)
+    backend.plan(meta)
+    out = backend.forward(0, q, k, v)
+    reference = CpuAttention(spec)
+    reference.bind_kv_caches(caches)
+    reference.plan(meta)
+    expected = reference.forward(0, q, k, v)
+    assert torch.equal(hnd[0].key.transpose(1, 2), caches[0].key)
+    assert torch.equal(hnd[0].value.transpose(1, 2), caches[0].value)
+    real = int(meta.q_cu_seq_lens[-1])
+    assert (out[:real].float() - expected[:real].float()).abs().max() < 2e-2
+    monkeypatch.setenv("XHAL_NPU_KV_LAYOUT", "HDN")
+    with pytest.raises(ValueError, match="NHD .*or HND"):
+        npu.attention_backend(spec)
+
+
 def test_block_size_not_a_multiple_of_128_is_refused_up_front(npu) -> None:
     for block_size in (16, 64, 192, 640):
         with pytest.raises(ValueError, match=f"block_size {block_size} .*multiple of 128"):

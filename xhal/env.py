@@ -17,3 +17,15 @@ def cache_dir() -> str:
     """``XHAL_CACHE_DIR``: where generated artefacts (the built-in default model) are kept."""
     default = os.path.join(os.path.expanduser("~"), ".cache", "xhal")
     return os.environ.get("XHAL_CACHE_DIR", default)
+
+
+def npu_kv_layout() -> str:
+    """``XHAL_NPU_KV_LAYOUT``: the NPU backend's paged KV cache layout, ``"NHD"`` (default: the
+    executor's ``[num_blocks, block_size, num_kv_heads, head_dim]``, which FIA reads as
+    ``(blocknum, blocksize, H)``) or ``"HND"`` (``[num_blocks, num_kv_heads, block_size,
+    head_dim]``, FIA's ``(blocknum, KV_N, blocksize, D)``, the layout its documentation
+    recommends for speed; the host must allocate caches by ``kv_cache_shape``)."""
+    value = os.environ.get("XHAL_NPU_KV_LAYOUT", "NHD")
+    if value not in ("NHD", "HND"):
+        raise ValueError(f"XHAL_NPU_KV_LAYOUT={value!r}: use NHD (default) or HND")
+    return value

@@ -32,6 +32,10 @@ class AttentionCapabilities:
     block_size_multiple: int = 1  # any block size must be a multiple of this
     sliding_window: bool = False
     logits_soft_cap: bool = False
+    # paged cache layouts the backend can run on: "NHD" = [num_blocks, block_size, num_kv_heads,
+    # head_dim] (the executor's default, what the suite builds), "HND" = [num_blocks,
+    # num_kv_heads, block_size, head_dim]; a backend's kv_cache_shape says which one it uses
+    kv_cache_layouts: tuple[str, ...] = ("NHD",)
 
     def check(self, spec: AttentionSpec) -> None:
         """Raise ``ValueError`` saying what is supported when a spec is outside the declaration."""

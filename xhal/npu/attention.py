@@ -32,6 +32,7 @@ SPARSE_BAND = 4
 # '当Query矩阵的S为1, 进入IncreFlashAttention分支, 其余场景进入PromptFlashAttention分支': a
 # 2-token dummy sequence keeps a windowed decode batch on the prompt branch, where the band applies
 DUMMY_Q_LEN = 2
+KV_LAYOUTS = ("NHD", "HND")  # [nb, bs, Hkv, D] as (blocknum, blocksize, H); [nb, Hkv, bs, D]
 
 
 @dataclass
@@ -80,9 +81,17 @@ class NpuAttention(AttentionBackend):
         mask: torch.Tensor,
         update_stream: Any,
         kv_writer: str | None = None,
+        kv_layout: str = "NHD",
     ) -> None:
         super().__init__(spec)
         self.npu, self.mask, self.update_stream = torch_npu, mask, update_stream
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout {kv_layout!r}: the NPU backend runs on {KV_LAYOUTS}")
+        self.kv_layout = kv_layout
+        if kv_layout == "HND":  # the scatter_pa / ATB writers take NHD caches only
+            kv_writer = kv_writer or "scatter_nd_hnd"
+            if kv_writer != "scatter_nd_hnd":
+                raise ValueError(f"kv_writer {kv_writer!r} cannot write an HND cache")
         self.kv_writer = kv_writer or pick_kv_writer(torch_npu)
         self._write = KV_WRITERS[self.kv_writer]
         self._caches: list[LayerCache] = []
@@ -90,6 +99,12 @@ class NpuAttention(AttentionBackend):
         self._graph_plans: dict[Hashable, FiaPlan] = {}
         self._captured: dict[Hashable, dict[int, CapturedFia]] = {}
         self._workspaces: dict[Hashable, torch.Tensor] = {}
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        s = self.spec
+        if self.kv_layout == "HND":  # FIA's (blocknum, KV_N, blocksize, D)
+            return (num_blocks, s.num_kv_heads, s.block_size, s.head_dim)
+        return super().kv_cache_shape(num_blocks)
 
     def bind_kv_caches(self, caches: Sequence[LayerCache]) -> None:
         self._caches = normalize_layer_caches(caches)
@@ -169,12 +184,13 @@ class NpuAttention(AttentionBackend):
             raise RuntimeError("NpuAttention.forward called before plan(metadata)")
         cache = self._caches[layer_id]
         self._write(self.npu, k, v, cache, plan.slot_mapping)
-        num_blocks, block_size = cache.key.shape[:2]
-        # (blocknum, blocksize, H): a free view of the host's [nb, bs, Hkv, D] cache; TND takes it
-        # or (blocknum, KV_N, blocksize, D) ('当query的input_layout为BNSD、TND时, kv cache排布支持
-        # (blocknum, blocksize, H)和(blocknum, KV_N, blocksize, D)两种格式')
-        key = cache.key.view(num_blocks, block_size, -1)
-        value = cache.value.view(num_blocks, block_size, -1)
+        # TND takes '(blocknum, blocksize, H)和(blocknum, KV_N, blocksize, D)两种格式': NHD is the
+        # first by a free view, HND is the second as it is
+        key, value = cache.key, cache.value
+        if self.kv_layout == "NHD":
+            num_blocks, block_size = cache.key.shape[:2]
+            key = key.view(num_blocks, block_size, -1)
+            value = value.view(num_blocks, block_size, -1)
         # TND needs query.shape[0] == actual_seq_lengths[-1]: drop the trailing padding rows
         # (vllm-ascend slices query[:num_tokens] the same way)
         n = plan.num_real_tokens

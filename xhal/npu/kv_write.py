@@ -1,7 +1,8 @@
 """Paged KV-cache writers, in vllm-ascend's order of preference; the rules quoted are from the
 ops' official documentation (docs/npu-ops.md).
 
-Each writes k, v ``[T, Hkv, D]`` into caches ``[num_blocks, block_size, Hkv, D]`` at
+Each writes k, v ``[T, Hkv, D]`` into caches ``[num_blocks, block_size, Hkv, D]`` (the HND
+writer: ``[num_blocks, Hkv, block_size, D]``) at
 ``slot_mapping`` (int32 ``[T]``), leaving rows with slot -1 unwritten, with device ops only
 (graph-safe). Neither documented op skips -1: ``npu_scatter_pa_kv_cache`` takes slots in
 "[0, num_blocks*block_size-1]" and ``npu_scatter_nd_update_`` "不支持越界" (no out-of-range index).
@@ -70,10 +71,39 @@ def scatter_nd(
         npu.npu_scatter_nd_update_(flat, index, new.reshape(new.shape[0], -1))
 
 
+def scatter_nd_hnd(
+    npu: ModuleType, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slots: torch.Tensor
+) -> None:
+    """The writer of the HND cache ``[num_blocks, num_kv_heads, block_size, head_dim]`` (FIA's
+    ``(blocknum, KV_N, blocksize, D)``), which ``npu_scatter_pa_kv_cache`` has no scenario for
+    (its ND scenario is ``[num_blocks, block_size, num_head, head_size]``): one
+    ``npu_scatter_nd_update_`` per tensor at index triples ``(block, head, offset)``."""
+    slots, k, v = _redirect_padding_hnd(slots, k, v, cache)
+    num_tokens, num_kv_heads = k.shape[0], k.shape[1]
+    block_size = cache.key.shape[2]
+    heads = torch.arange(num_kv_heads, device=slots.device).view(1, -1)  # [1, Hkv]
+    s = slots.long().view(-1, 1)  # [T, 1]
+    index = torch.stack(
+        [(s // block_size).expand(-1, num_kv_heads), heads.expand(num_tokens, -1),
+         (s % block_size).expand(-1, num_kv_heads)], dim=-1
+    )  # [T, Hkv, 3]
+    for new, cache_tensor in ((k, cache.key), (v, cache.value)):
+        npu.npu_scatter_nd_update_(cache_tensor, index, new)
+
+
+def _redirect_padding_hnd(
+    slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # what slot 0 holds, in HND: cache[0, :, 0] is [Hkv, D]
+    hnd = LayerCache(cache.key.transpose(1, 2), cache.value.transpose(1, 2))  # a view as NHD
+    return _redirect_padding(slots, k, v, hnd)
+
+
 KV_WRITERS: dict[str, KvWriter] = {
     "scatter_pa": scatter_pa,
     "reshape_and_cache": reshape_and_cache,
     "scatter_nd": scatter_nd,
+    "scatter_nd_hnd": scatter_nd_hnd,
 }
 _OPS = {
     "scatter_pa": "npu_scatter_pa_kv_cache",

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from xhal import env
+
 from xhal.interfaces.attention import AttentionSpec
 from xhal.distributed import SingleRankCollective, resolve_group
 from xhal.interfaces.collective import Collective
@@ -56,6 +58,12 @@ class NpuPlatform(Platform):
             # (Q_S = 1 only asks 16-aligned, <= 512; a served batch may prefill, so 128s rule)
             block_sizes=(128,),
             block_size_multiple=128,
+            # FIA reads the executor's [nb, bs, Hkv, D] cache as (blocknum, blocksize, H) by a free
+            # view (NHD, the default: the cache contract every host and the suite use, and
+            # npu_scatter_pa_kv_cache's ND scenario); XHAL_NPU_KV_LAYOUT=HND gives the
+            # [nb, Hkv, bs, D] cache FIA's doc recommends ('kv cache排布为(blocknum, KV_N,
+            # blocksize, D)时性能通常优于...(blocknum, blocksize, H)') and needs past KV_N*D 65535
+            kv_cache_layouts=("NHD", "HND"),
             sliding_window=True,  # FIA sparse_mode=4: '代表band模式的mask'
             logits_soft_cap=False,  # FIA has no soft cap
         ),
@@ -103,7 +111,12 @@ class NpuPlatform(Platform):
         self.capabilities.attention.check(spec)
         from xhal.npu.attention import NpuAttention
 
-        return NpuAttention(spec, self.torch_npu, self.causal_mask(), self.update_stream())
+        layout = env.npu_kv_layout()
+        if layout not in self.capabilities.attention.kv_cache_layouts:
+            raise ValueError(f"XHAL_NPU_KV_LAYOUT={layout} is not a declared layout")
+        return NpuAttention(
+            spec, self.torch_npu, self.causal_mask(), self.update_stream(), kv_layout=layout
+        )
 
     def causal_mask(self) -> torch.Tensor:
         """The one 2048x2048 int8 mask sparse modes 2-4 take, 1 above the diagonal (masked), built
