@@ -12,9 +12,8 @@ import torch
 import torch.distributed as dist
 
 from xhal import env
-
-from xhal.interfaces.attention import AttentionSpec
 from xhal.distributed import SingleRankCollective, resolve_group
+from xhal.interfaces.attention import AttentionSpec
 from xhal.interfaces.collective import Collective
 from xhal.interfaces.platform import AttentionCapabilities, Capabilities, Platform
 
