@@ -82,7 +82,7 @@ def test_fia_without_page_attention_takes_cumulative_kv(npu):
 
 def test_fia_out_variant_writes_given_tensors(npu):
     b = make_batch([3, 1], [3, 200])
-    out, lse = torch.empty_like(b.q), torch.empty(1, dtype=BF16)
+    out, lse = torch.empty_like(b.q), torch.empty(1)
     get_workspace = npu._npu_fused_infer_attention_score_get_max_workspace
     ws = get_workspace(b.q, flat(b.k), flat(b.v), **fia_kwargs(b))
     res = npu.npu_fused_infer_attention_score.out(

@@ -67,7 +67,7 @@ def test_graph_bakes_lengths_and_manual_update_fixes_them(npu):
 
 def test_graph_vllm_ascend_order_out_variant_with_external_event(npu):
     b, q = decode_setup(npu)
-    out, lse = torch.empty_like(q), torch.empty(1, dtype=BF16)
+    out, lse = torch.empty_like(q), torch.empty(1)
     g, event = torch.npu.NPUGraph(), torch.npu.ExternalEvent()
 
     def fia_out(kv_lens):

@@ -68,6 +68,28 @@ def test_every_backend_op_is_in_the_wheel_and_emulated_under_its_schema(npu):
                                "_npu_fused_infer_attention_score_get_max_workspace"}
 
 
+def test_every_torch_npu_name_the_backend_uses_is_exported_by_the_wheel(npu):
+    """``torch.npu.<name>`` in xhal/npu is in the ``__all__`` of the wheel's torch_npu/npu, and the
+    emulated namespace has it."""
+    import ast
+
+    from npu_emulation.wheel import wheel_files
+
+    tree = ast.parse(wheel_files().npu_init.read_text(encoding="utf-8"))
+    exported = {
+        elt.value
+        for node in ast.walk(tree) if isinstance(node, ast.Assign)
+        and any(getattr(t, "id", None) == "__all__" for t in node.targets)
+        for elt in node.value.elts
+    }
+    used = set()
+    for path in [*NPU_SRC.glob("*.py"), NPU_SRC.parent / "piecewise_capture.py"]:
+        used |= set(re.findall(r"\btorch\.npu\.(\w+)", path.read_text()))
+    assert {"graph_task_update_begin", "ExternalEvent", "NPUGraph"} <= used, used
+    assert used <= exported, used - exported
+    assert all(hasattr(torch.npu, name) for name in used)
+
+
 # teeth: planted calls refused with the official rule ------------------------------------------------
 def test_wrong_keyword_name_is_refused(npu):
     b = make_batch([3], [3])
@@ -218,3 +240,17 @@ def test_counts_bound_calls_and_meta_checks(npu):
     npu.npu_fused_infer_attention_score(b.q, flat(b.k), flat(b.v), **fia_kwargs(b))
     after = registry.COUNTS["npu_fused_infer_attention_score"]
     assert after["bound"] == before["bound"] + 1 and after["meta"] == before["meta"] + 1
+
+
+def test_out_overload_takes_the_documented_lse_buffer(npu):
+    """softmaxLse '数据类型支持float32' and, without softmax_lse_flag, '输出shape为[1]的值为0的Tensor'."""
+    b = make_batch([3, 1], [3, 9])
+    kw = fia_kwargs(b)
+    out, lse = torch.empty_like(b.q), torch.full((1,), 7.0)
+    npu.npu_fused_infer_attention_score.out(b.q, flat(b.k), flat(b.v), out=[out, lse], **kw)
+    assert max_err(out, reference(b)) < TOL and lse.item() == 0
+    with pytest.raises(RuntimeError, match="float32"):
+        npu.npu_fused_infer_attention_score.out(
+            b.q, flat(b.k), flat(b.v), out=[out, torch.empty(1, dtype=BF16)], **kw)
+    with pytest.raises(TypeError, match="'out' must be a list of 2 tensors"):
+        npu.npu_fused_infer_attention_score.out(b.q, flat(b.k), flat(b.v), out=out, **kw)

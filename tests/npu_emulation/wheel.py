@@ -4,7 +4,7 @@ The wheel is downloaded with pip (``pip download --no-deps``; importing torch_np
 ``import torch``, so it is only unzipped) into ``$XHAL_CACHE_DIR/torch-npu-<version>/`` (default
 ``~/.cache/xhal``), and the few text files the emulation reads are extracted next to it. Later runs,
 and the subprocesses of a run (conformance, the server), find them there and download nothing.
-Neither the wheel (43 MB) nor the extracted files (1.6 MB) are committed: they are Ascend's files,
+Neither the wheel (43 MB) nor the extracted files (1.7 MB) are committed: they are Ascend's files,
 read at test time.
 
 When the wheel cannot be had (no network, no pip), ``wheel_files()`` raises ``WheelUnavailable``
@@ -36,6 +36,7 @@ _MEMBERS = {
     "atb_header": "torch_npu/include/third_party/op-plugin/op_plugin/include/AtbOpsInterface.h",
     "atb_docs": "torch_npu/op_plugin/atb/_atb_api_docs.py",
     "atb_meta": "torch_npu/op_plugin/atb/_atb_meta_registrations.py",
+    "npu_init": "torch_npu/npu/__init__.py",  # the torch.npu namespace (__all__)
 }
 
 
@@ -54,6 +55,7 @@ class WheelFiles:
     atb_header: Path  # C++ signatures of the ATB ops
     atb_docs: Path
     atb_meta: Path
+    npu_init: Path  # torch_npu/npu/__init__.py: what torch.npu exports
 
 
 def cache_root() -> Path:
@@ -111,6 +113,8 @@ def _extract(wheel: Path, extracted: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         raise WheelUnavailable(f"{wheel} is not a readable torch-npu wheel ({err}); delete it "
                                "to download it again") from err
+    if extracted.exists() and not all((extracted / m).is_file() for m in _MEMBERS.values()):
+        shutil.rmtree(extracted, ignore_errors=True)  # from an older member list: redo it
     try:
         os.replace(tmp, extracted)
     except OSError:  # another process extracted it first

@@ -228,7 +228,8 @@ class NpuAttention(AttentionBackend):
             workspace = get_workspace(query, key, value, **kwargs)
             self._workspaces[plan.graph_key] = workspace
         output = torch.empty_like(query)
-        softmax_lse = torch.empty(1, dtype=query.dtype, device=query.device)
+        # softmax_lse_flag=False: the doc's "shape为[1]的值为0的Tensor", dtype "float32"
+        softmax_lse = torch.empty(1, dtype=torch.float32, device=query.device)
         event = torch.npu.ExternalEvent()
         event.wait(stream)
         event.reset(stream)
