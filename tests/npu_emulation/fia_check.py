@@ -4,6 +4,7 @@ bound to the schema and passed by the wheel's meta function."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from dataclasses import dataclass
@@ -72,7 +73,7 @@ def check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kw: dict[
     if not 1 <= num_seqs <= 4096 or len(kv) != num_seqs:
         raise fail(f"actual_seq_lengths has {num_seqs} entries and actual_seq_lengths_kv "
                    f"{len(kv)}: both give the batch (1..4096 sequences)")
-    if q_cu[0] < 0 or any(b < a for a, b in zip(q_cu, q_cu[1:])):
+    if q_cu[0] < 0 or any(b < a for a, b in itertools.pairwise(q_cu)):
         raise fail(f"actual_seq_lengths={q_cu} must be CUMULATIVE query lengths under TND; the "
                    "doc: '该入参中每个元素的值表示当前Batch与之前所有Batch的seqlen和, 因此后一个元素"
                    "的值必须大于等于前一个元素的值, 且不能出现负值'")
@@ -105,7 +106,7 @@ def _check_dense_kv(key, value, kv_cu, num_kv_heads, head_dim):
     if key.shape != value.shape or tuple(key.shape[1:]) != (num_kv_heads, head_dim):
         raise fail(f"TND key/value must be [T_kv, {num_kv_heads}, {head_dim}], got "
                    f"{tuple(key.shape)}/{tuple(value.shape)}")
-    if kv_cu[0] < 0 or any(b < a for a, b in zip(kv_cu, kv_cu[1:])) or kv_cu[-1] != key.shape[0]:
+    if kv_cu[0] < 0 or any(b < a for a, b in itertools.pairwise(kv_cu)) or kv_cu[-1] != key.shape[0]:
         raise fail(f"without block_table, actual_seq_lengths_kv={kv_cu} must be cumulative and "
                    f"end at key.shape[0]={key.shape[0]}")
     starts = [0, *kv_cu[:-1]]

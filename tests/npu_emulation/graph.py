@@ -32,8 +32,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_flatten
 
 from . import runtime
-from .task_update import validate
 from .runtime import Stream, current_stream, default_stream
+from .task_update import validate
 
 # ops that read tensor values on the host or size outputs by them: illegal under capture
 _HOST_SYNC_OPS = {
