@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from paged_host import PagedHost
 
 import xhal
-from paged_host import PagedHost
 
 BLOCK_SIZE = 128
 

@@ -54,8 +54,10 @@ for _schema in (
     "moe_init_routing(Tensor x, Tensor row_idx, Tensor expert_idx, int active_num) -> (Tensor, Tensor, Tensor)",
     "moe_compute_expert_tokens(Tensor sorted_expert_for_source_row, int num_expert) -> Tensor",
     "grouped_matmul_m(Tensor x, Tensor weight, Tensor group_list, int group_list_type) -> Tensor",
-    "moe_finalize_routing(Tensor expanded_permuted_rows, Tensor? skip1, Tensor? skip2, Tensor? bias, "
-    "Tensor? scales, Tensor expanded_src_to_dst_row, Tensor? export_for_source_row, int k) -> Tensor",
+    (
+        "moe_finalize_routing(Tensor expanded_permuted_rows, Tensor? skip1, Tensor? skip2, Tensor? bias, "
+        "Tensor? scales, Tensor expanded_src_to_dst_row, Tensor? export_for_source_row, int k) -> Tensor"
+    ),
 ):
     _lib.define(_schema)
 
