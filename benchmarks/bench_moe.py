@@ -20,7 +20,7 @@ import torch
 
 import xhal
 from benchmarks.bench_model import decode_metadata
-from benchmarks.common import ceilings, table, time_cuda, time_cuda_pipelined
+from benchmarks.common import ceilings, table, time_cuda, time_cuda_pipelined, time_graph
 from models import load_model
 from xhal.executor import ExecutorConfig, ModelExecutor
 
@@ -76,6 +76,33 @@ def floor_bytes(config: dict, batch: int, experts_per_layer: list[int]) -> dict[
     }
 
 
+SWEEP = [(16, 32, 128), (16, 64, 64), (16, 64, 128), (32, 64, 64), (64, 64, 64)]  # (M, N, K) tiles
+
+
+def sweep_layer(model, batches: list[int], rate: float) -> list[dict]:
+    """One layer's routed experts (``fused_experts``, graph-captured) per tile configuration at
+    each batch, against the bytes of the experts the batch routes to."""
+    from xhal.cuda.kernels import moe as kernels
+
+    layer = model.model.layers[0].mlp
+    w13, w2 = layer.experts.w13_weight, layer.experts.w2_weight
+    hidden = w13.shape[2]
+    per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    rows = []
+    for batch in batches:
+        g = torch.Generator(device=w13.device).manual_seed(batch)
+        x = torch.randn(batch, hidden, device=w13.device, dtype=w13.dtype, generator=g)
+        weights, ids = kernels.route(layer.gate(x), layer.experts.top_k, layer.experts.renormalize)
+        floor_us = int(torch.unique(ids).numel()) * per_expert / rate * 1e6
+        row = {"batch": batch, "floor_us": floor_us, "default": str(kernels.default_config(ids.numel(), w13.shape[0]))}
+        for m, n, k in SWEEP:
+            config = kernels.MoeConfig(m, n, k)
+            us = time_graph(lambda config=config: kernels.fused_experts(x, w13, w2, weights, ids, config)) * 1e3
+            row[f"{m}x{n}x{k}_us"] = us
+        rows.append(row)
+    return rows
+
+
 def hf_decode_ms(config: dict, batch: int, device) -> float:
     """transformers' Qwen3MoeForCausalLM (sdpa, StaticCache prefilled with CTX - 1 tokens), one
     eager decode step issued back to back (its experts loop syncs with the host, so no graphs)."""
@@ -120,6 +147,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=48, help="fewer layers to fit a time budget")
     parser.add_argument("--hf-batches", type=int, nargs="*", default=[1], help="transformers' batches")
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the one-layer tile sweep")
     args = parser.parse_args()
     config = {**CONFIG, "num_hidden_layers": args.layers}
     ceil = ceilings(read=True)
@@ -159,6 +187,7 @@ def main() -> None:
         row["graph_speedup"] = row["eager_ms"] / row["graph_ms"]
         rows.append(row)
         print(f"batch {batch}: floor parts (GB) " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in parts.items()))
+    sweep = [] if args.no_sweep else sweep_layer(model, batches, rate)
     hf_rows = []
     if not args.no_hf and args.hf_batches:
         del executors, caches, model
@@ -177,6 +206,9 @@ def main() -> None:
     title = (f"decode step (execute + logits), Qwen3-30B-A3B shape ({args.layers} layers), bf16, ctx {CTX}; "
              f"floor = (routed experts + attention/router + LM head + KV bytes) / streaming read "
              f"{rate / 1e12:.2f} TB/s")
+    if sweep:
+        print(table(sweep, "one layer's routed experts (graph-captured fused_experts) per tile M x N x K; "
+                           "floor = bytes of the experts routed to / streaming read"))
     if hf_rows:
         print(table(hf_rows, "peer: transformers Qwen3MoeForCausalLM (sdpa, StaticCache, eager), same shape; "
                              "xhal_speedup = its step / xhal's pipelined graph step"))

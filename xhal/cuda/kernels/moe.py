@@ -152,10 +152,14 @@ class MoeConfig:
 
 
 def default_config(num_pairs: int, num_experts: int) -> MoeConfig:
-    """Decode-sized batches give each expert a handful of rows: the smallest M tile, narrow N
-    tiles for more programs over the weights; prefill batches fill larger tiles."""
-    if num_pairs <= 2 * num_experts:
+    """The M tile follows the rows an expert gets on average, since every expert's run is padded
+    to it: decode batches (a few rows per expert, even at batch 64 over 128 experts) take the
+    smallest tile and narrow N tiles for more programs over the weights; prefill fills larger."""
+    rows_per_expert = num_pairs / num_experts
+    if rows_per_expert <= 16:
         return MoeConfig(block_m=16, block_n=32, block_k=128)
+    if rows_per_expert <= 48:
+        return MoeConfig(block_m=32, block_n=64, block_k=64)
     return MoeConfig(block_m=64, block_n=64, block_k=64, num_stages=3)
 
 
