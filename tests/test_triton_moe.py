@@ -34,23 +34,39 @@ def test_route_ties_pick_the_lower_expert() -> None:
     assert torch.allclose(weights.cpu(), torch.full((2, 2), 0.5))
 
 
-def test_sorted_pairs_group_each_expert_in_whole_blocks() -> None:
+SORTS = [moe.sort_pairs_fused, moe.sort_pairs_torch]
+
+
+@pytest.mark.parametrize("sort", SORTS, ids=["fused", "torch"])
+def test_sorted_pairs_group_each_expert_in_whole_blocks(sort) -> None:
     ids = torch.tensor([[2, 0], [2, 3], [0, 2], [2, 1]], dtype=torch.int32, device=DEVICE)
-    pairs = moe.sort_pairs(ids, num_experts=5, block_m=4)
+    pairs = sort(ids, num_experts=5, block_m=4)
     rows = pairs.pair_ids.cpu().view(-1, 4).tolist()
     experts = pairs.block_expert.cpu().tolist()
     flat = ids.flatten().cpu().tolist()
     seen = []
     for block, expert in zip(rows, experts):
-        real = [p for p in block if p < 8]
-        if expert == 5:  # past the last run: nothing real
-            assert real == []
+        if expert == 5:  # past the last run: its rows are never read (and may hold anything)
             continue
+        real = [p for p in block if p < 8]
+        assert all(p == 8 for p in block if p >= 8), block  # the rest of a run: padding
         assert all(flat[p] == expert for p in real) and real == sorted(real)
         seen += real
     assert sorted(seen) == list(range(8))  # every pair once: none dropped, none doubled
     # experts 0..3 hold 2, 1, 4 and 1 pairs: one block each; expert 4 has no pair and no block
     assert experts[:4] == [0, 1, 2, 3] and set(experts[4:]) <= {5}
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [(37, 16, 4, 16), (64, 128, 8, 16), (5, 3, 2, 64)])
+def test_fused_sort_equals_the_torch_sort(num_tokens, num_experts, top_k, block_m) -> None:
+    """The one-launch sort and torch's stable sort give the same rows for every real block."""
+    _, ids = ref.route(separated_logits(num_tokens, num_experts, seed=4), top_k, True)
+    ids = ids.to(DEVICE, torch.int32)
+    fused = moe.sort_pairs_fused(ids, num_experts, block_m)
+    plain = moe.sort_pairs_torch(ids, num_experts, block_m)
+    assert torch.equal(fused.block_expert, plain.block_expert)
+    real = (plain.block_expert < num_experts).repeat_interleave(block_m)
+    assert torch.equal(fused.pair_ids[real], plain.pair_ids[real])
 
 
 CASES = {

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -71,7 +70,8 @@ class SortedPairs:
 
     ``pair_ids [R]``: the pair (``t * k + j``) of each sorted row, ``num_pairs`` on padding rows;
     ``block_expert [R / block_m]``: each block's expert, ``num_experts`` for blocks past the last
-    expert's run (their programs exit at once). ``R`` is a bound known on the host.
+    expert's run (their programs exit at once, so their rows are never read and left undefined).
+    ``R`` is a bound known on the host.
     """
 
     pair_ids: torch.Tensor
@@ -80,7 +80,13 @@ class SortedPairs:
     block_m: int
 
 
-def sort_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> SortedPairs:
+def _num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    # at most min(E, P) experts are non-empty, each padded by fewer than block_m rows
+    return max(1, triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m))
+
+
+def sort_pairs_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> SortedPairs:
+    """``SortedPairs`` by torch ops (a stable sort): any number of pairs."""
     flat = topk_ids.reshape(-1).long()  # [P]: pair t * k + j -> its expert
     num_pairs, device = flat.numel(), flat.device
     counts = torch.zeros(num_experts, dtype=torch.long, device=device)
@@ -91,9 +97,7 @@ def sort_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Sorted
     expert_of_sorted = flat[order]
     rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[expert_of_sorted]
     row = (padded_end - padded)[expert_of_sorted] + rank
-    # at most min(E, P) experts are non-empty, each padded by fewer than block_m rows
-    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    num_blocks = max(1, triton.cdiv(bound, block_m))
+    num_blocks = _num_blocks(num_pairs, num_experts, block_m)
     pair_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
     pair_ids.scatter_(0, row, order.to(torch.int32))
     starts = torch.arange(num_blocks, device=device) * block_m
@@ -102,14 +106,80 @@ def sort_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Sorted
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
+def _sort_pairs_kernel(
+    ids_ptr, pair_ids_ptr, block_expert_ptr, num_pairs,
+    NUM_EXPERTS: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
+    P_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, NB_BLOCK: tl.constexpr,
+):
+    # one program per expert: every program counts all pairs per expert (a histogram), finds
+    # where its expert's padded run starts, and writes its pairs there in their original order
+    expert = tl.program_id(0)
+    offs = tl.arange(0, P_BLOCK)
+    valid = offs < num_pairs
+    ids = tl.load(ids_ptr + offs, mask=valid, other=E_BLOCK)  # lanes past P land in a spare bin
+    bins = tl.arange(0, 2 * E_BLOCK)
+    counts = tl.where(bins < NUM_EXPERTS, tl.histogram(ids, 2 * E_BLOCK), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    starts = tl.cumsum(padded, axis=0) - padded
+    start = tl.sum(tl.where(bins == expert, starts, 0), axis=0)
+    count = tl.sum(tl.where(bins == expert, counts, 0), axis=0)
+    run = tl.sum(tl.where(bins == expert, padded, 0), axis=0)
+    hit = valid & (ids == expert)
+    rank = tl.cumsum(hit.to(tl.int32), axis=0) - 1
+    tl.store(pair_ids_ptr + start + rank, offs.to(tl.int32), mask=hit)
+    pad = tl.arange(0, BLOCK_M)
+    tl.store(pair_ids_ptr + start + count + pad, (pad * 0 + num_pairs).to(tl.int32), mask=pad < run - count)
+    blocks = tl.arange(0, NB_BLOCK)
+    first = start // BLOCK_M
+    mine = (blocks >= first) & (blocks < first + run // BLOCK_M)
+    tl.store(block_expert_ptr + blocks, (blocks * 0 + expert).to(tl.int32), mask=mine)
+    # blocks past the last run: marked empty (their rows are never read)
+    total = tl.sum(padded, axis=0) // BLOCK_M
+    tail = (blocks >= total) & (blocks < NUM_BLOCKS) & (expert == 0)
+    tl.store(block_expert_ptr + blocks, (blocks * 0 + NUM_EXPERTS).to(tl.int32), mask=tail)
+
+
+MAX_FUSED_SORT_PAIRS = 4096  # one program holds every pair: decode batches, not long prefills
+
+
+def sort_pairs_fused(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> SortedPairs:
+    """``SortedPairs`` in one launch (decode-sized batches: up to ``MAX_FUSED_SORT_PAIRS``)."""
+    flat = topk_ids.reshape(-1)
+    if flat.dtype != torch.int32 or not flat.is_contiguous():
+        flat = flat.to(torch.int32).contiguous()
+    num_pairs = flat.numel()
+    if num_pairs > MAX_FUSED_SORT_PAIRS:
+        raise ValueError(f"sort_pairs_fused takes up to {MAX_FUSED_SORT_PAIRS} pairs, got {num_pairs}")
+    num_blocks = _num_blocks(num_pairs, num_experts, block_m)
+    pair_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=flat.device)
+    _sort_pairs_kernel[(num_experts,)](
+        flat, pair_ids, block_expert, num_pairs,
+        NUM_EXPERTS=num_experts, NUM_BLOCKS=num_blocks, BLOCK_M=block_m,
+        P_BLOCK=max(16, triton.next_power_of_2(num_pairs)),
+        E_BLOCK=triton.next_power_of_2(num_experts), NB_BLOCK=triton.next_power_of_2(num_blocks),
+    )
+    return SortedPairs(pair_ids, block_expert, num_pairs, block_m)
+
+
+def sort_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> SortedPairs:
+    """Token-expert pairs sorted by expert and padded per expert to ``block_m`` rows: one launch
+    for decode-sized batches, torch's stable sort beyond."""
+    if topk_ids.numel() <= MAX_FUSED_SORT_PAIRS:
+        return sort_pairs_fused(topk_ids, num_experts, block_m)
+    return sort_pairs_torch(topk_ids, num_experts, block_m)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, pair_ids_ptr, block_expert_ptr, weights_ptr,
     num_pairs, a_stride, b_stride_e, b_stride_n, c_stride,
     N: tl.constexpr, K: tl.constexpr, NUM_EXPERTS: tl.constexpr, PAIRS_PER_ROW: tl.constexpr,
-    APPLY_WEIGHTS: tl.constexpr, PRECISION: tl.constexpr,
+    APPLY_WEIGHTS: tl.constexpr, GATED: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # c[pair] = a[pair // PAIRS_PER_ROW] @ b[expert].T (* weights[pair]) for the block's rows
+    # c[pair] = a[pair // PAIRS_PER_ROW] @ b[expert].T (* weights[pair]) for the block's rows;
+    # GATED: b's rows are N gate rows then N up rows, and c = silu(a @ gate.T) * (a @ up.T)
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert >= NUM_EXPERTS:
@@ -121,6 +191,7 @@ def _grouped_gemm_kernel(
     n_mask = offs_n < N
     b_base = b_ptr + expert * b_stride_e
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
@@ -133,6 +204,14 @@ def _grouped_gemm_kernel(
             mask=k_mask[:, None] & n_mask[None, :], other=0.0,
         )
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if GATED:
+            up = tl.load(
+                b_base + (offs_n[None, :] + N) * b_stride_n + offs_k[:, None],
+                mask=k_mask[:, None] & n_mask[None, :], other=0.0,
+            )
+            up_acc = tl.dot(a, up, up_acc, input_precision=PRECISION)
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * up_acc
     if APPLY_WEIGHTS:
         acc = acc * tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
     tl.store(
@@ -164,9 +243,11 @@ def default_config(num_pairs: int, num_experts: int) -> MoeConfig:
 
 
 def _grouped_gemm(
-    a, b, out, sorted_pairs: SortedPairs, pairs_per_row: int, weights, config: MoeConfig
+    a, b, out, sorted_pairs: SortedPairs, pairs_per_row: int, weights, config: MoeConfig,
+    gated: bool = False,
 ) -> None:
     num_experts, n, k = b.shape
+    n = n // 2 if gated else n
     grid = (sorted_pairs.block_expert.numel(), triton.cdiv(n, config.block_n))
     _grouped_gemm_kernel[grid](
         a, b, out, sorted_pairs.pair_ids, sorted_pairs.block_expert,
@@ -174,7 +255,8 @@ def _grouped_gemm(
         sorted_pairs.num_pairs, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
         N=n, K=k, NUM_EXPERTS=num_experts, PAIRS_PER_ROW=pairs_per_row,
         # float32 stays float32 ("ieee": no TF32 rounding); 16-bit inputs ignore the setting
-        APPLY_WEIGHTS=weights is not None, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        APPLY_WEIGHTS=weights is not None, GATED=gated,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -188,8 +270,8 @@ def fused_experts(
     topk_ids: torch.Tensor,
     config: MoeConfig | None = None,
 ) -> torch.Tensor:
-    """``DeviceOps.moe_experts``: gate-up GEMM, SiLU-and-multiply, down GEMM scaled by each pair's
-    routing weight, then each token's k rows summed in float32."""
+    """``DeviceOps.moe_experts``: the gate-up GEMM with SiLU-and-multiply in its epilogue, the
+    down GEMM scaled by each pair's routing weight, then each token's k rows summed in float32."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
     if x.stride(-1) != 1:
@@ -198,10 +280,8 @@ def fused_experts(
     num_pairs = num_tokens * top_k
     config = config or default_config(num_pairs, num_experts)
     pairs = sort_pairs(topk_ids, num_experts, config.block_m)
-    gate_up = x.new_empty(num_pairs, two_inter)  # [P, 2I]
-    _grouped_gemm(x, w13, gate_up, pairs, top_k, None, config)
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    act = (F.silu(gate) * up).to(x.dtype)  # [P, I]
+    act = x.new_empty(num_pairs, two_inter // 2)  # [P, I]
+    _grouped_gemm(x, w13, act, pairs, top_k, None, config, gated=True)
     down = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [P, H]
     _grouped_gemm(act, w2, down, pairs, 1, topk_weights.reshape(-1).float().contiguous(), config)
     return down.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
