@@ -69,9 +69,10 @@ def test_fused_sort_equals_the_torch_sort(num_tokens, num_experts, top_k, block_
     assert torch.equal(fused.pair_ids[real], plain.pair_ids[real])
 
 
+# the moe family (run interpreted below) covers more shapes with the default tiles; these force
+# both ends of the tile range onto a lone token and onto crowded experts
 CASES = {
     "one-token": (1, 8, 2, 64, 32, None),
-    "few-tokens-many-experts": (5, 64, 8, 128, 48, None),
     "crowded-few-experts": (70, 16, 4, 32, 64, [3, 7, 12, 13]),
 }
 
