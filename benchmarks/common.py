@@ -66,6 +66,32 @@ def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
     return 2 * num_bytes / (ms * 1e-3)
 
 
+def read_bandwidth(num_bytes: int = 2 << 30) -> float:
+    """Streaming-read rate in bytes/s: the best of a Triton kernel that only loads (each program
+    sums its contiguous chunk into one value) and torch's sum over the same buffer. Decode reads
+    weights and KV without writing much back, so this, not the copy rate, is its floor's rate."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _read(src, out, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        base = tl.program_id(0).to(tl.int64) * CHUNK
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        for i in range(0, CHUNK, BLOCK):
+            acc += tl.load(src + base + i + tl.arange(0, BLOCK))
+        tl.store(out + tl.program_id(0), tl.sum(acc, axis=0))
+
+    chunk, block = 1 << 16, 4096
+    words = num_bytes // 4 // chunk * chunk
+    src = torch.ones(words, dtype=torch.int32, device="cuda")
+    out = torch.empty(words // chunk, dtype=torch.int32, device="cuda")
+    kernel_ms = time_cuda(lambda: _read[(words // chunk,)](src, out, CHUNK=chunk, BLOCK=block), iters=20)
+    as_float = src.view(torch.float32)
+    sum_ms = time_cuda(lambda: as_float.sum(), iters=20)
+    del src, out
+    return words * 4 / (min(kernel_ms, sum_ms) * 1e-3)
+
+
 def matmul_flops(n: int = 8192) -> float:
     """bf16 n x n x n matmul rate in FLOP/s on random data."""
     a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
@@ -74,10 +100,16 @@ def matmul_flops(n: int = 8192) -> float:
     return 2 * n**3 / (ms * 1e-3)
 
 
-def ceilings() -> dict[str, float]:
+def ceilings(read: bool = False) -> dict[str, float]:
+    """Copy rate and bf16 matmul rate (plus, with ``read``, the streaming-read rate)."""
     bw, fl = copy_bandwidth(), matmul_flops()
-    print(f"ceilings: copy {bw / 1e12:.2f} TB/s (read+write), bf16 matmul {fl / 1e12:.0f} TFLOP/s")
-    return {"bandwidth": bw, "flops": fl}
+    out = {"bandwidth": bw, "flops": fl}
+    line = f"ceilings: copy {bw / 1e12:.2f} TB/s (read+write), bf16 matmul {fl / 1e12:.0f} TFLOP/s"
+    if read:
+        out["read_bandwidth"] = read_bandwidth()
+        line += f", streaming read {out['read_bandwidth'] / 1e12:.2f} TB/s"
+    print(line)
+    return out
 
 
 def table(rows: list[dict], title: str) -> str:

@@ -1,4 +1,5 @@
-"""Community-style model definitions (Llama, Qwen2, Qwen3) on xhal's device-neutral layers, and
+"""Community-style model definitions (Llama, Qwen2, Qwen3 and the Qwen-MoE and Mixtral mixtures of
+experts) on xhal's device-neutral layers, and
 loading from Hugging Face checkpoint directories."""
 
 from models.loader import load_model

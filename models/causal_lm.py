@@ -11,7 +11,7 @@ from torch import nn
 
 from models import config as cfg
 from models.common import DecoderModel, DecoderOptions
-from models.weights import LLAMA_STACKED, load_named_weights
+from models.weights import LLAMA_STACKED, Stacked, StackedExperts, load_named_weights
 from xhal.layers import ParallelLMHead, TensorParallel
 
 
@@ -48,6 +48,11 @@ class CausalLM(nn.Module):
         """The model family's choices (biases, q/k norm); overridden per model."""
         return DecoderOptions()
 
+    @classmethod
+    def weight_stacking(cls, config: Any) -> tuple[Stacked | StackedExperts, ...]:
+        """How checkpoint tensors fuse into parameters; MoE models add their experts'."""
+        return LLAMA_STACKED
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -66,4 +71,4 @@ class CausalLM(nn.Module):
         """Load full Hugging Face checkpoint tensors (each rank keeps its shards). Raises
         ``WeightsMismatchError`` naming any missing or unexpected tensor."""
         skip = self.skip_weights + (("lm_head.weight",) if self.tie_word_embeddings else ())
-        load_named_weights(self, weights, LLAMA_STACKED, skip)
+        load_named_weights(self, weights, self.weight_stacking(self.config), skip)

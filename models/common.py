@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from models import config as cfg
+from models.moe import MoeOptions, SparseMoeBlock, is_sparse_layer
 from xhal.layers import (
     Attention,
     MergedColumnParallelLinear,
@@ -32,6 +33,7 @@ class DecoderOptions:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head of q and k before rope (Qwen3)
+    moe: MoeOptions | None = None  # sparse layers' experts (the config says which layers)
 
 
 def build_rotary(config: Any) -> RotaryEmbedding:
@@ -127,7 +129,10 @@ class DecoderLayer(nn.Module):
         super().__init__()
         eps = cfg.get(config, "rms_norm_eps")
         self.self_attn = RopeAttention(config, layer_id, rotary_emb, options, tp)
-        self.mlp = GatedMLP(config, options, tp)
+        if options.moe is not None and is_sparse_layer(config, layer_id):
+            self.mlp: nn.Module = SparseMoeBlock(config, options.moe, tp)
+        else:
+            self.mlp = GatedMLP(config, options, tp)
         self.input_layernorm = RMSNorm(cfg.get(config, "hidden_size"), eps)
         self.post_attention_layernorm = RMSNorm(cfg.get(config, "hidden_size"), eps)
 

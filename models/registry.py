@@ -13,8 +13,11 @@ _models: Registry[Any] = Registry("model architecture")
 for _arch, _target in {
     "LlamaForCausalLM": "models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "models.llama:MistralForCausalLM",
+    "MixtralForCausalLM": "models.mixtral:MixtralForCausalLM",
     "Qwen2ForCausalLM": "models.qwen2:Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM": "models.qwen2_moe:Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM": "models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "models.qwen3_moe:Qwen3MoeForCausalLM",
 }.items():
     _models.register(_arch, lazy(_target))
 

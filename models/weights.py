@@ -19,6 +19,31 @@ class Stacked:
     source: str  # e.g. ".q_proj"
     shard_id: object
 
+    def sources(self, param_name: str) -> list[tuple[str, object]]:
+        if self.target not in param_name:
+            return []
+        return [(param_name.replace(self.target, self.source), self.shard_id)]
+
+
+@dataclass(frozen=True)
+class StackedExperts:
+    """Each expert's checkpoint tensor ``*{source}`` (``{e}`` the expert's index) loads into the
+    stacked parameter ``*{target}`` as shard ``(e, part)``: one tensor per expert becomes one
+    ``[E, ...]`` parameter."""
+
+    target: str  # e.g. ".mlp.experts.w13_weight"
+    source: str  # e.g. ".mlp.experts.{e}.gate_proj.weight"
+    part: str  # the FusedMoE part: w1 (gate), w3 (up) or w2 (down)
+    num_experts: int
+
+    def sources(self, param_name: str) -> list[tuple[str, object]]:
+        if not param_name.endswith(self.target):
+            return []
+        prefix = param_name[: -len(self.target)]
+        return [
+            (prefix + self.source.format(e=e), (e, self.part)) for e in range(self.num_experts)
+        ]
+
 
 LLAMA_STACKED = (
     Stacked(".qkv_proj", ".q_proj", "q"),
@@ -38,20 +63,18 @@ def _owner(model: nn.Module, param_name: str) -> nn.Module:
     return model.get_submodule(module_name)
 
 
-def _expected_sources(param_name: str, stacked: Sequence[Stacked]) -> list[tuple[str, object]]:
+def _expected_sources(
+    param_name: str, stacked: Sequence[Stacked | StackedExperts]
+) -> list[tuple[str, object]]:
     """The checkpoint names (with shard ids) that together fill ``param_name``."""
-    parts = [
-        (param_name.replace(s.target, s.source), s.shard_id)
-        for s in stacked
-        if s.target in param_name
-    ]
+    parts = [source for s in stacked for source in s.sources(param_name)]
     return parts or [(param_name, None)]
 
 
 def load_named_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
-    stacked: Sequence[Stacked] = LLAMA_STACKED,
+    stacked: Sequence[Stacked | StackedExperts] = LLAMA_STACKED,
     skip: Sequence[str] = (),
 ) -> None:
     """Load ``weights`` (full checkpoint tensors, Hugging Face names) into ``model``.

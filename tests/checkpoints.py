@@ -41,13 +41,24 @@ LLAMA3_ROPE = {
 
 
 def _config(arch: str, overrides: dict[str, Any]):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     classes = {
         "llama": LlamaConfig,
         "mistral": MistralConfig,
+        "mixtral": MixtralConfig,
         "qwen2": Qwen2Config,
+        "qwen2_moe": Qwen2MoeConfig,
         "qwen3": Qwen3Config,
+        "qwen3_moe": Qwen3MoeConfig,
     }
     return classes[arch](**{**TINY, **overrides})
 
@@ -72,7 +83,8 @@ def build_checkpoint(
     tokenizer: bool = False,
     **config_overrides: Any,
 ) -> Path:
-    """A float32 checkpoint of ``arch`` (llama, mistral, qwen2, qwen3) with ``TINY`` sizes
+    """A float32 checkpoint of ``arch`` (llama, mistral, mixtral, qwen2, qwen2_moe, qwen3,
+    qwen3_moe) with ``TINY`` sizes
     changed by ``config_overrides``; sharded with an index when ``max_shard_size`` is given."""
     from transformers import AutoModelForCausalLM
 
@@ -117,6 +129,37 @@ def mistral_sliding(path: str | Path, **kw: Any) -> Path:
     return build_checkpoint(path, "mistral", seed=5, sliding_window=8, **kw)
 
 
+# 8 experts of which a token of a 37-token prompt picks 2 or 3: some experts get many tokens, and
+# the routed sets differ token by token
+TINY_MOE = {"num_experts": 8, "moe_intermediate_size": 32}
+
+
+def qwen3_moe(path: str | Path, **kw: Any) -> Path:
+    """Qwen3-MoE: top-3 of 8 experts renormalized (norm_topk_prob), per-head q/k norm."""
+    return build_checkpoint(
+        path, "qwen3_moe", seed=6, num_experts_per_tok=3, norm_topk_prob=True,
+        **{**TINY_MOE, **kw},
+    )
+
+
+def mixtral(path: str | Path, **kw: Any) -> Path:
+    """Mixtral: top-2 of 8 experts, renormalized; checkpoint names block_sparse_moe / w1 w2 w3."""
+    return build_checkpoint(
+        path, "mixtral", seed=7, num_local_experts=8, num_experts_per_tok=2, **kw
+    )
+
+
+def qwen2_moe(path: str | Path, **kw: Any) -> Path:
+    """Qwen2-MoE: top-2 of 8 experts, not renormalized, plus a sigmoid-gated shared expert;
+    layer 1 is a dense MLP (mlp_only_layers)."""
+    return build_checkpoint(
+        path, "qwen2_moe", seed=8, num_experts_per_tok=2, shared_expert_intermediate_size=48,
+        mlp_only_layers=[1], **{**TINY_MOE, **kw},
+    )
+
+
+MOE_BUILDERS = {"qwen3_moe": qwen3_moe, "mixtral": mixtral, "qwen2_moe": qwen2_moe}
+
 BUILDERS = {
     "llama_gqa": llama_gqa,
     "llama_tied": llama_tied,
@@ -124,6 +167,7 @@ BUILDERS = {
     "qwen2": qwen2,
     "qwen3": qwen3,
     "mistral_sliding": mistral_sliding,
+    **MOE_BUILDERS,
 }
 
 _CORPUS = [

@@ -2,7 +2,8 @@
 layer by layer, how far the hidden states are apart, then the logits.
 
 The xhal side prefills one sequence through an eager ``ModelExecutor`` over fresh paged caches. Hidden states are captured by forward hooks on both sides at the same points:
-the embeddings, each decoder layer's output (the residual stream after it) and the final norm.
+the embeddings, each mixture-of-experts layer's router logits (``mlp.gate``, before the layer's
+output), each decoder layer's output (the residual stream after it) and the final norm.
 """
 
 from __future__ import annotations
@@ -94,7 +95,11 @@ def capture_hidden_states(model: nn.Module, xhal_side: bool) -> Iterator[dict[st
     points: list[tuple[str, nn.Module, Callable[[Any], torch.Tensor]]] = [
         ("embed", inner.embed_tokens, _first)
     ]
-    points += [(f"layer {i}", layer, layer_output) for i, layer in enumerate(inner.layers)]
+    for i, layer in enumerate(inner.layers):
+        router = getattr(getattr(layer, "mlp", None), "gate", None)
+        if isinstance(router, nn.Module):  # a mixture of experts: its router logits [T, E]
+            points.append((f"router {i}", router, _first))
+        points.append((f"layer {i}", layer, layer_output))
     points.append(("norm", inner.norm, _first))
     states: dict[str, torch.Tensor] = {}
 
@@ -176,8 +181,10 @@ def align(
     with torch.no_grad(), capture_hidden_states(hf, xhal_side=False) as ref:
         ref_logits = hf(input_ids=ids, use_cache=False).logits
     ref["logits"] = ref_logits[0].float().cpu()
-    order = ["embed", *(f"layer {i}" for i in range(len(model.model.layers))), "norm", "logits"]
-    return compare(ours, ref, order)
+    missing = sorted(set(ours) ^ set(ref))
+    if missing:
+        raise ValueError(f"comparison points found on one side only: {missing}")
+    return compare(ours, ref, list(ours))  # in forward order: each layer's router before it
 
 
 def apply_override(config: dict[str, Any], assignment: str) -> None:

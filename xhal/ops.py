@@ -33,6 +33,11 @@ _SCHEMAS = {
     ),
     "silu_and_mul": "silu_and_mul(Tensor x) -> Tensor",
     "gelu_and_mul": "gelu_and_mul(Tensor x, str approximate='none') -> Tensor",
+    "moe_route": "moe_route(Tensor router_logits, int top_k, bool renormalize) -> (Tensor, Tensor)",
+    "moe_experts": (
+        "moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids)"
+        " -> Tensor"
+    ),
 }
 
 _lib = torch.library.Library("xhal", "DEF")
@@ -65,6 +70,20 @@ def _(x, approximate="none"):
     return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
 
 
+@torch.library.register_fake("xhal::moe_route")
+def _(router_logits, top_k, renormalize):
+    num_tokens = router_logits.shape[0]
+    return (
+        router_logits.new_empty(num_tokens, top_k, dtype=torch.float32),
+        router_logits.new_empty(num_tokens, top_k, dtype=torch.int32),
+    )
+
+
+@torch.library.register_fake("xhal::moe_experts")
+def _(x, w13, w2, topk_weights, topk_ids):
+    return torch.empty_like(x)
+
+
 _active: dict[str, DeviceOps] = {}
 _kernels_registered: set[str] = set()
 
@@ -94,6 +113,18 @@ def _register_kernels(device_type: str) -> None:
         "xhal::gelu_and_mul",
         device_type,
         lambda x, approximate="none": active(x).gelu_and_mul(x, approximate),
+        lib=_lib,
+    )
+    torch.library.register_kernel(
+        "xhal::moe_route",
+        device_type,
+        lambda logits, k, renorm: active(logits).moe_route(logits, k, renorm),
+        lib=_lib,
+    )
+    torch.library.register_kernel(
+        "xhal::moe_experts",
+        device_type,
+        lambda x, w13, w2, tw, ti: active(x).moe_experts(x, w13, w2, tw, ti),
         lib=_lib,
     )
     _kernels_registered.add(device_type)
@@ -186,6 +217,22 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     return torch.ops.xhal.gelu_and_mul(x, approximate)
+
+
+def moe_route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.xhal.moe_route(router_logits, top_k, renormalize)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    return torch.ops.xhal.moe_experts(x, w13, w2, topk_weights, topk_ids)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

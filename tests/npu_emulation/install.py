@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
-from . import fia, graph, ops, registry, runtime, task_update
+from . import fia, graph, moe_ops, ops, registry, runtime, task_update
 
 BANNER = (
     "EMULATED torch_npu -- xhal TEST EMULATION, NOT the real Ascend torch_npu. Plain torch on CPU "
@@ -47,6 +47,7 @@ _OPS = {
     "npu_rms_norm": ops.npu_rms_norm, "npu_add_rms_norm": ops.npu_add_rms_norm,
     "npu_swiglu": ops.npu_swiglu, "npu_mrope": ops.npu_mrope,
     "_npu_rotary_embedding": ops._npu_rotary_embedding, "npu_top_k_top_p": ops.npu_top_k_top_p,
+    **moe_ops.OPS,
 }
 
 

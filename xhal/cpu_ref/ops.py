@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from xhal.interfaces.ops import DeviceOps
 
@@ -44,6 +45,35 @@ class CpuOps(DeviceOps):
             rotated = _rotate(xf[..., :rotary_dim], cos, sin, is_neox)
             out.append(torch.cat([rotated, xf[..., rotary_dim:]], dim=-1).to(x.dtype))
         return out[0], out[1]
+
+    def moe_route(
+        self, router_logits: torch.Tensor, top_k: int, renormalize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(router_logits.float(), dim=-1)  # [T, E]
+        # a stable sort keeps the lower expert index first among equal probabilities
+        ids = probs.argsort(dim=-1, descending=True, stable=True)[:, :top_k]  # [T, k]
+        weights = probs.gather(1, ids)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids.to(torch.int32)
+
+    def moe_experts(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for expert in range(w13.shape[0]):  # one expert at a time, over the tokens that chose it
+            tokens, slots = (topk_ids == expert).nonzero(as_tuple=True)
+            if tokens.numel() == 0:
+                continue
+            gate, up = (x[tokens].float() @ w13[expert].float().T).chunk(2, dim=-1)  # [n, I]
+            y = (F.silu(gate) * up) @ w2[expert].float().T  # [n, H]
+            out.index_add_(0, tokens, y * topk_weights[tokens, slots].float().unsqueeze(1))
+        return out.to(x.dtype)
 
     def sample(
         self,

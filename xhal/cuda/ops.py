@@ -1,5 +1,6 @@
 """CUDA DeviceOps: our Triton kernels for small-batch linear layers (GEMV), the fused residual
-add + RMSNorm and rotary embedding (out of place, one launch each), FlashInfer's RMSNorm /
+add + RMSNorm and rotary embedding (out of place, one launch each), the fused mixture of experts
+(top-k routing, grouped GEMMs over expert-sorted tokens), FlashInfer's RMSNorm /
 activation kernels when FlashInfer is present, vectorized torch otherwise; sampling without host
 syncs."""
 
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from xhal import sampling
-from xhal.cuda.kernels import gemv, norm, rotary
+from xhal.cuda.kernels import gemv, moe, norm, rotary
 from xhal.interfaces.ops import DeviceOps
 
 
@@ -59,6 +60,12 @@ class CudaOps(DeviceOps):
 
     def rotary_embedding(self, positions, q, k, cos_sin_cache, is_neox):
         return rotary.rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
+
+    def moe_route(self, router_logits, top_k, renormalize):
+        return moe.route(router_logits, top_k, renormalize)
+
+    def moe_experts(self, x, w13, w2, topk_weights, topk_ids):
+        return moe.fused_experts(x, w13, w2, topk_weights, topk_ids)
 
     def sample(self, logits, temperature, top_k, top_p, generator=None):
         return sampling.sample(logits, temperature, top_k, top_p, generator)

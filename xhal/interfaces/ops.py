@@ -1,4 +1,5 @@
-"""Stateless device ops: linear, norms, rotary embedding, activations and sampling."""
+"""Stateless device ops: linear, norms, rotary embedding, activations, mixture-of-experts routing
+and expert compute, and sampling."""
 
 from __future__ import annotations
 
@@ -59,6 +60,39 @@ class DeviceOps(ABC):
         """``[..., 2d] -> [..., d]``: ``gelu(x[..., :d]) * x[..., d:]`` (approximate: none|tanh)."""
         gate, up = x.float().chunk(2, dim=-1)
         return (F.gelu(gate, approximate=approximate) * up).to(x.dtype)
+
+    # Mixture of experts. Not abstract so that a platform without MoE models still constructs;
+    # such a platform fails the conformance suite's moe family with this message.
+
+    def moe_route(
+        self, router_logits: torch.Tensor, top_k: int, renormalize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Softmax top-k routing: float ``[T, E]`` -> ``(weights float32 [T, k], ids int32 [T, k])``.
+
+        Per token: ``p = softmax(logits)`` over the E experts in float32; the k experts of largest
+        ``p`` in descending order, the lowest expert index first among equal probabilities; their
+        ``p`` as the weights, divided by their sum when ``renormalize`` (Mixtral, Qwen3-MoE's
+        ``norm_topk_prob``).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement moe_route")
+
+    def moe_experts(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """The routed experts' SiLU-gated MLPs, summed with the routing weights: ``[T, H]``.
+
+        ``x [T, H]``; ``w13 [E, 2I, H]`` (each expert's gate rows then its up rows); ``w2 [E, H, I]``;
+        ``topk_weights`` float32 and ``topk_ids`` int32 ``[T, k]`` as ``moe_route`` returns them.
+        ``out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u)`` with ``e = topk_ids[t, j]``
+        and ``g, u = (w13[e] @ x[t]).chunk(2)``. Every (token, expert) pair counts, however many
+        tokens an expert gets; an expert no token picks contributes nothing. No host sync: graph-safe.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement moe_experts")
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy pick: float ``[B, V]`` -> int64 ``[B]`` (lowest index on ties)."""

@@ -1,10 +1,16 @@
 """Device-neutral model layers: attention through the forward context, norms, rotary embedding,
-activations, and tensor-parallel linear / embedding / LM-head layers."""
+activations, the mixture-of-experts layer, and tensor-parallel linear / embedding / LM-head layers."""
 
 from xhal.layers.activation import SiluAndMul
 from xhal.layers.attention import Attention, attention_layers
 from xhal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from xhal.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from xhal.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from xhal.layers.moe import FusedMoE
 from xhal.layers.norm import RMSNorm
 from xhal.layers.parallel import TensorParallel
 from xhal.layers.qkv import QKVParallelLinear
@@ -14,10 +20,12 @@ from xhal.layers.weights import default_weight_loader
 __all__ = [
     "Attention",
     "ColumnParallelLinear",
+    "FusedMoE",
     "MergedColumnParallelLinear",
     "ParallelLMHead",
     "QKVParallelLinear",
     "RMSNorm",
+    "ReplicatedLinear",
     "RotaryEmbedding",
     "RowParallelLinear",
     "SiluAndMul",

@@ -138,3 +138,19 @@ class RowParallelLinear(nn.Module):
         if self.reduce_results:
             y = get_forward_context().collective.all_reduce(y)
         return y + self.bias if self.bias is not None else y
+
+
+class ReplicatedLinear(nn.Module):
+    """``y = x W^T (+ b)`` with the whole weight on every rank: small projections every rank
+    needs in full, such as a mixture of experts' router."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False
+    ) -> None:
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.weight = _parameter(output_size, input_size)
+        self.bias = _parameter(output_size) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)  # [T, out]

@@ -1,5 +1,6 @@
-"""NPU DeviceOps: torch_npu's fused norm, rotary, SwiGLU and top-k/top-p ops, vectorized torch for
-the rest (no per-row loops). The rules quoted are the ops' official documentation (docs/npu-ops.md).
+"""NPU DeviceOps: torch_npu's fused norm, rotary, SwiGLU and top-k/top-p ops, its mixture-of-experts
+ops (gating top-k softmax, init routing, grouped matmul, finalize routing), vectorized torch for the
+rest (no per-row loops). The rules quoted are the ops' official documentation (docs/npu-ops.md).
 """
 
 from __future__ import annotations
@@ -66,6 +67,47 @@ class NpuOps(DeviceOps):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         # 'swish(A) * B', A and B the halves of x along dim
         return self.npu.npu_swiglu(x.contiguous(), dim=-1)
+
+    def moe_route(
+        self, router_logits: torch.Tensor, top_k: int, renormalize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # the op returns the top-k softmax values in x's dtype: float32 logits keep them float32
+        weights, ids, _ = self.npu.npu_moe_gating_top_k_softmax(router_logits.float(), None, k=top_k)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def moe_experts(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        num_tokens, top_k = topk_ids.shape
+        num_experts = w13.shape[0]
+        # row_idx[t, j] = j * T + t: the original-row layout init and finalize routing share
+        row_idx = torch.arange(num_tokens * top_k, dtype=torch.int32, device=x.device)
+        row_idx = row_idx.view(top_k, num_tokens).t().contiguous()
+        expanded_x, expanded_row_idx, sorted_experts = self.npu.npu_moe_init_routing(
+            x.contiguous(), row_idx, topk_ids.int(), num_tokens
+        )  # expanded_x: [T*k, H], rows grouped by expert
+        ends = self.npu.npu_moe_compute_expert_tokens(sorted_experts, num_experts).long()
+        # weights [E, N, K] go in as transposed views [E, K, N], which grouped matmul accepts
+        gate_up = self.npu.npu_grouped_matmul(
+            [expanded_x], [w13.transpose(1, 2)], group_list=ends, split_item=2, group_type=0,
+            group_list_type=0,
+        )[0]  # [T*k, 2I]
+        act = self.npu.npu_swiglu(gate_up, dim=-1)  # [T*k, I]
+        down = self.npu.npu_grouped_matmul(
+            [act], [w2.transpose(1, 2)], group_list=ends, split_item=2, group_type=0,
+            group_list_type=0,
+        )[0]  # [T*k, H]
+        return self.npu.npu_moe_finalize_routing(
+            down, None, None, None, topk_weights.to(down.dtype), expanded_row_idx, topk_ids.int(),
+            drop_pad_mode=0, k=top_k,
+        )
 
     def sample(
         self,

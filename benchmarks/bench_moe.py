@@ -1,0 +1,219 @@
+"""Decode steps of a Qwen3-30B-A3B-shaped mixture of experts with random bf16 weights (48 layers,
+128 experts, top-8, hidden 2048, expert intermediate 768, 32 / 4 heads of 128) on the GPU, graph
+and eager, against the step's honest floor, and transformers on the same shape in the same run.
+
+The floor is the bytes the step must read over the streaming-read rate measured here: the experts
+the step's tokens actually route to (counted per layer from the same inputs' router logits), the
+attention and router weights, the LM head and one embedding row per token, and the KV cache.
+
+    python -m benchmarks.bench_moe [--batches 1 16 64] [--layers 48] [--hf-batches 1] [--no-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+import xhal
+from benchmarks.bench_model import decode_metadata
+from benchmarks.common import ceilings, table, time_cuda, time_cuda_pipelined, time_graph
+from models import load_model
+from xhal.executor import ExecutorConfig, ModelExecutor
+
+CONFIG = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+    intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+    num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+    vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+    tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
+)
+BLOCK, CTX = 16, 2048
+BF16 = 2  # bytes
+
+
+def build_model(config: dict, device: torch.device):
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        return load_model(tmp, dtype=torch.bfloat16, device=device, load_format="dummy", progress=False)
+
+
+def routed_experts(model, executor: ModelExecutor, ids, pos, meta) -> list[int]:
+    """The number of distinct experts each layer's tokens route to in this step (eager run)."""
+    counts: list[int] = []
+    hooks = []
+    for layer in model.model.layers:
+        moe = layer.mlp.experts
+
+        def record(module, args, out, moe=moe) -> None:
+            _, chosen = xhal.ops.moe_route(out, moe.top_k, moe.renormalize)
+            counts.append(int(torch.unique(chosen).numel()))
+
+        hooks.append(layer.mlp.gate.register_forward_hook(record))
+    try:
+        executor.execute(ids, pos, meta)
+    finally:
+        for h in hooks:
+            h.remove()
+    return counts
+
+
+def floor_bytes(config: dict, batch: int, experts_per_layer: list[int]) -> dict[str, int]:
+    hidden, heads, kv_heads, dim = (config[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
+    layers, inter, num_experts = config["num_hidden_layers"], config["moe_intermediate_size"], config["num_experts"]
+    expert = 3 * hidden * inter * BF16
+    attention = (hidden * (heads + 2 * kv_heads) * dim + heads * dim * hidden + 2 * dim + 2 * hidden) * BF16
+    router = num_experts * hidden * BF16
+    return {
+        "experts": expert * sum(experts_per_layer),
+        "attention+router": layers * (attention + router),
+        "lm_head+embed": config["vocab_size"] * hidden * BF16 + batch * hidden * BF16 + hidden * BF16,
+        "kv": batch * CTX * layers * kv_heads * dim * 2 * BF16,
+    }
+
+
+SWEEP = [(16, 32, 128), (16, 64, 64), (16, 64, 128), (32, 64, 64), (64, 64, 64)]  # (M, N, K) tiles
+
+
+def sweep_layer(model, batches: list[int], rate: float) -> list[dict]:
+    """One layer's routed experts (``fused_experts``, graph-captured) per tile configuration at
+    each batch, against the bytes of the experts the batch routes to."""
+    from xhal.cuda.kernels import moe as kernels
+
+    layer = model.model.layers[0].mlp
+    w13, w2 = layer.experts.w13_weight, layer.experts.w2_weight
+    hidden = w13.shape[2]
+    per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    rows = []
+    for batch in batches:
+        g = torch.Generator(device=w13.device).manual_seed(batch)
+        x = torch.randn(batch, hidden, device=w13.device, dtype=w13.dtype, generator=g)
+        weights, ids = kernels.route(layer.gate(x), layer.experts.top_k, layer.experts.renormalize)
+        floor_us = int(torch.unique(ids).numel()) * per_expert / rate * 1e6
+        row = {"batch": batch, "floor_us": floor_us, "default": str(kernels.default_config(ids.numel(), w13.shape[0]))}
+        for m, n, k in SWEEP:
+            config = kernels.MoeConfig(m, n, k)
+            us = time_graph(lambda config=config: kernels.fused_experts(x, w13, w2, weights, ids, config)) * 1e3
+            row[f"{m}x{n}x{k}_us"] = us
+        rows.append(row)
+    return rows
+
+
+def hf_decode_ms(config: dict, batch: int, device) -> float:
+    """transformers' Qwen3MoeForCausalLM (sdpa, StaticCache prefilled with CTX - 1 tokens), one
+    eager decode step issued back to back (its experts loop syncs with the host, so no graphs)."""
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            hf = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
+    cache = transformers.StaticCache(config=cfg, max_cache_len=CTX + 64)
+    ids = torch.randint(0, cfg.vocab_size, (batch, CTX - 1), device=device)
+    with torch.no_grad():
+        for start in range(0, CTX - 1, 512):  # prefill in chunks: the eager experts loop is memory-hungry
+            chunk = ids[:, start : start + 512]
+            hf(chunk, past_key_values=cache, use_cache=True,
+               cache_position=torch.arange(start, start + chunk.shape[1], device=device))
+    nxt = torch.randint(0, cfg.vocab_size, (batch, 1), device=device)
+    position = torch.full((batch, 1), CTX - 1, device=device)
+    cache_position = torch.tensor([CTX - 1], device=device)
+
+    @torch.no_grad()
+    def step() -> torch.Tensor:
+        return hf(nxt, position_ids=position, past_key_values=cache, cache_position=cache_position,
+                  use_cache=True).logits
+
+    ms = time_cuda_pipelined(step, steps=5, reps=3)
+    del hf, cache
+    torch.cuda.empty_cache()
+    return ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--layers", type=int, default=48, help="fewer layers to fit a time budget")
+    parser.add_argument("--hf-batches", type=int, nargs="*", default=[1], help="transformers' batches")
+    parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the one-layer tile sweep")
+    args = parser.parse_args()
+    config = {**CONFIG, "num_hidden_layers": args.layers}
+    ceil = ceilings(read=True)
+    rate = ceil["read_bandwidth"]
+    platform = xhal.platforms.get("cuda")
+    device = platform.device()
+    model = build_model(config, device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(f"model: {args.layers} layers, {weight_bytes / 1e9:.1f} GB of bf16 weights")
+    batches = sorted(args.batches)
+    executors = {}
+    for eager in (False, True):
+        cfg = ExecutorConfig(dtype=torch.bfloat16, block_size=BLOCK, max_num_seqs=max(batches),
+                             max_model_len=CTX + 64, enforce_eager=eager, decode_capture_sizes=tuple(batches))
+        executors[eager] = ModelExecutor(model, platform, cfg)
+    caches = executors[False].allocate_kv_caches(num_blocks=max(batches) * CTX // BLOCK + 64)
+    for ex in executors.values():
+        ex.bind_kv_caches(caches)
+    capture = executors[False].capture_graphs(progress=False)
+    print(f"decode graph capture: {capture['graphs']} buckets in {capture['seconds']:.1f} s")
+    rows = []
+    for batch in batches:
+        ids, pos, meta = decode_metadata(batch, CTX, device)
+        per_layer = routed_experts(model, executors[True], ids, pos, meta)
+        parts = floor_bytes(config, batch, per_layer)
+        floor_ms = sum(parts.values()) / rate * 1e3
+        row = {"batch": batch, "experts/layer": sum(per_layer) / len(per_layer),
+               "floor_GB": sum(parts.values()) / 1e9, "floor_ms": floor_ms}
+        for eager, ex in executors.items():
+            step = lambda ex=ex: ex.compute_logits(ex.execute(ids, pos, meta))  # noqa: E731
+            ms = time_cuda(step, iters=10 if eager else 30, warmup=2)
+            key = "eager" if eager else "graph"
+            row[f"{key}_ms"], row[f"{key}_x_floor"] = ms, ms / floor_ms
+            if not eager:
+                row["pipelined_ms"] = time_cuda_pipelined(step, steps=10, reps=3)
+                row["pipelined_x_floor"] = row["pipelined_ms"] / floor_ms
+        row["graph_speedup"] = row["eager_ms"] / row["graph_ms"]
+        rows.append(row)
+        print(f"batch {batch}: floor parts (GB) " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in parts.items()))
+    sweep = [] if args.no_sweep else sweep_layer(model, batches, rate)
+    hf_rows = []
+    if not args.no_hf and args.hf_batches:
+        del executors, caches, model
+        torch.cuda.empty_cache()
+        for batch in args.hf_batches:
+            mine = next((r for r in rows if r["batch"] == batch), None)
+            try:
+                ms = hf_decode_ms(config, batch, device)
+            except Exception as exc:  # an out-of-memory or API failure is a result to report
+                print(f"transformers at batch {batch} failed: {type(exc).__name__}: {exc}")
+                continue
+            row = {"batch": batch, "hf_eager_ms": ms}
+            if mine:
+                row.update({"hf_x_floor": ms / mine["floor_ms"], "xhal_speedup": ms / mine["pipelined_ms"]})
+            hf_rows.append(row)
+    title = (f"decode step (execute + logits), Qwen3-30B-A3B shape ({args.layers} layers), bf16, ctx {CTX}; "
+             f"floor = (routed experts + attention/router + LM head + KV bytes) / streaming read "
+             f"{rate / 1e12:.2f} TB/s")
+    if sweep:
+        print(table(sweep, "one layer's routed experts (graph-captured fused_experts) per tile M x N x K; "
+                           "floor = bytes of the experts routed to / streaming read"))
+    if hf_rows:
+        print(table(hf_rows, "peer: transformers Qwen3MoeForCausalLM (sdpa, StaticCache, eager), same shape; "
+                             "xhal_speedup = its step / xhal's pipelined graph step"))
+    print(table(rows, title))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Mixture-of-experts family: ``xhal.ops.moe_route`` and ``xhal.ops.moe_experts`` on the
+platform's tensors against float64 references (``moe_reference``), for each declared dtype:
+routing with and without renormalization and with tied probabilities; expert compute for one
+token, few tokens over many experts, many tokens per expert, all tokens on a few experts (the
+rest get none); both inside a captured graph whose inputs change before replay."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from conformance_tests import moe_reference as ref
+from xhal import ops
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "dtype" in metafunc.fixturenames:  # every dtype the platform declares for its ops
+        import xhal
+
+        dtypes = xhal.platforms.get(metafunc.config.getoption("--device")).capabilities.ops_dtypes
+        metafunc.parametrize("dtype", dtypes, ids=[str(d).removeprefix("torch.") for d in dtypes])
+
+
+@pytest.fixture(autouse=True)
+def _platform_ops_active(platform) -> Iterator[None]:
+    # an emulated platform on CPU tensors must serve "cpu" itself, not the reference it shadows
+    with ops.using(platform.device_type, platform.ops):
+        yield
+
+
+def separated_logits(
+    num_tokens: int, num_experts: int, *, seed: int, allowed: list[int] | None = None
+) -> torch.Tensor:
+    """float64 ``[T, E]``: each row a random permutation of steps 0.1 apart (no near ties in any
+    dtype); experts outside ``allowed`` far below the rest."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randperm(num_experts, generator=g).double() * 0.1 for _ in range(num_tokens)]
+    logits = torch.stack(rows) if rows else torch.empty(0, num_experts, dtype=torch.float64)
+    if allowed is not None:
+        banned = torch.ones(num_experts, dtype=torch.bool)
+        banned[allowed] = False
+        logits[:, banned] -= 30.0
+    return logits
+
+
+def expert_weights(num_experts: int, hidden: int, inter: int, dtype, device, seed: int):
+    """``w13 [E, 2I, H]``, ``w2 [E, H, I]`` scaled so that every output is O(1)."""
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g, dtype=torch.float64) * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=g, dtype=torch.float64) * inter**-0.5
+    return w13.to(device, dtype), w2.to(device, dtype)
+
+
+def tokens(num_tokens: int, hidden: int, dtype, device, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(num_tokens, hidden, generator=g, dtype=torch.float64).to(device, dtype)
+
+
+def check_experts(out, expected, dtype, record_error) -> None:
+    assert out.dtype == dtype, f"output dtype {out.dtype}, expected the input's {dtype}"
+    err = ref.max_error(out, expected)
+    record_error(err)
+    tol = ref.EXPERTS_TOLERANCE[dtype]
+    assert err <= tol, f"max error {err:.3e} > {tol:.1e}"
+
+
+def check_routing(weights, ids, logits, top_k, renormalize, record_error) -> None:
+    expected_w, expected_ids = ref.route(logits, top_k, renormalize)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32, (weights.dtype, ids.dtype)
+    assert torch.equal(ids.cpu().long(), expected_ids), (
+        f"routed experts differ: got {ids.cpu().tolist()[:4]}..., expected "
+        f"{expected_ids.tolist()[:4]}... (descending probability, lower index first on ties)"
+    )
+    err = ref.max_error(weights, expected_w)
+    record_error(err)
+    assert err <= ref.ROUTING_TOLERANCE, f"routing weights: max error {err:.3e}"
+
+
+# routing ---------------------------------------------------------------------------------------
+
+ROUTING_CASES = [(1, 8, 2), (37, 8, 2), (16, 64, 6), (9, 128, 8), (5, 4, 4)]  # (T, E, k)
+
+
+@pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "raw"])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", ROUTING_CASES, ids=str)
+def test_route(num_tokens, num_experts, top_k, renormalize, dtype, device, record_error) -> None:
+    logits = separated_logits(num_tokens, num_experts, seed=num_experts).to(device, dtype)
+    weights, ids = ops.moe_route(logits, top_k, renormalize)
+    check_routing(weights, ids, logits, top_k, renormalize, record_error)
+    if renormalize:
+        assert torch.allclose(weights.sum(-1).cpu(), torch.ones(num_tokens), atol=1e-5)
+
+
+@pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "raw"])
+def test_route_ties_pick_the_lower_expert(renormalize, dtype, device, record_error) -> None:
+    """Equal logits are equal in every dtype: the lower expert index wins each tie."""
+    logits = torch.tensor(
+        [
+            [0.0, 2.0, 2.0, 1.0, 2.0, 0.0],  # three-way tie for the top: experts 1, 2
+            [1.0, 1.0, 1.0, 1.0, 1.0, 1.0],  # all equal: experts 0, 1
+            [3.0, 0.5, 0.5, 3.0, 0.5, 0.5],  # tie at the top: 0 then 3
+            [0.0, 0.0, 0.0, 0.0, 0.0, 4.0],  # a clear winner then a tie for second: 5, 0
+        ],
+        dtype=torch.float64,
+    ).to(device, dtype)
+    weights, ids = ops.moe_route(logits, 2, renormalize)
+    assert ids.cpu().tolist() == [[1, 2], [0, 1], [0, 3], [5, 0]]
+    check_routing(weights, ids, logits, 2, renormalize, record_error)
+
+
+# expert compute --------------------------------------------------------------------------------
+
+EXPERT_CASES = {
+    "one-token": (1, 8, 2, 64, 32, None),
+    "few-tokens-many-experts": (5, 64, 8, 128, 48, None),
+    "many-tokens-per-expert": (77, 8, 2, 64, 96, None),
+    "crowded-few-experts": (130, 16, 4, 32, 64, [3, 7, 12, 13]),  # 12 experts get no token
+}
+
+
+@pytest.mark.parametrize("case", list(EXPERT_CASES))
+def test_experts(case, dtype, device, record_error) -> None:
+    num_tokens, num_experts, top_k, hidden, inter, allowed = EXPERT_CASES[case]
+    logits = separated_logits(num_tokens, num_experts, seed=1, allowed=allowed)
+    weights, ids = ref.route(logits, top_k, renormalize=allowed is None)
+    x = tokens(num_tokens, hidden, dtype, device, seed=2)
+    w13, w2 = expert_weights(num_experts, hidden, inter, dtype, device, seed=3)
+    out = ops.moe_experts(
+        x, w13, w2, weights.to(device, torch.float32), ids.to(device, torch.int32)
+    )
+    check_experts(out, ref.experts(x, w13, w2, weights.float(), ids), dtype, record_error)
+
+
+def test_experts_of_strided_tokens(dtype, device, record_error) -> None:
+    """Hidden states arrive as a view of a wider buffer (a slice of a fused projection)."""
+    wide = tokens(12, 128, dtype, device, seed=4)
+    x = wide[:, :64]
+    weights, ids = ref.route(separated_logits(12, 8, seed=5), 2, True)
+    w13, w2 = expert_weights(8, 64, 32, dtype, device, seed=6)
+    out = ops.moe_experts(x, w13, w2, weights.to(device, torch.float32), ids.to(device, torch.int32))
+    check_experts(out, ref.experts(x, w13, w2, weights.float(), ids), dtype, record_error)
+
+
+@pytest.mark.parametrize("num_tokens", [3, 40])
+def test_route_and_experts_in_a_graph(num_tokens, platform, dtype, device, record_error) -> None:
+    """Decode steps run the MoE layer captured: replay after the tokens and logits changed in
+    place (routing to other experts) must compute the new step, not the captured one."""
+    if not platform.capabilities.graphs:
+        pytest.skip(f"{platform.name} declares no graphs")
+    num_experts, top_k, hidden, inter = 16, 4, 64, 32
+    x = tokens(num_tokens, hidden, dtype, device, seed=7)
+    logits = separated_logits(num_tokens, num_experts, seed=8, allowed=[0, 1, 2, 3, 4]).to(device, dtype)
+    w13, w2 = expert_weights(num_experts, hidden, inter, dtype, device, seed=9)
+
+    def step() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        weights, ids = ops.moe_route(logits, top_k, True)
+        return weights, ids, ops.moe_experts(x, w13, w2, weights, ids)
+
+    runner = platform.graph_runner()
+    runner.capture("moe", step)
+    x.copy_(tokens(num_tokens, hidden, dtype, device, seed=10))
+    logits.copy_(separated_logits(num_tokens, num_experts, seed=11, allowed=[9, 11, 12, 14, 15]))
+    weights, ids, out = runner.replay("moe")
+    platform.synchronize()
+    check_routing(weights, ids, logits, top_k, True, record_error)
+    expected_w, expected_ids = ref.route(logits, top_k, True)
+    check_experts(out, ref.experts(x, w13, w2, expected_w.float(), expected_ids), dtype, record_error)

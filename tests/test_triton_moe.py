@@ -1,0 +1,108 @@
+"""The CUDA backend's Triton fused mixture of experts against the conformance suite's float64
+references: routing (ties, renormalization), the expert-sorted padded pair layout, and the
+grouped GEMMs for one token, few tokens over many experts, crowded experts and experts with no
+token, with both tile configurations. Interpreted on CPU when there is no CUDA device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triton_env import DEVICE, INTERPRETED  # sets TRITON_INTERPRET first
+
+from conformance_tests import moe_reference as ref  # noqa: E402
+from conformance_tests.test_moe import expert_weights, separated_logits, tokens  # noqa: E402
+from xhal.cuda.kernels import moe  # noqa: E402
+
+TOL = ref.EXPERTS_TOLERANCE
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 8, 2), (13, 128, 8), (6, 6, 6)])
+def test_route_matches_reference(num_tokens, num_experts, top_k, renormalize) -> None:
+    logits = separated_logits(num_tokens, num_experts, seed=3).float().to(DEVICE)
+    weights, ids = moe.route(logits, top_k, renormalize)
+    expected_w, expected_ids = ref.route(logits, top_k, renormalize)
+    assert torch.equal(ids.cpu().long(), expected_ids)
+    assert ref.max_error(weights, expected_w) <= 1e-6
+
+
+def test_route_ties_pick_the_lower_expert() -> None:
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0, 2.0], [1.0, 1.0, 1.0, 1.0, 1.0]], device=DEVICE)
+    weights, ids = moe.route(logits, 2, True)
+    assert ids.cpu().tolist() == [[1, 2], [0, 1]]
+    assert torch.allclose(weights.cpu(), torch.full((2, 2), 0.5))
+
+
+SORTS = [moe.sort_pairs_fused, moe.sort_pairs_torch]
+
+
+@pytest.mark.parametrize("sort", SORTS, ids=["fused", "torch"])
+def test_sorted_pairs_group_each_expert_in_whole_blocks(sort) -> None:
+    ids = torch.tensor([[2, 0], [2, 3], [0, 2], [2, 1]], dtype=torch.int32, device=DEVICE)
+    pairs = sort(ids, num_experts=5, block_m=4)
+    rows = pairs.pair_ids.cpu().view(-1, 4).tolist()
+    experts = pairs.block_expert.cpu().tolist()
+    flat = ids.flatten().cpu().tolist()
+    seen = []
+    for block, expert in zip(rows, experts):
+        if expert == 5:  # past the last run: its rows are never read (and may hold anything)
+            continue
+        real = [p for p in block if p < 8]
+        assert all(p == 8 for p in block if p >= 8), block  # the rest of a run: padding
+        assert all(flat[p] == expert for p in real) and real == sorted(real)
+        seen += real
+    assert sorted(seen) == list(range(8))  # every pair once: none dropped, none doubled
+    # experts 0..3 hold 2, 1, 4 and 1 pairs: one block each; expert 4 has no pair and no block
+    assert experts[:4] == [0, 1, 2, 3] and set(experts[4:]) <= {5}
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [(37, 16, 4, 16), (64, 128, 8, 16), (5, 3, 2, 64)])
+def test_fused_sort_equals_the_torch_sort(num_tokens, num_experts, top_k, block_m) -> None:
+    """The one-launch sort and torch's stable sort give the same rows for every real block."""
+    _, ids = ref.route(separated_logits(num_tokens, num_experts, seed=4), top_k, True)
+    ids = ids.to(DEVICE, torch.int32)
+    fused = moe.sort_pairs_fused(ids, num_experts, block_m)
+    plain = moe.sort_pairs_torch(ids, num_experts, block_m)
+    assert torch.equal(fused.block_expert, plain.block_expert)
+    real = (plain.block_expert < num_experts).repeat_interleave(block_m)
+    assert torch.equal(fused.pair_ids[real], plain.pair_ids[real])
+
+
+# the moe family (run interpreted below) covers more shapes with the default tiles; these force
+# both ends of the tile range onto a lone token and onto crowded experts
+CASES = {
+    "one-token": (1, 8, 2, 64, 32, None),
+    "crowded-few-experts": (70, 16, 4, 32, 64, [3, 7, 12, 13]),
+}
+
+
+@pytest.mark.parametrize("config", [moe.MoeConfig(16, 32, 32), moe.MoeConfig(64, 64, 64)], ids=["small", "large"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_experts_match_reference(case, dtype, config) -> None:
+    if INTERPRETED and dtype == torch.bfloat16:
+        pytest.skip("Triton 3.6's interpreter runs tl.dot on bfloat16's raw bits; compiled on CUDA it is checked")
+    num_tokens, num_experts, top_k, hidden, inter, allowed = CASES[case]
+    weights, ids = ref.route(separated_logits(num_tokens, num_experts, seed=1, allowed=allowed), top_k, True)
+    x = tokens(num_tokens, hidden, dtype, DEVICE, seed=2)
+    w13, w2 = expert_weights(num_experts, hidden, inter, dtype, DEVICE, seed=3)
+    out = moe.fused_experts(
+        x, w13, w2, weights.float().to(DEVICE), ids.to(DEVICE, torch.int32), config
+    )
+    expected = ref.experts(x, w13, w2, weights.float(), ids)
+    assert out.dtype == dtype
+    assert ref.max_error(out, expected) <= TOL[dtype]
+
+
+def test_triton_moe_passes_the_moe_family_interpreted(tmp_path) -> None:
+    """The whole moe family (graphs with changing inputs included) on the Triton kernels."""
+    from conformance_run import explain, run_conformance
+
+    proc, report = run_conformance(
+        "cuda-moe-interpreted", "tests.triton_moe_interpreted_platform", tmp_path / "r.json",
+        ("moe",), TRITON_INTERPRET="1",
+    )
+    assert proc.returncode == 0, explain(proc)
+    fam = report["families"]["moe"]
+    assert fam["passed"] > 0 and fam["failed"] == 0, fam
