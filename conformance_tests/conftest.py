@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import xhal
+from conformance_tests.coverage import CANNOT_EXERCISE, COVERS
 from xhal.interfaces.platform import Platform
 
 
@@ -37,3 +38,20 @@ def record_error(request: pytest.FixtureRequest):
         request.node.user_properties.append(("max_error", float(err)))
 
     return record
+
+
+@pytest.fixture
+def record_coverage(request: pytest.FixtureRequest):
+    """``record_coverage(*labels)`` notes the declared capabilities (``coverage`` labels) a test
+    exercised; the CLI fails a run in which a declared one was never exercised by a passed test."""
+
+    def record(*labels: str) -> None:
+        request.node.user_properties.extend((COVERS, label) for label in labels)
+
+    return record
+
+
+def cannot_exercise(request: pytest.FixtureRequest, label: str, reason: str) -> None:
+    """Skip a test this machine cannot run, noting the capability it would have exercised."""
+    request.node.user_properties.append((CANNOT_EXERCISE, f"{label} ({reason})"))
+    pytest.skip(reason)

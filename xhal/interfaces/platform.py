@@ -21,7 +21,18 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class AttentionCapabilities:
-    """What an attention backend supports. The conformance suite tests every declared value."""
+    """What an attention backend supports: real limits of the hardware or kernels, not a wish list.
+
+    The conformance suite derives its grid from this declaration: every dtype, head dim and block
+    size listed here (and the sliding window and soft cap when declared) gets numeric cases, and
+    ``xhal-conformance`` fails when a declared value was never exercised.
+
+    - ``head_dims``: the head dims the backend runs. With ``any_head_dim=True`` every positive
+      head dim is accepted and ``head_dims`` is the representative sample the suite tests (include
+      a small one, such as 16, and the largest you expect, such as 256).
+    - ``block_sizes``: the block sizes the suite tests; ``attention_backend`` accepts any multiple
+      of ``block_size_multiple``.
+    """
 
     dtypes: tuple[torch.dtype, ...]
     head_dims: tuple[int, ...]
@@ -32,12 +43,16 @@ class AttentionCapabilities:
     block_size_multiple: int = 1  # any block size must be a multiple of this
     sliding_window: bool = False
     logits_soft_cap: bool = False
+    any_head_dim: bool = False  # every head dim works; head_dims is then the sample tested
+
+    def supports_head_dim(self, head_dim: int) -> bool:
+        return head_dim > 0 if self.any_head_dim else head_dim in self.head_dims
 
     def check(self, spec: AttentionSpec) -> None:
         """Raise ``ValueError`` saying what is supported when a spec is outside the declaration."""
         if spec.dtype not in self.dtypes:
             raise ValueError(f"dtype {spec.dtype} is not supported; supported: {list(self.dtypes)}")
-        if spec.head_dim not in self.head_dims:
+        if not self.supports_head_dim(spec.head_dim):
             raise ValueError(
                 f"head_dim {spec.head_dim} is not supported; supported: {list(self.head_dims)}"
             )
