@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from conformance_tests import grid, reference
-from conformance_tests.coverage import attention_labels
 from conformance_tests.batches import (
     Batch,
     Seq,
@@ -29,6 +28,7 @@ from conformance_tests.batches import (
     skip_undeclared_kind,
     spec_or_skip,
 )
+from conformance_tests.coverage import attention_labels
 from conformance_tests.tolerances import tolerance
 from xhal.interfaces import AttentionBackend, AttentionSpec, BatchKind, LayerCache, Platform
 
