@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import xhal
-from conformance_tests.coverage import CANNOT_EXERCISE, COVERS
+from conformance_tests.coverage import COVERS
 from xhal.interfaces.platform import Platform
 
 
@@ -49,9 +49,3 @@ def record_coverage(request: pytest.FixtureRequest):
         request.node.user_properties.extend((COVERS, label) for label in labels)
 
     return record
-
-
-def cannot_exercise(request: pytest.FixtureRequest, label: str, reason: str) -> None:
-    """Skip a test this machine cannot run, noting the capability it would have exercised."""
-    request.node.user_properties.append((CANNOT_EXERCISE, f"{label} ({reason})"))
-    pytest.skip(reason)

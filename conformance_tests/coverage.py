@@ -10,6 +10,7 @@ A test that cannot run on this machine (one device where a group needs two) reco
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from xhal.interfaces import AttentionSpec, BatchKind, Capabilities
@@ -57,3 +58,9 @@ def declared(capabilities: Capabilities) -> dict[str, set[str]]:
     if capabilities.collective:
         out["collective"] = {"collective world group", "collective sub-groups"}
     return out
+
+
+def cannot_exercise(request: pytest.FixtureRequest, label: str, reason: str) -> None:
+    """Skip a test this machine cannot run, noting the declared capability it would exercise."""
+    request.node.user_properties.append((CANNOT_EXERCISE, f"{label} ({reason})"))
+    pytest.skip(reason)
