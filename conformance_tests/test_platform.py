@@ -104,10 +104,11 @@ def undeclared_specs(platform: Platform) -> list[tuple[str, AttentionSpec, list[
         if d not in att.dtypes
     )
     cases.append(("dtype", spec(bad_dtype, head_dim, block_size), [str(bad_dtype), str(dtype)]))
-    bad_head_dim = next(d for d in (40, 72, 200, 24) if d not in att.head_dims)
-    cases.append(
-        ("head_dim", spec(dtype, bad_head_dim, block_size), [str(bad_head_dim), str(head_dim)])
-    )
+    if not att.any_head_dim:
+        bad_head_dim = next(d for d in (40, 72, 200, 24) if d not in att.head_dims)
+        cases.append(
+            ("head_dim", spec(dtype, bad_head_dim, block_size), [str(bad_head_dim), str(head_dim)])
+        )
     if att.block_size_multiple > 1:
         bad = att.block_size_multiple + 1
         cases.append(
@@ -131,6 +132,15 @@ def test_undeclared_spec_raises_actionable_error(platform: Platform) -> None:
         message = str(info.value)
         missing = [n for n in needles if n not in message]
         assert not missing, f"undeclared {what}: message {message!r} does not mention {missing}"
+
+
+def test_any_head_dim_accepts_undeclared_head_dims(platform: Platform) -> None:
+    """A platform declaring ``any_head_dim`` serves head dims outside its tested sample."""
+    att = platform.capabilities.attention
+    if not att.any_head_dim:
+        pytest.skip(f"{platform.name} declares a fixed list of head dims")
+    for head_dim in (8, 40, 96, 160):
+        platform.attention_backend(spec(att.dtypes[0], head_dim, att.block_sizes[0]))
 
 
 def test_components(platform: Platform) -> None:
