@@ -40,6 +40,10 @@ def test_identity(platform: Platform, device_name: str) -> None:
     # torch.distributed normalizes backend names to lower case; an alias would break that lookup
     assert platform.dist_backend == platform.dist_backend.lower()
     assert type(platform).is_available() is True, "is_available() must be True where it runs"
+    assert type(platform).metadata_convention in ("cuda", "npu"), (
+        f"metadata_convention {type(platform).metadata_convention!r}: use 'cuda' or 'npu'"
+    )
+    assert isinstance(type(platform).async_scheduling, bool), "async_scheduling must be a bool"
 
 
 def test_registry_returns_one_instance(platform: Platform, device_name: str) -> None:

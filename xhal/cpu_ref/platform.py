@@ -21,6 +21,7 @@ class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
     dist_backend = "gloo"
+    async_scheduling = False  # execute() runs synchronously: nothing to overlap with
     capabilities = Capabilities(
         attention=AttentionCapabilities(
             dtypes=(torch.float32, torch.bfloat16),

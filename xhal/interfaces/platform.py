@@ -88,16 +88,25 @@ class Platform(ABC):
     """One device's implementations of the four interfaces plus the runtime services the executor
     needs, so that no hardware-neutral code touches ``torch.cuda`` or ``torch.npu``.
 
-    Invariants: constructing a platform imports its device libraries and fails with one clear
-    message naming a missing package and how to install it; ``is_available()`` never raises and
-    never imports heavy libraries; ``attention_backend`` raises ``ValueError`` for a spec outside
-    ``capabilities``.
+    Invariants: the class is constructed with no arguments (the registry calls ``cls()``, once
+    per process); constructing it imports its device libraries and fails with one clear message
+    naming a missing package and how to install it; ``is_available()`` never raises and never
+    imports heavy libraries; ``attention_backend`` raises ``ValueError`` for a spec outside
+    ``capabilities``. ``name``, ``device_type``, ``dist_backend``, ``capabilities``,
+    ``metadata_convention`` and ``async_scheduling`` are class attributes, readable without
+    creating the platform (hosts read them before they pick a device).
     """
 
     name: ClassVar[str]
     device_type: ClassVar[str]  # torch device type of the tensors this platform works on
     dist_backend: ClassVar[str]  # torch.distributed backend: gloo, nccl, hccl
     capabilities: ClassVar[Capabilities]
+    # The xLLM metadata layout a host builds for this device ("cuda" or "npu": see
+    # xhal.adapter); xLLM's Ascend build uses "npu", every other build "cuda".
+    metadata_convention: ClassVar[str] = "cuda"
+    # Whether a host should build step N+1 while step N runs (device work is queued, so the
+    # host has time to hide); False where execute() runs synchronously, as on the CPU.
+    async_scheduling: ClassVar[bool] = True
 
     @classmethod
     @abstractmethod
