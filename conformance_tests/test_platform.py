@@ -44,6 +44,19 @@ def test_identity(platform: Platform, device_name: str) -> None:
         f"metadata_convention {type(platform).metadata_convention!r}: use 'cuda' or 'npu'"
     )
     assert isinstance(type(platform).async_scheduling, bool), "async_scheduling must be a bool"
+    assert type(platform).interface_version == xhal.interfaces.INTERFACE_VERSION
+
+
+def test_platform_for_another_interface_version_is_refused() -> None:
+    """A plugin pinned to another interface version fails at ``get`` with both versions named."""
+    current = xhal.interfaces.INTERFACE_VERSION
+    stale = type("StalePlatform", (), {"interface_version": current + 1})
+    xhal.platforms.register("xhal-conformance-stale", stale)
+    try:
+        with pytest.raises(RuntimeError, match=f"version {current + 1}.*version {current}"):
+            xhal.platforms.get("xhal-conformance-stale")
+    finally:
+        xhal.platforms.unregister("xhal-conformance-stale")
 
 
 def test_registry_returns_one_instance(platform: Platform, device_name: str) -> None:

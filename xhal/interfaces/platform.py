@@ -19,6 +19,15 @@ if TYPE_CHECKING:
     from xhal.interfaces.ops import DeviceOps
 
 
+# The version of these interfaces (the four ABCs, the dataclasses, the metadata contract).
+# Compatibility policy: within one version, changes are additive only (new optional fields with
+# defaults, new methods with default implementations, wider accepted inputs); anything that can
+# break a plugin written against it (a new abstract method, a changed signature or invariant)
+# raises the version. A platform states the version it was written for in ``interface_version``
+# and ``xhal.platforms.get`` refuses one written for another version, naming both.
+INTERFACE_VERSION = 1
+
+
 @dataclass(frozen=True)
 class AttentionCapabilities:
     """What an attention backend supports: real limits of the hardware or kernels, not a wish list.
@@ -107,6 +116,9 @@ class Platform(ABC):
     # Whether a host should build step N+1 while step N runs (device work is queued, so the
     # host has time to hide); False where execute() runs synchronously, as on the CPU.
     async_scheduling: ClassVar[bool] = True
+    # The interface version this platform was written against; a plugin pins it as a literal
+    # (``interface_version = 1``) so that an incompatible xhal refuses it instead of misbehaving.
+    interface_version: ClassVar[int] = INTERFACE_VERSION
 
     @classmethod
     @abstractmethod
