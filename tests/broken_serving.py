@@ -10,7 +10,7 @@ Each is the CPU reference with one bug that an older suite passed and that corru
   pass slices of the fused qkv projection.
 - ``broken-split-kv`` (attention): keys are processed in splits of 512 and the partial results
   merged without rescaling by the running maximum (exact below 512 keys).
-- ``broken-row0-sampling`` (ops): row 0's temperature, top-k and top-p are used for every row.
+- ``broken-row0-sampling`` (ops): row 0's temperature is used for every row.
 - ``broken-group-broadcast`` (collective): ``broadcast(src)`` passes ``src`` to torch as a global
   rank where it is the group's rank.
 - ``broken-rms-no-upcast`` (ops): RMSNorm computes in the input dtype (bfloat16) instead of
@@ -190,10 +190,10 @@ class _KvLensInPlanAttention(CpuAttention):
 
 class _Row0SamplingOps(CpuOps):
     def sample(self, logits, temperature, top_k, top_p, generator=None) -> torch.Tensor:
-        # BUG: a batched kernel that took its scalar arguments from the first row
-        rows = logits.shape[0]
-        first = [t[:1].expand(rows).contiguous() for t in (temperature, top_k, top_p)]
-        return super().sample(logits, *first, generator=generator)
+        # BUG: the kernel scales logits by one scalar temperature, the first row's (top-k and
+        # top-p stay per row); right whenever a batch shares one temperature
+        first = temperature[:1].expand(logits.shape[0]).contiguous()
+        return super().sample(logits, first, top_k, top_p, generator=generator)
 
 
 class _NoUpcastOps(CpuOps):
