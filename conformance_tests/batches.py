@@ -1,15 +1,22 @@
 """Random attention batches for the conformance suite: paged caches and the metadata a host builds.
 
 A sequence's blocks come from a random permutation of the cache, so they are neither contiguous nor
-ordered, and block-table rows carry at least one extra column of 0s. Caches are random everywhere:
-whatever sits in a sequence's blocks before a step is its cached prefix, and untouched blocks and
-slots let the suite see any write that lands where it should not.
+ordered. Block-table rows carry at least one extra column past each sequence's pages, and those
+columns hold stale but valid block ids (other sequences' blocks), as the executor's persistent
+decode tables do: a backend must read only the first ``ceil(kv_len / block_size)`` entries of a
+row and never treat 0 as "end of row". Caches are random everywhere: whatever sits in a
+sequence's blocks before a step is its cached prefix, and untouched blocks and slots let the suite
+see any write that lands where it should not.
+
+q, k and v are strided views of one fused ``[T, (H + 2 Hkv) * D]`` projection, as the models
+pass them: a kernel that assumes contiguous rows reads the wrong tokens.
 
 Padding has two forms, both with slot -1 (never written):
 
 - trailing token rows past the last sequence (``num_padding``): ``num_tokens > q_cu_seq_lens[-1]``;
 - dummy sequences (``Seq.padding``) that keep a graph bucket's shape: q_len 1, kv_len 1 and a block
-  row of 0s, as xLLM's ``padding_decode_batch_size`` and vllm-ascend pad; a valid decode for every
+  row left over from earlier steps (stale valid ids), as the executor's decode buckets pad (xLLM's
+  ``padding_decode_batch_size`` and vllm-ascend pad the same way); a valid decode for every
   kernel, whose only special feature is the -1 slot.
 """
 
@@ -62,10 +69,12 @@ def spec_or_skip(
 ) -> AttentionSpec:
     """The spec to test, or a skip naming what the platform does not declare."""
     caps, name = platform.capabilities.attention, platform.name
-    asked = (("dtype", dtype, caps.dtypes), ("head_dim", head_dim, caps.head_dims))
-    for what, value, declared in (*asked, ("block_size", block_size, caps.block_sizes)):
-        if value not in declared:
-            pytest.skip(f"{name} does not declare {what} {value} (declares {list(declared)})")
+    if dtype not in caps.dtypes:
+        pytest.skip(f"{name} does not declare dtype {dtype} (declares {list(caps.dtypes)})")
+    if not caps.supports_head_dim(head_dim):
+        pytest.skip(f"{name} does not declare head_dim {head_dim} (declares {list(caps.head_dims)})")
+    if block_size not in caps.block_sizes:
+        pytest.skip(f"{name} does not declare block_size {block_size} (declares {list(caps.block_sizes)})")
     for feature in ("sliding_window", "logits_soft_cap"):
         if features.get(feature) is not None and not getattr(caps, feature):
             pytest.skip(f"{name} does not declare {feature}")
@@ -85,12 +94,11 @@ def skip_undeclared_kind(platform: Platform, kind: BatchKind) -> None:
         pytest.skip(f"{platform.name} does not declare batch kind {kind.name}")
 
 
-def declared_head_dim(platform: Platform, candidates: tuple[int, ...] = (64, 128)) -> int:
-    """The largest of ``candidates`` the platform declares (skip when none)."""
-    declared = [d for d in candidates if d in platform.capabilities.attention.head_dims]
-    if not declared:
-        pytest.skip(f"{platform.name} declares none of head_dims {list(candidates)}")
-    return declared[-1]
+def declared_head_dim(platform: Platform) -> int:
+    """The head dim the feature and graph cases run at (``grid.feature_head_dim``)."""
+    from conformance_tests.grid import feature_head_dim
+
+    return feature_head_dim(platform.capabilities.attention)
 
 
 def randn(
@@ -118,10 +126,12 @@ def random_caches(
 def random_qkv(
     num_tokens: int, spec: AttentionSpec, device: torch.device, rng: random.Random
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # q: [T, H, D]; k, v: [T, Hkv, D]
-    q = randn((num_tokens, spec.num_heads, spec.head_dim), spec.dtype, device, rng)
-    kv_shape = (num_tokens, spec.num_kv_heads, spec.head_dim)
-    return q, randn(kv_shape, spec.dtype, device, rng), randn(kv_shape, spec.dtype, device, rng)
+    """q ``[T, H, D]``, k and v ``[T, Hkv, D]``: views of one fused qkv projection, so each row is
+    ``(H + 2 Hkv) * D`` elements from the next, as the models' split of ``qkv_proj`` gives."""
+    h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    qkv = randn((num_tokens, (h + 2 * hkv) * d), spec.dtype, device, rng)
+    q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+    return q.view(num_tokens, h, d), k.view(num_tokens, hkv, d), v.view(num_tokens, hkv, d)
 
 
 def random_seqs(kind: BatchKind, block_size: int, rng: random.Random) -> list[Seq]:
@@ -181,8 +191,11 @@ def build_batch(
     max_blocks: int | None = None,
     paged_kv: bool = False,
 ) -> Batch:
-    """What a host builds for ``seqs``: int32, host twins on the CPU, table padded with 0."""
+    """What a host builds for ``seqs``: int32, host twins on the CPU, table columns past each row's
+    pages (and dummy sequences' rows) filled with stale valid block ids."""
     width = max_blocks or max(len(r) for r in block_rows) + 1  # at least one padding column
+    # stale ids: other sequences' blocks, as a persistent table keeps from earlier steps
+    stale = [b for r in reversed(block_rows) for b in reversed(r)] or [0]
     slots, real_rows, table = [], [], []
     for seq, row in zip(seqs, block_rows):
         for pos in range(seq.kv_len - seq.q_len, seq.kv_len):
@@ -191,7 +204,7 @@ def build_batch(
             slots.append(
                 -1 if seq.padding else row[pos // block_size] * block_size + pos % block_size
             )
-        table.append(row + [0] * (width - len(row)))
+        table.append(row + [stale[(len(table) + j) % len(stale)] for j in range(width - len(row))])
     slots += [-1] * num_padding
     q_lens, kv_lens = [s.q_len for s in seqs], [s.kv_len for s in seqs]
 

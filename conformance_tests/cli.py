@@ -13,7 +13,11 @@ from pathlib import Path
 import click
 import pytest
 
+from conformance_tests.coverage import CANNOT_EXERCISE, COVERS
+
 SUITE_DIR = Path(__file__).resolve().parent
+# families whose verdict is about numbers: "passed" needs at least one passed test that checked some
+NUMERIC_FAMILIES = ("attention", "collective", "graph", "ops")
 
 
 def family_of(nodeid: str) -> str:
@@ -40,7 +44,14 @@ class _Collector:
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         entry = self.tests.setdefault(
-            report.nodeid, {"family": family_of(report.nodeid), "outcome": "passed", "max_error": None}
+            report.nodeid,
+            {
+                "family": family_of(report.nodeid),
+                "outcome": "passed",
+                "max_error": None,
+                "covers": [],
+                "cannot_exercise": [],
+            },
         )
         if report.failed:
             entry["outcome"] = "failed"
@@ -53,17 +64,54 @@ class _Collector:
             if name == "max_error":
                 prev = entry["max_error"]
                 entry["max_error"] = value if prev is None else max(prev, value)
+            elif name in (COVERS, CANNOT_EXERCISE) and value not in entry[name]:
+                entry[name].append(value)
 
     def families(self) -> dict[str, dict]:
         out: dict[str, dict] = defaultdict(
-            lambda: {"passed": 0, "failed": 0, "skipped": 0, "max_error": None}
+            lambda: {"passed": 0, "failed": 0, "skipped": 0, "numeric": 0, "max_error": None}
         )
         for entry in self.tests.values():
             fam = out[entry["family"]]
             fam[entry["outcome"]] += 1
             if entry["max_error"] is not None:
                 fam["max_error"] = max(fam["max_error"] or 0.0, entry["max_error"])
+                fam["numeric"] += entry["outcome"] == "passed"
+        for name, fam in out.items():
+            fam["status"] = family_status(name, fam)
         return dict(sorted(out.items()))
+
+    def covered(self) -> set[str]:
+        """Labels exercised by tests that passed."""
+        return {c for t in self.tests.values() if t["outcome"] == "passed" for c in t["covers"]}
+
+    def cannot_exercise(self) -> list[str]:
+        return sorted({c for t in self.tests.values() for c in t["cannot_exercise"]})
+
+
+def family_status(name: str, fam: dict) -> str:
+    """FAILED on any failure; passed only when something passed (for a numeric family: something
+    that checked numbers); skipped otherwise, so an empty family never reads "passed"."""
+    if fam["failed"]:
+        return "FAILED"
+    ran = fam["numeric"] if name in NUMERIC_FAMILIES else fam["passed"]
+    return "passed" if ran else "skipped"
+
+
+def missing_coverage(device: str, families: tuple[str, ...], collector: _Collector) -> list[str]:
+    """Declared capabilities of the families run that no passed test exercised."""
+    import xhal
+    from conformance_tests import coverage
+
+    wanted = coverage.declared(xhal.platforms.get(device).capabilities)
+    run_families = families or tuple(wanted)
+    unreachable = collector.cannot_exercise()
+    labels = {label for f in run_families for label in wanted.get(f, ())}
+    return sorted(
+        label
+        for label in labels - collector.covered()
+        if not any(u.startswith(label + " (") for u in unreachable)
+    )
 
 
 def run(device: str, families: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> tuple[int, _Collector]:
@@ -75,7 +123,7 @@ def run(device: str, families: tuple[str, ...] = (), extra: tuple[str, ...] = ()
 
 
 def summary_line(name: str, fam: dict) -> str:
-    status = "FAILED" if fam["failed"] else ("passed" if fam["passed"] else "skipped")
+    status = fam["status"]
     err = "-" if fam["max_error"] is None else f"{fam['max_error']:.2e}"
     return (
         f"{name:<12} {status:<8} passed {fam['passed']:>3}  failed {fam['failed']:>3}  "
@@ -115,13 +163,24 @@ def main(device: str, report: str | None, families: tuple[str, ...], plugins: tu
     print(f"\nxhal conformance: device={device}  ({elapsed:.1f} s)")
     for name, fam in fams.items():
         print(summary_line(name, fam))
+    missing = missing_coverage(device, families, collector)
+    for label in missing:
+        print(f"NOT EXERCISED: declared {label}, but no passed numeric test ran it")
+    for label in collector.cannot_exercise():
+        print(f"not exercisable on this machine: {label}")
     if report:
-        Path(report).write_text(
-            json.dumps({"device": device, "seconds": elapsed, "families": fams, "tests": collector.tests}, indent=2)
-        )
+        data = {
+            "device": device,
+            "seconds": elapsed,
+            "families": fams,
+            "not_exercised": missing,
+            "cannot_exercise": collector.cannot_exercise(),
+            "tests": collector.tests,
+        }
+        Path(report).write_text(json.dumps(data, indent=2))
         print(f"report written to {report}")
     failed = any(f["failed"] for f in fams.values())
-    sys.exit(1 if failed or code not in (0, 5) else 0)
+    sys.exit(1 if failed or missing or code not in (0, 5) else 0)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import xhal
+from conformance_tests.coverage import COVERS
 from xhal.interfaces.platform import Platform
 
 
@@ -35,5 +36,16 @@ def record_error(request: pytest.FixtureRequest):
 
     def record(err: float) -> None:
         request.node.user_properties.append(("max_error", float(err)))
+
+    return record
+
+
+@pytest.fixture
+def record_coverage(request: pytest.FixtureRequest):
+    """``record_coverage(*labels)`` notes the declared capabilities (``coverage`` labels) a test
+    exercised; the CLI fails a run in which a declared one was never exercised by a passed test."""
+
+    def record(*labels: str) -> None:
+        request.node.user_properties.extend((COVERS, label) for label in labels)
 
     return record

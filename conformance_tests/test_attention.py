@@ -15,13 +15,12 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from conformance_tests import reference
+from conformance_tests import grid, reference
 from conformance_tests.batches import (
     Batch,
     Seq,
     allocate_blocks,
     build_batch,
-    declared_head_dim,
     one_cpu_thread,
     random_batch,
     random_caches,
@@ -29,26 +28,25 @@ from conformance_tests.batches import (
     skip_undeclared_kind,
     spec_or_skip,
 )
+from conformance_tests.coverage import attention_labels
 from conformance_tests.tolerances import tolerance
 from xhal.interfaces import AttentionBackend, AttentionSpec, BatchKind, LayerCache, Platform
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-HEAD_DIMS = (64, 128)
-BLOCK_SIZES = (16, 128)
-GQA = (1, 4, 8)
-KINDS = (BatchKind.PREFILL, BatchKind.DECODE, BatchKind.CHUNKED_PREFILL, BatchKind.MIXED)
 NUM_LAYERS = 3
 NUM_PADDING = 3  # trailing padding rows (slot -1) in every batch
-FEATURES = {
-    "scale": {"scale": 0.2},
-    "window": {"sliding_window": 8},
-    "soft_cap": {"scale": 0.2, "logits_soft_cap": 2.0},
-    "window_soft_cap": {"scale": 0.2, "sliding_window": 8, "logits_soft_cap": 2.0},
-}
 
-dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-block_sizes = pytest.mark.parametrize("block_size", BLOCK_SIZES, ids=lambda b: f"bs{b}")
-kinds = pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name.lower())
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # the grid is the platform's declaration (conformance_tests.grid)
+    if "case" not in metafunc.fixturenames or metafunc.function.__name__ == "test_undeclared_spec_raises":
+        return
+    caps = grid.platform_of(metafunc.config).capabilities.attention
+    cases = {
+        "test_attention": grid.main_cases,
+        "test_attention_features": grid.feature_cases,
+        "test_long_context": lambda c: grid.per_dtype_block_cases(c)[:: len(c.block_sizes)],
+    }.get(metafunc.function.__name__, grid.per_dtype_block_cases)(caps)
+    grid.parametrize_cases(metafunc, cases)
 
 
 @pytest.fixture(autouse=True)
@@ -77,13 +75,22 @@ def check_batch(
     spec: AttentionSpec,
     kind: BatchKind,
     rng: random.Random,
+    seqs: list[Seq] | None = None,
+    num_layers: int = NUM_LAYERS,
     **batch_kwargs: bool,
 ) -> None:
-    """One random batch of ``kind`` over ``NUM_LAYERS`` fresh caches, checked and recorded."""
-    batch, num_blocks = random_batch(
-        kind, spec.block_size, device, rng, num_padding=NUM_PADDING, **batch_kwargs
-    )
-    caches = random_caches(NUM_LAYERS, num_blocks, spec, device, rng)
+    """One batch of ``kind`` (random, or of ``seqs``) over fresh caches, checked and recorded."""
+    if seqs is None:
+        batch, num_blocks = random_batch(
+            kind, spec.block_size, device, rng, num_padding=NUM_PADDING, **batch_kwargs
+        )
+    else:
+        num_blocks = sum(math.ceil(s.kv_len / spec.block_size) for s in seqs) + 4
+        rows = allocate_blocks(seqs, spec.block_size, num_blocks, rng)
+        batch = build_batch(
+            kind, seqs, rows, spec.block_size, device, num_padding=NUM_PADDING, **batch_kwargs
+        )
+    caches = random_caches(num_layers, num_blocks, spec, device, rng)
     backend = platform.attention_backend(spec)
     backend.bind_kv_caches(caches)
     err = run_step(backend, spec, batch, caches, device, rng)
@@ -92,47 +99,49 @@ def check_batch(
     assert err <= tol, f"{kind.name}: max abs error {err:.3e} > tolerance {tol:.1e} for {spec}"
 
 
-@kinds
-@pytest.mark.parametrize("group", GQA, ids=lambda g: f"gqa{g}")
-@block_sizes
-@pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=lambda d: f"d{d}")
-@dtypes
-def test_attention(platform, device, record_error, dtype, head_dim, block_size, group, kind):
-    spec = spec_or_skip(platform, dtype, head_dim, block_size, group)
-    skip_undeclared_kind(platform, kind)
-    rng = random.Random(f"attention {dtype} {head_dim} {block_size} {group} {kind}")
-    check_batch(platform, device, record_error, spec, kind, rng)
+def test_attention(platform, device, record_error, record_coverage, case):
+    """Every declared dtype x head dim x block size, each over every declared batch kind."""
+    spec = spec_or_skip(platform, case.dtype, case.head_dim, case.block_size, case.group)
+    rng = random.Random(f"attention {case.id}")
+    check_batch(platform, device, record_error, spec, case.kind, rng)
+    record_coverage(*attention_labels(spec, case.kind))
 
 
-@kinds
-@pytest.mark.parametrize("feature", FEATURES)
-@block_sizes
-@dtypes
-def test_attention_features(platform, device, record_error, dtype, block_size, feature, kind):
+def test_attention_features(platform, device, record_error, record_coverage, case):
     """A custom scale, a sliding window and a logits soft cap (the latter two when declared)."""
-    spec = spec_or_skip(
-        platform, dtype, declared_head_dim(platform), block_size, 4, **FEATURES[feature]
-    )
-    skip_undeclared_kind(platform, kind)
-    rng = random.Random(f"features {dtype} {block_size} {feature} {kind}")
-    check_batch(platform, device, record_error, spec, kind, rng)
+    features = grid.FEATURES[case.feature]
+    spec = spec_or_skip(platform, case.dtype, case.head_dim, case.block_size, 4, **features)
+    rng = random.Random(f"features {case.id}")
+    check_batch(platform, device, record_error, spec, case.kind, rng)
+    record_coverage(*attention_labels(spec, case.kind))
 
 
-@block_sizes
-@dtypes
-def test_host_supplied_paged_kv(platform, device, record_error, dtype, block_size):
+def test_host_supplied_paged_kv(platform, device, record_error, case):
     """Metadata that also carries ``paged_kv_*`` page arrays, as xLLM's CUDA builder does."""
-    spec = spec_or_skip(platform, dtype, declared_head_dim(platform), block_size, 4)
-    rng = random.Random(f"paged_kv {dtype} {block_size}")
+    spec = spec_or_skip(platform, case.dtype, case.head_dim, case.block_size, 4)
+    skip_undeclared_kind(platform, BatchKind.MIXED)
+    rng = random.Random(f"paged_kv {case.id}")
     check_batch(platform, device, record_error, spec, BatchKind.MIXED, rng, paged_kv=True)
 
 
-@block_sizes
-@dtypes
-def test_consecutive_steps(platform, device, record_error, dtype, block_size):
+def test_long_context(platform, device, record_error, record_coverage, case):
+    """Over 1,024 keys per sequence and a 600-token prefill chunk over a 700-token prefix: where
+    a split-KV kernel merges partial results (a merge that forgets to rescale by the running
+    maximum is exact below one split and far off here)."""
+    spec = spec_or_skip(platform, case.dtype, case.head_dim, case.block_size, 4)
+    skip_undeclared_kind(platform, BatchKind.MIXED)
+    rng = random.Random(f"long {case.id}")
+    seqs = [Seq(1, 1100), Seq(600, 1300), Seq(1, 2049), Seq(1, 530)]
+    rng.shuffle(seqs)
+    check_batch(platform, device, record_error, spec, BatchKind.MIXED, rng, seqs, num_layers=1)
+    record_coverage(*attention_labels(spec, BatchKind.MIXED))
+
+
+def test_consecutive_steps(platform, device, record_error, case):
     """Prefill then two decodes of the same sequences on one backend: later steps read what earlier
     steps wrote, each step is planned anew, and sequences change order between steps."""
-    spec = spec_or_skip(platform, dtype, declared_head_dim(platform), block_size, 4)
+    dtype, block_size = case.dtype, case.block_size
+    spec = spec_or_skip(platform, dtype, case.head_dim, block_size, 4)
     for kind in (BatchKind.PREFILL, BatchKind.DECODE):
         skip_undeclared_kind(platform, kind)
     rng = random.Random(f"steps {dtype} {block_size}")
@@ -161,7 +170,7 @@ def test_consecutive_steps(platform, device, record_error, dtype, block_size):
 UNDECLARED = {  # case -> (is it declared?, the spec fields that ask for it)
     "float64": (lambda caps: torch.float64 in caps.dtypes, {"dtype": torch.float64}),
     "float16": (lambda caps: torch.float16 in caps.dtypes, {"dtype": torch.float16}),
-    "head_dim_96": (lambda caps: 96 in caps.head_dims, {"head_dim": 96}),
+    "head_dim_96": (lambda caps: caps.supports_head_dim(96), {"head_dim": 96}),
     "block_size_off_multiple": (
         lambda caps: caps.block_size_multiple == 1,
         {"block_size": None},  # filled in: block_size_multiple + 1

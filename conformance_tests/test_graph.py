@@ -2,15 +2,25 @@
 
 A replay re-runs the captured device work on the captured tensors: it sees new values written in
 place into its inputs, never calls the captured function again, and keeps the Python values of
-capture. Attention runs inside a graph the way the executor's decode buckets use it: copy the
-step's metadata into the bucket's persistent device tensors (the graph may read them), plan on the
-host with the bucket's ``graph_key`` before capture and before every replay, ``before_replay``,
-copy the step's q/k/v into static buffers, replay. Padding sequences never change real rows.
+capture. Attention runs inside a graph exactly the way the executor's decode buckets
+(``xhal.executor.decode_graph``) use it:
+
+- the bucket is captured with the executor's capture-time dummy step (every row kv_len 1, slot -1)
+  and then replayed for real steps, long sequences included;
+- each step's metadata is copied into the bucket's persistent device tensors, except
+  ``kv_cu_seq_lens``, which the graph itself derives (a cumsum of ``kv_seq_lens``) before the
+  first layer: at ``plan`` time it still holds the previous step's values;
+- block-table columns past a row's pages, and the rows of padding sequences, hold stale but valid
+  block ids; ``max_seq_len`` is the bucket's constant, not the step's maximum;
+- ``plan(graph_key=...)`` runs on the host before capture and before every replay, then
+  ``before_replay``; the step's q/k/v (strided views of a fused projection) are copied into static
+  buffers, then the graph replays. Padding sequences never change real rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from collections.abc import Iterator
 
@@ -18,13 +28,12 @@ import pytest
 import torch
 
 import xhal
-from conformance_tests import reference
+from conformance_tests import coverage, grid, reference
 from conformance_tests.batches import (
     Batch,
     Seq,
     allocate_blocks,
     build_batch,
-    declared_head_dim,
     decode_bucket,
     one_cpu_thread,
     randn,
@@ -44,12 +53,20 @@ KEY = ("decode", BUCKET)
 NUM_LAYERS = 2
 UNKNOWN_KEY_ERRORS = (LookupError, RuntimeError, ValueError)
 
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # attention-in-graph cases: every declared dtype and block size (conformance_tests.grid)
+    if "case" in metafunc.fixturenames:
+        caps = grid.platform_of(metafunc.config).capabilities.attention
+        grid.parametrize_cases(metafunc, grid.per_dtype_block_cases(caps, BatchKind.DECODE))
+
+
 dtypes = pytest.mark.parametrize(
     "dtype",
     (torch.float32, torch.bfloat16, torch.float16),
     ids=lambda d: str(d).removeprefix("torch."),
 )
-block_sizes = pytest.mark.parametrize("block_size", (16, 128), ids=lambda b: f"bs{b}")
 
 
 @pytest.fixture(autouse=True)
@@ -171,29 +188,39 @@ def test_runner_keys_and_reset(platform, device):
 class DecodeCase:
     """One attention group over ``NUM_LAYERS`` random caches with a decode bucket captured the
     executor's way: static q/k/v per layer, metadata in persistent device tensors rewritten in
-    place every step, ``plan(graph_key=KEY)``, one graph over every layer."""
+    place every step (``kv_cu_seq_lens`` derived inside the graph), ``plan(graph_key=KEY)``, one
+    graph over every layer, captured on the executor's dummy step."""
 
-    def __init__(
-        self, platform, device: torch.device, dtype: torch.dtype, block_size: int, seed: str
-    ) -> None:
+    def __init__(self, platform, device: torch.device, case, seed: str, max_kv: int = 0) -> None:
         self.runner = runner_or_skip(platform)
-        self.spec = spec_or_skip(platform, dtype, declared_head_dim(platform), block_size, 4)
+        self.spec = spec_or_skip(platform, case.dtype, case.head_dim, case.block_size, 4)
         skip_undeclared_kind(platform, BatchKind.DECODE)
         self.platform, self.device, self.rng = platform, device, random.Random(seed)
-        self.max_blocks = (
-            4 if block_size < 64 else 3
-        )  # kv lengths up to (max_blocks - 1) * block_size
+        bs = case.block_size
+        # kv lengths up to (max_blocks - 1) * block_size
+        self.max_blocks = math.ceil(max_kv / bs) + 1 if max_kv else (4 if bs < 64 else 3)
         num_blocks = BUCKET * (self.max_blocks - 1) + 4
         self.caches = random_caches(NUM_LAYERS, num_blocks, self.spec, device, self.rng)
         self.backend = platform.attention_backend(self.spec)
         self.backend.bind_kv_caches(self.caches)
-        batch, _ = self.bucket(BUCKET)
         self.statics = self.qkv(BUCKET)
-        self.persistent = {name: getattr(batch.metadata, name).clone() for name in PERSISTENT}
-        self.backend.plan(self.staged(batch.metadata), graph_key=KEY)
-        self.runner.capture(
-            KEY, lambda: [self.backend.forward(i, *x) for i, x in enumerate(self.statics)]
-        )
+        dummy = self.dummy_step()
+        self.persistent = {name: getattr(dummy.metadata, name).clone() for name in PERSISTENT}
+        self.backend.plan(self.staged(dummy.metadata), graph_key=KEY)
+        lens, cu = self.persistent["kv_seq_lens"], self.persistent["kv_cu_seq_lens"]
+
+        def step() -> list[torch.Tensor]:  # as the executor's decode step: prefix sums first
+            torch.cumsum(lens, 0, dtype=torch.int32, out=cu[1:])
+            return [self.backend.forward(i, *x) for i, x in enumerate(self.statics)]
+
+        self.runner.capture(KEY, step)
+
+    def dummy_step(self) -> Batch:
+        """The executor's capture-time step: every row a 1-token sequence with slot -1."""
+        seqs = [Seq(1, 1, padding=True)] * BUCKET
+        rows = [[] for _ in seqs]
+        bs = self.spec.block_size
+        return build_batch(BatchKind.DECODE, seqs, rows, bs, self.device, max_blocks=self.max_blocks)
 
     def bucket(self, num_real: int) -> tuple[Batch, Batch]:
         """A new decode step of ``num_real`` sequences: (padded to the bucket, unpadded)."""
@@ -206,10 +233,13 @@ class DecodeCase:
         return [random_qkv(num_tokens, self.spec, self.device, self.rng) for _ in range(NUM_LAYERS)]
 
     def staged(self, metadata: AttentionMetadata) -> AttentionMetadata:
-        """``metadata`` with its device tensors copied into the bucket's persistent ones."""
+        """``metadata`` with its device tensors copied into the bucket's persistent ones, except
+        ``kv_cu_seq_lens`` (the graph derives it), and the bucket's constant ``max_seq_len``."""
         for name, static in self.persistent.items():
-            static.copy_(getattr(metadata, name))
-        return dataclasses.replace(metadata, **self.persistent)
+            if name != "kv_cu_seq_lens":
+                static.copy_(getattr(metadata, name))
+        max_seq_len = (self.max_blocks - 1) * self.spec.block_size
+        return dataclasses.replace(metadata, max_seq_len=max_seq_len, **self.persistent)
 
     def replay(self, batch: Batch, inputs: list) -> list[torch.Tensor]:
         self.backend.plan(self.staged(batch.metadata), graph_key=KEY)
@@ -231,12 +261,11 @@ class DecodeCase:
         return [backend.forward(layer, *x) for layer, x in enumerate(inputs)]
 
 
-@block_sizes
-@dtypes
-def test_attention_in_graph(platform, device, record_error, dtype, block_size):
+def test_attention_in_graph(platform, device, record_error, record_coverage, case):
     """Replays for new steps (other lengths, block tables and slots, same bucket shape) equal an
     eager run on a fresh backend with the same caches, and the float64 reference."""
-    case = DecodeCase(platform, device, dtype, block_size, f"graph attention {dtype} {block_size}")
+    dtype, block_size = case.dtype, case.block_size
+    case = DecodeCase(platform, device, case, f"graph attention {case.id}")
     spec, caches, tol = case.spec, case.caches, tolerance("attention", dtype)
     # an eager step on the same backend between capture and replay, as the executor runs prefills
     batch, _ = random_batch(
@@ -256,15 +285,36 @@ def test_attention_in_graph(platform, device, record_error, dtype, block_size):
             assert err <= tol, f"layer {layer}: replay differs from eager by {err:.3e} > {tol:.1e}"
     record_error(worst)
     assert worst <= tol, f"max abs error {worst:.3e} > tolerance {tol:.1e} for {spec}"
+    record_coverage(f"graph attention dtype {coverage.dtype_name(dtype)}")
+
+
+def test_long_sequences_after_dummy_capture(platform, device, record_error, case):
+    """A bucket captured on the dummy step replays decodes of 600 to 1,300 keys: nothing sized
+    at capture (lengths, page counts, split counts) may limit what a replay reads."""
+    dtype = case.dtype
+    case = DecodeCase(platform, device, case, f"graph long {case.id}", max_kv=1300)
+    spec, caches, tol, worst = case.spec, case.caches, tolerance("attention", dtype), 0.0
+    for num_real in (BUCKET, BUCKET - 1):
+        real = [Seq(1, case.rng.randint(600, 1300)) for _ in range(num_real)]
+        rows = allocate_blocks(real, spec.block_size, caches[0].num_blocks, case.rng)
+        padded = real + [Seq(1, 1, padding=True)] * (BUCKET - num_real)
+        rows += [[] for _ in range(BUCKET - num_real)]
+        batch = build_batch(
+            BatchKind.DECODE, padded, rows, spec.block_size, device, max_blocks=case.max_blocks
+        )
+        inputs, before = case.qkv(BUCKET), reference.snapshot(caches)
+        outs = case.replay(batch, inputs)
+        worst = max(worst, reference.check_layers(outs, inputs, before, caches, batch, spec))
+    record_error(worst)
+    assert worst <= tol, f"max abs error {worst:.3e} > tolerance {tol:.1e} for {spec}"
 
 
 @pytest.mark.parametrize("mode", ("eager", "graph"))
-@block_sizes
-@dtypes
-def test_bucket_padding_keeps_real_rows(platform, device, record_error, dtype, block_size, mode):
+def test_bucket_padding_keeps_real_rows(platform, device, record_error, case, mode):
     """n real decodes padded with dummy sequences (slot -1) to the bucket give the real rows of the
     unpadded batch, and write nothing but the real tokens' K/V."""
-    case = DecodeCase(platform, device, dtype, block_size, f"padding {dtype} {block_size} {mode}")
+    dtype = case.dtype
+    case = DecodeCase(platform, device, case, f"padding {case.id} {mode}")
     spec, caches, tol, worst = case.spec, case.caches, tolerance("attention", dtype), 0.0
     for num_real in (1, BUCKET - 1):
         padded, unpadded = case.bucket(num_real)
@@ -287,13 +337,12 @@ def test_bucket_padding_keeps_real_rows(platform, device, record_error, dtype, b
     assert worst <= tol, f"max abs error {worst:.3e} > tolerance {tol:.1e} for {spec}"
 
 
-@block_sizes
-@dtypes
-def test_decode_steps_within_pages(platform, device, record_error, dtype, block_size):
+def test_decode_steps_within_pages(platform, device, record_error, case):
     """Consecutive replays whose sequences each grow by one token inside their last page keep the
     page counts of the step before while lengths, page ids and slots change: a backend that
     reuses work keyed on the page layout (FlashInfer's schedule) must still read the new step."""
-    case = DecodeCase(platform, device, dtype, block_size, f"within pages {dtype} {block_size}")
+    dtype, block_size = case.dtype, case.block_size
+    case = DecodeCase(platform, device, case, f"within pages {case.id}")
     spec, caches, tol, worst = case.spec, case.caches, tolerance("attention", dtype), 0.0
     bs, rng = block_size, case.rng
     # every sequence starts 3 tokens short of a page boundary, so 3 steps stay in the same pages

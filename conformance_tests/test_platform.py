@@ -40,6 +40,23 @@ def test_identity(platform: Platform, device_name: str) -> None:
     # torch.distributed normalizes backend names to lower case; an alias would break that lookup
     assert platform.dist_backend == platform.dist_backend.lower()
     assert type(platform).is_available() is True, "is_available() must be True where it runs"
+    assert type(platform).metadata_convention in ("cuda", "npu"), (
+        f"metadata_convention {type(platform).metadata_convention!r}: use 'cuda' or 'npu'"
+    )
+    assert isinstance(type(platform).async_scheduling, bool), "async_scheduling must be a bool"
+    assert type(platform).interface_version == xhal.interfaces.INTERFACE_VERSION
+
+
+def test_platform_for_another_interface_version_is_refused() -> None:
+    """A plugin pinned to another interface version fails at ``get`` with both versions named."""
+    current = xhal.interfaces.INTERFACE_VERSION
+    stale = type("StalePlatform", (), {"interface_version": current + 1})
+    xhal.platforms.register("xhal-conformance-stale", stale)
+    try:
+        with pytest.raises(RuntimeError, match=f"version {current + 1}.*version {current}"):
+            xhal.platforms.get("xhal-conformance-stale")
+    finally:
+        xhal.platforms.unregister("xhal-conformance-stale")
 
 
 def test_registry_returns_one_instance(platform: Platform, device_name: str) -> None:
@@ -104,10 +121,11 @@ def undeclared_specs(platform: Platform) -> list[tuple[str, AttentionSpec, list[
         if d not in att.dtypes
     )
     cases.append(("dtype", spec(bad_dtype, head_dim, block_size), [str(bad_dtype), str(dtype)]))
-    bad_head_dim = next(d for d in (40, 72, 200, 24) if d not in att.head_dims)
-    cases.append(
-        ("head_dim", spec(dtype, bad_head_dim, block_size), [str(bad_head_dim), str(head_dim)])
-    )
+    if not att.any_head_dim:
+        bad_head_dim = next(d for d in (40, 72, 200, 24) if d not in att.head_dims)
+        cases.append(
+            ("head_dim", spec(dtype, bad_head_dim, block_size), [str(bad_head_dim), str(head_dim)])
+        )
     if att.block_size_multiple > 1:
         bad = att.block_size_multiple + 1
         cases.append(
@@ -131,6 +149,15 @@ def test_undeclared_spec_raises_actionable_error(platform: Platform) -> None:
         message = str(info.value)
         missing = [n for n in needles if n not in message]
         assert not missing, f"undeclared {what}: message {message!r} does not mention {missing}"
+
+
+def test_any_head_dim_accepts_undeclared_head_dims(platform: Platform) -> None:
+    """A platform declaring ``any_head_dim`` serves head dims outside its tested sample."""
+    att = platform.capabilities.attention
+    if not att.any_head_dim:
+        pytest.skip(f"{platform.name} declares a fixed list of head dims")
+    for head_dim in (8, 40, 96, 160):
+        platform.attention_backend(spec(att.dtypes[0], head_dim, att.block_sizes[0]))
 
 
 def test_components(platform: Platform) -> None:

@@ -10,6 +10,9 @@ the family that owns the broken contract is the one expected to fail:
 - ``broken-collective`` (collective): ``all_reduce`` sums into a copy, returns the local tensor.
 - ``broken-graph`` (graph): replay drops the fresh results, so outputs keep capture-time values.
 
+The bugs that only the way serving calls a backend shows are in ``tests.broken_serving``, which
+this module imports so that one plugin registers every broken platform.
+
 The broken attention math lives in custom ops of a test namespace (``xhal_broken``), like the
 reference's kernels, so that a captured graph records each as one device call and no other
 contract (graph safety, host syncs) breaks along with the one under test.
@@ -223,3 +226,6 @@ BROKEN_PLATFORMS = (
 )
 for _cls in BROKEN_PLATFORMS:
     platforms.register(_cls.name, _cls)
+
+# the bugs that show only the way serving calls a backend live next door; register them too
+from tests import broken_serving  # noqa: F401

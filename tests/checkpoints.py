@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-# head_dim 64: the smallest head size the CPU reference attention declares
+# head_dim 64 by default; the CPU reference serves any head dim (see llama_head_dim_16)
 TINY = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -129,6 +129,12 @@ def mistral_sliding(path: str | Path, **kw: Any) -> Path:
     return build_checkpoint(path, "mistral", seed=5, sliding_window=8, **kw)
 
 
+def llama_head_dim_16(path: str | Path, **kw: Any) -> Path:
+    """Llama with head dim 16 (4 heads of 16 in a hidden size of 64): a size no kernel library
+    lists, which the CPU reference must still serve."""
+    return build_checkpoint(path, "llama", seed=6, head_dim=16, **kw)
+
+
 # 8 experts of which a token of a 37-token prompt picks 2 or 3: some experts get many tokens, and
 # the routed sets differ token by token
 TINY_MOE = {"num_experts": 8, "moe_intermediate_size": 32}
@@ -160,7 +166,9 @@ def qwen2_moe(path: str | Path, **kw: Any) -> Path:
 
 MOE_BUILDERS = {"qwen3_moe": qwen3_moe, "mixtral": mixtral, "qwen2_moe": qwen2_moe}
 
+
 BUILDERS = {
+    "llama_head_dim_16": llama_head_dim_16,
     "llama_gqa": llama_gqa,
     "llama_tied": llama_tied,
     "llama_sharded": llama_sharded,

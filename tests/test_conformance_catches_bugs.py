@@ -21,6 +21,14 @@ BROKEN = [
     ("broken-kv-slot", "attention"),
     ("broken-collective", "collective"),
     ("broken-graph", "graph"),
+    # bugs only serving's way of calling shows (tests/broken_serving.py)
+    ("broken-kv-lens-in-plan", "graph"),
+    ("broken-zero-row-end", "attention"),
+    ("broken-strided-kv", "attention"),
+    ("broken-split-kv", "attention"),
+    ("broken-row0-sampling", "ops"),
+    ("broken-group-broadcast", "collective"),
+    ("broken-rms-no-upcast", "ops"),
 ]
 # The healthy reference runs the cheapest family that also catches a broken platform, so the
 # passing run exercises the very harness (and checks) the failing ones went through.
@@ -74,7 +82,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, CliRun]:
     assert not missing, f"conformance families missing from {SUITE}: {missing}"
     out = tmp_path_factory.mktemp("conformance_reports")
     jobs = [*BROKEN, HEALTHY]
-    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+    # a few at a time: each run is a process on a machine other test runs share
+    with ThreadPoolExecutor(max_workers=4) as pool:
         futures = {
             dev: pool.submit(run_cli, dev, fam, out / f"{dev}.json", stop_at_first_failure=broken)
             for (dev, fam), broken in zip(jobs, [True] * len(BROKEN) + [False])

@@ -99,9 +99,15 @@ def test_mixed_decodes_and_prefill_chunk(harness):
     assert rel_err(logits[16], harness.reference(a)[-1]) < RTOL
 
 
-@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graph"])
-def test_greedy_32_steps_match_transformers(checkpoint_factory, enforce_eager):
-    h = Harness(checkpoint_factory("llama_gqa"), enforce_eager=enforce_eager)
+@pytest.mark.parametrize(
+    "checkpoint,enforce_eager",
+    [("llama_gqa", True), ("llama_gqa", False), ("llama_head_dim_16", True)],
+    ids=["eager", "graph", "head_dim_16"],
+)
+def test_greedy_32_steps_match_transformers(checkpoint_factory, checkpoint, enforce_eager):
+    """Greedy decoding equals transformers'; head dim 16 too, which the CPU reference serves
+    because it declares any head dim."""
+    h = Harness(checkpoint_factory(checkpoint), enforce_eager=enforce_eager)
     seqs = prompts(h.vocab, [6, 11, 17])
     with torch.no_grad():
         expected = [

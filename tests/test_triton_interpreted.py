@@ -13,7 +13,8 @@ import pytest
 from conformance_run import REPO, suite_env
 from triton_env import NO_RUNTIME_LOOPS, RUNTIME_LOOPS
 
-CASES = "bfloat16 and bs16 and not prefill and not d256"
+# long contexts run compiled on the GPU: the interpreter takes minutes per thousand keys
+CASES = "bfloat16 and bs16 and not prefill and not d256 and not long_context"
 
 
 @pytest.mark.skipif(not RUNTIME_LOOPS, reason=f"paged attention {NO_RUNTIME_LOOPS}")

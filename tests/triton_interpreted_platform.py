@@ -27,7 +27,10 @@ class InterpretedTritonPlatform(CpuPlatform):
         CpuPlatform.capabilities,
         graphs=False,
         attention=dataclasses.replace(
-            CpuPlatform.capabilities.attention, dtypes=(torch.float32, torch.bfloat16, torch.float16)
+            CpuPlatform.capabilities.attention,
+            dtypes=(torch.float32, torch.bfloat16, torch.float16),
+            head_dims=(64, 128),  # the CUDA platform's declaration, not the reference's "any"
+            any_head_dim=False,
         ),
         ops_dtypes=(torch.float32, torch.bfloat16, torch.float16),
         notes=("xhal.cuda's Triton attention in Triton's interpreter (tests only)",),

@@ -75,11 +75,25 @@ def get(name: str) -> Platform:
     error (naming the missing package) when it cannot be created here.
     """
     if name not in _instances:
-        _instances[name] = platform_class(name)()  # type: ignore[call-arg]
+        cls = platform_class(name)
+        _check_interface_version(name, cls)
+        _instances[name] = cls()  # type: ignore[call-arg]
         from xhal import ops
 
         ops.register_platform(_instances[name])
     return _instances[name]
+
+
+def _check_interface_version(name: str, cls: object) -> None:
+    from xhal.interfaces.platform import INTERFACE_VERSION
+
+    version = getattr(cls, "interface_version", INTERFACE_VERSION)  # factories: not stated
+    if version != INTERFACE_VERSION:
+        raise RuntimeError(
+            f"platform {name!r} was written for xhal interface version {version}, this xhal "
+            f"implements version {INTERFACE_VERSION}: install a release of the plugin built for "
+            f"version {INTERFACE_VERSION} (see docs/writing-a-backend.md, 'Versions')"
+        )
 
 
 def available() -> list[str]:

@@ -22,8 +22,8 @@ class EngineConfig:
 
     ``async_scheduling`` schedules and builds step N+1 on the host while step N runs on the
     device (its sampled tokens reach step N+1 on the device), and only then reads step N back.
-    None (the default) turns it on for every device but the CPU, where nothing runs
-    asynchronously to overlap with. With tensor parallelism rank 0 broadcasts each step's sampled
+    None (the default) takes the platform's ``async_scheduling`` attribute (off on the CPU,
+    where nothing runs asynchronously to overlap with). With tensor parallelism rank 0 broadcasts each step's sampled
     tokens to the workers on the device, where the next step's placeholders read them. After
     construction it is a bool.
     """
@@ -61,16 +61,26 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         overlap = self.async_scheduling
         if overlap is None:
-            overlap = self.device.split(":")[0] != "cpu"
+            overlap = bool(_platform_attribute(self.device, "async_scheduling"))
         elif not isinstance(overlap, bool):
             raise ValueError(f"async_scheduling must be a boolean or None, got {overlap!r}")
         object.__setattr__(self, "async_scheduling", overlap)
 
     @property
     def metadata_convention(self) -> str:
-        """The xLLM layout the input builder emits: the one xLLM's build for the device uses
-        ("npu" for Ascend platforms, named npu*, "cuda" for every other)."""
-        return "npu" if self.device.startswith("npu") else "cuda"
+        """The xLLM layout the input builder emits: the platform's ``metadata_convention``
+        (the one xLLM's build for that device uses)."""
+        return _platform_attribute(self.device, "metadata_convention")
+
+
+def _platform_attribute(device: str, name: str):
+    """A class attribute of ``device``'s platform ("cuda:1" names platform "cuda"), read without
+    creating the platform (that imports device libraries). A platform registered as a factory
+    rather than a class has no class to read: it gets the ``Platform`` defaults."""
+    import xhal.platforms
+    from xhal.interfaces.platform import Platform
+
+    return getattr(xhal.platforms.platform_class(device.split(":")[0]), name, getattr(Platform, name))
 
 
 def _check_positive(name: str, value: object) -> None:

@@ -29,6 +29,8 @@ class EmulatedFlashInferPlatform(CpuPlatform):
         attention=dataclasses.replace(
             CpuPlatform.capabilities.attention,
             dtypes=(torch.bfloat16, torch.float16),  # FlashInfer's
+            head_dims=(64, 128),  # the CUDA platform's declaration, not the reference's "any"
+            any_head_dim=False,
         ),
         ops_dtypes=(torch.float32, torch.bfloat16, torch.float16),
         notes=(

@@ -59,6 +59,9 @@ class _OpEntry:
 
     def run(self) -> None:
         flat, _ = tree_flatten(self.func(*self.args, **self.kwargs))
+        for item in flat:  # a collective's Work: on the device the stream orders what follows
+            if isinstance(item, torch.ScriptObject) and hasattr(item, "wait"):
+                item.wait()
         for static, fresh in zip(self.outputs, flat):
             if static is None:
                 continue

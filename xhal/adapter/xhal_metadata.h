@@ -33,8 +33,12 @@
  *     attention is causal, aligned bottom-right. Sequences may come in any order.
  *   - slot = block_id * block_size + offset (xhal_slot below). slot_mapping[t] == -1
  *     (XHAL_PADDING_SLOT) marks a padding token: its K/V is never written, its output unspecified.
- *   - block_table is [B, max_blocks], rows padded with 0; only the first
- *     ceil(kv_len / block_size) entries of a row are meaningful.
+ *   - block_table is [B, max_blocks]; only the first ceil(kv_len / block_size) entries of a row
+ *     are meaningful. The rest may hold anything that is a valid block id (0, or ids left from
+ *     earlier steps, as xhal's own persistent decode tables do): no backend reads them.
+ *   - KV caches (bound once, not part of this view): per layer a key and a value tensor
+ *     [num_blocks, block_size, num_kv_heads, head_dim] in the model's dtype (xLLM's default
+ *     KVCacheShape), allocated by the host; no backend asks for another layout.
  *   - paged_kv_indptr [B+1], paged_kv_indices [nnz_pages], paged_kv_last_page_len [B] come
  *     together or not at all (FlashInfer's layout, filled by xLLM's CUDA builder);
  *     last_page_len = kv_len % block_size, or block_size when that is 0 (xhal_last_page_len).
@@ -105,7 +109,7 @@ typedef struct XhalAttentionMetadataView {
 
   /* required */
   XhalTensorRef slot_mapping;        /* device [T]; -1 = padding token */
-  XhalTensorRef block_table;         /* device [B, max_blocks]; rows padded with 0 */
+  XhalTensorRef block_table;         /* device [B, max_blocks]; past a row's pages: any valid id */
 
   /* lengths, in `convention` (table above) */
   XhalTensorRef q_seq_lens;          /* device, npu [B] | cuda [B+1] */

@@ -21,10 +21,12 @@ class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
     dist_backend = "gloo"
+    async_scheduling = False  # execute() runs synchronously: nothing to overlap with
     capabilities = Capabilities(
         attention=AttentionCapabilities(
             dtypes=(torch.float32, torch.bfloat16),
-            head_dims=(64, 128, 256),
+            head_dims=(16, 64, 128, 256),  # any head dim works; these are the ones tested
+            any_head_dim=True,
             block_sizes=(16, 128),
             sliding_window=True,
             logits_soft_cap=True,

@@ -6,9 +6,15 @@ from xhal.interfaces.collective import Collective
 from xhal.interfaces.graph import GraphRunner
 from xhal.interfaces.metadata import AttentionMetadata, BatchKind
 from xhal.interfaces.ops import DeviceOps
-from xhal.interfaces.platform import AttentionCapabilities, Capabilities, Platform
+from xhal.interfaces.platform import (
+    INTERFACE_VERSION,
+    AttentionCapabilities,
+    Capabilities,
+    Platform,
+)
 
 __all__ = [
+    "INTERFACE_VERSION",
     "AttentionBackend",
     "AttentionCapabilities",
     "AttentionMetadata",

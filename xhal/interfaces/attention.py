@@ -67,7 +67,18 @@ class AttentionBackend(ABC):
       before ``plan``. A backend may read them from the graph instead of copying them (the host
       twins, ``*_host``, may be new tensors every step). One exception: the executor's decode
       graphs derive ``kv_cu_seq_lens`` inside the graph, before the first layer, so a backend
-      reads that one from the graph only, never in ``plan``.
+      reads that one from the graph only, never in ``plan``. A bucket is captured on the
+      executor's dummy step (every row kv_len 1, slot -1, ``max_seq_len`` the bucket's
+      constant) and then replayed for real steps of any length up to the model's maximum, so
+      nothing sized at capture may bound what a replay reads.
+    - Block-table entries past a row's ``ceil(kv_len / block_size)`` pages, and the rows of padding
+      sequences, are unspecified: on the graph path they hold stale but valid block ids of
+      earlier steps. Read only a row's own pages; never treat 0 as "end of row".
+    - q, k and v may be strided views (the models pass slices of the fused qkv projection: row
+      stride ``(H + 2 Hkv) * D``); the last dimension is contiguous. Honour ``stride()``, or copy.
+    - ``paged_kv_*`` fields, when the host supplies them, describe the same pages as
+      ``block_table`` and ``kv_seq_lens``; a backend may use them as given or ignore them, but
+      never recompute them on the device path.
     - ``forward`` writes k and v at ``metadata.slot_mapping`` (rows with slot -1 are not written)
       and then attends over the cache, so a token sees its own K/V. It does no host sync and no
       allocation whose size depends on tensor values: it is safe to capture in a graph.
@@ -80,13 +91,21 @@ class AttentionBackend(ABC):
         self.spec = spec
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """Shape of one layer's K (and V) cache tensor for ``num_blocks`` blocks."""
+        """Shape of one layer's K (and V) cache tensor for ``num_blocks`` blocks.
+
+        Fixed by the host contract, not a backend choice: ``[num_blocks, block_size,
+        num_kv_heads, head_dim]`` (xLLM's default ``KVCacheShape``). The host allocates the caches
+        and shares them with its block manager, the executor allocates exactly this shape and
+        ``bind_kv_caches`` receives it; the conformance suite checks that it is returned. Do not
+        override it: a kernel that wants another layout views the standard one."""
         s = self.spec
         return (num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
 
     @abstractmethod
     def bind_kv_caches(self, caches: Sequence[LayerCache]) -> None:
-        """Bind the caches once; ``caches[layer_id]`` serves ``forward(layer_id, ...)``."""
+        """Bind the caches once; ``caches[layer_id]`` serves ``forward(layer_id, ...)``. Each is
+        ``kv_cache_shape(num_blocks)`` in the spec's dtype; reject any other shape with a
+        ``ValueError`` (``normalize_layer_caches`` checks the rank and key/value agreement)."""
 
     @abstractmethod
     def plan(self, metadata: AttentionMetadata, graph_key: Hashable | None = None) -> None:

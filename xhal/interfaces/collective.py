@@ -12,7 +12,10 @@ class Collective(ABC):
 
     Invariants: every rank of the group calls the same collectives in the same order with
     tensors of the same shape; results are returned (callers never rely on in-place effects);
-    with ``world_size == 1`` every collective returns its input unchanged.
+    with ``world_size == 1`` every collective returns its input unchanged. ``rank``,
+    ``world_size`` and ``broadcast``'s ``src`` are ranks within the group, which need not be the
+    whole world (``torch.distributed.get_global_rank`` maps them). Where the platform declares
+    graphs, collectives are capturable: a replay reduces what the inputs hold at replay time.
     """
 
     @property
@@ -37,7 +40,7 @@ class Collective(ABC):
 
     @abstractmethod
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Every rank receives ``src``'s ``x``."""
+        """Every rank receives ``x`` of group rank ``src`` (a rank within the group)."""
 
     @abstractmethod
     def barrier(self) -> None: ...

@@ -18,7 +18,11 @@ class GraphRunner(ABC):
       written in place into the inputs ``fn`` read are seen, while Python-side values (ints,
       lists, branches taken) are baked at capture. A caller that needs new host values must
       capture a new key or update them through the backend's replay hook.
-    - Work run under capture must not sync with the host or allocate by tensor values.
+    - Work run under capture must not sync with the host or allocate by tensor values. Whether
+      capture also executes the work is the runner's choice (a CUDA graph does not; the CPU
+      reference's recorder does): callers read results only after a replay. A runner need not
+      detect host syncs itself (the device's capture usually refuses them); the suite's graph
+      family and the executor never issue them.
     - All captures of one runner share one memory pool. ``reset()`` drops every graph.
     - Piecewise capture: inside ``capture``, ``split(fn)`` ends the current piece, runs ``fn``
       eagerly, and starts the next piece. At every replay ``fn`` runs again, eagerly, between the

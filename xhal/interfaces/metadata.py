@@ -30,8 +30,9 @@ class AttentionMetadata:
       itself). ``kv_seq_lens`` includes this step's tokens.
     - ``slot_mapping[t]`` is ``block_id * block_size + offset`` for token ``t``; ``-1`` marks a
       padding token whose K/V is never written and whose output row is unspecified.
-    - ``block_table`` rows are padded with 0; only the first ``ceil(kv_len / block_size)``
-      entries of a row are meaningful.
+    - Only the first ``ceil(kv_len / block_size)`` entries of a ``block_table`` row are
+      meaningful. The rest are unspecified: 0 from hosts that pad with 0, stale but valid block
+      ids in the executor's persistent decode tables (and in the rows of padding sequences).
     - ``*_host`` tensors live on the CPU and hold the same values as their device twins; they are
       what planners read, so no backend needs a device-to-host sync.
     - ``num_tokens`` may exceed ``q_cu_seq_lens[-1]`` when the executor pads a batch; the padding
@@ -49,7 +50,7 @@ class AttentionMetadata:
     kv_seq_lens: torch.Tensor  # int32 [B], device
     q_seq_lens_host: torch.Tensor  # int32 [B], cpu
     kv_seq_lens_host: torch.Tensor  # int32 [B], cpu
-    block_table: torch.Tensor  # int32 [B, max_blocks], device
+    block_table: torch.Tensor  # int32 [B, max_blocks], device; entries past a row's pages unspecified
     slot_mapping: torch.Tensor  # int32 [T], device
     paged_kv_indptr: torch.Tensor | None = None  # int32 [B+1], device
     paged_kv_indices: torch.Tensor | None = None  # int32 [nnz_pages], device

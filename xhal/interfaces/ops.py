@@ -13,7 +13,15 @@ class DeviceOps(ABC):
     """One device's implementations of the stateless ops layers call through ``xhal.ops``.
 
     Every op is out of place and returns tensors in the input's dtype, computing internally in at
-    least float32. Shapes: leading dimensions are free unless stated.
+    least float32 and rounding the result once: in bfloat16 / float16 the suite allows 1 ulp from
+    the float64 result rounded to the dtype. Inputs may be strided views (a slice of a fused
+    projection). Shapes: leading dimensions are free unless stated.
+
+    Registration: ``xhal.platforms.get`` registers the platform's kernels for its
+    ``device_type``, and the first platform created for a device type becomes the active one
+    there. A platform whose tensors live on another platform's device type (an emulation on
+    "cpu") must make its ops active while it runs: ``xhal.ops.activate(device_type, ops)`` from
+    then on, or ``with xhal.ops.using(device_type, ops):`` for a block.
     """
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -30,7 +38,8 @@ class DeviceOps(ABC):
     def fused_add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(rms_norm(x + residual), x + residual)``."""
+        """Returns ``(rms_norm(x + residual), x + residual)``: the new residual is stored in x's
+        dtype and the norm is that of the stored residual (the unfused sequence's result)."""
 
     @abstractmethod
     def rotary_embedding(
@@ -112,7 +121,8 @@ class DeviceOps(ABC):
         Per row: ``temperature`` float32 ``[B]`` (0 means greedy), ``top_k`` int32 ``[B]`` (0 or
         >= V means off), ``top_p`` float32 ``[B]`` in (0, 1] (1 means off). As in vLLM, top-k is
         applied first (keep the k largest logits; ties at the k-th value are kept), then top-p over
-        the renormalized rest (keep the smallest set of most likely tokens whose probability
-        reaches ``top_p``; the most likely token is always kept). The same generator state gives
-        the same tokens.
+        the renormalized rest of the temperature-scaled probabilities, ``softmax(logits / T)``
+        (keep the smallest set of most likely tokens whose probability reaches ``top_p``; the most
+        likely token is always kept). Every row uses its own settings: a batch mixes requests.
+        The same generator state gives the same tokens.
         """

@@ -19,9 +19,29 @@ if TYPE_CHECKING:
     from xhal.interfaces.ops import DeviceOps
 
 
+# The version of these interfaces (the four ABCs, the dataclasses, the metadata contract).
+# Compatibility policy: within one version, changes are additive only (new optional fields with
+# defaults, new methods with default implementations, wider accepted inputs); anything that can
+# break a plugin written against it (a new abstract method, a changed signature or invariant)
+# raises the version. A platform states the version it was written for in ``interface_version``
+# and ``xhal.platforms.get`` refuses one written for another version, naming both.
+INTERFACE_VERSION = 1
+
+
 @dataclass(frozen=True)
 class AttentionCapabilities:
-    """What an attention backend supports. The conformance suite tests every declared value."""
+    """What an attention backend supports: real limits of the hardware or kernels, not a wish list.
+
+    The conformance suite derives its grid from this declaration: every dtype, head dim and block
+    size listed here (and the sliding window and soft cap when declared) gets numeric cases, and
+    ``xhal-conformance`` fails when a declared value was never exercised.
+
+    - ``head_dims``: the head dims the backend runs. With ``any_head_dim=True`` every positive
+      head dim is accepted and ``head_dims`` is the representative sample the suite tests (include
+      a small one, such as 16, and the largest you expect, such as 256).
+    - ``block_sizes``: the block sizes the suite tests; ``attention_backend`` accepts any multiple
+      of ``block_size_multiple``.
+    """
 
     dtypes: tuple[torch.dtype, ...]
     head_dims: tuple[int, ...]
@@ -33,15 +53,21 @@ class AttentionCapabilities:
     sliding_window: bool = False
     logits_soft_cap: bool = False
     # paged cache layouts the backend can run on: "NHD" = [num_blocks, block_size, num_kv_heads,
-    # head_dim] (the executor's default, what the suite builds), "HND" = [num_blocks,
-    # num_kv_heads, block_size, head_dim]; a backend's kv_cache_shape says which one it uses
+    # head_dim] is the contract layout (xLLM's KVCacheShape): what the executor allocates, the suite
+    # builds and kv_cache_shape returns by default. "HND" = [num_blocks, num_kv_heads, block_size,
+    # head_dim] is an opt-in of a backend setting (XHAL_NPU_KV_LAYOUT=HND) for hosts that allocate
+    # by kv_cache_shape themselves; the executor and the suite do not run it yet.
     kv_cache_layouts: tuple[str, ...] = ("NHD",)
+    any_head_dim: bool = False  # every head dim works; head_dims is then the sample tested
+
+    def supports_head_dim(self, head_dim: int) -> bool:
+        return head_dim > 0 if self.any_head_dim else head_dim in self.head_dims
 
     def check(self, spec: AttentionSpec) -> None:
         """Raise ``ValueError`` saying what is supported when a spec is outside the declaration."""
         if spec.dtype not in self.dtypes:
             raise ValueError(f"dtype {spec.dtype} is not supported; supported: {list(self.dtypes)}")
-        if spec.head_dim not in self.head_dims:
+        if not self.supports_head_dim(spec.head_dim):
             raise ValueError(
                 f"head_dim {spec.head_dim} is not supported; supported: {list(self.head_dims)}"
             )
@@ -77,16 +103,28 @@ class Platform(ABC):
     """One device's implementations of the four interfaces plus the runtime services the executor
     needs, so that no hardware-neutral code touches ``torch.cuda`` or ``torch.npu``.
 
-    Invariants: constructing a platform imports its device libraries and fails with one clear
-    message naming a missing package and how to install it; ``is_available()`` never raises and
-    never imports heavy libraries; ``attention_backend`` raises ``ValueError`` for a spec outside
-    ``capabilities``.
+    Invariants: the class is constructed with no arguments (the registry calls ``cls()``, once
+    per process); constructing it imports its device libraries and fails with one clear message
+    naming a missing package and how to install it; ``is_available()`` never raises and never
+    imports heavy libraries; ``attention_backend`` raises ``ValueError`` for a spec outside
+    ``capabilities``. ``name``, ``device_type``, ``dist_backend``, ``capabilities``,
+    ``metadata_convention`` and ``async_scheduling`` are class attributes, readable without
+    creating the platform (hosts read them before they pick a device).
     """
 
     name: ClassVar[str]
     device_type: ClassVar[str]  # torch device type of the tensors this platform works on
     dist_backend: ClassVar[str]  # torch.distributed backend: gloo, nccl, hccl
     capabilities: ClassVar[Capabilities]
+    # The xLLM metadata layout a host builds for this device ("cuda" or "npu": see
+    # xhal.adapter); xLLM's Ascend build uses "npu", every other build "cuda".
+    metadata_convention: ClassVar[str] = "cuda"
+    # Whether a host should build step N+1 while step N runs (device work is queued, so the
+    # host has time to hide); False where execute() runs synchronously, as on the CPU.
+    async_scheduling: ClassVar[bool] = True
+    # The interface version this platform was written against; a plugin pins it as a literal
+    # (``interface_version = 1``) so that an incompatible xhal refuses it instead of misbehaving.
+    interface_version: ClassVar[int] = INTERFACE_VERSION
 
     @classmethod
     @abstractmethod

@@ -44,6 +44,7 @@ def import_torch_npu() -> ModuleType:
 class NpuPlatform(Platform):
     name = "npu"
     device_type = "npu"
+    metadata_convention = "npu"  # xLLM's Ascend build lays lengths out per sequence
     dist_backend = "hccl"
     capabilities = Capabilities(
         attention=AttentionCapabilities(
