@@ -132,9 +132,11 @@ def python_greedy(
     return generated
 
 
-@pytest.mark.parametrize("convention", ["cuda", "npu"])
-def test_cpp_host_matches_python_executor(host_binary, checkpoint, convention):
-    proc = run_host(host_binary, checkpoint, "--convention", convention)
+# staged: device fields in their own buffers filled by one copy a step and logits copied into
+# C++'s buffer, the data path a GPU takes, run on the CPU
+@pytest.mark.parametrize(("convention", "staged"), [("cuda", False), ("npu", False), ("cuda", True)])
+def test_cpp_host_matches_python_executor(host_binary, checkpoint, convention, staged):
+    proc = run_host(host_binary, checkpoint, "--convention", convention, *["--staged"] * staged)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     steps = parse_steps(out)
@@ -157,8 +159,8 @@ def test_cpp_host_matches_python_executor(host_binary, checkpoint, convention):
     assert summary[5] == "ok"
     # every tensor handed over on step 0 is the C++ buffer itself
     checks = re.findall(r"^zero-copy (\w+) cpp=(0x[0-9a-f]+) python=(0x[0-9a-f]+) ok$", out, re.MULTILINE)
-    assert {"input_ids", "positions", "slot_mapping", "block_table", "kv_seq_lens_host"} <= {
-        name for name, _, _ in checks}
+    assert {"host_slot", "input_ids", "positions", "slot_mapping", "block_table",
+            "kv_seq_lens_host"} <= {name for name, _, _ in checks}
     assert all(cpp == python for _, cpp, python in checks)
     assert "gil-probe ok" in out
 

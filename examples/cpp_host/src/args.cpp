@@ -47,7 +47,7 @@ RequestSpec parse_request(const std::string& text) {
 
 std::string usage() {
   return "usage: xhal_cpp_host --model DIR [--device cpu|cuda|...] [--dtype auto|float32|bfloat16]\n"
-         "         [--load-format auto|dummy] [--convention cuda|npu] [--eager]\n"
+         "         [--load-format auto|dummy] [--convention cuda|npu] [--eager] [--staged]\n"
          "         [--block-size N] [--num-blocks N] [--max-num-seqs N] [--max-model-len N]\n"
          "         [--max-tokens-per-step N] [--request ARRIVAL:MAX_NEW:ID,ID,...]...\n"
          "         [--synthetic B:PROMPT_LEN:MAX_NEW] [--crossing-iters N] [--quiet]\n"
@@ -71,6 +71,7 @@ Args parse_args(int argc, char** argv) {
     else if (flag == "--load-format") e.load_format = value();
     else if (flag == "--python") a.python = value();
     else if (flag == "--eager") e.eager = true;
+    else if (flag == "--staged") e.staged = true;
     else if (flag == "--quiet") a.print_steps = false;
     else if (flag == "--block-size") e.block_size = to_int(flag, value());
     else if (flag == "--num-blocks") e.num_blocks = to_int(flag, value());

@@ -40,6 +40,9 @@ struct PyExecutor::Impl {
   py::object host_tensor[2], device_tensor[2], logits_tensor;
   py::object execute, compute_logits, noop;
   bool on_cpu = true;
+  // device fields in their own device buffers, filled by one copy per step (always off the CPU;
+  // on the CPU with ExecutorOptions::staged, to exercise the GPU's layout there)
+  bool staged = false;
   int vocab = 0, max_blocks = 0;
   int64_t num_execute = 0, num_logits = 0;
   std::atomic<bool>* in_python = nullptr;
@@ -68,7 +71,7 @@ struct PyExecutor::Impl {
 
   py::object tensor_of(const XhalTensorRef& ref, int slot) const {
     if (ref.data == nullptr) return py::none();
-    bool host = ref.memory == XHAL_MEMORY_HOST || on_cpu;
+    bool host = ref.memory == XHAL_MEMORY_HOST || !staged;
     uintptr_t base = host ? reinterpret_cast<uintptr_t>(slots[slot].host->data())
                           : slots[slot].device_base;
     auto address = reinterpret_cast<uintptr_t>(ref.data);
@@ -93,6 +96,7 @@ PyExecutor::PyExecutor(const ExecutorOptions& options) : impl_(std::make_unique<
     py::object executor_mod = py::module_::import("xhal.executor");
     m.platform = platforms.attr("get")(options.device);
     m.on_cpu = m.platform.attr("device_type").cast<std::string>() == "cpu";
+    m.staged = !m.on_cpu || options.staged;
     py::object device = m.platform.attr("device")();
     py::object model = load_model(options.model_dir, options.dtype, device,
                                   "progress"_a = false, "load_format"_a = options.load_format);
@@ -118,7 +122,7 @@ PyExecutor::PyExecutor(const ExecutorOptions& options) : impl_(std::make_unique<
     for (int i = 0; i < 2; ++i) {
       m.slots[i].host = std::make_unique<HostBuffer>(ints * sizeof(int32_t));
       m.host_tensor[i] = m.wrap(*m.slots[i].host, "int32");
-      if (m.on_cpu) {
+      if (!m.staged) {
         m.device_tensor[i] = m.host_tensor[i];  // the executor reads the host memory itself
       } else {
         m.pin(*m.slots[i].host);
@@ -128,7 +132,7 @@ PyExecutor::PyExecutor(const ExecutorOptions& options) : impl_(std::make_unique<
       }
       m.slots[i].device_base = data_ptr(m.device_tensor[i]);
     }
-    if (!m.on_cpu) {
+    if (m.staged) {
       m.logits_host = std::make_unique<HostBuffer>(sizeof(float) * options.max_num_seqs *
                                                    static_cast<size_t>(m.vocab));
       m.pin(*m.logits_host);
@@ -148,6 +152,7 @@ PyExecutor::PyExecutor(const ExecutorOptions& options) : impl_(std::make_unique<
       << " device=" << py::str(device).cast<std::string>()
       << " dtype=" << py::str(dtype).cast<std::string>() << " graphs=" << (graphs ? "on" : "off")
       << " convention=" << convention_name(options.convention)
+      << " staged=" << (m.staged ? "yes" : "no")
       << " kv_cache=" << options.num_blocks << "x" << options.block_size << " blocks x "
       << py::len(m.caches) << " layers vocab=" << m.vocab;
     m.summary = s.str();
@@ -190,7 +195,7 @@ StepOutput PyExecutor::run(const BuiltStep& step, std::vector<ZeroCopyCheck>* ch
   double start = now_us();
   py::object logits_ref;
   try {
-    if (!m.on_cpu && step.device_ints > 0) {
+    if (m.staged && step.device_ints > 0) {
       // the step's one host-to-device copy: every device field, from the pinned slot
       m.device_tensor[slot].attr("narrow")(0, 0, step.device_ints)
           .attr("copy_")(m.host_tensor[slot].attr("narrow")(0, 0, step.device_ints),
@@ -205,6 +210,10 @@ StepOutput PyExecutor::run(const BuiltStep& step, std::vector<ZeroCopyCheck>* ch
       }
       return t;
     };
+    if (checks != nullptr) {  // the slot itself: the tensor Python wraps it in is its memory
+      checks->push_back({"host_slot", reinterpret_cast<uintptr_t>(m.slots[slot].host->data()),
+                         data_ptr(m.host_tensor[slot])});
+    }
     py::dict view;  // PyAttentionMetadataView's attribute names; absent fields left out
     const std::pair<const char*, const XhalTensorRef*> fields[] = {
         {"slot_mapping", &v.slot_mapping},
@@ -245,7 +254,7 @@ StepOutput PyExecutor::run(const BuiltStep& step, std::vector<ZeroCopyCheck>* ch
                           ", expected float32 [" + std::to_string(num_samples) + ", " +
                           std::to_string(m.vocab) + "]");
       }
-      if (m.on_cpu) {
+      if (!m.staged) {
         logits_ref = result.attr("contiguous")();  // read in place while the reference lives
         logits = reinterpret_cast<const float*>(data_ptr(logits_ref));
       } else {

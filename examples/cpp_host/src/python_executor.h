@@ -33,6 +33,9 @@ struct ExecutorOptions {
   int max_model_len = 256;
   int max_tokens_per_step = 256;
   bool eager = false;
+  // on the CPU too, keep device fields in separate buffers filled by a copy each step and copy
+  // the logits into C++'s buffer: the GPU's data path, testable without a GPU
+  bool staged = false;
 };
 
 struct StepOutput {
