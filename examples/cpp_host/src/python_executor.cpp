@@ -195,7 +195,7 @@ StepOutput PyExecutor::run(const BuiltStep& step, std::vector<ZeroCopyCheck>* ch
   double start = now_us();
   py::object logits_ref;
   try {
-    if (m.staged && step.device_ints > 0) {
+    if (m.staged && step.num_tokens() > 0) {  // an EMPTY step reads no device field
       // the step's one host-to-device copy: every device field, from the pinned slot
       m.device_tensor[slot].attr("narrow")(0, 0, step.device_ints)
           .attr("copy_")(m.host_tensor[slot].attr("narrow")(0, 0, step.device_ints),
@@ -266,6 +266,7 @@ StepOutput PyExecutor::run(const BuiltStep& step, std::vector<ZeroCopyCheck>* ch
       }
     }
   } catch (const py::error_already_set& e) {
+    if (m.in_python != nullptr) m.in_python->store(false);
     rethrow(e);
   }
   out.python_us = now_us() - start;
