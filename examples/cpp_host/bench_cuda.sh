@@ -44,21 +44,25 @@ done
 import re, sys
 from pathlib import Path
 out, batches = Path(sys.argv[1]), sys.argv[2:]
-def grab(text, key):
-    m = re.search(rf"{key}=([0-9.]+)", text)
+def grab(text, line, key):
+    """The number after KEY= on the first line starting with LINE (nan when absent)."""
+    m = re.search(rf"^{line}\b.*\b{key}=([0-9.]+)", text, re.M)
     return float(m[1]) if m else float("nan")
+def first_tokens(text):
+    m = re.search(r"^tokens r0:(.*)$", text, re.M)
+    return m[1].split() if m else None
 rows = []
 for b in batches:
     cpp = (out / f"cpp_host_b{b}.txt").read_text()
     pyt = (out / f"cpp_host_python_b{b}.txt").read_text()
-    line = lambda t: re.search(r"^tokens r0:(.*)$", t, re.M)[1].split()
-    c_step = grab(cpp.split("decode-steps")[1], "step_us_median")
-    p_step = grab(pyt, "step_us_median")
+    c_step = grab(cpp, "decode-steps", "step_us_median")
+    p_step = grab(pyt, "python-decode-steps", "step_us_median")
+    same = first_tokens(cpp) is not None and first_tokens(cpp) == first_tokens(pyt)
     rows.append((b, c_step / 1e3, p_step / 1e3, c_step / p_step,
-                 grab(cpp.split("crossing")[1], "empty_execute_us_median"),
-                 grab(pyt, "empty_execute_us_median"),
-                 grab(cpp.split("crossing")[1], "noop_call_us_median"),
-                 "yes" if line(cpp) == line(pyt) else "NO"))
+                 grab(cpp, "crossing", "empty_execute_us_median"),
+                 grab(pyt, "python-decode-steps", "empty_execute_us_median"),
+                 grab(cpp, "crossing", "noop_call_us_median"),
+                 "yes" if same else "NO"))
 head = ("batch", "C++ step ms", "Python step ms", "C++/Python", "C++ EMPTY execute us",
         "Python EMPTY execute us", "C++ no-op call us", "same r0 tokens")
 print("--- C++ host vs Python host, decode step (median), and the boundary crossing")
