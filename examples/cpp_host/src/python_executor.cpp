@@ -107,9 +107,15 @@ PyExecutor::PyExecutor(const ExecutorOptions& options) : impl_(std::make_unique<
         "enforce_eager"_a = options.eager,
         "metadata_convention"_a = convention_name(options.convention));
     m.executor = executor_mod.attr("ModelExecutor")(model, m.platform, config);
-    // KV caches: allocated once, bound once, kept alive here for the life of the host
+    // KV caches: allocated once, bound once, kept alive here for the life of the host. They
+    // are bound in xLLM's form, a (k, v, index, conv, ssm, index_scale) tuple per layer.
     m.caches = m.executor.attr("allocate_kv_caches")(options.num_blocks);
-    m.executor.attr("bind_kv_caches")(m.caches);
+    py::list per_layer;
+    for (py::handle cache : m.caches) {
+      py::object none = py::none();
+      per_layer.append(py::make_tuple(cache.attr("key"), cache.attr("value"), none, none, none, none));
+    }
+    m.executor.attr("bind_kv_caches")(per_layer);
     m.max_blocks = config.attr("max_blocks_per_seq").cast<int>();
     py::object model_config = model.attr("config");
     py::object vocab = py::isinstance<py::dict>(model_config)
