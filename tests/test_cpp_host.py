@@ -183,3 +183,21 @@ def test_bad_arguments_fail_cleanly(host_binary, checkpoint):
     assert proc.returncode == 2 and "outside the vocabulary" in proc.stderr
     proc = run_host(host_binary, checkpoint, "--convention", "tpu")
     assert proc.returncode == 2 and "--convention expects cuda or npu" in proc.stderr
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_cpp_argmax_matches_torch(host_binary, tmp_path, threads):
+    """Ragged vocabulary (not a multiple of the vector lanes), many ties, maxima at both ends."""
+    generator = torch.Generator().manual_seed(0)
+    rows, vocab = 7, 1003
+    logits = torch.randint(-20, 20, (rows, vocab), generator=generator).float() * 0.5
+    logits[1, -1] = logits[2, 0] = 100.0
+    logits[3] = 1.0  # all equal: the first index
+    path = tmp_path / "logits.bin"
+    path.write_bytes(logits.numpy().tobytes())
+    proc = subprocess.run(
+        [str(host_binary.with_name("argmax_check")), str(rows), str(vocab), str(path), str(threads)],
+        check=False, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert [int(t) for t in proc.stdout.split()] == logits.argmax(-1).tolist()

@@ -1,6 +1,8 @@
 #include "args.h"
 
+#include <algorithm>
 #include <cstdlib>
+#include <thread>
 #include <sstream>
 #include <stdexcept>
 
@@ -51,6 +53,7 @@ std::string usage() {
          "         [--block-size N] [--num-blocks N] [--max-num-seqs N] [--max-model-len N]\n"
          "         [--max-tokens-per-step N] [--request ARRIVAL:MAX_NEW:ID,ID,...]...\n"
          "         [--synthetic B:PROMPT_LEN:MAX_NEW] [--crossing-iters N] [--quiet]\n"
+         "         [--argmax-threads N (default: a quarter of the cores, at most 3)]\n"
          "         [--fault block-table-shape] [--python PATH]\n";
 }
 
@@ -59,6 +62,8 @@ Args parse_args(int argc, char** argv) {
   const char* env_python = std::getenv("XHAL_PYTHON");
   a.python = env_python != nullptr ? env_python : XHAL_DEFAULT_PYTHON;
   ExecutorOptions& e = a.executor;
+  // idle cores help with a batch's argmax; none on a small machine
+  e.argmax_threads = std::min(3, static_cast<int>(std::thread::hardware_concurrency() / 4));
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
     auto value = [&]() -> std::string {
@@ -78,6 +83,7 @@ Args parse_args(int argc, char** argv) {
     else if (flag == "--max-num-seqs") e.max_num_seqs = to_int(flag, value());
     else if (flag == "--max-model-len") e.max_model_len = to_int(flag, value());
     else if (flag == "--max-tokens-per-step") e.max_tokens_per_step = to_int(flag, value());
+    else if (flag == "--argmax-threads") e.argmax_threads = to_int(flag, value());
     else if (flag == "--crossing-iters") a.crossing_iters = to_int(flag, value());
     else if (flag == "--request") a.requests.push_back(parse_request(value()));
     else if (flag == "--convention") {
@@ -106,6 +112,7 @@ Args parse_args(int argc, char** argv) {
   if (a.requests.empty() && a.synthetic.num_requests <= 0) {
     throw std::invalid_argument("give --request (repeatable) or --synthetic\n" + usage());
   }
+  if (e.argmax_threads < 0) throw std::invalid_argument("--argmax-threads must be >= 0");
   if (e.block_size <= 0 || e.max_num_seqs <= 0 || e.max_tokens_per_step <= 0) {
     throw std::invalid_argument("--block-size, --max-num-seqs and --max-tokens-per-step must be > 0");
   }

@@ -95,7 +95,7 @@ int serve(const Args& args) {
             << std::endl;
 
   std::vector<std::vector<int32_t>> generated(requests.size());
-  std::vector<double> starts, decode_python_us;
+  std::vector<double> starts, decode_python_us, decode_argmax_us;
   std::vector<int> decode_seqs;
   int num_steps = 0;
   bool zero_copy_ok = true;
@@ -123,6 +123,7 @@ int serve(const Args& args) {
       }
       if (step->view.batch_forward_type == XHAL_BATCH_DECODE) {
         decode_python_us.push_back(out.python_us);
+        decode_argmax_us.push_back(out.argmax_us);
         decode_seqs.push_back(static_cast<int>(step->chunks.size()));
       } else {
         decode_seqs.push_back(-1);
@@ -144,19 +145,22 @@ int serve(const Args& args) {
               << " zero_copy=" << (zero_copy_ok ? "ok" : "MISMATCH") << std::endl;
 
     // step time of the pure-decode steps at the largest batch (first one left out: warm-up)
-    std::vector<double> step_us, python_us;
+    std::vector<double> step_us, python_us, argmax_us;
     int widest = *std::max_element(decode_seqs.begin(), decode_seqs.end());
     for (int i = 0, d = 0; i < num_steps; ++i) {
       if (decode_seqs[i] < 0) continue;
       if (decode_seqs[i] == widest && d > 0) {
         step_us.push_back(starts[i + 1] - starts[i]);
         python_us.push_back(decode_python_us[d]);
+        argmax_us.push_back(decode_argmax_us[d]);
       }
       ++d;
     }
     if (!step_us.empty()) {
-      std::printf("decode-steps seqs=%d n=%zu step_us_median=%.1f python_us_median=%.1f\n",
-                  widest, step_us.size(), median(step_us), median(python_us));
+      std::printf(
+          "decode-steps seqs=%d n=%zu step_us_median=%.1f python_us_median=%.1f "
+          "argmax_us_median=%.1f\n",
+          widest, step_us.size(), median(step_us), median(python_us), median(argmax_us));
     }
 
     if (args.crossing_iters > 0) {

@@ -2,6 +2,8 @@
 
 #include <pybind11/embed.h>
 
+#include "argmax.h"
+
 #include <algorithm>
 #include <chrono>
 #include <sstream>
@@ -46,6 +48,7 @@ struct PyExecutor::Impl {
   int vocab = 0, max_blocks = 0;
   int64_t num_execute = 0, num_logits = 0;
   std::atomic<bool>* in_python = nullptr;
+  std::unique_ptr<ArgmaxPool> argmax;
   std::string summary;
 
   py::object wrap(HostBuffer& buffer, const char* dtype) {
@@ -89,6 +92,7 @@ struct PyExecutor::Impl {
 PyExecutor::PyExecutor(const ExecutorOptions& options) : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   m.options = options;
+  m.argmax = std::make_unique<ArgmaxPool>(options.argmax_threads);
   try {
     m.torch = py::module_::import("torch");
     py::object platforms = py::module_::import("xhal.platforms");
@@ -280,10 +284,10 @@ StepOutput PyExecutor::run(const BuiltStep& step, std::vector<ZeroCopyCheck>* ch
   {
     // argmax in C++, without the GIL (logits_ref keeps CPU logits alive meanwhile)
     py::gil_scoped_release release;
-    for (int64_t r = 0; r < num_samples; ++r) {
-      const float* row = logits + r * m.vocab;
-      out.tokens.push_back(static_cast<int32_t>(std::max_element(row, row + m.vocab) - row));
-    }
+    double argmax_start = now_us();
+    out.tokens.resize(num_samples);
+    if (num_samples > 0) m.argmax->run(logits, num_samples, m.vocab, out.tokens.data());
+    out.argmax_us = now_us() - argmax_start;
   }
   return out;  // logits_ref is dropped here, with the GIL held
 }

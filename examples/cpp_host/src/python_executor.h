@@ -36,11 +36,13 @@ struct ExecutorOptions {
   // on the CPU too, keep device fields in separate buffers filled by a copy each step and copy
   // the logits into C++'s buffer: the GPU's data path, testable without a GPU
   bool staged = false;
+  int argmax_threads = 1;  // threads besides the caller that share a batch's argmax rows
 };
 
 struct StepOutput {
   std::vector<int32_t> tokens;  // one per selected row, argmax in C++
   double python_us = 0;         // time inside the GIL-held section
+  double argmax_us = 0;
 };
 
 // One field's C++ address next to the data_ptr() Python sees for it.
