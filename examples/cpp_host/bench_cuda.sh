@@ -62,12 +62,15 @@ for b in batches:
                  grab(cpp, "crossing", "empty_execute_us_median"),
                  grab(pyt, "python-decode-steps", "empty_execute_us_median"),
                  grab(cpp, "crossing", "noop_call_us_median"),
-                 "yes" if same else "NO"))
+                 "yes" if same else "NO",
+                 grab(cpp, "decode-steps", "python_us_median") / 1e3,
+                 grab(cpp, "decode-steps", "argmax_us_median")))
 head = ("batch", "C++ step ms", "Python step ms", "C++/Python", "C++ EMPTY execute us",
-        "Python EMPTY execute us", "C++ no-op call us", "same r0 tokens")
+        "Python EMPTY execute us", "C++ no-op call us", "same r0 tokens",
+        "C++ step: in Python ms", "C++ step: argmax us")
 print("--- C++ host vs Python host, decode step (median), and the boundary crossing")
 print(" | ".join(head))
 for r in rows:
     print(" | ".join([str(r[0]), f"{r[1]:.3f}", f"{r[2]:.3f}", f"{r[3]:.3f}x", f"{r[4]:.1f}",
-                      f"{r[5]:.1f}", f"{r[6]:.2f}", r[7]]))
+                      f"{r[5]:.1f}", f"{r[6]:.2f}", r[7], f"{r[8]:.3f}", f"{r[9]:.1f}"]))
 PYEOF

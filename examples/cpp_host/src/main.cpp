@@ -95,7 +95,7 @@ int serve(const Args& args) {
             << std::endl;
 
   std::vector<std::vector<int32_t>> generated(requests.size());
-  std::vector<double> starts, decode_python_us, decode_argmax_us;
+  std::vector<double> starts, decode_python_us, decode_argmax_us, waits;
   std::vector<int> decode_seqs;
   int num_steps = 0;
   bool zero_copy_ok = true;
@@ -130,7 +130,9 @@ int serve(const Args& args) {
       }
       if (args.print_steps) std::cout << describe_step(*step, out) << std::endl;
       ++num_steps;
+      double wait_start = now_us();
       step = builder.wait(std::chrono::seconds(3600));
+      waits.push_back(now_us() - wait_start);  // 0 when N+1 was built while N ran
     }
     starts.push_back(now_us());
 
@@ -145,7 +147,7 @@ int serve(const Args& args) {
               << " zero_copy=" << (zero_copy_ok ? "ok" : "MISMATCH") << std::endl;
 
     // step time of the pure-decode steps at the largest batch (first one left out: warm-up)
-    std::vector<double> step_us, python_us, argmax_us;
+    std::vector<double> step_us, python_us, argmax_us, wait_us;
     int widest = *std::max_element(decode_seqs.begin(), decode_seqs.end());
     for (int i = 0, d = 0; i < num_steps; ++i) {
       if (decode_seqs[i] < 0) continue;
@@ -153,14 +155,16 @@ int serve(const Args& args) {
         step_us.push_back(starts[i + 1] - starts[i]);
         python_us.push_back(decode_python_us[d]);
         argmax_us.push_back(decode_argmax_us[d]);
+        wait_us.push_back(waits[i]);
       }
       ++d;
     }
     if (!step_us.empty()) {
       std::printf(
           "decode-steps seqs=%d n=%zu step_us_median=%.1f python_us_median=%.1f "
-          "argmax_us_median=%.1f\n",
-          widest, step_us.size(), median(step_us), median(python_us), median(argmax_us));
+          "argmax_us_median=%.1f wait_for_builder_us_median=%.1f\n",
+          widest, step_us.size(), median(step_us), median(python_us), median(argmax_us),
+          median(wait_us));
     }
 
     if (args.crossing_iters > 0) {
