@@ -136,7 +136,9 @@ def python_greedy(
 # C++'s buffer, the data path a GPU takes, run on the CPU
 @pytest.mark.parametrize(("convention", "staged"), [("cuda", False), ("npu", False), ("cuda", True)])
 def test_cpp_host_matches_python_executor(host_binary, checkpoint, convention, staged):
-    proc = run_host(host_binary, checkpoint, "--convention", convention, *["--staged"] * staged)
+    # the staged run also times the boundary (EMPTY steps, a no-op call) a few times
+    extra = ["--staged", "--crossing-iters", "3"] if staged else []
+    proc = run_host(host_binary, checkpoint, "--convention", convention, *extra)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     steps = parse_steps(out)
@@ -163,6 +165,9 @@ def test_cpp_host_matches_python_executor(host_binary, checkpoint, convention, s
             "kv_seq_lens_host"} <= {name for name, _, _ in checks}
     assert all(cpp == python for _, cpp, python in checks)
     assert "gil-probe ok" in out
+    if staged:
+        assert re.search(r"^crossing iters=3 empty_execute_us_median=[0-9.]+ "
+                         r"empty_execute_prebuilt_views_us_median=[0-9.]+ ", out, re.MULTILINE), out
 
 
 def test_unknown_device_is_a_python_error(host_binary, checkpoint):

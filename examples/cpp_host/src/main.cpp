@@ -179,8 +179,11 @@ int serve(const Args& args) {
         empty_us.push_back(now_us() - t0);
         noop_us.push_back(executor.noop_call_us());
       }
-      std::printf("crossing iters=%d empty_execute_us_median=%.2f noop_call_us_median=%.2f\n",
-                  args.crossing_iters, median(empty_us), median(noop_us));
+      std::vector<double> prebuilt_us = executor.prebuilt_execute_us(empty, args.crossing_iters);
+      std::printf(
+          "crossing iters=%d empty_execute_us_median=%.2f "
+          "empty_execute_prebuilt_views_us_median=%.2f noop_call_us_median=%.2f\n",
+          args.crossing_iters, median(empty_us), median(prebuilt_us), median(noop_us));
     }
   }
   return zero_copy_ok ? 0 : 4;

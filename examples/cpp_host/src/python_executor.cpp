@@ -30,6 +30,11 @@ const char* convention_name(XhalConvention c) { return c == XHAL_CONVENTION_NPU 
 
 }  // namespace
 
+struct StepInputs {
+  py::dict view;
+  py::object ids, positions, selected;
+};
+
 struct PyExecutor::Impl {
   ExecutorOptions options;
   // C++-owned memory first: members are destroyed in reverse order, so every tensor viewing
@@ -70,6 +75,52 @@ struct PyExecutor::Impl {
                                std::to_string(buffer.num_bytes()) + "-byte step buffer");
     }
     pinned.push_back(ptr);
+  }
+
+  // The step's tensors (views of the slot) and its metadata dict; GIL held.
+  StepInputs inputs(const BuiltStep& step, int slot, std::vector<ZeroCopyCheck>* checks) const {
+    StepInputs in;
+    const XhalAttentionMetadataView& v = step.view;
+    auto field = [&](const char* name, const XhalTensorRef& ref) -> py::object {
+      py::object t = tensor_of(ref, slot);
+      if (checks != nullptr && !t.is_none() &&
+          (ref.ndim == 2 ? ref.shape[0] * ref.shape[1] : ref.shape[0]) > 0) {
+        checks->push_back({name, reinterpret_cast<uintptr_t>(ref.data), data_ptr(t)});
+      }
+      return t;
+    };
+    if (checks != nullptr) {  // the slot itself: the tensor Python wraps it in is its memory
+      checks->push_back({"host_slot", reinterpret_cast<uintptr_t>(slots[slot].host->data()),
+                         data_ptr(host_tensor[slot])});
+    }
+    py::dict& view = in.view;  // PyAttentionMetadataView's attribute names; absent ones left out
+    const std::pair<const char*, const XhalTensorRef*> fields[] = {
+        {"slot_mapping", &v.slot_mapping},
+        {"block_table", &v.block_table},
+        {"q_seq_lens", &v.q_seq_lens},
+        {"kv_seq_lens", &v.kv_seq_lens},
+        {"q_cu_seq_lens", &v.q_cu_seq_lens},
+        {"kv_cu_seq_lens", &v.kv_cu_seq_lens},
+        {"q_seq_lens_host", &v.q_seq_lens_host},
+        {"kv_seq_lens_host", &v.kv_seq_lens_host},
+        {"qo_indptr", &v.qo_indptr},
+        {"paged_kv_indptr", &v.paged_kv_indptr},
+        {"paged_kv_indices", &v.paged_kv_indices},
+        {"paged_kv_last_page_len", &v.paged_kv_last_page_len},
+    };
+    for (const auto& [name, ref] : fields) {
+      if (ref->data != nullptr) view[name] = field(name, *ref);
+    }
+    view["batch_forward_type"] = v.batch_forward_type;
+    view["is_prefill"] = static_cast<bool>(v.is_prefill);
+    view["is_chunked_prefill"] = static_cast<bool>(v.is_chunked_prefill);
+    view["max_query_len"] = v.max_query_len;
+    view["max_seq_len"] = v.max_seq_len;
+    in.ids = field("input_ids", step.input_ids);
+    in.positions = field("positions", step.positions);
+    in.selected = field("selected_idxes", step.selected_idxes);
+
+    return in;
   }
 
   py::object tensor_of(const XhalTensorRef& ref, int slot) const {
@@ -211,50 +262,11 @@ StepOutput PyExecutor::run(const BuiltStep& step, std::vector<ZeroCopyCheck>* ch
           .attr("copy_")(m.host_tensor[slot].attr("narrow")(0, 0, step.device_ints),
                          "non_blocking"_a = true);
     }
-    const XhalAttentionMetadataView& v = step.view;
-    auto field = [&](const char* name, const XhalTensorRef& ref) -> py::object {
-      py::object t = m.tensor_of(ref, slot);
-      if (checks != nullptr && !t.is_none() &&
-          (ref.ndim == 2 ? ref.shape[0] * ref.shape[1] : ref.shape[0]) > 0) {
-        checks->push_back({name, reinterpret_cast<uintptr_t>(ref.data), data_ptr(t)});
-      }
-      return t;
-    };
-    if (checks != nullptr) {  // the slot itself: the tensor Python wraps it in is its memory
-      checks->push_back({"host_slot", reinterpret_cast<uintptr_t>(m.slots[slot].host->data()),
-                         data_ptr(m.host_tensor[slot])});
-    }
-    py::dict view;  // PyAttentionMetadataView's attribute names; absent fields left out
-    const std::pair<const char*, const XhalTensorRef*> fields[] = {
-        {"slot_mapping", &v.slot_mapping},
-        {"block_table", &v.block_table},
-        {"q_seq_lens", &v.q_seq_lens},
-        {"kv_seq_lens", &v.kv_seq_lens},
-        {"q_cu_seq_lens", &v.q_cu_seq_lens},
-        {"kv_cu_seq_lens", &v.kv_cu_seq_lens},
-        {"q_seq_lens_host", &v.q_seq_lens_host},
-        {"kv_seq_lens_host", &v.kv_seq_lens_host},
-        {"qo_indptr", &v.qo_indptr},
-        {"paged_kv_indptr", &v.paged_kv_indptr},
-        {"paged_kv_indices", &v.paged_kv_indices},
-        {"paged_kv_last_page_len", &v.paged_kv_last_page_len},
-    };
-    for (const auto& [name, ref] : fields) {
-      if (ref->data != nullptr) view[name] = field(name, *ref);
-    }
-    view["batch_forward_type"] = v.batch_forward_type;
-    view["is_prefill"] = static_cast<bool>(v.is_prefill);
-    view["is_chunked_prefill"] = static_cast<bool>(v.is_chunked_prefill);
-    view["max_query_len"] = v.max_query_len;
-    view["max_seq_len"] = v.max_seq_len;
-    py::object ids = field("input_ids", step.input_ids);
-    py::object positions = field("positions", step.positions);
-    py::object selected = field("selected_idxes", step.selected_idxes);
-
-    py::object hidden = m.execute(ids, positions, view);
+    StepInputs in = m.inputs(step, slot, checks);
+    py::object hidden = m.execute(in.ids, in.positions, in.view);
     ++m.num_execute;
     if (num_samples > 0) {
-      py::object result = m.compute_logits(hidden, selected);
+      py::object result = m.compute_logits(hidden, in.selected);
       ++m.num_logits;
       py::tuple shape = result.attr("shape");
       if (py::len(shape) != 2 || shape[0].cast<int64_t>() != num_samples ||
@@ -290,6 +302,38 @@ StepOutput PyExecutor::run(const BuiltStep& step, std::vector<ZeroCopyCheck>* ch
     out.argmax_us = now_us() - argmax_start;
   }
   return out;  // logits_ref is dropped here, with the GIL held
+}
+
+std::vector<double> PyExecutor::prebuilt_execute_us(const BuiltStep& step, int iters) {
+  Impl& m = *impl_;
+  const int slot = step.slot == &m.slots[0] ? 0 : 1;
+  std::vector<double> times;
+  std::unique_ptr<StepInputs> in;  // Python objects: created and released with the GIL held
+  {
+    py::gil_scoped_acquire gil;
+    in = std::make_unique<StepInputs>(m.inputs(step, slot, nullptr));
+  }
+  try {
+    for (int i = 0; i < iters; ++i) {
+      double start = now_us();
+      {
+        py::gil_scoped_acquire gil;
+        try {
+          m.execute(in->ids, in->positions, in->view);
+        } catch (const py::error_already_set& e) {
+          rethrow(e);
+        }
+      }
+      times.push_back(now_us() - start);
+    }
+  } catch (...) {
+    py::gil_scoped_acquire gil;
+    in.reset();
+    throw;
+  }
+  py::gil_scoped_acquire gil;
+  in.reset();
+  return times;
 }
 
 double PyExecutor::noop_call_us() {
