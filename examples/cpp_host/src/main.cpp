@@ -131,7 +131,8 @@ int serve(const Args& args) {
       if (args.print_steps) std::cout << describe_step(*step, out) << std::endl;
       ++num_steps;
       double wait_start = now_us();
-      step = builder.wait(std::chrono::seconds(3600));
+      step = builder.wait(std::chrono::seconds(600), &timed_out);
+      if (timed_out) throw std::runtime_error("the builder thread built no step in 10 minutes");
       waits.push_back(now_us() - wait_start);  // 0 when N+1 was built while N ran
     }
     starts.push_back(now_us());
