@@ -143,7 +143,8 @@ def test_cpp_host_matches_python_executor(host_binary, checkpoint, convention, s
     out = proc.stdout
     steps = parse_steps(out)
     kinds = {kind for kind, _ in steps}
-    assert {"PREFILL", "DECODE", "MIXED"} <= kinds, kinds  # prefill and decode in one run
+    # prefill, chunked prefill and decode in one run, and batches that mix them
+    assert {"PREFILL", "CHUNKED_PREFILL", "DECODE", "MIXED"} <= kinds, kinds
     finished_at = {r: max(i for i, (_, ch) in enumerate(steps) for c in ch if c[0] == r)
                    for r in range(len(REQUESTS))}
     assert len(set(finished_at.values())) == len(REQUESTS), finished_at  # different steps
