@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: install the carried wheels, then the stages named on the command
 # line (default: conformance (cuda, cuda-triton), bench_gemv, bench_attention, bench_model); also
-# serve, conformance-<device>, prebuild (FlashInfer's JIT modules compiled side by side) and pack.
+# serve, cpp_host (examples/cpp_host/bench_cuda.sh), conformance-<device>, prebuild (FlashInfer's JIT modules compiled side by side) and pack.
 # Call with `.whl` carried; FlashInfer's JIT cache goes to .fi_cache/ (ignored) so later calls on a
 # warm machine reuse it. `pack` bundles the compiled FlashInfer libraries into $OUT/fi_aot.tar.xz.*;
 # put those parts in .fi_aot/ (ignored) and carry it too: they are unpacked as FlashInfer's AOT
@@ -37,6 +37,8 @@ for stage in $stages; do
       done ;;
     conformance-*)  # CONF_ARGS narrows it, e.g. "--family attention" (FlashInfer's JIT is slow)
       py -m conformance_tests.cli --device "${stage#conformance-}" ${CONF_ARGS:-} --report "$out/$stage.json" || status=1 ;;
+    cpp_host)  # examples/cpp_host built and run against the Python host (8B shape, random weights)
+      timeout -k 10 "${STAGE_TIMEOUT:-0}" bash examples/cpp_host/bench_cuda.sh "$out" 2>&1 | tee "$out/cpp_host.txt" || status=1 ;;
     bench_*) py -m benchmarks.$stage ${BENCH_ARGS:-} 2>&1 | tee "$out/$stage.txt" || status=1 ;;
     serve)  # xhal-serve --device cuda on the 8B-shaped random model, under xhal-bench-serve
       dir=$(python3 -m benchmarks.make_dummy_model /tmp/dummy-8b | tail -1)

@@ -7,6 +7,8 @@
  * turns them into xhal's normalized AttentionMetadata by views: no given tensor is copied and no
  * device tensor is read back to the host. Fields it needs but was not given are derived from the
  * host lengths. This header only describes the layout; it has no functions to link.
+ * examples/cpp_host fills this struct from C++ every step and hands each field to Python as a
+ * tensor over the same memory (its data_ptr() is the field's data pointer).
  *
  * Every tensor is int32, contiguous, row-major. B = number of sequences (rows of block_table),
  * T = number of tokens including padding (length of slot_mapping).
@@ -22,6 +24,9 @@
  *                             | leading 0 (ACL graph mode), or [B+1]| ([B+1] with a leading 0 is also
  *                             | with it                             | accepted)
  *   kv_cu_seq_lens, qo_indptr | cumulative, leading 0, [B+1]        | cumulative, leading 0, [B+1]
+ *
+ *   Fields may share memory, as xLLM's CUDA builder's do: in XHAL_CONVENTION_CUDA, q_cu_seq_lens
+ *   may point at q_seq_lens + 1, and kv_cu_seq_lens / qo_indptr at kv_seq_lens / q_seq_lens.
  *
  *   Example, B = 3 with (q_len, kv_len) = (1, 5), (3, 7), (4, 4):
  *     npu:  q_seq_lens = {1, 3, 4}      kv_seq_lens = {5, 7, 4}        q_cu_seq_lens = {1, 4, 8}
