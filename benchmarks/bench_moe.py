@@ -148,6 +148,7 @@ def main() -> None:
     parser.add_argument("--hf-batches", type=int, nargs="*", default=[1], help="transformers' batches")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--no-sweep", action="store_true", help="skip the one-layer tile sweep")
+    parser.add_argument("--profile", action="store_true", help="kernels per graph step, per batch")
     args = parser.parse_args()
     config = {**CONFIG, "num_hidden_layers": args.layers}
     ceil = ceilings(read=True)
@@ -185,6 +186,11 @@ def main() -> None:
                 row["pipelined_ms"] = time_cuda_pipelined(step, steps=10, reps=3)
                 row["pipelined_x_floor"] = row["pipelined_ms"] / floor_ms
         row["graph_speedup"] = row["eager_ms"] / row["graph_ms"]
+        if args.profile:
+            from benchmarks.bench_model import profile_kernels
+
+            graph = executors[False]
+            profile_kernels(lambda: graph.compute_logits(graph.execute(ids, pos, meta)), f"batch {batch}")
         rows.append(row)
         print(f"batch {batch}: floor parts (GB) " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in parts.items()))
     sweep = [] if args.no_sweep else sweep_layer(model, batches, rate)
