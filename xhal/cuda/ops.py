@@ -101,7 +101,8 @@ class FlashInferOps(CudaOps):
         return self._fi.silu_and_mul(x)
 
     def gelu_and_mul(self, x, approximate="none"):
-        if not self._fi_activation_fits(x):
+        # FlashInfer 0.5.3's gelu_tanh_and_mul is 1.6 ulp off in fp16 (conformance ops family on
+        # the H200, shape (7, 192)): the tanh form stays on the float32 path, rounded once
+        if approximate == "tanh" or not self._fi_activation_fits(x):
             return super().gelu_and_mul(x, approximate)
-        fn = self._fi.gelu_tanh_and_mul if approximate == "tanh" else self._fi.gelu_and_mul
-        return fn(x)
+        return self._fi.gelu_and_mul(x)
