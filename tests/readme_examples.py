@@ -37,6 +37,7 @@ def run_curl_example(port: int, example: str, timeout: float = 600) -> dict[str,
         capture_output=True,
         text=True,
         timeout=timeout,
+        check=False,
     )
     assert out.returncode == 0, f"{example}\n{out.stdout}{out.stderr}"
     if out.stdout.startswith("data:"):

