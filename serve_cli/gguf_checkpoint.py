@@ -41,18 +41,17 @@ def cache_name(gguf_path: Path) -> str:
 
 def ensure_converted(
     gguf_path: str | os.PathLike[str],
-    name: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     announce: bool = True,
 ) -> Path:
-    """The checkpoint directory converted from ``gguf_path`` (under ``cache_dir / name``),
+    """The checkpoint directory converted from ``gguf_path`` (``cache_dir / cache_name(...)``),
     converting it on first use. Raises ``RuntimeError`` naming the packages to install."""
     from serve_cli.model_cache import cache_root, ensure_cached
 
     path = Path(gguf_path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
-    name = name or cache_name(path)
+    name = cache_name(path)
     final = cache_root(cache_dir) / name
     if not final.is_dir():
         require_packages()

@@ -16,7 +16,7 @@ import pytest
 import torch
 from readme_examples import readme_curl_commands, run_curl_example
 
-from serve_cli.builtin_models import SMOLLM2_INSTALL, resolve_model, smollm2_gguf
+from serve_cli.builtin_models import SMOLLM2_INSTALL, ServedModel, resolve_model, smollm2_gguf
 from serve_cli.launcher import ServerProcess
 
 gguf = pytest.importorskip("gguf", reason="reading the GGUF file needs xhal[serve]'s gguf")
@@ -92,6 +92,8 @@ def test_conversion_writes_a_plain_checkpoint(model_dir: Path, cache: Path) -> N
     assert "<|im_start|>" in tokenizer_config["chat_template"]
     stamps = {p.name: p.stat().st_mtime_ns for p in model_dir.iterdir()}
     assert resolve_model(None, cache).model_dir == model_dir  # a second start converts nothing
+    # the file itself as MODEL is the same conversion, served under the name given
+    assert resolve_model(str(GGUF_FILE), cache) == ServedModel(model_dir, str(GGUF_FILE))
     assert {p.name: p.stat().st_mtime_ns for p in model_dir.iterdir()} == stamps
     assert [p.name for p in cache.iterdir()] == [model_dir.name], "a temporary directory is left"
 
