@@ -199,13 +199,26 @@ def print_table(summary: dict[str, float], errors: list[str]) -> None:
         print(f"error: {error}")
 
 
-def first_model(base_url: str, api_key: str | None) -> str:
+def served_models(base_url: str, api_key: str | None) -> list[str]:
+    """``GET /v1/models`` before any load is sent, so that a wrong key or URL is one line, not a
+    failed request per prompt."""
     import httpx
 
+    url = f"{base_url.rstrip('/')}/v1/models"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    response = httpx.get(f"{base_url.rstrip('/')}/v1/models", headers=headers, timeout=30)
-    response.raise_for_status()
-    return response.json()["data"][0]["id"]
+    try:
+        response = httpx.get(url, headers=headers, timeout=30)
+    except httpx.HTTPError as e:
+        raise click.ClickException(f"cannot reach {url}: {e}") from e
+    if response.status_code in (401, 403):
+        given = "the key given was refused" if api_key else "no key was given"
+        raise click.ClickException(
+            f"{url} answered {response.status_code} ({given}): pass the server's key with "
+            "--api-key KEY or XHAL_API_KEY"
+        )
+    if response.status_code != 200:
+        raise click.ClickException(f"{url} answered {response.status_code}: {response.text[:200]}")
+    return [card["id"] for card in response.json()["data"]]
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -258,7 +271,13 @@ def first_model(base_url: str, api_key: str | None) -> str:
     type=click.IntRange(min=1),
     help="Token ids of --token-ids prompts are drawn from [0, VOCAB_SIZE).",
 )
-@click.option("--api-key", default=None, help="Sent as `Authorization: Bearer KEY`.")
+@click.option(
+    "--api-key",
+    default=None,
+    envvar="XHAL_API_KEY",
+    show_envvar=True,
+    help="Sent as `Authorization: Bearer KEY`.",
+)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option(
     "--result-json",
@@ -287,7 +306,8 @@ def main(
         import httpx  # noqa: F401
     except ImportError as e:
         raise click.ClickException("xhal-bench-serve needs httpx: pip install httpx") from e
-    model = model or first_model(base_url, api_key)
+    served = served_models(base_url, api_key)  # checks the key and URL even with --model
+    model = model or served[0]
     prompts = make_prompts(num_prompts, input_len, token_ids, vocab_size, seed)
     results, duration = asyncio.run(
         run_workload(

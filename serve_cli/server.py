@@ -17,6 +17,7 @@ from pathlib import Path
 import uvicorn
 
 from serve_cli.api import ServerState, build_app
+from serve_cli.api.defaults import load_request_defaults
 from serve_cli.engine.config import EngineConfig
 from serve_cli.engine_client import EngineClient
 
@@ -31,6 +32,7 @@ class ServerOptions:
     model_name: str
     api_key: str | None = None
     log_level: str = "info"
+    default_max_tokens: int | None = None  # chat requests without a limit (None: the model's)
 
 
 def serve(options: ServerOptions, config: EngineConfig) -> None:
@@ -59,6 +61,7 @@ async def _serve(options: ServerOptions, config: EngineConfig) -> None:
             num_kv_blocks=info.num_kv_blocks,
             api_key=options.api_key,
             created=int(time.time()),
+            defaults=load_request_defaults(options.model_dir, options.default_max_tokens),
         )
         server = uvicorn.Server(
             uvicorn.Config(

@@ -1,5 +1,5 @@
 """xhal-serve's HTTP API, driven with the official ``openai`` client against the real server
-process started as the README starts it (built-in default model). Fault paths are in
+process serving the built-in tiny random model. Fault paths are in
 test_serve_faults.py, the command line in test_serve_cli.py.
 
 Every check compares against what the request itself implies (lengths, stop positions, the
@@ -8,13 +8,11 @@ text of an unconstrained greedy run) or against OpenAI's documented shapes.
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
+from readme_examples import run_curl_example
 
 from serve_cli.launcher import ServerProcess
 
@@ -25,7 +23,7 @@ pytest.importorskip("zmq")
 
 
 MODEL = "xhal-tiny-random"
-README_EXAMPLES = [  # what the README shows (it may show more: those run too)
+CURL_EXAMPLES = [  # the README's, aimed at the tiny model (test_builtin_smollm2 runs the README's)
     """curl http://127.0.0.1:8000/v1/completions -H "Content-Type: application/json" \\
   -d '{"model": "xhal-tiny-random", "prompt": "The morning was", "max_tokens": 16}'""",
     """curl http://127.0.0.1:8000/v1/chat/completions -H "Content-Type: application/json" \\
@@ -34,27 +32,10 @@ README_EXAMPLES = [  # what the README shows (it may show more: those run too)
 ]
 
 
-def readme_curl_commands() -> list[str]:
-    """The ``curl`` commands of README.md (a command runs on over ``\\`` line ends and open
-    single quotes), then those of ``README_EXAMPLES`` it lacks."""
-    readme = Path(__file__).resolve().parents[1] / "README.md"
-    lines = readme.read_text().splitlines() if readme.is_file() else []
-    commands, current = [], None
-    for line in lines:
-        if current is None and line.lstrip().startswith("curl http"):
-            current = line.strip()
-        elif current is not None:
-            current += "\n" + line
-        if current is not None and not current.endswith("\\") and current.count("'") % 2 == 0:
-            commands.append(current)
-            current = None
-    return commands + [c for c in README_EXAMPLES if c not in commands]
-
-
 @pytest.fixture(scope="module")
 def server():
-    """The README's server: the built-in model (generated once into XHAL_CACHE_DIR)."""
-    with ServerProcess(["--log-level", "warning"]) as srv:
+    """The built-in tiny random model (generated once into XHAL_CACHE_DIR): fast anywhere."""
+    with ServerProcess(["--model", "builtin:tiny-random", "--log-level", "warning"]) as srv:
         yield srv
 
 
@@ -252,27 +233,11 @@ def test_health_and_metrics(server: ServerProcess) -> None:
     assert samples['xhal_time_to_first_token_seconds_bucket{le="+Inf"}'] > 0
 
 
-def test_readme_curl_examples(server: ServerProcess) -> None:
+def test_curl_examples(server: ServerProcess) -> None:
     if shutil.which("curl") is None:
         pytest.skip("curl is not installed")
-    for example in readme_curl_commands():
-        check_curl_example(server, example)
-
-
-def check_curl_example(server: ServerProcess, example: str) -> None:
-    command = example.replace("localhost:8000", "127.0.0.1:8000")
-    command = command.replace("127.0.0.1:8000", f"127.0.0.1:{server.port}")
-    command = command.replace("curl ", "curl -sS --fail-with-body ", 1)
-    out = subprocess.run(
-        ["bash", "-c", f"set -o pipefail; {command}"], capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == 0, f"{example}\n{out.stdout}{out.stderr}"
-    if out.stdout.startswith("data:"):  # a streaming example
-        assert out.stdout.rstrip().endswith("data: [DONE]"), out.stdout
-        return
-    reply = json.loads(out.stdout)
-    assert reply["object"] in ("text_completion", "chat.completion"), reply
-    assert reply["usage"]["completion_tokens"] >= 1 and reply["choices"][0]["finish_reason"]
+    for example in CURL_EXAMPLES:
+        run_curl_example(server.port, example)
 
 
 # --- bad input: 400 naming the field, and the server keeps serving ------------------------------

@@ -234,24 +234,7 @@ def _prompt_ids(
     return ids
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("--prompt", help="Prompt text, tokenized with the checkpoint's tokenizer.")
-@click.option("--token-ids", help="Comma-separated prompt token ids.")
-@click.option("--num-tokens", default=24, show_default=True, help="Random prompt length otherwise.")
-@click.option("--seed", default=0, show_default=True, help="Seed of the random prompt.")
-@click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16 or float16.")
-@click.option("--device", default="cpu", show_default=True, help="Torch device of both sides.")
-@click.option(
-    "--tol", type=float, default=None, help="max_rel that marks a divergence [per dtype]."
-)
-@click.option(
-    "--override",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="Change the xhal side's config only (dotted keys reach nested fields).",
-)
-def main(
+def run(
     model_dir: str,
     prompt: str | None,
     token_ids: str | None,
@@ -262,7 +245,8 @@ def main(
     tol: float | None,
     override: tuple[str, ...],
 ) -> None:
-    """Compare xhal with transformers on MODEL_DIR, layer by layer; exit 1 on a divergence."""
+    """``xhal-align``'s work (its command line is ``xhal.align_cli``): print the table; exit 1
+    on a divergence."""
     from models.loader import read_config, resolve_dtype
 
     config = read_config(model_dir)

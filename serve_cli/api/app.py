@@ -64,15 +64,17 @@ def build_app(
 
 class ApiKeyGuard:
     """401 for ``/v1/*`` requests without ``Authorization: Bearer <key>`` (a plain ASGI
-    middleware, so streaming and disconnect detection pass through untouched)."""
+    middleware, so streaming and disconnect detection pass through untouched). The scheme is
+    case-insensitive (RFC 7235: ``bearer KEY`` is the same credential); the key is not."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.expected = app, api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, key = given.strip().partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.expected):
                 error = APIError(401, "missing or invalid API key", None, "invalid_api_key")
                 await error_response(error)(scope, receive, send)
                 return

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from serve_cli.api.common import server_state
+from serve_cli.api.defaults import with_defaults
 from serve_cli.api.generation import Generation, new_id
 from serve_cli.api.logprobs import chat_logprobs
 from serve_cli.api.params import sampling_params
@@ -31,11 +32,9 @@ router = APIRouter()
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
     state = server_state(request, body.model)
     prompt = chat_prompt(state, body.messages)
-    # no limit given: up to the model's length (as vLLM does), or what the whole KV cache holds
-    longest = min(state.max_model_len, state.num_kv_blocks * state.block_size + 1)
-    max_tokens = body.max_completion_tokens or body.max_tokens or max(1, longest - len(prompt))
+    max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens(state, prompt)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, max_tokens, logprobs)
+    params = sampling_params(with_defaults(body, state.defaults), max_tokens, logprobs)
     check_fits(state, len(prompt), max_tokens, "max_tokens")
     gen = Generation(state, new_id("chatcmpl"), [prompt], params, body.n)
     header = dict(id=gen.request_id, created=int(time.time()), model=state.model_name)
@@ -54,6 +53,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         for c in gen.choices
     ]
     return ChatCompletionResponse(**header, choices=choices, usage=gen.usage())
+
+
+def default_max_tokens(state: ServerState, prompt: list[int]) -> int:
+    """A chat request without a limit: the server's default, capped by what fits; with none, up
+    to the model's length (as vLLM does) or what the whole KV cache holds."""
+    longest = min(state.max_model_len, state.num_kv_blocks * state.block_size + 1)
+    fits = max(1, longest - len(prompt))
+    limit = state.defaults.chat_max_tokens
+    return fits if limit is None else min(limit, fits)
 
 
 async def _chunks(

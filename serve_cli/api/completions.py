@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from serve_cli.api.common import server_state
+from serve_cli.api.defaults import with_defaults
 from serve_cli.api.errors import invalid
 from serve_cli.api.generation import Choice, Generation, new_id
 from serve_cli.api.logprobs import completion_logprobs
@@ -29,7 +30,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
         raise invalid("'echo' is not supported", "echo", "unsupported_parameter")
     prompts = completion_prompts(state, body.prompt)
     max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
-    params = sampling_params(body, max_tokens, body.logprobs)
+    params = sampling_params(with_defaults(body, state.defaults), max_tokens, body.logprobs)
     for ids in prompts:
         check_fits(state, len(ids), max_tokens, "max_tokens")
     gen = Generation(state, new_id("cmpl"), prompts, params, body.n)

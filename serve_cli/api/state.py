@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from serve_cli.api.defaults import RequestDefaults
 from serve_cli.api.metrics import ServerMetrics
 
 
@@ -23,3 +24,5 @@ class ServerState:
     api_key: str | None = None
     created: int = 0  # unix time the server started, for /v1/models
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    # generation_config.json's sampling defaults and the chat output limit
+    defaults: RequestDefaults = field(default_factory=lambda: RequestDefaults({}))

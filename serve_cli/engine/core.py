@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from serve_cli.engine import kv_budget
 from serve_cli.engine.batch import ScheduledBatch
 from serve_cli.engine.block_manager import BlockManager
 from serve_cli.engine.config import EngineConfig
@@ -105,10 +106,16 @@ class EngineCore:
             prompt_tokens_total=0, generation_tokens_total=0, num_preemptions_total=0
         )
         logger.info(
-            "engine ready: %s on %s (%s, tensor-parallel size %d), %d KV blocks of %d tokens, "
+            "engine ready: %s on %s (%s, tensor-parallel size %d, %s), KV cache %s, "
             "max_model_len %d",
             self.model_dir, config.device, self.runner.dtype, config.tensor_parallel_size,
-            self.runner.num_kv_blocks, config.block_size, self.max_model_len,
+            "eager" if config.enforce_eager else "graphs",
+            kv_budget.describe(
+                self.runner.num_kv_blocks,
+                self.runner.kv_cache_bytes // self.runner.num_kv_blocks,
+                config.block_size,
+            ),
+            self.max_model_len,
         )
 
     def close(self) -> None:

@@ -94,6 +94,7 @@ class ModelRunner:
             caches = self.executor.allocate_kv_caches(num_blocks, config.kv_cache_memory)
             self.executor.bind_kv_caches(caches)
             self.num_kv_blocks = caches[0].key.shape[0]
+            self.kv_cache_bytes = self.num_kv_blocks * bytes_per_block(self.executor.specs)
             if self.workers is not None:
                 self.workers.bind_kv_caches(self.num_kv_blocks)
             elif self.platform.device_type != "cpu":
