@@ -9,10 +9,10 @@ be had). Adding an op is one line with ``registry.real_op``::
 
     from .registry import real_op
 
-    def _gating_cpu(x, k, *, bias=None, ...):     # the op's schema arguments, plain torch inside
+    def _gating(x, finished=None, k=1):     # the op's schema arguments and defaults, plain torch
         ...
 
-    npu_moe_gating_top_k_softmax = real_op("npu_moe_gating_top_k_softmax", _gating_cpu)
+    npu_moe_gating_top_k_softmax = real_op("npu_moe_gating_top_k_softmax", _gating)
 
 then list it in ``install._OPS``. ``real_op(name, kernel)`` takes the schema of ``name`` from the
 wheel's ``npu_native_functions_by_codegen.yaml`` (or, for an ATB op, derives it from

@@ -44,6 +44,14 @@ def _check(op: str, arg: torch._C.Argument, value: Any, declared: str = "") -> A
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{where} must be Tensor, not {_kind(value)}")
         return value
+    if t == "List[Tensor]":  # `Tensor[]`: a list or tuple of tensors, never one bare tensor
+        if not isinstance(value, (list, tuple)) or not all(
+                isinstance(v, torch.Tensor) for v in value):
+            bad = _kind(value) if not isinstance(value, (list, tuple)) else "a list holding " + (
+                ", ".join(sorted({_kind(v) for v in value if not isinstance(v, torch.Tensor)})))
+            raise TypeError(f"{where} must be tuple of Tensors, not {bad} (the schema declares "
+                            f"{declared or t})")
+        return list(value)
     if t in ("List[int]", "List[SymInt]"):
         if not isinstance(value, (list, tuple)) or not all(_is_int(v) for v in value):
             bad = _kind(value) if not isinstance(value, (list, tuple)) else "a list holding " + (

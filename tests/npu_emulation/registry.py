@@ -88,7 +88,7 @@ class _Overload:
             inputs = {k: v for k, v in kwargs.items() if k in accepted}
             try:
                 inferred = fn(*to_meta(args), **to_meta(inputs))
-            except RuntimeError as err:
+            except (RuntimeError, IndexError, ValueError) as err:  # torch._check, or a bad dim
                 raise RuntimeError(f"{self.full_name}: refused by torch_npu's meta function "
                                    f"(_meta_registrations.py): {err}") from err
             COUNTS[self.full_name]["meta"] += 1

@@ -71,7 +71,8 @@ class NpuOps(DeviceOps):
     def moe_route(
         self, router_logits: torch.Tensor, top_k: int, renormalize: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # the op returns the top-k softmax values in x's dtype: float32 logits keep them float32
+        # y '数据类型与x需要保持一致': float32 logits keep the top-k softmax values float32;
+        # k '0<k<=x的-1轴大小, k<=1024'
         weights, ids, _ = self.npu.npu_moe_gating_top_k_softmax(router_logits.float(), None, k=top_k)
         if renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -93,8 +94,12 @@ class NpuOps(DeviceOps):
         expanded_x, expanded_row_idx, sorted_experts = self.npu.npu_moe_init_routing(
             x.contiguous(), row_idx, topk_ids.int(), num_tokens
         )  # expanded_x: [T*k, H], rows grouped by expert
+        # each expert's end row in int32 (num_expert '取值范围为(0, 2048]'); group_list
+        # '数据类型支持torch.int64', with group_list_type 0 '分组轴大小的cumsum结果'
         ends = self.npu.npu_moe_compute_expert_tokens(sorted_experts, num_experts).long()
-        # weights [E, N, K] go in as transposed views [E, K, N], which grouped matmul accepts
+        # group_type 0, one x and one 3-D weight: '仅支持split_item为2或3. weight中tensor需为3维',
+        # '最多支持1024个group. 支持weight转置. x不支持转置': weights [E, N, K] go in as
+        # transposed views [E, K, N], x contiguous
         gate_up = self.npu.npu_grouped_matmul(
             [expanded_x], [w13.transpose(1, 2)], group_list=ends, split_item=2, group_type=0,
             group_list_type=0,
@@ -104,6 +109,7 @@ class NpuOps(DeviceOps):
             [act], [w2.transpose(1, 2)], group_list=ends, split_item=2, group_type=0,
             group_list_type=0,
         )[0]  # [T*k, H]
+        # scales '数据类型要求与expanded_permuted_rows一致'; drop_pad_mode '取值范围为0'
         return self.npu.npu_moe_finalize_routing(
             down, None, None, None, topk_weights.to(down.dtype), expanded_row_idx, topk_ids.int(),
             drop_pad_mode=0, k=top_k,
