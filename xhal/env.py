@@ -17,3 +17,10 @@ def cache_dir() -> str:
     """``XHAL_CACHE_DIR``: where generated artefacts (the built-in default model) are kept."""
     default = os.path.join(os.path.expanduser("~"), ".cache", "xhal")
     return os.environ.get("XHAL_CACHE_DIR", default)
+
+
+def check_metadata() -> bool:
+    """``XHAL_CHECK_METADATA=1``: the reference server checks every step's metadata values
+    (``from_xllm(check=True)``, ``AttentionMetadata.validate``), a debug aid that costs host time
+    per step; off by default, shapes and dtypes are checked either way."""
+    return os.environ.get("XHAL_CHECK_METADATA", "0").strip().lower() in ("1", "true", "yes", "on")
