@@ -74,10 +74,65 @@ def matmul_flops(n: int = 8192) -> float:
     return 2 * n**3 / (ms * 1e-3)
 
 
+def _read_kernel():
+    """A Triton streaming-read kernel: each program sums ``ITERS`` blocks of ``BLOCK`` float32
+    (cache-streaming loads) into one value, so it writes 4 bytes per ``4 * BLOCK * ITERS`` read.
+    Built on first use: triton is only imported where it is measured."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_sum(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        pid = tl.program_id(0)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        base = pid.to(tl.int64) * BLOCK * ITERS
+        for i in range(ITERS):
+            offs = base + i * BLOCK + tl.arange(0, BLOCK)
+            acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
+    return read_sum
+
+
+def stream_read_sum(x: torch.Tensor, block: int = 2048, iters: int = 16) -> torch.Tensor:
+    """Per-program partial sums of float32 ``x`` by the streaming-read kernel; their sum is
+    ``x.sum()`` (the benchmark does not need it, a test checks it)."""
+    import triton
+
+    n = x.numel()
+    grid = triton.cdiv(n, block * iters)
+    out = torch.empty(grid, dtype=torch.float32, device=x.device)
+    _read_kernel()[(grid,)](x, out, n, BLOCK=block, ITERS=iters, num_warps=8)
+    return out
+
+
+def read_bandwidth(num_bytes: int = 2 << 30) -> dict[str, float]:
+    """Read-only streaming rate in bytes/s (bytes read only): the ceiling of a decode step,
+    which reads weights and KV and writes next to nothing. ``read`` is the best of a Triton
+    streaming kernel (``triton_read``, when triton imports) and a torch sum (``torch_sum_read``)."""
+    x = torch.ones(num_bytes // 4, dtype=torch.float32, device="cuda")
+    rates = {"torch_sum_read": num_bytes / (time_cuda(lambda: x.sum(), iters=20) * 1e-3)}
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        ms = time_cuda(lambda: stream_read_sum(x), iters=20)
+        rates["triton_read"] = num_bytes / (ms * 1e-3)
+    rates["read"] = max(rates.values())
+    return rates
+
+
 def ceilings() -> dict[str, float]:
+    """``bandwidth``: the read+write copy rate (the old floors' denominator, kept so figures
+    stay comparable); ``read_bandwidth``: the read-only streaming rate decode floors use;
+    ``flops``: the bf16 matmul rate."""
     bw, fl = copy_bandwidth(), matmul_flops()
-    print(f"ceilings: copy {bw / 1e12:.2f} TB/s (read+write), bf16 matmul {fl / 1e12:.0f} TFLOP/s")
-    return {"bandwidth": bw, "flops": fl}
+    read = read_bandwidth()
+    parts = ", ".join(f"{k} {v / 1e12:.2f}" for k, v in read.items() if k != "read")
+    print(f"ceilings: copy {bw / 1e12:.2f} TB/s (read+write), read {read['read'] / 1e12:.2f} TB/s "
+          f"(read only; {parts}), bf16 matmul {fl / 1e12:.0f} TFLOP/s")
+    return {"bandwidth": bw, "read_bandwidth": read["read"], "flops": fl}
 
 
 def table(rows: list[dict], title: str) -> str:

@@ -1,7 +1,8 @@
-"""Write a model directory for ``--load-format dummy`` serving benchmarks: a Llama-3-8B-shaped
-config.json plus the built-in model's tokenizer (its ids all fall inside the 8B vocabulary).
+"""Write a model directory for ``--load-format dummy`` serving benchmarks: a Llama-3-shaped
+config.json (``SHAPE``: llama3-8b, the default, or llama3.2-1b) plus the built-in model's tokenizer
+(its ids all fall inside the Llama-3 vocabulary).
 
-    python -m benchmarks.make_dummy_model DIR
+    python -m benchmarks.make_dummy_model DIR [SHAPE]
 """
 
 from __future__ import annotations
@@ -11,14 +12,18 @@ import shutil
 import sys
 from pathlib import Path
 
-from benchmarks.bench_model import CONFIG
+from benchmarks.bench_model import SHAPES
 from serve_cli.default_model import ensure_default_model
 
 
 def main() -> None:
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else "dummy-llama3-8b")
+    shape = sys.argv[2] if len(sys.argv) > 2 else "llama3-8b"
+    if shape not in SHAPES:
+        raise SystemExit(f"unknown shape {shape!r}; known: {', '.join(sorted(SHAPES))}")
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else f"dummy-{shape}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps({**CONFIG, "model_type": "llama", "dtype": "bfloat16"}, indent=2))
+    config = {**SHAPES[shape], "model_type": "llama", "dtype": "bfloat16"}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     source = ensure_default_model()
     for path in source.iterdir():
         if path.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
