@@ -71,3 +71,18 @@ def test_the_host_csr_arrays_match_the_block_table() -> None:
     assert md.metadata.paged_kv_indptr_host.tolist() == [0, 1, 4]
     assert md.metadata.paged_kv_last_page_len_host.tolist() == [4, 2]
     assert md.metadata.paged_kv_indices.tolist() == a.block_table[:1] + b.block_table[:3]
+
+
+def test_metadata_checks_run_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The served path skips the adapter's value checks (its layout is right by construction);
+    XHAL_CHECK_METADATA=1 turns them back on, and the step they check is the same."""
+    batch = _mixed_batch()
+    monkeypatch.delenv("XHAL_CHECK_METADATA", raising=False)
+    fast = InputBuilder(torch.device("cpu"), "cuda", block_size=4)
+    monkeypatch.setenv("XHAL_CHECK_METADATA", "1")
+    checked = InputBuilder(torch.device("cpu"), "cuda", block_size=4)
+    assert (fast.check, checked.check) == (False, True)
+    a, b = fast.build(batch).metadata, checked.build(batch).metadata
+    for name in ("q_cu_seq_lens", "kv_cu_seq_lens", "q_seq_lens", "kv_seq_lens", "block_table", "slot_mapping"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert a.kind == b.kind and a.kv_seq_lens.tolist() == [4, 10]
