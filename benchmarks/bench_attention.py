@@ -26,15 +26,8 @@ def make_step(batch: int, q_len: int, ctx: int, num_blocks: int, device) -> Atte
     q = torch.full((batch,), q_len, dtype=torch.int32)
     pos = torch.arange(ctx - q_len, ctx)
     slots = (blocks[:, pos // BLOCK].long() * BLOCK + pos % BLOCK).flatten().int()
-    zero = torch.zeros(1, dtype=torch.int32)
-    return AttentionMetadata(
-        kind=BatchKind.DECODE if q_len == 1 else (BatchKind.PREFILL if q_len == ctx else BatchKind.CHUNKED_PREFILL),
-        num_seqs=batch, num_tokens=batch * q_len, max_query_len=q_len, max_seq_len=ctx,
-        q_cu_seq_lens=torch.cat([zero, q.cumsum(0)]).int().to(device),
-        kv_cu_seq_lens=torch.cat([zero, kv.cumsum(0)]).int().to(device),
-        q_seq_lens=q.to(device), kv_seq_lens=kv.to(device), q_seq_lens_host=q, kv_seq_lens_host=kv,
-        block_table=blocks.to(device), slot_mapping=slots.to(device),
-    )
+    kind = BatchKind.DECODE if q_len == 1 else (BatchKind.PREFILL if q_len == ctx else BatchKind.CHUNKED_PREFILL)
+    return AttentionMetadata.from_host_lengths(kind, q, kv, blocks.to(device), slots.to(device))
 
 
 def run(platform_name: str, batch: int, q_len: int, ctx: int, tensor_cores: bool | None = None) -> float:

@@ -68,13 +68,7 @@ def _steps(batch: int, ctx: int, count: int) -> list[tuple]:
         ones = torch.ones(batch, dtype=torch.int32)
         pos = kv - 1
         slots = table_.gather(1, (pos // BLOCK).long().view(-1, 1)).view(-1) * BLOCK + pos % BLOCK
-        zero = torch.zeros(1, dtype=torch.int32)
-        meta = AttentionMetadata(
-            kind=BatchKind.DECODE, num_seqs=batch, num_tokens=batch, max_query_len=1, max_seq_len=int(kv[0]),
-            q_cu_seq_lens=torch.arange(batch + 1, dtype=torch.int32), kv_cu_seq_lens=torch.cat([zero, kv.cumsum(0).int()]),
-            q_seq_lens=ones, kv_seq_lens=kv, q_seq_lens_host=ones.clone(), kv_seq_lens_host=kv.clone(),
-            block_table=table_, slot_mapping=slots.int(),
-        )  # fmt: skip
+        meta = AttentionMetadata.from_host_lengths(BatchKind.DECODE, ones, kv, table_, slots.int())
         out.append((torch.full((batch,), 7, dtype=torch.int32), pos.clone(), meta))
     return out
 

@@ -1,9 +1,13 @@
-"""Whole-model steps on the GPU for a Llama-3-8B-shaped model with random bf16 weights: decode
-(graph and eager) against the floor (weight bytes + KV bytes read) / measured bandwidth, prefill
-against its FLOP floor, host time inside ``execute``, and Hugging Face transformers on the same
-shape in the same run.
+"""Whole-model steps on the GPU for a Llama-3-shaped model (``--shape``: 8B or 3.2-1B) with random
+bf16 weights: decode (graph and eager) against its floors, prefill against its FLOP floor, host time
+inside ``execute``, and Hugging Face transformers on the same shape in the same run.
 
-    python -m benchmarks.bench_model [--quick] [--no-hf | --hf-eager-only] [--profile]
+Two decode floors: ``floor_ms``, every weight plus the KV at the read+write copy rate (the figure
+earlier runs reported, kept comparable), and ``read_floor_ms``, the bytes a step really reads (one
+embedding row per sequence instead of the whole table, unless it is tied to the LM head; every
+other weight; the KV) at the read-only streaming rate measured in the same run.
+
+    python -m benchmarks.bench_model [--shape llama3-8b|llama3.2-1b] [--quick] [--no-hf | --hf-eager-only] [--profile]
 """
 
 from __future__ import annotations
@@ -24,50 +28,60 @@ CONFIG = dict(
     num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5,
     rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False, hidden_act="silu",
 )
+SHAPES = {
+    "llama3-8b": CONFIG,
+    # Llama-3.2-1B: head dim 64, tied embeddings (the LM head reads the whole table every step)
+    "llama3.2-1b": {**CONFIG, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                    "head_dim": 64, "tie_word_embeddings": True},
+}
+
+
+def head_dim(config: dict) -> int:
+    return config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+
+
+def decode_read_bytes(config: dict, weight_bytes: int, batch: int, ctx: int, elt: int = 2) -> dict[str, int]:
+    """Bytes one decode step reads: ``all`` (every weight + KV, the old floor's count) and
+    ``honest`` (one embedding row per sequence rather than the table, unless the table is also the
+    LM head, which reads all of it; K and V of ``ctx`` tokens per sequence)."""
+    kv = batch * ctx * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim(config) * 2 * elt
+    table = config["vocab_size"] * config["hidden_size"] * elt
+    rows = batch * config["hidden_size"] * elt
+    embedding = 0 if config["tie_word_embeddings"] else table - rows
+    return {"all": weight_bytes + kv, "honest": weight_bytes - embedding + kv}
 BLOCK, CTX = 16, 2048
 
 
-def random_model(device: torch.device) -> LlamaForCausalLM:
+def random_model(device: torch.device, config: dict = CONFIG) -> LlamaForCausalLM:
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM(CONFIG).to(torch.bfloat16)
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
     return model.eval()
 
 
-def decode_metadata(batch: int, ctx: int, device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+def decode_metadata(batch: int, ctx: int, device, vocab_size: int = CONFIG["vocab_size"]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """``batch`` sequences with ``ctx - 1`` cached tokens each, decoding token ``ctx - 1``."""
     per_seq = ctx // BLOCK
     table_ = (torch.arange(batch * per_seq, dtype=torch.int32).view(batch, per_seq))
     kv = torch.full((batch,), ctx, dtype=torch.int32)
     q = torch.ones(batch, dtype=torch.int32)
-    zero = torch.zeros(1, dtype=torch.int32)
     slots = (table_[:, -1] * BLOCK + (ctx - 1) % BLOCK).int()
-    meta = AttentionMetadata(
-        kind=BatchKind.DECODE, num_seqs=batch, num_tokens=batch, max_query_len=1, max_seq_len=ctx,
-        q_cu_seq_lens=torch.arange(batch + 1, dtype=torch.int32, device=device),
-        kv_cu_seq_lens=torch.cat([zero, kv.cumsum(0)]).int().to(device),
-        q_seq_lens=q.to(device), kv_seq_lens=kv.to(device), q_seq_lens_host=q, kv_seq_lens_host=kv,
-        block_table=table_.to(device), slot_mapping=slots.to(device),
-    )
-    ids = torch.randint(0, CONFIG["vocab_size"], (batch,), dtype=torch.int32, device=device)
+    meta = AttentionMetadata.from_host_lengths(BatchKind.DECODE, q, kv, table_.to(device), slots.to(device))
+    ids = torch.randint(0, vocab_size, (batch,), dtype=torch.int32, device=device)
     return ids, torch.full((batch,), ctx - 1, dtype=torch.int32, device=device), meta
 
 
-def prefill_metadata(tokens: int, device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+def prefill_metadata(tokens: int, device, vocab_size: int = CONFIG["vocab_size"]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     blocks = -(-tokens // BLOCK)
     n = torch.tensor([tokens], dtype=torch.int32)
-    zero = torch.zeros(1, dtype=torch.int32)
-    meta = AttentionMetadata(
-        kind=BatchKind.PREFILL, num_seqs=1, num_tokens=tokens, max_query_len=tokens, max_seq_len=tokens,
-        q_cu_seq_lens=torch.cat([zero, n]).to(device), kv_cu_seq_lens=torch.cat([zero, n]).to(device),
-        q_seq_lens=n.to(device), kv_seq_lens=n.to(device), q_seq_lens_host=n, kv_seq_lens_host=n.clone(),
-        block_table=torch.arange(blocks, dtype=torch.int32, device=device)[None],
-        slot_mapping=torch.arange(tokens, dtype=torch.int32, device=device),
+    meta = AttentionMetadata.from_host_lengths(
+        BatchKind.PREFILL, n, n.clone(), torch.arange(blocks, dtype=torch.int32, device=device)[None],
+        torch.arange(tokens, dtype=torch.int32, device=device),
     )
-    ids = torch.randint(0, CONFIG["vocab_size"], (tokens,), dtype=torch.int32, device=device)
+    ids = torch.randint(0, vocab_size, (tokens,), dtype=torch.int32, device=device)
     return ids, torch.arange(tokens, dtype=torch.int32, device=device), meta
 
 
@@ -120,9 +134,9 @@ def hf_decode_step(batch: int, ctx: int, device, config: dict = CONFIG, compiled
     return step
 
 
-def hf_decode_ms(batch: int, ctx: int, device, compiled: bool) -> float:
+def hf_decode_ms(batch: int, ctx: int, device, compiled: bool, config: dict = CONFIG) -> float:
     """Milliseconds per step issued back to back, as ``time_cuda_pipelined`` times xhal."""
-    step = hf_decode_step(batch, ctx, device, compiled=compiled)
+    step = hf_decode_step(batch, ctx, device, config, compiled=compiled)
     for _ in range(3):  # compiles, then records the CUDA graphs
         step()
     ms = time_cuda_pipelined(step, steps=10, reps=3)
@@ -134,6 +148,7 @@ def hf_decode_ms(batch: int, ctx: int, device, compiled: bool) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b", help="model shape (default llama3-8b)")
     parser.add_argument("--quick", action="store_true", help="batches 1 and 64 only")
     parser.add_argument("--batches", type=int, nargs="+", help="decode batch sizes (default 1 16 64)")
     parser.add_argument("--no-hf", action="store_true")
@@ -143,7 +158,9 @@ def main() -> None:
     ceil = ceilings()
     platform = xhal.platforms.get("cuda")
     device = platform.device()
-    model = random_model(device)
+    config = SHAPES[args.shape]
+    model = random_model(device, config)
+    vocab = config["vocab_size"]
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     batches = args.batches or ([1, 64] if args.quick else [1, 16, 64])
     num_blocks = max(batches) * CTX // BLOCK + 64
@@ -164,10 +181,11 @@ def main() -> None:
         print(table(op_costs(), "--- host cost per operation, in the model's process"))
     rows = []
     for batch in batches:
-        ids, pos, meta = decode_metadata(batch, CTX, device)
-        kv_bytes = batch * CTX * 32 * 8 * 128 * 2 * 2
-        floor_ms = (weight_bytes + kv_bytes) / ceil["bandwidth"] * 1e3  # bytes read / measured HBM rate
-        row = {"batch": batch, "ctx": CTX, "floor_ms": floor_ms}
+        ids, pos, meta = decode_metadata(batch, CTX, device, vocab)
+        read = decode_read_bytes(config, weight_bytes, batch, CTX)
+        floor_ms = read["all"] / ceil["bandwidth"] * 1e3  # the old floor: all bytes at the copy rate
+        read_floor_ms = read["honest"] / ceil["read_bandwidth"] * 1e3  # bytes really read / read rate
+        row = {"batch": batch, "ctx": CTX, "floor_ms": floor_ms, "read_floor_ms": read_floor_ms}
         for eager, ex in executors.items():
             step = lambda ex=ex: ex.compute_logits(ex.execute(ids, pos, meta))  # noqa: E731
             ms = time_cuda(step, iters=30, warmup=3)
@@ -176,19 +194,20 @@ def main() -> None:
             if not eager:
                 row["pipelined_ms"] = time_cuda_pipelined(step)
                 row["pipelined_x_floor"] = row["pipelined_ms"] / floor_ms
+                row["pipelined_x_read_floor"] = row["pipelined_ms"] / read_floor_ms
                 # same page layout every step (as 15 of 16 steps at batch 1), then alternating
                 # layouts, so the attention schedule is rebuilt every step (most steps at batch 64)
                 row["host_us"] = host_time_us(ex, [(ids, pos, meta)])
                 row["host_busy_us"] = host_time_us(ex, [(ids, pos, meta)], mode="busy")
                 row["host_spun_us"] = host_time_us(ex, [(ids, pos, meta)], mode="spun")
-                longer = decode_metadata(batch, CTX + BLOCK, device)
+                longer = decode_metadata(batch, CTX + BLOCK, device, vocab)
                 row["host_replan_us"] = host_time_us(ex, [(ids, pos, meta), longer])
         row["graph_speedup"] = row["eager_ms"] / row["graph_ms"]
         rows.append(row)
     if args.profile:  # after every timing: once CUPTI has run in a process, CUDA calls cost more
         ex = executors[False]
         for batch in batches:
-            ids, pos, meta = decode_metadata(batch, CTX, device)
+            ids, pos, meta = decode_metadata(batch, CTX, device, vocab)
             print(f"--- host profile, graph decode, batch {batch}")
             profile_host(ex, ids, pos, meta)
             for mode in ("idle", "busy", "spun"):
@@ -196,15 +215,18 @@ def main() -> None:
                 print(f"--- host parts, graph decode, batch {batch}, entered {mode}: {parts}")
             print(table(call_breakdown(ex, ids, pos, meta), f"--- host us per step by call, graph decode, batch {batch}"))
         for batch in batches:
-            ids, pos, meta = decode_metadata(batch, CTX, device)
+            ids, pos, meta = decode_metadata(batch, CTX, device, vocab)
             profile_kernels(lambda: ex.compute_logits(ex.execute(ids, pos, meta)), f"graph decode, batch {batch}")
-    print(table(rows, f"decode step (execute + logits), Llama-3-8B shape, bf16, {weight_bytes / 1e9:.2f} GB weights; floor = (weights + KV read) / copy rate"))
+    print(table(rows, f"decode step (execute + logits), {args.shape} shape, bf16, {weight_bytes / 1e9:.2f} GB weights; "
+                      "floor = (weights + KV) / copy rate, read_floor = (bytes really read) / read rate"))
     tokens = 4096
-    ids, pos, meta = prefill_metadata(tokens, device)
+    ids, pos, meta = prefill_metadata(tokens, device, vocab)
     ex = executors[True]
     ms = time_cuda(lambda: ex.compute_logits(ex.execute(ids, pos, meta), torch.tensor([tokens - 1], device=device)), iters=10, warmup=2)
-    linear_flops = 2 * tokens * (weight_bytes / 2 - CONFIG["vocab_size"] * 4096)  # every weight but the embedding
-    attn_flops = 32 * 2 * tokens * tokens * 128 * 32  # causal: half of 4 * L^2 * D * H per layer
+    # every weight but the embedding (a tied table is the LM head: computed once, for the last row)
+    linear_flops = 2 * tokens * (weight_bytes / 2 - vocab * config["hidden_size"])
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    attn_flops = layers * 2 * tokens * tokens * head_dim(config) * heads  # causal: half of 4 * L^2 * D * H per layer
     flops = linear_flops + attn_flops
     print(table([{"tokens": tokens, "ms": ms, "TFLOP/s": flops / (ms * 1e-3) / 1e12,
                   "x_floor": ms / (flops / ceil["flops"] * 1e3)}], "prefill, one 4K sequence (eager)"))
@@ -219,7 +241,7 @@ def main() -> None:
                     continue
                 name = "hf_compiled" if compiled else "hf_eager"
                 try:
-                    ms = hf_decode_ms(r["batch"], CTX, device, compiled)
+                    ms = hf_decode_ms(r["batch"], CTX, device, compiled, config)
                 except Exception as exc:  # a compile failure is a result to report, not a crash
                     print(f"transformers {name} at batch {r['batch']} failed: {type(exc).__name__}: {exc}")
                     continue

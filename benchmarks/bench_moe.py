@@ -151,7 +151,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="kernels per graph step, per batch")
     args = parser.parse_args()
     config = {**CONFIG, "num_hidden_layers": args.layers}
-    ceil = ceilings(read=True)
+    ceil = ceilings()
     rate = ceil["read_bandwidth"]
     platform = xhal.platforms.get("cuda")
     device = platform.device()

@@ -23,6 +23,7 @@ Padding has two forms, both with slot -1 (never written):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import random
@@ -224,22 +225,17 @@ def build_batch(
                 [n - (len(p) - 1) * block_size for n, p in zip(kv_lens, pages)]
             ),
         }
-    metadata = AttentionMetadata(
-        kind=kind,
-        num_seqs=len(seqs),
-        num_tokens=len(slots),
-        max_query_len=max(q_lens),
-        max_seq_len=max(kv_lens),
-        q_cu_seq_lens=i32(cumsum(q_lens)),
-        kv_cu_seq_lens=i32(cumsum(kv_lens)),
-        q_seq_lens=i32(q_lens),
-        kv_seq_lens=i32(kv_lens),
-        q_seq_lens_host=i32(q_lens, "cpu"),
-        kv_seq_lens_host=i32(kv_lens, "cpu"),
-        block_table=torch.tensor(table, dtype=torch.int32).to(device),
-        slot_mapping=i32(slots),
-        **extra,
+        # and their host twins, which FlashInfer's host plan reads
+        extra["paged_kv_indptr_host"] = extra["paged_kv_indptr"].cpu()
+        extra["paged_kv_last_page_len_host"] = extra["paged_kv_last_page_len"].cpu()
+    metadata = AttentionMetadata.from_host_lengths(
+        kind,
+        i32(q_lens, "cpu"),
+        i32(kv_lens, "cpu"),
+        torch.tensor(table, dtype=torch.int32).to(device),
+        i32(slots),
     )
+    metadata = dataclasses.replace(metadata, **extra)
     metadata.validate()
     return Batch(seqs, block_rows, slots, real_rows, metadata)
 

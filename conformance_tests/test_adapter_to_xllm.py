@@ -63,6 +63,11 @@ def test_round_trip(convention, block_size, device, record_error):
     if block_size:
         for name, values in PAGED.items():
             assert_exact(getattr(md, name), values, record_error)
+        # FlashInfer's host plan reads these: carried through as the host built them
+        for name in ("paged_kv_indptr_host", "paged_kv_last_page_len_host"):
+            host = getattr(md, name)
+            assert host.device.type == "cpu" and host.data_ptr() == out[name].data_ptr(), name
+            assert_exact(host, PAGED[name[: -len("_host")]], record_error)
 
 
 def test_round_trip_npu_graph_mode(device, record_error):

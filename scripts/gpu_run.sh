@@ -40,18 +40,22 @@ for stage in $stages; do
     cpp_host)  # examples/cpp_host built and run against the Python host (8B shape, random weights)
       timeout -k 10 "${STAGE_TIMEOUT:-0}" bash examples/cpp_host/bench_cuda.sh "$out" 2>&1 | tee "$out/cpp_host.txt" || status=1 ;;
     bench_*) py -m benchmarks.$stage ${BENCH_ARGS:-} 2>&1 | tee "$out/$stage.txt" || status=1 ;;
-    serve)  # xhal-serve --device cuda on the 8B-shaped random model, under xhal-bench-serve
-      dir=$(python3 -m benchmarks.make_dummy_model /tmp/dummy-8b | tail -1)
-      python3 -m serve_cli --device cuda --model "$dir" --load-format dummy --dtype bfloat16 \
-        --max-model-len 4096 --max-num-seqs 64 --port 8100 > "$out/serve.log" 2>&1 &
-      server=$!
-      for _ in $(seq 300); do curl -sf http://127.0.0.1:8100/health >/dev/null && break; sleep 1; done
-      for c in 1 64; do
-        python3 -m benchmarks.bench_serve --base-url http://127.0.0.1:8100 --token-ids --vocab-size 800 \
-          --input-len 1024 --output-len 128 --num-prompts $((c == 1 ? 8 : 128)) --max-concurrency $c \
-          --no-progress 2>&1 | tee -a "$out/serve_bench.txt" || status=1
-      done
-      kill -TERM $server; wait $server ;;
+    serve)  # xhal-serve --device cuda on random Llama-3-shaped models (SERVE_SHAPES, default both
+      # the 3.2-1B and the 8B shapes), each at concurrency 1 and 64, under xhal-bench-serve
+      for shape in ${SERVE_SHAPES:-llama3.2-1b llama3-8b}; do
+        dir=$(python3 -m benchmarks.make_dummy_model "/tmp/dummy-$shape" "$shape" | tail -1)
+        python3 -m serve_cli --device cuda --model "$dir" --load-format dummy --dtype bfloat16 \
+          --max-model-len 4096 --max-num-seqs 64 --port 8100 > "$out/serve-$shape.log" 2>&1 &
+        server=$!
+        for _ in $(seq 300); do curl -sf http://127.0.0.1:8100/health >/dev/null && break; sleep 1; done
+        for c in 1 64; do
+          echo "=== serve $shape concurrency $c" | tee -a "$out/serve_bench.txt"
+          python3 -m benchmarks.bench_serve --base-url http://127.0.0.1:8100 --token-ids --vocab-size 800 \
+            --input-len 1024 --output-len 128 --num-prompts $((c == 1 ? 8 : 128)) --max-concurrency $c \
+            --no-progress 2>&1 | tee -a "$out/serve_bench.txt" || status=1
+        done
+        kill -TERM $server; wait $server
+      done ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done

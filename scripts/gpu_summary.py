@@ -45,8 +45,9 @@ def benchmarks(out: Path) -> list[str]:
     model = out / "bench_model.txt"
     if model.exists():
         for r in read_table(model.read_text(), "decode step"):
+            honest = f" ({r['pipelined_x_read_floor']}x read floor)" if "pipelined_x_read_floor" in r else ""
             lines.append(f"decode 8B batch {r['batch']:>3}: pipelined {r.get('pipelined_ms', '?')} ms = "
-                         f"{r.get('pipelined_x_floor', '?')}x floor, graph/eager {r.get('graph_speedup', '?')}x, "
+                         f"{r.get('pipelined_x_floor', '?')}x floor{honest}, graph/eager {r.get('graph_speedup', '?')}x, "
                          f"host {r.get('host_us', '?')} us")
         for r in read_table(model.read_text(), "peer:"):
             speedups = {k: v for k, v in r.items() if k.startswith("xhal_graph_speedup")}
@@ -60,10 +61,20 @@ def benchmarks(out: Path) -> list[str]:
     serve = out / "serve_bench.txt"
     if serve.exists():
         text = serve.read_text()
-        tpot = re.findall(r"Mean TPOT \(ms\)\s+([\d.]+)", text)
-        ttft = re.findall(r"P50 TTFT \(ms\)\s+([\d.]+)", text)
-        for c, (t, f) in zip((1, 64), zip(tpot, ttft)):
-            lines.append(f"xhal-serve concurrency {c:>2}: TPOT {t} ms, TTFT p50 {f} ms")
+        # gpu_run.sh heads each run "=== serve SHAPE concurrency C"; older files have two bare runs
+        sections = re.split(r"^=== serve (\S+) concurrency (\d+)\n", text, flags=re.MULTILINE)
+        if len(sections) > 1:
+            runs = [(f"{shape} ", int(c), body) for shape, c, body in zip(*[iter(sections[1:])] * 3)]
+        else:  # one run per "P50 TTFT" (each run prints TTFT before TPOT)
+            runs = [("", c, body) for c, body in zip((1, 64), re.split(r"(?=P50 TTFT)", text)[1:])]
+        for shape, c, body in runs:
+            tpot = re.search(r"Mean TPOT \(ms\)\s+([\d.]+)", body)
+            ttft = re.search(r"P50 TTFT \(ms\)\s+([\d.]+)", body)
+            itl = re.search(r"P50 ITL \(ms\)\s+([\d.]+)", body)
+            if tpot and ttft:
+                extra = f", ITL p50 {itl.group(1)} ms" if itl else ""
+                lines.append(f"xhal-serve {shape}concurrency {c:>2}: TPOT {tpot.group(1)} ms, "
+                             f"TTFT p50 {ttft.group(1)} ms{extra}")
     return lines
 
 

@@ -48,7 +48,6 @@ class PagedHost:
         width = max(len(r) for r in rows)
         table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
         q, kv = torch.tensor(q_lens, dtype=torch.int32), torch.tensor(kv_lens, dtype=torch.int32)
-        zero = torch.zeros(1, dtype=torch.int32)
         if all(a == 1 for a in q_lens) and any(b > 1 for b in kv_lens):
             kind = BatchKind.DECODE
         elif q_lens == kv_lens:
@@ -57,20 +56,8 @@ class PagedHost:
             kind = BatchKind.MIXED
         else:
             kind = BatchKind.CHUNKED_PREFILL
-        metadata = AttentionMetadata(
-            kind=kind,
-            num_seqs=len(chunks),
-            num_tokens=len(ids),
-            max_query_len=max(q_lens),
-            max_seq_len=max(kv_lens),
-            q_cu_seq_lens=torch.cat([zero, q.cumsum(0)]).int(),
-            kv_cu_seq_lens=torch.cat([zero, kv.cumsum(0)]).int(),
-            q_seq_lens=q,
-            kv_seq_lens=kv,
-            q_seq_lens_host=q.clone(),
-            kv_seq_lens_host=kv.clone(),
-            block_table=table,
-            slot_mapping=torch.tensor(slots, dtype=torch.int32),
+        metadata = AttentionMetadata.from_host_lengths(
+            kind, q, kv, table, torch.tensor(slots, dtype=torch.int32)
         )
         metadata.validate()
         return torch.tensor(ids, dtype=torch.int32), torch.tensor(positions, dtype=torch.int32), metadata

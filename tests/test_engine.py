@@ -101,6 +101,14 @@ def test_greedy_matches_offline_executor_loop(engine: EngineCore, reference) -> 
     assert engine.stats()["kv_blocks_used"] == 0
 
 
+def test_executor_buckets_follow_the_servers_token_budget(engine: EngineCore) -> None:
+    # the piecewise buckets and the warm-up prefill are sized by the executor's budget: it must
+    # be the one the engine was started with (64 here), not ExecutorConfig's 2048 default
+    config = engine.runner.executor.config
+    assert config.max_num_batched_tokens == SMALL["max_num_batched_tokens"]
+    assert max(config.token_capture_sizes) == SMALL["max_num_batched_tokens"]
+
+
 def test_greedy_matches_transformers(llama_gqa_dir: Path, engine: EngineCore) -> None:
     import transformers
 

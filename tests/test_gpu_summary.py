@@ -39,6 +39,23 @@ def test_summary_reads_reports_and_tables(tmp_path: Path) -> None:
     assert "concurrency 64: TPOT 15.06 ms" in text
 
 
+def test_summary_reads_one_serve_run_per_shape_and_the_read_floor(tmp_path: Path) -> None:
+    decode = [{"batch": 1, "floor_ms": 3.85, "read_floor_ms": 3.33, "pipelined_ms": 4.75,
+               "pipelined_x_floor": 1.23, "pipelined_x_read_floor": 1.43, "host_us": 60.0, "graph_speedup": 3.6}]
+    (tmp_path / "bench_model.txt").write_text(table(decode, "decode step (execute + logits), 8B") + "\n")
+    run = "P50 TTFT (ms)   {ttft}\nMean TPOT (ms)   {tpot}\nP50 ITL (ms)   {itl}\n"
+    (tmp_path / "serve_bench.txt").write_text(
+        "=== serve llama3.2-1b concurrency 1\n" + run.format(ttft=9.1, tpot=1.2, itl=1.1)
+        + "=== serve llama3.2-1b concurrency 64\n" + run.format(ttft=90.5, tpot=5.5, itl=5.0)
+        + "=== serve llama3-8b concurrency 1\n" + run.format(ttft=30.0, tpot=4.7, itl=4.6)
+    )
+    text = "\n".join(gpu_summary.benchmarks(tmp_path))
+    assert "1.23x floor (1.43x read floor)" in text
+    assert "llama3.2-1b concurrency  1: TPOT 1.2 ms, TTFT p50 9.1 ms, ITL p50 1.1 ms" in text
+    assert "llama3.2-1b concurrency 64: TPOT 5.5 ms" in text
+    assert "llama3-8b concurrency  1: TPOT 4.7 ms, TTFT p50 30.0 ms, ITL p50 4.6 ms" in text
+
+
 def test_summary_of_an_empty_folder(tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.setattr(sys, "argv", ["gpu_summary.py", str(tmp_path)])
     gpu_summary.main()

@@ -196,6 +196,25 @@ def test_paged_index_builder(host_pages: bool) -> None:
         assert idx.positions.tolist() == [0, 1, width, 2 * width, 2 * width + 1, 2 * width + 2, 3 * width]
 
 
+def test_paged_index_builder_stages_the_hosts_csr_arrays() -> None:
+    """Host-built ``paged_kv_*_host`` arrays are staged as given, not rebuilt from the lengths:
+    the builder hands FlashInfer exactly what the host put there."""
+    import dataclasses
+
+    from conformance_tests.batches import Seq, build_batch
+    from xhal.cuda.page_table import PagedIndexBuilder
+    from xhal.interfaces import BatchKind
+
+    bs = 16
+    batch = build_batch(BatchKind.DECODE, [Seq(1, 17), Seq(1, 40)], [[7, 2], [4, 0, 11]], bs, torch.device("cpu"), paged_kv=True)
+    m = batch.metadata
+    assert m.paged_kv_indptr_host.tolist() == [0, 2, 5] and m.paged_kv_last_page_len_host.tolist() == [1, 8]
+    # a host whose last pages are full (say it reserved them) says so, and is believed
+    m = dataclasses.replace(m, paged_kv_last_page_len_host=torch.tensor([16, 16], dtype=torch.int32))
+    idx = PagedIndexBuilder(bs, pin=False).build(m)
+    assert idx.indptr.tolist() == [0, 2, 5] and idx.last_page_len.tolist() == [16, 16]
+
+
 def test_page_positions_follow_the_table_strides() -> None:
     """A graph bucket gathers page ids from its block table as laid out in memory: positions in
     a column-major table view name the same entries as in a row-major one."""

@@ -39,20 +39,12 @@ def prefill_metadata(
         return torch.as_tensor(values, dtype=torch.int32).to(on)
 
     num_blocks = -(-num_tokens // block_size)
-    return AttentionMetadata(
-        kind=BatchKind.PREFILL,
-        num_seqs=1,
-        num_tokens=num_tokens,
-        max_query_len=num_tokens,
-        max_seq_len=num_tokens,
-        q_cu_seq_lens=i32([0, num_tokens]),
-        kv_cu_seq_lens=i32([0, num_tokens]),
-        q_seq_lens=i32([num_tokens]),
-        kv_seq_lens=i32([num_tokens]),
-        q_seq_lens_host=i32([num_tokens], "cpu"),
-        kv_seq_lens_host=i32([num_tokens], "cpu"),
-        block_table=i32(torch.arange(num_blocks)).view(1, num_blocks),
-        slot_mapping=i32(torch.arange(num_tokens)),
+    return AttentionMetadata.from_host_lengths(
+        BatchKind.PREFILL,
+        i32([num_tokens], "cpu"),
+        i32([num_tokens], "cpu"),
+        i32(torch.arange(num_blocks)).view(1, num_blocks),
+        i32(torch.arange(num_tokens)),
     )
 
 

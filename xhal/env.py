@@ -29,3 +29,10 @@ def npu_kv_layout() -> str:
     if value not in ("NHD", "HND"):
         raise ValueError(f"XHAL_NPU_KV_LAYOUT={value!r}: use NHD (default) or HND")
     return value
+
+
+def check_metadata() -> bool:
+    """``XHAL_CHECK_METADATA=1``: the reference server checks every step's metadata values
+    (``from_xllm(check=True)``, ``AttentionMetadata.validate``), a debug aid that costs host time
+    per step; off by default, shapes and dtypes are checked either way."""
+    return os.environ.get("XHAL_CHECK_METADATA", "0").strip().lower() in ("1", "true", "yes", "on")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from numbers import Integral
 from typing import Any
 
@@ -21,8 +21,14 @@ DEVICE_TENSORS = (
     "paged_kv_indices",
     "paged_kv_last_page_len",
 )
-# int32 tensors on the CPU, same convention as their device twins
-HOST_TENSORS = ("q_seq_lens_host", "kv_seq_lens_host")
+# int32 tensors on the CPU, same convention as their device twins; the paged-KV ones are what
+# FlashInfer's host plan reads, carried through so the backend does not rebuild them
+HOST_TENSORS = (
+    "q_seq_lens_host",
+    "kv_seq_lens_host",
+    "paged_kv_indptr_host",
+    "paged_kv_last_page_len_host",
+)
 SCALARS = (
     "kv_seq_lens_host_values",  # list[int], same convention as kv_seq_lens_host
     "is_prefill",
@@ -42,8 +48,6 @@ IGNORED = frozenset(
         "dp_token_counts",
         "dp_is_decode",
         "expanded_decode_metadata",
-        "paged_kv_indptr_host",
-        "paged_kv_last_page_len_host",
     }
 )
 
@@ -71,6 +75,8 @@ def read_view(view: Any) -> dict[str, Any]:
 
 def same_device(a: torch.device, b: torch.device) -> bool:
     """``cuda`` and ``cuda:0`` are the same device when one of them leaves the index open."""
+    if a == b:  # the common case, and the cheap test
+        return True
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
@@ -89,10 +95,14 @@ def check_tensor(name: str, t: Any, device: torch.device, *, host: bool) -> torc
     return t
 
 
-def check_shape(name: str, t: torch.Tensor, allowed: tuple[tuple[int, ...], ...], why: str) -> None:
-    """Raise naming ``name`` unless ``t.shape`` is one of ``allowed``; ``why`` explains the rule."""
+def check_shape(
+    name: str, t: torch.Tensor, allowed: tuple[tuple[int, ...], ...], why: str | Callable[[], str]
+) -> None:
+    """Raise naming ``name`` unless ``t.shape`` is one of ``allowed``; ``why`` explains the rule
+    (a callable is only called to build the message: this check runs on every step)."""
     if tuple(t.shape) not in allowed:
         want = " or ".join(str(list(s)) for s in allowed)
+        why = why() if callable(why) else why
         raise ValueError(
             f"metadata field {name} has shape {list(t.shape)}, expected {want} ({why})"
         )

@@ -38,13 +38,15 @@ def from_xllm(
     ``convention`` is ``"npu"`` or ``"cuda"`` (see ``xhal.adapter.conventions``). ``device`` is the
     compute device (default: ``slot_mapping``'s). Every given tensor that matches a normalized field
     is used as is (in ``"cuda"`` the cumulative ``q_seq_lens``/``kv_seq_lens`` ``[B+1]`` *are*
-    ``q_cu_seq_lens``/``kv_cu_seq_lens``); only absent fields are derived, from host values, and
-    moved to the device in one copy. Device tensors are never read back to the host.
+    ``q_cu_seq_lens``/``kv_cu_seq_lens``, and the per-sequence lengths are their differences,
+    taken on the device); other absent fields are derived from host values and moved to the
+    device in one copy. Device tensors are never read back to the host.
 
     Required: ``slot_mapping``, ``block_table`` (its rows give B) and, unless B == 0,
     ``kv_seq_lens_host`` or ``kv_seq_lens_host_values``. ``q_seq_lens_host`` may be left out when
     ``batch_forward_type`` or the two flags say DECODE or PREFILL. ``check=False`` skips the value
-    checks on host lengths (shapes and dtypes are always checked).
+    checks on host lengths and ``AttentionMetadata.validate`` (shapes and dtypes are always
+    checked): a served path that built the view itself passes it (``xhal.env.check_metadata``).
 
     Raises ``ValueError`` naming the field and what was expected for malformed input.
     """
@@ -103,7 +105,13 @@ def from_xllm(
         "q_cu_seq_lens": lambda: cumulative(q_host),
         "kv_cu_seq_lens": lambda: cumulative(kv_host),
     }
-    # only absent fields, built from host values, in one host-to-device copy
+    # Per-sequence lengths absent next to their given cumulative device twin (the CUDA layout)
+    # are differenced on the device: one small op each, no sync, and no second upload of values
+    # the step's one copy already carried. Whatever else is absent is built from host values and
+    # moved in one copy.
+    for per_seq, cu in (("q_seq_lens", "q_cu_seq_lens"), ("kv_seq_lens", "kv_cu_seq_lens")):
+        if given[per_seq] is None and given[cu] is not None:
+            given[per_seq] = given[cu][1:] - given[cu][:-1]  # [B]
     derived = upload({k: from_host[k]() for k, t in given.items() if t is None}, dev)
     lens = {k: t if t is not None else derived[k] for k, t in given.items()}
 
@@ -120,6 +128,8 @@ def from_xllm(
         slot_mapping=f["slot_mapping"],
         **lens,
         **{name: f[name] for name in PAGED_KV},
+        paged_kv_indptr_host=f["paged_kv_indptr_host"],
+        paged_kv_last_page_len_host=f["paged_kv_last_page_len_host"],
     )
     if check:
         metadata.validate()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from xhal.interfaces.metadata import BatchKind
@@ -26,20 +27,20 @@ def parse_batch_forward_type(value: Any) -> BatchKind:
 
 
 def derive_kind(
-    q_lens: torch.Tensor,
-    kv_lens: torch.Tensor,
+    q_lens: torch.Tensor | np.ndarray,
+    kv_lens: torch.Tensor | np.ndarray,
     *,
     is_prefill: bool = False,
     is_chunked_prefill: bool = False,
 ) -> BatchKind:
-    """Classify a batch from per-sequence host lengths ``[B]``.
+    """Classify a batch from per-sequence host lengths ``[B]`` (CPU tensors or numpy arrays).
 
     EMPTY when B == 0; DECODE when every q_len is 1 and no prefill flag is set; PREFILL when
     q_len == kv_len for every sequence (no cached KV); MIXED when decodes (q_len 1 over cached KV)
     sit next to prefill chunks (q_len > 1); else CHUNKED_PREFILL. The flags only settle what the
     lengths cannot: a batch of one-token prompts is PREFILL under ``is_prefill``, DECODE otherwise.
     """
-    if q_lens.numel() == 0:
+    if len(q_lens) == 0:
         return BatchKind.EMPTY
     if not (is_prefill or is_chunked_prefill) and bool((q_lens == 1).all()):
         return BatchKind.DECODE

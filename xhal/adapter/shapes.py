@@ -33,17 +33,17 @@ def check_shapes(f: dict[str, Any], convention: Convention, num_seqs: int) -> No
             )
         for name in (dev_name, host_name):
             if f[name] is not None:
-                check_shape(name, f[name], ((n,),), describe(convention, b))
+                check_shape(name, f[name], ((n,),), lambda: describe(convention, b))
     if f["q_cu_seq_lens"] is not None:
         check_shape(
             "q_cu_seq_lens",
             f["q_cu_seq_lens"],
             ((b,), (b + 1,)),
-            f"{_Q_CU_RULE[convention]}, B={b}",
+            lambda: f"{_Q_CU_RULE[convention]}, B={b}",
         )
     for name in ("kv_cu_seq_lens", "qo_indptr", "paged_kv_indptr"):
         if f[name] is not None:
-            check_shape(name, f[name], ((b + 1,),), f"leading 0, [B+1], B={b}")
+            check_shape(name, f[name], ((b + 1,),), lambda: f"leading 0, [B+1], B={b}")
 
     given_paged = [name for name in PAGED_KV if f[name] is not None]
     if given_paged and len(given_paged) != len(PAGED_KV):
@@ -51,6 +51,15 @@ def check_shapes(f: dict[str, Any], convention: Convention, num_seqs: int) -> No
             f"metadata fields {list(PAGED_KV)} come together; got only {given_paged} "
             "(give all three, as xLLM's CUDA builder does, or none)"
         )
+    for name in ("paged_kv_indptr_host", "paged_kv_last_page_len_host"):
+        if f[name] is not None:
+            if not given_paged:
+                raise ValueError(
+                    f"metadata field {name} is the host twin of {name[: -len('_host')]}: "
+                    f"give it with the device fields {list(PAGED_KV)}, or leave it out"
+                )
+            twin = f[name[: -len("_host")]]
+            check_shape(name, f[name], (tuple(twin.shape),), "the shape of its device twin")
     if given_paged:
         check_shape("paged_kv_last_page_len", f["paged_kv_last_page_len"], ((b,),), f"[B], B={b}")
         indices = f["paged_kv_indices"]

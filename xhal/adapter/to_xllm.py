@@ -1,24 +1,30 @@
-"""Per-sequence host lengths -> xLLM's metadata layout in either convention, as C++ emits it."""
+"""Per-sequence host lengths -> xLLM's metadata layout in either convention, as C++ emits it.
+
+Built once per step with numpy (no per-row torch ops, no Python lists of tensors) and sent to the
+device in one packed copy together with whatever other int32 arrays the host's step carries.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from itertools import chain
 from typing import Any
 
+import numpy as np
 import torch
 
-from xhal.adapter.conventions import cumulative, is_cumulative, parse_convention
+from xhal.adapter.conventions import is_cumulative, parse_convention
 from xhal.adapter.kind import derive_kind
-from xhal.adapter.upload import upload
+from xhal.adapter.upload import upload_packed
 from xhal.interfaces.metadata import BatchKind
 
-IntsLike = Sequence[int] | torch.Tensor
+IntsLike = Sequence[int] | np.ndarray | torch.Tensor
 
 
 def to_xllm(
     q_seq_lens: IntsLike,
     kv_seq_lens: IntsLike,
-    block_table: Sequence[Sequence[int]] | torch.Tensor,
+    block_table: Sequence[Sequence[int]] | np.ndarray | torch.Tensor,
     slot_mapping: IntsLike,
     convention: str,
     device: torch.device | str,
@@ -34,16 +40,41 @@ def to_xllm(
     ``[T]`` (``-1`` for padding tokens). The lengths are laid out in ``convention`` (``"npu"`` or
     ``"cuda"``); ``graph_mode`` (npu only) drops the leading 0 of ``q_cu_seq_lens``, as xLLM's ACL
     graph mode does.
-    With ``block_size``, ``paged_kv_indptr``/``paged_kv_indices``/``paged_kv_last_page_len`` and
-    ``qo_indptr`` are added as xLLM's CUDA builder adds them (last page length is
-    ``kv_len % block_size`` or ``block_size``). ``kind`` defaults to ``derive_kind`` of the lengths.
-    Device tensors reach ``device`` in one copy; feed the result to ``from_xllm``.
+    With ``block_size``, ``paged_kv_indptr``/``paged_kv_indices``/``paged_kv_last_page_len`` (and
+    their ``*_host`` twins of indptr and last page length) and ``qo_indptr`` are added as xLLM's
+    CUDA builder adds them (last page length is ``kv_len % block_size`` or ``block_size``).
+    ``kind`` defaults to ``derive_kind`` of the lengths. Device tensors reach ``device`` in one
+    copy; feed the result to ``from_xllm``.
     """
+    view, _ = to_xllm_step(
+        q_seq_lens, kv_seq_lens, block_table, slot_mapping, convention, device,
+        block_size=block_size, graph_mode=graph_mode, kind=kind,
+    )
+    view["kv_seq_lens_host_values"] = view["kv_seq_lens_host"].tolist()
+    return view
+
+
+def to_xllm_step(
+    q_seq_lens: IntsLike,
+    kv_seq_lens: IntsLike,
+    block_table: Sequence[Sequence[int]] | np.ndarray | torch.Tensor,
+    slot_mapping: IntsLike,
+    convention: str,
+    device: torch.device | str,
+    *,
+    block_size: int | None = None,
+    graph_mode: bool = False,
+    kind: BatchKind | None = None,
+    extra: Mapping[str, IntsLike] | None = None,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``to_xllm``'s view (without the ``kv_seq_lens_host_values`` list) and, on the device, the
+    ``extra`` host int32 arrays (token ids, positions, sampled rows...) by the same names: the
+    view's device tensors and the extras travel in one packed host-to-device copy."""
     conv = parse_convention(convention)
     q, kv = _host_ints("q_seq_lens", q_seq_lens), _host_ints("kv_seq_lens", kv_seq_lens)
-    if q.numel() != kv.numel():
-        raise ValueError(f"q_seq_lens has {q.numel()} sequences but kv_seq_lens has {kv.numel()}")
-    if bool((q < 0).any()) or bool((q > kv).any()):
+    if q.size != kv.size:
+        raise ValueError(f"q_seq_lens has {q.size} sequences but kv_seq_lens has {kv.size}")
+    if q.size and ((q < 0).any() or (q > kv).any()):
         raise ValueError(
             f"expected 0 <= q_seq_lens <= kv_seq_lens, got {q.tolist()} and {kv.tolist()}"
         )
@@ -51,17 +82,18 @@ def to_xllm(
         raise ValueError(
             "graph_mode (q_cu_seq_lens without leading 0) exists only in convention 'npu'"
         )
-    table = _padded_table(block_table, q.numel())
+    table = _padded_table(block_table, q.size)
     slots = _host_ints("slot_mapping", slot_mapping)
     kind = derive_kind(q, kv) if kind is None else BatchKind(kind)
-    q_cu, kv_cu = cumulative(q), cumulative(kv)
+    q_cu, kv_cu = _cumulative(q), _cumulative(kv)
 
-    host = {"slot_mapping": slots, "block_table": table, "q_cu": q_cu, "kv_cu": kv_cu}
+    host: dict[str, np.ndarray] = {"slot_mapping": slots, "block_table": table, "q_cu": q_cu, "kv_cu": kv_cu}
     if not is_cumulative(conv):
         host |= {"q": q, "kv": kv}
-    if block_size is not None:
-        host |= _paged_kv(kv, table, block_size)
-    dev = upload(host, torch.device(device))
+    paged = _paged_kv(kv, table, block_size) if block_size is not None else {}
+    host |= paged
+    extras = {name: _host_ints(name, values) for name, values in (extra or {}).items()}
+    dev = upload_packed({**host, **{f"extra:{k}": v for k, v in extras.items()}}, torch.device(device))
 
     out: dict[str, Any] = {"slot_mapping": dev["slot_mapping"], "block_table": dev["block_table"]}
     if is_cumulative(conv):
@@ -71,46 +103,57 @@ def to_xllm(
             "kv_seq_lens": dev["kv_cu"],
             "q_cu_seq_lens": dev["q_cu"][1:],
         }
-        out |= {"kv_cu_seq_lens": dev["kv_cu"], "q_seq_lens_host": q_cu, "kv_seq_lens_host": kv_cu}
+        q_host, kv_host = q_cu, kv_cu
     else:
         q_cu_dev = dev["q_cu"][1:] if graph_mode else dev["q_cu"]
         out |= {"q_seq_lens": dev["q"], "kv_seq_lens": dev["kv"], "q_cu_seq_lens": q_cu_dev}
-        out |= {"kv_cu_seq_lens": dev["kv_cu"], "q_seq_lens_host": q, "kv_seq_lens_host": kv}
-    out["kv_seq_lens_host_values"] = out["kv_seq_lens_host"].tolist()
-    if block_size is not None:
-        out |= {
-            name: dev[name]
-            for name in ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
-        }
+        q_host, kv_host = q, kv
+    out |= {
+        "kv_cu_seq_lens": dev["kv_cu"],
+        "q_seq_lens_host": torch.from_numpy(q_host),
+        "kv_seq_lens_host": torch.from_numpy(kv_host),
+    }
+    if paged:
+        out |= {name: dev[name] for name in paged}
+        out["paged_kv_indptr_host"] = torch.from_numpy(paged["paged_kv_indptr"])
+        out["paged_kv_last_page_len_host"] = torch.from_numpy(paged["paged_kv_last_page_len"])
         out["qo_indptr"] = dev["q_cu"]
     out |= {
         "batch_forward_type": int(kind),
         "is_prefill": kind == BatchKind.PREFILL,
         "is_chunked_prefill": kind in (BatchKind.CHUNKED_PREFILL, BatchKind.MIXED),
-        "max_query_len": int(q.max()) if q.numel() else 0,
-        "max_seq_len": int(kv.max()) if kv.numel() else 0,
+        "max_query_len": int(q.max()) if q.size else 0,
+        "max_seq_len": int(kv.max()) if kv.size else 0,
     }
-    return out
+    return out, {name: dev[f"extra:{name}"] for name in extras}
 
 
-def _host_ints(name: str, values: IntsLike) -> torch.Tensor:
+def _host_ints(name: str, values: IntsLike) -> np.ndarray:
+    """A 1-D int32 numpy array of host values (a view when it already is one)."""
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu" or values.dim() != 1:
             raise ValueError(f"{name} must be a 1-D CPU tensor or a list of ints (host values)")
-        return values.to(torch.int32)
-    return torch.tensor(list(values), dtype=torch.int32).reshape(-1)
+        return values.to(torch.int32).numpy()
+    array = np.asarray(values, dtype=np.int32)
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D list of ints (host values), got shape {array.shape}")
+    return array
 
 
-def _padded_table(rows: Sequence[Sequence[int]] | torch.Tensor, num_seqs: int) -> torch.Tensor:
-    if isinstance(rows, torch.Tensor):
-        if rows.device.type != "cpu" or rows.dim() != 2:
+def _padded_table(
+    rows: Sequence[Sequence[int]] | np.ndarray | torch.Tensor, num_seqs: int
+) -> np.ndarray:
+    """The block table as an int32 ``[B, width]`` array, rows padded with 0 as xLLM pads them."""
+    if isinstance(rows, torch.Tensor | np.ndarray):
+        if (isinstance(rows, torch.Tensor) and rows.device.type != "cpu") or rows.ndim != 2:
             raise ValueError("block_table must be a 2-D CPU tensor or a list of rows (host values)")
-        table = rows.to(torch.int32)
+        table = np.asarray(rows.numpy() if isinstance(rows, torch.Tensor) else rows, dtype=np.int32)
     else:
-        width = max((len(r) for r in rows), default=0)
-        table = torch.zeros(len(rows), width, dtype=torch.int32)  # xLLM pads rows with 0
-        for i, r in enumerate(rows):
-            table[i, : len(r)] = torch.tensor(list(r), dtype=torch.int32)
+        row_lens = np.fromiter((len(r) for r in rows), dtype=np.int32, count=len(rows))
+        width = int(row_lens.max()) if row_lens.size else 0
+        table = np.zeros((len(rows), width), dtype=np.int32)
+        flat = np.fromiter(chain.from_iterable(rows), dtype=np.int32, count=int(row_lens.sum()))
+        table[np.arange(width) < row_lens[:, None]] = flat  # row-major: row i's ids in order
     if table.shape[0] != num_seqs:
         raise ValueError(
             f"block_table has {table.shape[0]} rows, expected one per sequence ({num_seqs})"
@@ -118,19 +161,26 @@ def _padded_table(rows: Sequence[Sequence[int]] | torch.Tensor, num_seqs: int) -
     return table
 
 
-def _paged_kv(kv: torch.Tensor, table: torch.Tensor, block_size: int) -> dict[str, torch.Tensor]:
+def _cumulative(per_seq: np.ndarray) -> np.ndarray:
+    out = np.zeros(per_seq.size + 1, dtype=np.int32)
+    np.cumsum(per_seq, out=out[1:])
+    return out
+
+
+def _paged_kv(kv: np.ndarray, table: np.ndarray, block_size: int) -> dict[str, np.ndarray]:
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     pages = (kv + block_size - 1) // block_size
-    if kv.numel() and int(pages.max()) > table.shape[1]:
+    if kv.size and int(pages.max()) > table.shape[1]:
+        i = int(pages.argmax())
         raise ValueError(
-            f"block_table has {table.shape[1]} columns but a sequence of {int(kv.max())} tokens "
-            f"needs {int(pages.max())} blocks of {block_size}"
+            f"block_table has {table.shape[1]} columns but a sequence of {int(kv[i])} tokens "
+            f"needs {int(pages[i])} blocks of {block_size}"
         )
-    indices = [table[i, :n] for i, n in enumerate(pages.tolist())]
-    last = kv % block_size
     return {
-        "paged_kv_indptr": cumulative(pages),
-        "paged_kv_indices": torch.cat(indices) if indices else torch.zeros(0, dtype=torch.int32),
-        "paged_kv_last_page_len": torch.where(last == 0, block_size, last).to(torch.int32),
+        "paged_kv_indptr": _cumulative(pages),
+        # row-major selection: each sequence's first ``pages`` ids, sequences in order
+        "paged_kv_indices": table[np.arange(table.shape[1]) < pages[:, None]],
+        # kv % block_size, or a full block (an empty sequence too: FlashInfer's convention)
+        "paged_kv_last_page_len": (kv - (pages - 1) * block_size).astype(np.int32),
     }

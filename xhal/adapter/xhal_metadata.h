@@ -47,6 +47,7 @@
  *   - paged_kv_indptr [B+1], paged_kv_indices [nnz_pages], paged_kv_last_page_len [B] come
  *     together or not at all (FlashInfer's layout, filled by xLLM's CUDA builder);
  *     last_page_len = kv_len % block_size, or block_size when that is 0 (xhal_last_page_len).
+ *     paged_kv_indptr_host / paged_kv_last_page_len_host, their CPU twins, may come with them.
  *   - Host (CPU) lengths are required, not optional: planners read them, and xhal never syncs a
  *     device tensor to the host. kv_seq_lens_host or kv_seq_lens_host_values must be given when
  *     B > 0; q_seq_lens_host may be left out for DECODE (all 1) and PREFILL (q == kv) batches.
@@ -131,6 +132,10 @@ typedef struct XhalAttentionMetadataView {
   XhalTensorRef paged_kv_indptr;     /* device [B+1], leading 0 */
   XhalTensorRef paged_kv_indices;    /* device [nnz_pages] */
   XhalTensorRef paged_kv_last_page_len;  /* device [B] */
+  /* optional host twins of the two above (xLLM's paged_kv_*_host): FlashInfer plans on the host,
+   * so a backend stages these as given instead of rebuilding them; only with the device three */
+  XhalTensorRef paged_kv_indptr_host;         /* host [B+1] */
+  XhalTensorRef paged_kv_last_page_len_host;  /* host [B] */
 } XhalAttentionMetadataView;
 
 /* Length of q_seq_lens / kv_seq_lens (and their host twins) for num_seqs sequences. */

@@ -108,10 +108,16 @@ class PagedIndexBuilder:
         buf = self.staging.acquire(3 * b + 2 + (nnz if gather else 0))
         host = buf.numpy()
         qo, ptr, last, flat = host[: b + 1], host[b + 1 : 2 * b + 2], host[2 * b + 2 : 3 * b + 2], host[3 * b + 2 :]
-        qo[0] = ptr[0] = 0
+        qo[0] = 0
         np.cumsum(q_lens, out=qo[1:])
-        np.cumsum(num_pages, out=ptr[1:])
-        last[:] = kv_lens - (num_pages - 1) * bs
+        if m.paged_kv_indptr_host is not None and m.paged_kv_last_page_len_host is not None:
+            # the host built FlashInfer's CSR arrays (xLLM's CUDA builder does): staged, not rebuilt
+            ptr[:] = m.paged_kv_indptr_host.numpy()
+            last[:] = m.paged_kv_last_page_len_host.numpy()
+        else:
+            ptr[0] = 0
+            np.cumsum(num_pages, out=ptr[1:])
+            last[:] = kv_lens - (num_pages - 1) * bs
         if gather:  # positions in the contiguous table (page_ids makes it contiguous)
             page_positions(num_pages, ptr, m.block_table.shape[1], 1, out=flat)
         return PagedIndex(

@@ -154,14 +154,9 @@ class DecodeGraphs:
         start = time.perf_counter()
         for bucket in tqdm(sorted(self.sizes, reverse=True), desc="capturing decode graphs", disable=not progress):
             ones = torch.ones(bucket, **i32)
-            dummy = AttentionMetadata(
-                kind=BatchKind.DECODE, num_seqs=bucket, num_tokens=bucket, max_query_len=1, max_seq_len=1,
-                q_cu_seq_lens=torch.arange(bucket + 1, **i32).to(device),
-                kv_cu_seq_lens=torch.arange(bucket + 1, **i32).to(device),
-                q_seq_lens=ones.to(device), kv_seq_lens=ones.to(device),
-                q_seq_lens_host=ones, kv_seq_lens_host=ones.clone(),
-                block_table=torch.zeros(bucket, 1, **i32).to(device),
-                slot_mapping=torch.full((bucket,), -1, **i32).to(device),
+            dummy = AttentionMetadata.from_host_lengths(
+                BatchKind.DECODE, ones, ones.clone(),
+                torch.zeros(bucket, 1, **i32).to(device), torch.full((bucket,), -1, **i32).to(device),
             )
             zeros = torch.zeros(bucket, **i32).to(device)
             self.run(zeros, zeros, dummy, bucket)

@@ -145,14 +145,10 @@ class ModelExecutor:
         pages = -(-n // cfg.block_size)
         device, i32 = self.platform.device(), dict(dtype=torch.int32)
         lens = torch.tensor([n], **i32)
-        zero_n = torch.tensor([0, n], **i32)
-        metadata = AttentionMetadata(
-            kind=BatchKind.PREFILL, num_seqs=1, num_tokens=n, max_query_len=n, max_seq_len=n,
-            q_cu_seq_lens=zero_n.to(device), kv_cu_seq_lens=zero_n.to(device),
-            q_seq_lens=lens.to(device), kv_seq_lens=lens.to(device),
-            q_seq_lens_host=lens, kv_seq_lens_host=lens.clone(),
-            block_table=(torch.arange(pages, **i32) % self._num_blocks)[None].to(device),  # read only
-            slot_mapping=torch.full((n,), -1, **i32).to(device),
+        metadata = AttentionMetadata.from_host_lengths(
+            BatchKind.PREFILL, lens, lens.clone(),
+            (torch.arange(pages, **i32) % self._num_blocks)[None].to(device),  # read only
+            torch.full((n,), -1, **i32).to(device),
         )
         start = time.perf_counter()
         tokens = torch.zeros(n, **i32).to(device)

@@ -55,6 +55,45 @@ class AttentionMetadata:
     paged_kv_indptr: torch.Tensor | None = None  # int32 [B+1], device
     paged_kv_indices: torch.Tensor | None = None  # int32 [nnz_pages], device
     paged_kv_last_page_len: torch.Tensor | None = None  # int32 [B], device
+    # host twins of the paged-KV arrays (xLLM's CUDA builder emits them): FlashInfer plans on host
+    paged_kv_indptr_host: torch.Tensor | None = None  # int32 [B+1], cpu
+    paged_kv_last_page_len_host: torch.Tensor | None = None  # int32 [B], cpu
+
+    @classmethod
+    def from_host_lengths(
+        cls,
+        kind: BatchKind,
+        q_seq_lens_host: torch.Tensor,
+        kv_seq_lens_host: torch.Tensor,
+        block_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        *,
+        max_seq_len: int | None = None,
+    ) -> AttentionMetadata:
+        """The metadata of a step from its per-sequence host lengths (int32 CPU ``[B]``) and its
+        device ``block_table`` and ``slot_mapping``: the cumulative and device length arrays are
+        derived on the host and reach ``slot_mapping``'s device in one copy. ``max_seq_len``
+        defaults to the longest ``kv`` (a graph capture states a larger one)."""
+        q, kv = q_seq_lens_host, kv_seq_lens_host
+        b = q.numel()
+        zero = torch.zeros(1, dtype=torch.int32)
+        packed = torch.cat([zero, q.cumsum(0, dtype=torch.int32), zero, kv.cumsum(0, dtype=torch.int32), q, kv])
+        q_cu, kv_cu, q_dev, kv_dev = packed.to(slot_mapping.device).split([b + 1, b + 1, b, b])
+        return cls(
+            kind=BatchKind(kind),
+            num_seqs=b,
+            num_tokens=slot_mapping.shape[0],
+            max_query_len=int(q.max()) if b else 0,
+            max_seq_len=max_seq_len if max_seq_len is not None else int(kv.max()) if b else 0,
+            q_cu_seq_lens=q_cu,
+            kv_cu_seq_lens=kv_cu,
+            q_seq_lens=q_dev,
+            kv_seq_lens=kv_dev,
+            q_seq_lens_host=q,
+            kv_seq_lens_host=kv,
+            block_table=block_table,
+            slot_mapping=slot_mapping,
+        )
 
     @property
     def device(self) -> torch.device:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from serve_cli.engine.batch import PLACEHOLDER_TOKEN_ID
-from xhal.adapter import from_xllm, to_xllm
-from xhal.adapter.upload import upload
+from xhal.adapter import from_xllm
+from xhal.adapter.to_xllm import to_xllm_step
+from xhal.env import check_metadata
 
 if TYPE_CHECKING:
     from serve_cli.engine.batch import ScheduledBatch
@@ -19,22 +22,23 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class HostStep:
-    """One step's inputs as plain host values: flattened ``input_ids`` / ``positions`` /
-    ``slot_mapping`` ``[T]``, per-sequence ``q_seq_lens`` / ``kv_seq_lens`` and ``block_tables``
-    rows, the sampled rows ``selected_idxes`` for ``sampled_request_ids``. Small and picklable:
-    rank 0 sends it to the tensor-parallel workers, and every rank uploads it the same way.
+    """One step's inputs as host values: int32 numpy ``input_ids`` / ``positions`` /
+    ``slot_mapping`` ``[T]``, per-sequence ``q_seq_lens`` / ``kv_seq_lens`` ``[B]`` and the
+    ``block_tables`` rows (the scheduler's lists), the sampled rows ``selected_idxes`` ``[S]`` for
+    ``sampled_request_ids``. Small and picklable: rank 0 sends it to the tensor-parallel workers,
+    and every rank uploads it the same way.
 
     With async scheduling, ``input_ids[placeholder_idxes[i]]`` is ``PLACEHOLDER_TOKEN_ID``: the
     token the previous step samples for ``placeholder_request_ids[i]``, filled in on the device.
     """
 
-    input_ids: list[int]
-    positions: list[int]
-    q_seq_lens: list[int]
-    kv_seq_lens: list[int]
+    input_ids: np.ndarray
+    positions: np.ndarray
+    q_seq_lens: np.ndarray
+    kv_seq_lens: np.ndarray
     block_tables: list[list[int]]
-    slot_mapping: list[int]
-    selected_idxes: list[int]
+    slot_mapping: np.ndarray
+    selected_idxes: np.ndarray
     sampled_request_ids: list[str]
     placeholder_idxes: list[int] = field(default_factory=list)
     placeholder_request_ids: list[str] = field(default_factory=list)
@@ -66,51 +70,59 @@ class ModelInput:
 class InputBuilder:
     """Lays a ``ScheduledBatch`` out as xLLM's C++ builder would for the device (``convention``
     "cuda" or "npu"), then normalizes it with ``xhal.adapter.from_xllm``: the served path goes
-    through the same adapter a C++ host's metadata does."""
+    through the same adapter a C++ host's metadata does. The step is built once, with numpy, and
+    every device tensor of it (ids, positions, lengths, slots, sampled rows, block table, paged-KV
+    arrays) reaches the device in one packed copy. The adapter's value checks and
+    ``AttentionMetadata.validate`` run only under ``XHAL_CHECK_METADATA=1``: this builder's
+    layout is right by construction, and the checks cost more host time than the rest."""
 
     def __init__(self, device: torch.device, convention: str, block_size: int) -> None:
         self.device, self.convention, self.block_size = device, convention, block_size
+        self.check = check_metadata()
 
     def build(self, batch: ScheduledBatch) -> ModelInput:
         return self.upload(self.describe(batch))
 
     def describe(self, batch: ScheduledBatch) -> HostStep:
-        """The batch flattened into host lists (no torch)."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        selected: list[int] = []
-        sampled: list[str] = []
-        holes: list[int] = []
-        hole_ids: list[str] = []
-        for seq in batch.requests:
-            for i, token in enumerate(seq.token_ids):
-                if token == PLACEHOLDER_TOKEN_ID:
-                    holes.append(len(input_ids) + i)
-                    hole_ids.append(seq.request_id)
-            input_ids += seq.token_ids
-            positions += seq.positions
-            slots += seq.slot_mapping
-            if seq.produces_token:
-                selected.append(len(input_ids) - 1)
-                sampled.append(seq.request_id)
+        """The batch flattened into host arrays (no torch)."""
+        seqs = batch.requests
+        b = len(seqs)
+        q = np.fromiter((s.num_tokens for s in seqs), dtype=np.int32, count=b)
+        kv = np.fromiter((s.end_position for s in seqs), dtype=np.int32, count=b)
+        q_cu = np.zeros(b + 1, dtype=np.int32)
+        np.cumsum(q, out=q_cu[1:])
+        t = int(q_cu[-1])
+        input_ids = np.fromiter(chain.from_iterable(s.token_ids for s in seqs), dtype=np.int32, count=t)
+        slots = np.fromiter(chain.from_iterable(s.slot_mapping for s in seqs), dtype=np.int32, count=t)
+        # token j of sequence i sits at kv_i - q_i + (j - q_cu_i)
+        positions = np.arange(t, dtype=np.int32) - np.repeat(q_cu[:-1] - (kv - q), q)
+        produces = np.fromiter((s.produces_token for s in seqs), dtype=bool, count=b)
+        holes = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN_ID)
+        owners = np.searchsorted(q_cu, holes, side="right") - 1  # the sequence of each hole
         return HostStep(
             input_ids,
             positions,
-            [seq.num_tokens for seq in batch.requests],
-            [seq.end_position for seq in batch.requests],
-            [seq.block_table for seq in batch.requests],
+            q,
+            kv,
+            [s.block_table for s in seqs],
             slots,
-            selected,
-            sampled,
-            holes,
-            hole_ids,
+            q_cu[1:][produces] - 1,
+            [s.request_id for s in seqs if s.produces_token],
+            holes.tolist(),
+            [seqs[i].request_id for i in owners.tolist()],
         )
 
     def upload(self, step: HostStep, previous: PreviousTokens | None = None) -> ModelInput:
         """``step`` on the device, its metadata in the C++ layout normalized by the adapter; its
         placeholders gathered on the device from ``previous`` (no host round trip)."""
-        view = to_xllm(
+        extra = {
+            "input_ids": step.input_ids,
+            "positions": step.positions,
+            "selected_idxes": step.selected_idxes,
+        }
+        if step.placeholder_idxes:
+            extra |= {"holes": step.placeholder_idxes, "sources": _rows(step, previous)}
+        view, dev = to_xllm_step(
             step.q_seq_lens,
             step.kv_seq_lens,
             step.block_tables,
@@ -119,17 +131,9 @@ class InputBuilder:
             self.device,
             # xLLM's CUDA builder also emits FlashInfer's paged-KV index arrays
             block_size=self.block_size if self.convention == "cuda" else None,
+            extra=extra,
         )
-        metadata = from_xllm(view, self.convention)
-        host = {
-            "input_ids": torch.tensor(step.input_ids, dtype=torch.int32),
-            "positions": torch.tensor(step.positions, dtype=torch.int32),
-            "selected_idxes": torch.tensor(step.selected_idxes, dtype=torch.int32),
-        }
-        if step.placeholder_idxes:
-            host["holes"] = torch.tensor(step.placeholder_idxes, dtype=torch.int32)
-            host["sources"] = torch.tensor(_rows(step, previous), dtype=torch.int32)
-        dev = upload(host, self.device)
+        metadata = from_xllm(view, self.convention, check=self.check)
         if step.placeholder_idxes:
             assert previous is not None
             tokens = previous.tokens.index_select(0, dev["sources"].long())

@@ -43,6 +43,7 @@ def build_executor(
             dtype=next(model.parameters()).dtype,
             block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len,
             enforce_eager=config.enforce_eager,
             metadata_convention=config.metadata_convention,
