@@ -155,6 +155,7 @@ def _to_message(out: RequestOutput) -> Output:
         num_prompt_tokens=out.num_prompt_tokens,
         num_cached_tokens=out.num_cached_tokens,
         error=out.error,
+        stop_reason=out.stop_reason,
     )
 
 

@@ -70,6 +70,7 @@ class Output:
     error: str | None = None
     status: int = 500
     param: str | None = None  # the offending request field, for a rejected request
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ async def _serve(options: ServerOptions, config: EngineConfig) -> None:
             num_kv_blocks=info.num_kv_blocks,
             api_key=options.api_key,
             created=int(time.time()),
+            model_root=str(options.model_dir),
         )
         server = uvicorn.Server(
             uvicorn.Config(

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tiny_server import TINY_MODEL_NAME, tiny_server_args
 
 from serve_cli.launcher import ServerProcess
 
@@ -24,7 +25,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("zmq")
 
 
-MODEL = "xhal-tiny-random"
+MODEL = TINY_MODEL_NAME
 README_EXAMPLES = [  # what the README shows (it may show more: those run too)
     """curl http://127.0.0.1:8000/v1/completions -H "Content-Type: application/json" \\
   -d '{"model": "xhal-tiny-random", "prompt": "The morning was", "max_tokens": 16}'""",
@@ -54,7 +55,7 @@ def readme_curl_commands() -> list[str]:
 @pytest.fixture(scope="module")
 def server():
     """The README's server: the built-in model (generated once into XHAL_CACHE_DIR)."""
-    with ServerProcess(["--log-level", "warning"]) as srv:
+    with ServerProcess(tiny_server_args("--log-level", "warning")) as srv:
         yield srv
 
 
@@ -161,6 +162,7 @@ def test_stop_string_cuts_the_output(client: openai.OpenAI) -> None:
     cut = full[: full.index(stop)]
     out = client.completions.create(**kwargs, stop=[stop, "never-appears"]).choices[0]
     assert (out.text, out.finish_reason) == (cut, "stop")
+    assert out.stop_reason == stop  # which stop string ended it, as vLLM reports
     streamed = client.completions.create(**kwargs, stop=stop, stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == cut
 
@@ -172,6 +174,7 @@ def test_stop_token_ids_end_the_output_after_the_token(client: openai.OpenAI) ->
     k = next(i for i in range(2, len(full)) if full[i] not in full[:i])
     out = client.completions.create(**kwargs, extra_body={**body, "stop_token_ids": [full[k]]})
     assert (out.choices[0].token_ids, out.choices[0].finish_reason) == (full[: k + 1], "stop")
+    assert out.choices[0].stop_reason == full[k]
 
 
 def test_logprobs(client: openai.OpenAI) -> None:
@@ -280,7 +283,6 @@ def check_curl_example(server: ServerProcess, example: str) -> None:
 GOOD = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
 BAD_INPUTS = [
     ("missing model", {k: v for k, v in GOOD.items() if k != "model"}, "model"),
-    ("unknown model", {**GOOD, "model": "gpt-7"}, "model"),
     ("max_tokens 0", {**GOOD, "max_tokens": 0}, "max_tokens"),
     ("max_tokens < 0", {**GOOD, "max_tokens": -3}, "max_tokens"),
     ("prompt too long", {**GOOD, "prompt": [5] * 2049}, "prompt"),  # max_model_len 2048
@@ -319,7 +321,6 @@ def test_bad_completion_input_is_400(server: ServerProcess, body: dict, param: s
             {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
             "max_tokens",
         ),
-        ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, "model"),
     ],
 )
 def test_bad_chat_input_is_400(server: ServerProcess, body: dict, param: str) -> None:
@@ -347,6 +348,14 @@ def test_unimplemented_sampling_fields_are_refused_not_ignored(
     neutral = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "logit_bias": {},
                "min_tokens": 0, "response_format": {"type": "text"}}[field]  # fmt: skip
     assert post(server, "/v1/completions", {**GOOD, field: neutral}).status_code == 200
+
+
+def test_unknown_model_is_404(server: ServerProcess) -> None:
+    chat = {"model": "nope", "messages": [{"role": "user", "content": "x"}]}
+    for path, body in (("/v1/completions", {**GOOD, "model": "gpt-7"}), ("/v1/chat/completions", chat)):
+        response = post(server, path, body)
+        assert response.status_code == 404, response.text
+        assert response.json()["error"]["code"] == "model_not_found"
 
 
 def test_malformed_json_is_400(server: ServerProcess) -> None:

@@ -45,6 +45,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     started: float = 0.0
     first_token: float | None = None
@@ -146,4 +147,4 @@ class Generation:
             choice.logprobs += list(out.logprobs)
         choice.num_cached_tokens = max(choice.num_cached_tokens, out.num_cached_tokens)
         if out.finished:
-            choice.finish_reason = out.finish_reason
+            choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason

@@ -22,4 +22,5 @@ class ServerState:
     num_kv_blocks: int
     api_key: str | None = None
     created: int = 0  # unix time the server started, for /v1/models
+    model_root: str | None = None  # the checkpoint directory, for /v1/models
     metrics: ServerMetrics = field(default_factory=ServerMetrics)

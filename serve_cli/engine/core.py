@@ -259,6 +259,7 @@ class EngineCore:
         texts: dict[str, str] = {}
         finished: dict[str, RequestStatus] = {}
         errors: dict[str, str] = {}
+        stop_reasons: dict[str, int | str | None] = {}
         for s in sampled:
             state = self._states[s.request_id]
             try:
@@ -270,8 +271,11 @@ class EngineCore:
                 continue
             params = state.params
             eos = s.token_id in self.eos_token_ids and not params.ignore_eos
-            eos = eos or s.token_id in params.stop_token_ids
-            if eos or state.detokenizer.stopped:
+            if s.token_id in params.stop_token_ids and not eos:
+                stop_reasons[s.request_id] = s.token_id
+            elif state.detokenizer.stopped:
+                stop_reasons[s.request_id] = state.detokenizer.matched_stop
+            if eos or s.request_id in stop_reasons:
                 finished[s.request_id] = RequestStatus.FINISHED_STOPPED
         tokens = {s.request_id: s.token_id for s in sampled}
         done = {r.request_id for r in self.scheduler.advance(step.batch, tokens, finished)}
@@ -291,7 +295,10 @@ class EngineCore:
                 text += state.detokenizer.flush()
                 reason = "stop" if state.detokenizer.stopped else state.request.finish_reason
             logprobs = None if s.logprobs is None else [s.logprobs]
-            outputs.append(self._output(state, [s.token_id], text, reason, logprobs))
+            output = self._output(state, [s.token_id], text, reason, logprobs)
+            if reason == "stop":
+                output.stop_reason = stop_reasons.get(rid)
+            outputs.append(output)
         return outputs
 
     def _output(
