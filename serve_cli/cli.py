@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from serve_cli.engine.config import DTYPES
+from serve_cli.engine.config import DTYPES, EngineConfig
 
 DEFAULT_MODEL_NAME = "xhal-tiny-random"
 # import name -> pip name of what the server needs beyond xhal's core
@@ -42,15 +42,16 @@ class ByteSize(click.ParamType):
         return size
 
 
-def _check_device(ctx: click.Context, param: click.Parameter, value: str) -> str:
+def _check_device(value: str) -> None:
+    """Checked after the cheap start-up checks: listing the platforms imports torch."""
     import xhal.platforms
 
     known = xhal.platforms.names()
     if value.split(":")[0] not in known:
         raise click.BadParameter(
-            f"unknown device {value!r}; the registered platforms are: {', '.join(known)}"
+            f"unknown device {value!r}; the registered platforms are: {', '.join(known)}",
+            param_hint="'--device'",
         )
-    return value
 
 
 def _require_packages() -> None:
@@ -70,7 +71,6 @@ POSITIVE = click.IntRange(min=1)
     "--device",
     default="cpu",
     show_default=True,
-    callback=_check_device,
     help="Platform that runs the model: a name from xhal.platforms (cpu, cuda, npu, "
     "or an out-of-tree plugin's).",
 )
@@ -220,7 +220,6 @@ def main(
     model executor) runs in a second process; Ctrl-C or SIGTERM stops both.
     """
     _require_packages()
-    from serve_cli.engine.config import EngineConfig
     from serve_cli.engine_client import EngineStartupError
     from serve_cli.server import ServerOptions, serve
 
@@ -240,8 +239,23 @@ def main(
         config = EngineConfig(model_dir=model_dir, device=device, **given)
     except ValueError as e:
         raise click.UsageError(str(e)) from e
+    _preflight(host, port, Path(model_dir), config, device)
     options = ServerOptions(host, port, Path(model_dir), model_name, api_key, log_level)
     try:
         serve(options, config)
     except EngineStartupError as e:
         raise click.ClickException(str(e)) from e
+
+
+def _preflight(host: str, port: int, model_dir: Path, config: EngineConfig, device: str) -> None:
+    """The start-up checks of ``serve_cli.preflight``, each failure one line, before the engine
+    process starts (so before any weight is read)."""
+    from serve_cli.preflight import PreflightError, run_checks
+
+    def warn(message: str) -> None:
+        click.echo(f"xhal-serve: warning: {message}", err=True)
+
+    try:
+        run_checks(host, port, model_dir, config, warn, lambda: _check_device(device))
+    except PreflightError as e:
+        raise click.ClickException(str(e)) from None

@@ -60,8 +60,9 @@ def run_engine_process(
 
             core = EngineCore(config)
         except Exception as e:
-            logger.exception("the engine failed to start")
-            outbox.send_pyobj(EngineFailed(f"{type(e).__name__}: {e}"))
+            # the API process prints the message as one line; the traceback is for debugging
+            logger.debug("the engine failed to start", exc_info=True)
+            outbox.send_pyobj(EngineFailed(_one_line(e)))
             return
         outbox.send_pyobj(_ready_message(core))
         EngineLoop(core, inbox, outbox, parent_pid).run()
@@ -193,3 +194,8 @@ def _remove_ipc_file(addr: str) -> None:
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(0)
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

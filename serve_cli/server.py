@@ -19,8 +19,10 @@ import uvicorn
 from serve_cli.api import ServerState, build_app
 from serve_cli.engine.config import EngineConfig
 from serve_cli.engine_client import EngineClient
+from serve_cli.preflight import small_kv_warning
 
 GRACEFUL_SHUTDOWN_S = 3
+logger = logging.getLogger("xhal.serve")
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,10 @@ async def _serve(options: ServerOptions, config: EngineConfig) -> None:
     try:
         tokenizer_task = asyncio.create_task(asyncio.to_thread(_load_tokenizer, options.model_dir))
         info = await client.start()
+        if config.num_kv_blocks is None and config.kv_cache_memory is None:  # sized on start
+            warning = small_kv_warning(info.num_kv_blocks, info.block_size, info.max_model_len)
+            if warning:
+                logger.warning(warning)
         state = ServerState(
             client=client,
             tokenizer=await tokenizer_task,

@@ -1,0 +1,139 @@
+"""xhal-serve's start-up checks (issue 18 item 4): each mistake is one line on the terminal, no
+traceback, exit code 1, before the engine process starts. Most model directories here carry a
+weight file that is not safetensors at all, so a check that answers about something else proves
+it ran before any weight was read."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("zmq")
+
+JUNK_WEIGHTS = b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all" + bytes(64)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir() -> Path:
+    from serve_cli.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture
+def model(tiny_dir: Path, tmp_path: Path) -> Callable[..., Path]:
+    """``model(weights=JUNK_WEIGHTS, **config_changes)``: the tiny model's config and tokenizer
+    with other weights (the real ones when ``weights`` is None)."""
+
+    def make(weights: bytes | None = JUNK_WEIGHTS, **changes: object) -> Path:
+        path = tmp_path / "model"
+        shutil.copytree(tiny_dir, path, ignore=shutil.ignore_patterns("*.safetensors"))
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, **changes}))
+        if weights is None:
+            shutil.copy(tiny_dir / "model.safetensors", path / "model.safetensors")
+        else:
+            (path / "model.safetensors").write_bytes(weights)
+        return path
+
+    return make
+
+
+def serve(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "serve_cli", *args]
+    # generous: the answer is expected in about a second, but CI machines are loaded
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+def one_line_error(result: subprocess.CompletedProcess) -> str:
+    output = (result.stdout + result.stderr).strip()
+    assert result.returncode == 1, output
+    assert "Traceback" not in output, output
+    lines = output.splitlines()
+    assert len(lines) == 1, output
+    return lines[0]
+
+
+def test_busy_port(model: Callable[..., Path]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = one_line_error(serve("--model", str(model()), "--port", str(port)))
+    assert f"127.0.0.1:{port}" in line and "address already in use" in line and "--port" in line
+
+
+def test_missing_config(model: Callable[..., Path]) -> None:
+    path = model()
+    (path / "config.json").unlink()
+    line = one_line_error(serve("--model", str(path)))
+    assert "no config.json" in line and str(path) in line
+
+
+def test_unreadable_config(model: Callable[..., Path]) -> None:
+    path = model()
+    (path / "config.json").write_bytes(b'{"architectures": ["Llama\xff')
+    line = one_line_error(serve("--model", str(path)))
+    assert "config.json is not valid JSON" in line
+
+
+def test_unknown_architecture_lists_the_supported_ones(model: Callable[..., Path]) -> None:
+    from models import supported_architectures
+
+    line = one_line_error(serve("--model", str(model(None, architectures=["GPT2LMHeadModel"]))))
+    assert "GPT2LMHeadModel" in line
+    assert all(arch in line for arch in supported_architectures())
+
+
+@pytest.mark.parametrize(
+    "remove,named",
+    [(["tokenizer.json"], "tokenizer.json"), (["tokenizer.json", "+vocab.json"], "merges.txt")],
+    ids=["no-tokenizer", "vocab-without-merges"],
+)
+def test_missing_tokenizer_files_are_named(
+    model: Callable[..., Path], remove: list[str], named: str
+) -> None:
+    path = model()
+    for name in remove:
+        if name.startswith("+"):
+            (path / name[1:]).write_text("{}")
+        else:
+            (path / name).unlink()
+    line = one_line_error(serve("--model", str(path)))
+    assert named in line and "tokenizer" in line
+
+
+def test_max_model_len_past_the_positions(model: Callable[..., Path]) -> None:
+    path = model(max_position_embeddings=512)
+    line = one_line_error(serve("--model", str(path), "--max-model-len", "4096"))
+    assert "4096" in line and "max_position_embeddings (512)" in line
+
+
+@pytest.mark.parametrize("damage", ["junk", "truncated"])
+def test_corrupt_safetensors_names_the_file(
+    model: Callable[..., Path], tiny_dir: Path, damage: str
+) -> None:
+    real = (tiny_dir / "model.safetensors").read_bytes()
+    path = model(JUNK_WEIGHTS if damage == "junk" else real[: len(real) // 2])
+    line = one_line_error(serve("--model", str(path)))
+    assert str(path / "model.safetensors") in line and "not a valid safetensors file" in line
+    if damage == "truncated":
+        assert "truncated" in line
+
+
+def test_kv_cache_smaller_than_one_sequence_warns(model: Callable[..., Path]) -> None:
+    args = ["--num-kv-blocks", "4", "--block-size", "16", "--max-model-len", "256"]
+    result = serve("--model", str(model()), *args)
+    output = (result.stdout + result.stderr).strip().splitlines()
+    # the warning, then the (junk) weights are refused: it came before any weight was read
+    assert len(output) == 2 and result.returncode == 1, output
+    assert output[0].startswith("xhal-serve: warning: the KV cache holds 64 tokens"), output
+    assert "256" in output[0] and "not a valid safetensors file" in output[1]
