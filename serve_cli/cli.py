@@ -64,6 +64,7 @@ def _require_packages() -> None:
 
 
 POSITIVE = click.IntRange(min=1)
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -202,6 +203,29 @@ POSITIVE = click.IntRange(min=1)
     type=click.Choice(["debug", "info", "warning", "error"]),
     help="Logging verbosity of the server and the engine.",
 )
+@click.option(
+    "--log-stats-interval",
+    type=click.FloatRange(min=0),
+    default=None,
+    metavar="SECONDS",
+    help="Seconds between the engine's stats lines (throughput, running and waiting requests, "
+    "KV cache usage); 0 turns them off. [default: 10]",
+)
+@click.option(
+    "--log-prompts",
+    is_flag=True,
+    help="Add each request's prompt text to its log line (left out by default: prompts may "
+    "hold what should not reach a log).",
+)
+@click.option(
+    "--shutdown-timeout",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+    show_default=True,
+    metavar="SECONDS",
+    help="On SIGTERM or Ctrl-C, how long requests in flight may run on before they are ended "
+    "(streams with an error event, others with a 503); new connections are refused meanwhile.",
+)
 def main(
     device: str,
     model_dir: Path | None,
@@ -210,6 +234,8 @@ def main(
     served_model_name: str | None,
     api_key: str | None,
     log_level: str,
+    log_prompts: bool,
+    shutdown_timeout: float,
     **engine_options: object,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions,
@@ -240,7 +266,9 @@ def main(
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     _preflight(host, port, Path(model_dir), config, device)
-    options = ServerOptions(host, port, Path(model_dir), model_name, api_key, log_level)
+    options = ServerOptions(
+        host, port, Path(model_dir), model_name, api_key, log_level, log_prompts, shutdown_timeout
+    )
     try:
         serve(options, config)
     except EngineStartupError as e:

@@ -18,6 +18,7 @@ import zmq
 
 from serve_cli.engine.errors import ParamError
 from serve_cli.engine.runner.lifetime import die_with_parent
+from serve_cli.engine.stats_logger import StatsLogger
 from serve_cli.messages import (
     AbortRequests,
     AddRequest,
@@ -91,6 +92,8 @@ class EngineLoop:
         self.core, self.inbox, self.outbox, self.parent_pid = core, inbox, outbox, parent_pid
         self.live: set[str] = set()
         self.running = True
+        interval = getattr(getattr(core, "config", None), "log_stats_interval", 0)
+        self.stats_logger = StatsLogger(interval)
 
     def run(self) -> None:
         while self.running and os.getppid() == self.parent_pid:
@@ -99,6 +102,7 @@ class EngineLoop:
                 self._drain()
             if self.running and self.core.has_unfinished():
                 self._step()
+            self.stats_logger.maybe_log(self.core.stats)
 
     def _drain(self) -> None:
         rejected: list[Output] = []
@@ -157,6 +161,7 @@ def _to_message(out: RequestOutput) -> Output:
         num_cached_tokens=out.num_cached_tokens,
         error=out.error,
         stop_reason=out.stop_reason,
+        scheduled_at=out.scheduled_at,
     )
 
 

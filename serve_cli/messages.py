@@ -71,6 +71,7 @@ class Output:
     status: int = 500
     param: str | None = None  # the offending request field, for a rejected request
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    scheduled_at: float | None = None  # time.monotonic() when the engine first scheduled it
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ class ServerOptions:
     model_name: str
     api_key: str | None = None
     log_level: str = "info"
+    log_prompts: bool = False
+    shutdown_timeout: float = 10.0  # seconds in-flight requests get after SIGTERM / Ctrl-C
 
 
 def serve(options: ServerOptions, config: EngineConfig) -> None:
@@ -66,6 +68,7 @@ async def _serve(options: ServerOptions, config: EngineConfig) -> None:
             api_key=options.api_key,
             created=int(time.time()),
             model_root=str(options.model_dir),
+            log_prompts=options.log_prompts,
         )
         server = uvicorn.Server(
             uvicorn.Config(

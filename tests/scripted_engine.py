@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 
 class ScriptedEngine:
@@ -23,6 +24,7 @@ class ScriptedEngine:
         from serve_cli.messages import Output
 
         async def run() -> None:
+            scheduled_at = time.monotonic()
             for i in range(params.max_tokens):
                 await asyncio.sleep(0)
                 if prompt_token_ids[0] == 13 and i == 1:
@@ -45,6 +47,7 @@ class ScriptedEngine:
                         last,
                         "length" if last else None,
                         num_prompt_tokens=len(prompt_token_ids),
+                        scheduled_at=scheduled_at,
                     )
                 )
 
@@ -54,4 +57,13 @@ class ScriptedEngine:
         self.aborted += request_ids
 
     async def stats(self) -> dict:
-        return {"kv_blocks_total": 4, "kv_blocks_free": 4}
+        """What ``EngineCore.stats`` reports, with fixed values a test can check against."""
+        from serve_cli.histogram import Histogram
+
+        iteration = Histogram((1, 8, 16))
+        for num_tokens in (1, 9, 40):
+            iteration.observe(num_tokens)
+        return {"kv_blocks_total": 4, "kv_blocks_used": 1, "kv_blocks_free": 3, "num_running": 2,
+                "num_waiting": 1, "prompt_tokens_total": 50, "generation_tokens_total": 7,
+                "prefix_cache_queries": 40, "prefix_cache_hits": 10, "num_preemptions_total": 3,
+                "iteration_tokens": iteration.to_dict()}  # fmt: skip

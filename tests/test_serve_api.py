@@ -249,10 +249,20 @@ def test_health_and_metrics(server: ServerProcess) -> None:
         "generation_tokens_total",
         "time_to_first_token_seconds_count",
         "time_per_output_token_seconds_count",
+        "kv_cache_usage_perc",
     ):
         assert f"xhal_{name}" in samples
     assert samples["xhal_generation_tokens_total"] > 0
     assert samples['xhal_time_to_first_token_seconds_bucket{le="+Inf"}'] > 0
+    # the real engine's figures: steps were counted, requests were scheduled and finished
+    for name in ("iteration_tokens_total", "request_queue_time_seconds",
+                 "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "e2e_request_latency_seconds"):  # fmt: skip
+        assert samples[f"xhal_{name}_count"] > 0, name
+    assert samples['xhal_request_success_total{finished_reason="length"}'] > 0
+    assert 0 <= samples["xhal_kv_cache_usage_perc"] <= 1
+    labelled = server.metrics(raw=True)
+    assert all(f'model_name="{MODEL}"' in name for name in labelled)
 
 
 def test_readme_curl_examples(server: ServerProcess) -> None:

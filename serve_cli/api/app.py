@@ -53,7 +53,7 @@ def build_app(
     @app.get("/metrics")
     async def metrics(request: Request) -> PlainTextResponse:
         stats: dict[str, Any] = {} if state.client.is_dead else await state.client.stats()
-        text = state.metrics.render(stats)
+        text = state.metrics.render(stats, state.model_name)
         return PlainTextResponse(text, media_type=PROMETHEUS_CONTENT_TYPE)
 
     if state.api_key:

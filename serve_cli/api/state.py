@@ -23,4 +23,8 @@ class ServerState:
     api_key: str | None = None
     created: int = 0  # unix time the server started, for /v1/models
     model_root: str | None = None  # the checkpoint directory, for /v1/models
-    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    log_prompts: bool = False  # the request log line also shows the prompt text
+    metrics: ServerMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self.max_model_len)

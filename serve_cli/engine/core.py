@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,11 +20,14 @@ from serve_cli.engine.output import RequestOutput
 from serve_cli.engine.request import Request, RequestStatus
 from serve_cli.engine.sampling import SamplingParams, TokenLogprobs
 from serve_cli.engine.scheduler import Scheduler
+from serve_cli.histogram import Histogram
 
 if TYPE_CHECKING:
     from serve_cli.engine.runner.model_runner import LaunchedStep, SampledToken
 
 logger = logging.getLogger(__name__)
+# vLLM's buckets of its iteration-tokens histogram
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass
@@ -34,6 +38,7 @@ class _State:
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
     generator: Any  # the runner's RNG for a seeded request, else None
+    scheduled_at: float | None = None  # time.monotonic() of its first scheduled step
 
 
 @dataclass
@@ -104,6 +109,7 @@ class EngineCore:
         self._counters = dict(
             prompt_tokens_total=0, generation_tokens_total=0, num_preemptions_total=0
         )
+        self._iteration_tokens = Histogram(ITERATION_TOKEN_BUCKETS)
         logger.info(
             "engine ready: %s on %s (%s, tensor-parallel size %d), %d KV blocks of %d tokens, "
             "max_model_len %d",
@@ -221,7 +227,12 @@ class EngineCore:
         if batch is None:
             return None
         self._counters["num_preemptions_total"] += len(batch.preempted_ids)
+        self._iteration_tokens.observe(batch.num_tokens)
         step = _Step(batch, {s.request_id: self._states[s.request_id] for s in batch.requests})
+        now = time.monotonic()
+        for state in step.states.values():
+            if state.scheduled_at is None:
+                state.scheduled_at = now
         try:
             params = {rid: s.params for rid, s in step.states.items()}
             generators = {
@@ -324,11 +335,12 @@ class EngineCore:
             num_cached_tokens=request.num_cached_tokens,
             num_output_tokens=request.num_output_tokens,
             error=error,
+            scheduled_at=state.scheduled_at,
         )
 
     # introspection and the offline helper -------------------------------------------------------
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         """Gauges and counters for metrics; prefix-cache and token counts are in tokens."""
         bm = self.block_manager
         return dict(
@@ -339,6 +351,7 @@ class EngineCore:
             kv_blocks_free=bm.num_free_blocks,
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
+            iteration_tokens=self._iteration_tokens.to_dict(),
             **self._counters,
         )
 

@@ -32,3 +32,4 @@ class RequestOutput:
     num_output_tokens: int = 0
     error: str | None = None
     stop_reason: int | str | None = None
+    scheduled_at: float | None = None  # time.monotonic() when first scheduled (for metrics)
