@@ -246,7 +246,7 @@ def main(
     model executor) runs in a second process; Ctrl-C or SIGTERM stops both.
     """
     _require_packages()
-    from serve_cli.engine_client import EngineStartupError
+    from serve_cli.engine_client import EngineDeadError, EngineStartupError
     from serve_cli.server import ServerOptions, serve
 
     if model_dir is None:
@@ -271,8 +271,8 @@ def main(
     )
     try:
         serve(options, config)
-    except EngineStartupError as e:
-        raise click.ClickException(str(e)) from e
+    except (EngineStartupError, EngineDeadError) as e:
+        raise click.ClickException(str(e)) from None
 
 
 def _preflight(host: str, port: int, model_dir: Path, config: EngineConfig, device: str) -> None:

@@ -1,9 +1,11 @@
 """Runs the API process: start the engine process, load the tokenizer, serve HTTP (uvicorn).
 
-Shutdown: SIGINT or SIGTERM makes uvicorn stop accepting, finish or drop open requests (a few
-seconds' grace) and run the app's lifespan exit, which stops the engine process; the ``finally``
-below stops it too when start-up fails half-way. The engine process also dies on its own if this
-process dies (see ``engine_process``), so no process is left behind.
+Shutdown: SIGINT or SIGTERM makes uvicorn stop accepting, lets open requests finish for
+``--shutdown-timeout`` seconds and then ends the rest in-band (``serve_cli.shutdown``), and runs
+the app's lifespan exit, which stops the engine process; the ``finally`` below stops it too when
+start-up fails half-way. The engine process also dies on its own if this process dies (see
+``engine_process``), so no process is left behind. If the engine process dies first, the server
+answers its requests with 503s, stops, and ``serve`` raises ``EngineDeadError`` (exit status 1).
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ import uvicorn
 
 from serve_cli.api import ServerState, build_app
 from serve_cli.engine.config import EngineConfig
-from serve_cli.engine_client import EngineClient
+from serve_cli.engine_client import EngineClient, EngineDeadError
 from serve_cli.preflight import small_kv_warning
+from serve_cli.shutdown import BACKSTOP_S, Drain, GracefulServer, exit_when_engine_dies
 
-GRACEFUL_SHUTDOWN_S = 3
 logger = logging.getLogger("xhal.serve")
 
 
@@ -38,7 +40,8 @@ class ServerOptions:
 
 
 def serve(options: ServerOptions, config: EngineConfig) -> None:
-    """Serve until SIGINT / SIGTERM; raises ``EngineStartupError`` if the engine cannot start."""
+    """Serve until SIGINT / SIGTERM; raises ``EngineStartupError`` if the engine cannot start,
+    ``EngineDeadError`` if it died while serving."""
     logging.basicConfig(
         level=options.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
     )
@@ -70,18 +73,26 @@ async def _serve(options: ServerOptions, config: EngineConfig) -> None:
             model_root=str(options.model_dir),
             log_prompts=options.log_prompts,
         )
-        server = uvicorn.Server(
+        drain = Drain(state, client, options.shutdown_timeout)
+        server = GracefulServer(
             uvicorn.Config(
                 build_app(state, on_shutdown=client.shutdown),
                 host=options.host,
                 port=options.port,
                 log_level=options.log_level,
-                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-            )
+                timeout_graceful_shutdown=options.shutdown_timeout + BACKSTOP_S,
+            ),
+            on_first_signal=drain.begin,
         )
+        exit_when_engine_dies(client, server)
         announcer = asyncio.create_task(_announce_when_ready(server, options))
         await server.serve()
         announcer.cancel()
+        if client.is_dead:
+            raise EngineDeadError(
+                f"{client.dead_reason.removesuffix('; restart xhal-serve')}; xhal-serve answered "
+                "its requests and exits (status 1) for a supervisor to restart it"
+            )
     finally:
         await client.shutdown()
 

@@ -6,7 +6,7 @@ from fastapi import Request
 
 from serve_cli.api.errors import APIError
 from serve_cli.api.state import ServerState
-from serve_cli.engine_client import EngineDeadError
+from serve_cli.engine_client import EngineDeadError, ServerShuttingDown
 
 
 def server_state(request: Request, model: str | None) -> ServerState:
@@ -17,6 +17,8 @@ def server_state(request: Request, model: str | None) -> ServerState:
         check_model(state, model)
     if state.client.is_dead:
         raise EngineDeadError(state.client.dead_reason)
+    if state.draining:
+        raise ServerShuttingDown("the server is shutting down; send the request to another one")
     return state
 
 

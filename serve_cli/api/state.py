@@ -24,6 +24,7 @@ class ServerState:
     created: int = 0  # unix time the server started, for /v1/models
     model_root: str | None = None  # the checkpoint directory, for /v1/models
     log_prompts: bool = False  # the request log line also shows the prompt text
+    draining: bool = False  # shutting down: new requests get a 503
     metrics: ServerMetrics = field(init=False)
 
     def __post_init__(self) -> None:
