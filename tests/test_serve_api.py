@@ -67,8 +67,8 @@ def client(server: ServerProcess) -> openai.OpenAI:
 def post(server: ServerProcess, path: str, body: Any, raw: bytes | None = None) -> httpx.Response:
     if raw is not None:
         headers = {"Content-Type": "application/json"}
-        return httpx.post(f"{server.url}{path}", content=raw, headers=headers, timeout=60)
-    return httpx.post(f"{server.url}{path}", json=body, timeout=60)
+        return httpx.post(f"{server.url}{path}", content=raw, headers=headers, timeout=300)
+    return httpx.post(f"{server.url}{path}", json=body, timeout=300)
 
 
 # --- the happy paths, through the openai client ------------------------------------------------
@@ -277,7 +277,7 @@ def check_curl_example(server: ServerProcess, example: str) -> None:
     command = command.replace("127.0.0.1:8000", f"127.0.0.1:{server.port}")
     command = command.replace("curl ", "curl -sS --fail-with-body ", 1)
     out = subprocess.run(
-        ["bash", "-c", f"set -o pipefail; {command}"], capture_output=True, text=True, timeout=60
+        ["bash", "-c", f"set -o pipefail; {command}"], capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, f"{example}\n{out.stdout}{out.stderr}"
     if out.stdout.startswith("data:"):  # a streaming example

@@ -81,6 +81,18 @@ def test_dead_engine_is_503(scripted_app) -> None:
     assert _run(app, "GET", "/health").status_code == 503
 
 
+def test_requests_while_draining_are_503(scripted_app) -> None:
+    """After SIGTERM a request on a connection still open is refused, not started."""
+    app, engine = scripted_app
+    app.state.server.draining = True
+    for body in ({"model": MODEL, "prompt": [5], "max_tokens": 2},
+                 {"model": MODEL, "prompt": [5], "max_tokens": 2, "stream": True}):  # fmt: skip
+        response = _run(app, "POST", "/v1/completions", body)
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "server_shutting_down"
+    assert engine.requests == []
+
+
 class RaisingCore:
     """An ``EngineCore`` stand-in whose first step raises out of ``step`` itself."""
 

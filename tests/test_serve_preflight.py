@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from tiny_server import tiny_model_dir
 
 pytest.importorskip("fastapi")
 pytest.importorskip("zmq")
@@ -23,9 +24,7 @@ JUNK_WEIGHTS = b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all" + bytes(64)
 
 @pytest.fixture(scope="module")
 def tiny_dir() -> Path:
-    from serve_cli.default_model import ensure_default_model
-
-    return ensure_default_model()
+    return tiny_model_dir()
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ arguments out, so pointing every fast server test at another model is an edit he
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 TINY_MODEL_NAME = "xhal-tiny-random"  # the name the server answers to
@@ -12,6 +13,13 @@ TINY_MODEL_NAME = "xhal-tiny-random"  # the name the server answers to
 def tiny_server_args(*extra: str) -> list[str]:
     """``xhal-serve`` arguments that serve the tiny model, then ``extra``."""
     return [*extra]
+
+
+def tiny_model_dir() -> Path:
+    """The tiny model's checkpoint directory (generated once into the cache)."""
+    from serve_cli.default_model import ensure_default_model
+
+    return ensure_default_model()
 
 
 def tiny_tokenizer() -> Any:
