@@ -11,6 +11,7 @@ checks answer in a fraction of a second; ``check_architecture`` imports the mode
 from __future__ import annotations
 
 import json
+import math
 import socket
 import struct
 from collections.abc import Callable
@@ -28,6 +29,10 @@ _TOKENIZER_SETS = (
     ("vocab.txt",),  # WordPiece
 )
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# bytes per element of the safetensors dtypes (others are not size-checked)
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+             "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1,
+             "F8_E5M2": 1}  # fmt: skip
 
 
 class PreflightError(RuntimeError):
@@ -144,11 +149,22 @@ def _safetensors_problem(path: Path) -> str | None:
         return "its header is not JSON"
     if not isinstance(header, dict):
         return "its header is not a JSON object"
-    ends = [
-        t["data_offsets"][1]
-        for name, t in header.items()
-        if name != "__metadata__" and isinstance(t, dict) and len(t.get("data_offsets", ())) == 2
-    ]
+    ends = []
+    for name, tensor in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, end = tensor["data_offsets"]
+            shape = [int(d) for d in tensor["shape"]]
+        except (KeyError, TypeError, ValueError):
+            return f"the entry of tensor {name!r} lacks a shape or data offsets"
+        itemsize = _ITEMSIZE.get(tensor.get("dtype"))
+        if itemsize is not None and end - start != math.prod(shape) * itemsize:
+            return (
+                f"tensor {name!r} ({tensor['dtype']} {shape}) spans {end - start} bytes, not "
+                f"{math.prod(shape) * itemsize}"
+            )
+        ends.append(end)
     if ends and 8 + length + max(ends) > size:
         return f"truncated: the tensors need {8 + length + max(ends)} bytes, the file has {size}"
     return None

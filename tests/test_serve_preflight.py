@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 from collections.abc import Callable
@@ -116,16 +117,40 @@ def test_max_model_len_past_the_positions(model: Callable[..., Path]) -> None:
     assert "4096" in line and "max_position_embeddings (512)" in line
 
 
-@pytest.mark.parametrize("damage", ["junk", "truncated"])
+def _wrong_shape(real: bytes) -> bytes:
+    """The real file with one tensor's shape doubled in its header (the data left as is)."""
+    (length,) = struct.unpack("<Q", real[:8])
+    header = json.loads(real[8 : 8 + length])
+    name = next(n for n in header if n != "__metadata__")
+    header[name]["shape"][0] *= 2
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + real[8 + length :]
+
+
+@pytest.mark.parametrize("damage", ["junk", "truncated", "wrong-shape"])
 def test_corrupt_safetensors_names_the_file(
     model: Callable[..., Path], tiny_dir: Path, damage: str
 ) -> None:
     real = (tiny_dir / "model.safetensors").read_bytes()
-    path = model(JUNK_WEIGHTS if damage == "junk" else real[: len(real) // 2])
+    if damage == "wrong-shape":
+        weights = _wrong_shape(real)
+    else:
+        weights = JUNK_WEIGHTS if damage == "junk" else real[: len(real) // 2]
+    path = model(weights)
     line = one_line_error(serve("--model", str(path)))
     assert str(path / "model.safetensors") in line and "not a valid safetensors file" in line
-    if damage == "truncated":
-        assert "truncated" in line
+    expected = {"junk": "header", "truncated": "truncated", "wrong-shape": "spans"}[damage]
+    assert expected in line, line
+
+
+def test_sound_weights_pass_every_check(tiny_dir: Path) -> None:
+    """The real tiny checkpoint passes: the checks find faults, not healthy files."""
+    from serve_cli.engine.config import EngineConfig
+    from serve_cli.preflight import run_checks
+
+    warnings: list[str] = []
+    run_checks("127.0.0.1", 0, tiny_dir, EngineConfig(model_dir=tiny_dir), warnings.append)
+    assert warnings == []
 
 
 def test_kv_cache_smaller_than_one_sequence_warns(model: Callable[..., Path]) -> None:
