@@ -246,9 +246,6 @@ def main(
     model executor) runs in a second process; Ctrl-C or SIGTERM stops both.
     """
     _require_packages()
-    from serve_cli.engine_client import EngineDeadError, EngineStartupError
-    from serve_cli.server import ServerOptions, serve
-
     if model_dir is None:
         from serve_cli.default_model import ensure_default_model
 
@@ -266,6 +263,11 @@ def main(
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     _preflight(host, port, Path(model_dir), config, device)
+    # imported only now: the server's imports (FastAPI, uvicorn, ZMQ) take seconds on a loaded
+    # machine, and the checks above should answer before them
+    from serve_cli.engine_client import EngineDeadError, EngineStartupError
+    from serve_cli.server import ServerOptions, serve
+
     options = ServerOptions(
         host, port, Path(model_dir), model_name, api_key, log_level, log_prompts, shutdown_timeout
     )
