@@ -28,7 +28,9 @@ class Clock:
         return "done"
 
 
-def test_nested_calls_count_exclusive_time_and_are_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nested_calls_count_exclusive_time_and_are_restored(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import benchmarks.host_timing
 
     monkeypatch.setattr(benchmarks.host_timing, "time", FakeTime)

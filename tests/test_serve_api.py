@@ -362,7 +362,8 @@ def test_unimplemented_sampling_fields_are_refused_not_ignored(
 
 def test_unknown_model_is_404(server: ServerProcess) -> None:
     chat = {"model": "nope", "messages": [{"role": "user", "content": "x"}]}
-    for path, body in (("/v1/completions", {**GOOD, "model": "gpt-7"}), ("/v1/chat/completions", chat)):
+    completion = {**GOOD, "model": "gpt-7"}
+    for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
         response = post(server, path, body)
         assert response.status_code == 404, response.text
         assert response.json()["error"]["code"] == "model_not_found"

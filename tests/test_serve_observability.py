@@ -143,7 +143,8 @@ def test_stats_line_reports_the_interval() -> None:
     now[0] = 110.0
     assert logger.maybe_log(lambda: stats) is None  # idle: nothing to say
     stats.update(prompt_tokens_total=300, generation_tokens_total=50, kv_blocks_used=2,
-                 num_running=3, num_waiting=1, prefix_cache_queries=200, prefix_cache_hits=50)  # fmt: skip
+                 num_running=3, num_waiting=1, prefix_cache_queries=200,
+                 prefix_cache_hits=50)  # fmt: skip
     now[0] = 120.0
     line = logger.maybe_log(lambda: stats)
     assert line == (
