@@ -20,7 +20,7 @@ import uvicorn
 
 from serve_cli.api import ServerState, build_app
 from serve_cli.engine.config import EngineConfig
-from serve_cli.engine_client import EngineClient, EngineDeadError
+from serve_cli.engine_client import EngineClient, EngineDeadError, EngineStartupError
 from serve_cli.preflight import small_kv_warning
 from serve_cli.shutdown import BACKSTOP_S, Drain, GracefulServer, exit_when_engine_dies
 
@@ -55,7 +55,15 @@ async def _serve(options: ServerOptions, config: EngineConfig) -> None:
     client = EngineClient(config, options.log_level)
     try:
         tokenizer_task = asyncio.create_task(asyncio.to_thread(_load_tokenizer, options.model_dir))
-        info = await client.start()
+        try:
+            info = await client.start()
+        except EngineStartupError as engine_error:
+            # the engine reads the same tokenizer; when that is what failed, say so by name
+            try:
+                await tokenizer_task
+            except EngineStartupError as tokenizer_error:
+                raise tokenizer_error from None
+            raise engine_error from None
         if config.num_kv_blocks is None and config.kv_cache_memory is None:  # sized on start
             warning = small_kv_warning(info.num_kv_blocks, info.block_size, info.max_model_len)
             if warning:
@@ -113,4 +121,12 @@ async def _announce_when_ready(server: uvicorn.Server, options: ServerOptions) -
 def _load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:  # transformers raises many kinds; the user needs one line
+        logger.debug("loading the tokenizer failed", exc_info=True)
+        files = ", ".join(sorted(p.name for p in model_dir.glob("tokenizer*"))) or "none"
+        detail = " ".join(f"{type(e).__name__}: {e}".split())
+        raise EngineStartupError(
+            f"cannot load the tokenizer of {model_dir} (tokenizer files: {files}): {detail}"
+        ) from None

@@ -161,3 +161,11 @@ def test_kv_cache_smaller_than_one_sequence_warns(model: Callable[..., Path]) ->
     assert len(output) == 2 and result.returncode == 1, output
     assert output[0].startswith("xhal-serve: warning: the KV cache holds 64 tokens"), output
     assert "256" in output[0] and "not a valid safetensors file" in output[1]
+
+
+def test_a_broken_tokenizer_is_one_line_naming_it(model: Callable[..., Path]) -> None:
+    """Past the file checks (the file is there), loading it fails: still one line, no traceback."""
+    path = model(None)
+    (path / "tokenizer.json").write_text("not json")
+    line = one_line_error(serve("--model", str(path), "--port", "0"))
+    assert f"cannot load the tokenizer of {path}" in line and "tokenizer.json" in line
