@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from serve_cli.builtin_models import BUILTIN_CHAT_MAX_TOKENS, ServedModel, resolve_model
-from serve_cli.engine.config import DTYPES
+from serve_cli.engine.config import DTYPES, EngineConfig
 
 # import name -> pip name of what the server needs beyond xhal's core
 REQUIRED = {
@@ -42,15 +42,16 @@ class ByteSize(click.ParamType):
         return size
 
 
-def _check_device(ctx: click.Context, param: click.Parameter, value: str) -> str:
+def _check_device(value: str) -> None:
+    """Checked after the cheap start-up checks: listing the platforms imports torch."""
     import xhal.platforms
 
     known = xhal.platforms.names()
     if value.split(":")[0] not in known:
         raise click.BadParameter(
-            f"unknown device {value!r}; the registered platforms are: {', '.join(known)}"
+            f"unknown device {value!r}; the registered platforms are: {', '.join(known)}",
+            param_hint="'--device'",
         )
-    return value
 
 
 def _require_packages() -> None:
@@ -63,6 +64,7 @@ def _require_packages() -> None:
 
 
 POSITIVE = click.IntRange(min=1)
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 
 
 def _served_model(model: str | None, model_option: str | None) -> ServedModel:
@@ -90,7 +92,6 @@ def _served_model(model: str | None, model_option: str | None) -> ServedModel:
     "--device",
     default="cpu",
     show_default=True,
-    callback=_check_device,
     help="Platform that runs the model: a name from xhal.platforms (cpu, cuda, npu, "
     "or an out-of-tree plugin's).",
 )
@@ -236,6 +237,29 @@ def _served_model(model: str | None, model_option: str | None) -> ServedModel:
     type=click.Choice(["debug", "info", "warning", "error"]),
     help="Logging verbosity of the server and the engine.",
 )
+@click.option(
+    "--log-stats-interval",
+    type=click.FloatRange(min=0),
+    default=None,
+    metavar="SECONDS",
+    help="Seconds between the engine's stats lines (throughput, running and waiting requests, "
+    "KV cache usage); 0 turns them off. [default: 10]",
+)
+@click.option(
+    "--log-prompts",
+    is_flag=True,
+    help="Add each request's prompt text to its log line (left out by default: prompts may "
+    "hold what should not reach a log).",
+)
+@click.option(
+    "--shutdown-timeout",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+    show_default=True,
+    metavar="SECONDS",
+    help="On SIGTERM or Ctrl-C, how long requests in flight may run on before they are ended "
+    "(streams with an error event, others with a 503); new connections are refused meanwhile.",
+)
 def main(
     device: str,
     model: str | None,
@@ -246,6 +270,8 @@ def main(
     api_key: str | None,
     default_max_tokens: int | None,
     log_level: str,
+    log_prompts: bool,
+    shutdown_timeout: float,
     **engine_options: object,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions,
@@ -258,10 +284,6 @@ def main(
     Ctrl-C or SIGTERM stops both.
     """
     _require_packages()
-    from serve_cli.engine.config import EngineConfig
-    from serve_cli.engine_client import EngineStartupError
-    from serve_cli.server import ServerOptions, serve
-
     served = _served_model(model, model_option)
     model_name, model_dir = served_model_name or served.name, served.model_dir
     given = {k: v for k, v in engine_options.items() if v is not None}
@@ -269,10 +291,33 @@ def main(
         config = EngineConfig(model_dir=model_dir, device=device, **given)
     except ValueError as e:
         raise click.UsageError(str(e)) from e
+    _preflight(host, port, Path(model_dir), config, device)
+    # imported only now: the server's imports (FastAPI, uvicorn, ZMQ) take seconds on a loaded
+    # machine, and the checks above should answer before them
+    from serve_cli.engine_client import EngineDeadError, EngineStartupError
+    from serve_cli.server import ServerOptions, serve
+
     # a built-in's generation_config.json sets no max_new_tokens: its cap comes first
     max_tokens = default_max_tokens or (BUILTIN_CHAT_MAX_TOKENS if served.builtin else None)
-    options = ServerOptions(host, port, Path(model_dir), model_name, api_key, log_level, max_tokens)
+    options = ServerOptions(
+        host, port, Path(model_dir), model_name, api_key, log_level,
+        default_max_tokens=max_tokens, log_prompts=log_prompts, shutdown_timeout=shutdown_timeout,
+    )
     try:
         serve(options, config)
-    except EngineStartupError as e:
-        raise click.ClickException(str(e)) from e
+    except (EngineStartupError, EngineDeadError) as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _preflight(host: str, port: int, model_dir: Path, config: EngineConfig, device: str) -> None:
+    """The start-up checks of ``serve_cli.preflight``, each failure one line, before the engine
+    process starts (so before any weight is read)."""
+    from serve_cli.preflight import PreflightError, run_checks
+
+    def warn(message: str) -> None:
+        click.echo(f"xhal-serve: warning: {message}", err=True)
+
+    try:
+        run_checks(host, port, model_dir, config, warn, lambda: _check_device(device))
+    except PreflightError as e:
+        raise click.ClickException(str(e)) from None

@@ -16,6 +16,7 @@ import os
 import signal
 import tempfile
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -39,8 +40,23 @@ if TYPE_CHECKING:
 logger = logging.getLogger("xhal.serve")
 
 
-class EngineDeadError(RuntimeError):
+class Unavailable(RuntimeError):
+    """The server cannot finish a request (a 503, or an error event in a stream); ``code``
+    says why."""
+
+    code = "unavailable"
+
+
+class EngineDeadError(Unavailable):
     """The engine process is gone; the server can no longer generate."""
+
+    code = "engine_dead"
+
+
+class ServerShuttingDown(Unavailable):
+    """The server is stopping: the request came after the signal, or outlived the grace."""
+
+    code = "server_shutting_down"
 
 
 class EngineStartupError(RuntimeError):
@@ -60,6 +76,8 @@ class EngineClient:
         self.config, self.log_level = config, log_level
         self.info: EngineReady | None = None
         self.dead_reason: str | None = None
+        self.on_dead: Callable[[], None] | None = None  # called once the engine process died
+        self._refusal: Unavailable | None = None  # set once fail_all ended everything
         self._queues: dict[str, asyncio.Queue] = {}
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._query_ids = itertools.count()
@@ -116,8 +134,10 @@ class EngineClient:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: Any, queue: asyncio.Queue
     ) -> None:
-        """Send a request; its ``Output``s, or an ``EngineDeadError``, arrive on ``queue``."""
+        """Send a request; its ``Output``s, or an ``Unavailable`` error, arrive on ``queue``."""
         self._check_alive()
+        if self._refusal is not None:
+            raise self._refusal
         if not self._send(AddRequest(request_id, list(prompt_token_ids), params)):
             raise EngineDeadError("the engine process is not reachable; restart xhal-serve")
         self._queues[request_id] = queue
@@ -127,6 +147,22 @@ class EngineClient:
         live = [rid for rid in request_ids if self._queues.pop(rid, None) is not None]
         if live and not self.is_dead:
             self._send(AbortRequests(live))
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    def fail_all(self, error: Unavailable) -> int:
+        """End every request in flight with ``error`` and refuse later ones with it (the
+        shutdown grace is over); the engine drops them. Returns how many were ended."""
+        self._refusal = error
+        ids = list(self._queues)
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        self._queues.clear()
+        if ids and not self.is_dead:
+            self._send(AbortRequests(ids))
+        return len(ids)
 
     async def stats(self, timeout: float = 10.0) -> dict[str, Any]:
         """The engine's counters and gauges (``EngineCore.stats()``), asked between steps."""
@@ -194,6 +230,8 @@ class EngineClient:
         for waiter in self._stats_waiters.values():
             if not waiter.done():
                 waiter.set_exception(error)
+        if self.on_dead is not None:
+            self.on_dead()
 
     def _send(self, msg: object) -> bool:
         """Send without ever blocking: False when no engine is connected (it exited)."""

@@ -18,6 +18,7 @@ import zmq
 
 from serve_cli.engine.errors import ParamError
 from serve_cli.engine.runner.lifetime import die_with_parent
+from serve_cli.engine.stats_logger import StatsLogger
 from serve_cli.messages import (
     AbortRequests,
     AddRequest,
@@ -60,8 +61,9 @@ def run_engine_process(
 
             core = EngineCore(config)
         except Exception as e:
-            logger.exception("the engine failed to start")
-            outbox.send_pyobj(EngineFailed(f"{type(e).__name__}: {e}"))
+            # the API process prints the message as one line; the traceback is for debugging
+            logger.debug("the engine failed to start", exc_info=True)
+            outbox.send_pyobj(EngineFailed(_one_line(e)))
             return
         outbox.send_pyobj(_ready_message(core))
         EngineLoop(core, inbox, outbox, parent_pid).run()
@@ -90,6 +92,8 @@ class EngineLoop:
         self.core, self.inbox, self.outbox, self.parent_pid = core, inbox, outbox, parent_pid
         self.live: set[str] = set()
         self.running = True
+        interval = getattr(getattr(core, "config", None), "log_stats_interval", 0)
+        self.stats_logger = StatsLogger(interval)
 
     def run(self) -> None:
         while self.running and os.getppid() == self.parent_pid:
@@ -98,6 +102,7 @@ class EngineLoop:
                 self._drain()
             if self.running and self.core.has_unfinished():
                 self._step()
+            self.stats_logger.maybe_log(self.core.stats)
 
     def _drain(self) -> None:
         rejected: list[Output] = []
@@ -155,6 +160,8 @@ def _to_message(out: RequestOutput) -> Output:
         num_prompt_tokens=out.num_prompt_tokens,
         num_cached_tokens=out.num_cached_tokens,
         error=out.error,
+        stop_reason=out.stop_reason,
+        scheduled_at=out.scheduled_at,
     )
 
 
@@ -192,3 +199,8 @@ def _remove_ipc_file(addr: str) -> None:
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(0)
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

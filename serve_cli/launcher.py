@@ -3,6 +3,7 @@ scripts that need a live server (``with ServerProcess(["--num-kv-blocks", "8"]) 
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
@@ -22,13 +23,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class ServerProcess:
     """``xhal-serve ARGS --port <free>`` as a subprocess; ``start()`` returns once ``/health``
-    answers 200, and raises with the server's log if it exits or times out first."""
+    answers 200, and raises with the server's log as soon as it exits. ``timeout`` only bounds a
+    server that neither answers nor exits: generous, since a loaded machine starts slowly."""
 
     def __init__(
         self,
         args: list[str],
         host: str = "127.0.0.1",
-        timeout: float = 120.0,
+        timeout: float = 600.0,
         new_session: bool = False,
     ) -> None:
         """``new_session``: run in a process group of its own (to signal the whole group, as a
@@ -82,7 +84,7 @@ class ServerProcess:
         self.stop()
         raise TimeoutError(f"xhal-serve not healthy after {self.timeout}s:\n{self.log()}")
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int | None:
         """Signal the server and wait for it to exit (SIGKILL after ``timeout``)."""
         if self.process is None or self.process.poll() is not None:
             return None if self.process is None else self.process.returncode
@@ -93,15 +95,17 @@ class ServerProcess:
             self.process.kill()
             return self.process.wait()
 
-    def metrics(self) -> dict[str, float]:
-        """``GET /metrics`` parsed: ``{"xhal_kv_blocks_free": 42.0, 'name{label="x"}': 1.0}``."""
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
+    def metrics(self, raw: bool = False) -> dict[str, float]:
+        """``GET /metrics`` parsed: ``{"xhal_kv_blocks_free": 42.0, 'name{label="x"}': 1.0}``.
+        The labels every sample carries (``model_name``, ``engine``) are left out of the keys
+        unless ``raw``."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=60) as response:
             text = response.read().decode()
         samples = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
                 name, value = line.rsplit(" ", 1)
-                samples[name] = float(value)
+                samples[name if raw else _drop_common_labels(name)] = float(value)
         return samples
 
     def log(self) -> str:
@@ -114,3 +118,15 @@ class ServerProcess:
                 return response.status == 200
         except (urllib.error.URLError, OSError):
             return False
+
+
+_COMMON_LABELS = re.compile(r'(model_name="(?:[^"\\]|\\.)*"|engine="[^"]*"),?')
+
+
+def _drop_common_labels(name: str) -> str:
+    """``n{model_name="m",engine="0",le="1"}`` -> ``n{le="1"}``; ``n{model_name="m"}`` -> ``n``."""
+    if "{" not in name:
+        return name
+    base, labels = name.split("{", 1)
+    labels = _COMMON_LABELS.sub("", labels[:-1]).rstrip(",")
+    return f"{base}{{{labels}}}" if labels else base

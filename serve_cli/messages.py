@@ -70,6 +70,8 @@ class Output:
     error: str | None = None
     status: int = 500
     param: str | None = None  # the offending request field, for a rejected request
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    scheduled_at: float | None = None  # time.monotonic() when the engine first scheduled it
 
 
 @dataclass(frozen=True)

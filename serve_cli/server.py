@@ -1,9 +1,11 @@
 """Runs the API process: start the engine process, load the tokenizer, serve HTTP (uvicorn).
 
-Shutdown: SIGINT or SIGTERM makes uvicorn stop accepting, finish or drop open requests (a few
-seconds' grace) and run the app's lifespan exit, which stops the engine process; the ``finally``
-below stops it too when start-up fails half-way. The engine process also dies on its own if this
-process dies (see ``engine_process``), so no process is left behind.
+Shutdown: SIGINT or SIGTERM makes uvicorn stop accepting, lets open requests finish for
+``--shutdown-timeout`` seconds and then ends the rest in-band (``serve_cli.shutdown``), and runs
+the app's lifespan exit, which stops the engine process; the ``finally`` below stops it too when
+start-up fails half-way. The engine process also dies on its own if this process dies (see
+``engine_process``), so no process is left behind. If the engine process dies first, the server
+answers its requests with 503s, stops, and ``serve`` raises ``EngineDeadError`` (exit status 1).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import uvicorn
 from serve_cli.api import ServerState, build_app
 from serve_cli.api.defaults import load_request_defaults
 from serve_cli.engine.config import EngineConfig
-from serve_cli.engine_client import EngineClient
+from serve_cli.engine_client import EngineClient, EngineDeadError, EngineStartupError
+from serve_cli.preflight import small_kv_warning
+from serve_cli.shutdown import BACKSTOP_S, Drain, GracefulServer, exit_when_engine_dies
 
-GRACEFUL_SHUTDOWN_S = 3
+logger = logging.getLogger("xhal.serve")
 
 
 @dataclass(frozen=True)
@@ -33,10 +37,13 @@ class ServerOptions:
     api_key: str | None = None
     log_level: str = "info"
     default_max_tokens: int | None = None  # chat requests without a limit (None: the model's)
+    log_prompts: bool = False
+    shutdown_timeout: float = 10.0  # seconds in-flight requests get after SIGTERM / Ctrl-C
 
 
 def serve(options: ServerOptions, config: EngineConfig) -> None:
-    """Serve until SIGINT / SIGTERM; raises ``EngineStartupError`` if the engine cannot start."""
+    """Serve until SIGINT / SIGTERM; raises ``EngineStartupError`` if the engine cannot start,
+    ``EngineDeadError`` if it died while serving."""
     logging.basicConfig(
         level=options.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
     )
@@ -50,7 +57,19 @@ async def _serve(options: ServerOptions, config: EngineConfig) -> None:
     client = EngineClient(config, options.log_level)
     try:
         tokenizer_task = asyncio.create_task(asyncio.to_thread(_load_tokenizer, options.model_dir))
-        info = await client.start()
+        try:
+            info = await client.start()
+        except EngineStartupError as engine_error:
+            # the engine reads the same tokenizer; when that is what failed, say so by name
+            try:
+                await tokenizer_task
+            except EngineStartupError as tokenizer_error:
+                raise tokenizer_error from None
+            raise engine_error from None
+        if config.num_kv_blocks is None and config.kv_cache_memory is None:  # sized on start
+            warning = small_kv_warning(info.num_kv_blocks, info.block_size, info.max_model_len)
+            if warning:
+                logger.warning(warning)
         state = ServerState(
             client=client,
             tokenizer=await tokenizer_task,
@@ -62,19 +81,29 @@ async def _serve(options: ServerOptions, config: EngineConfig) -> None:
             api_key=options.api_key,
             created=int(time.time()),
             defaults=load_request_defaults(options.model_dir, options.default_max_tokens),
+            model_root=str(options.model_dir),
+            log_prompts=options.log_prompts,
         )
-        server = uvicorn.Server(
+        drain = Drain(state, client, options.shutdown_timeout)
+        server = GracefulServer(
             uvicorn.Config(
                 build_app(state, on_shutdown=client.shutdown),
                 host=options.host,
                 port=options.port,
                 log_level=options.log_level,
-                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-            )
+                timeout_graceful_shutdown=options.shutdown_timeout + BACKSTOP_S,
+            ),
+            on_first_signal=drain.begin,
         )
+        exit_when_engine_dies(client, server)
         announcer = asyncio.create_task(_announce_when_ready(server, options))
         await server.serve()
         announcer.cancel()
+        if client.is_dead:
+            raise EngineDeadError(
+                f"{client.dead_reason.removesuffix('; restart xhal-serve')}; xhal-serve answered "
+                "its requests and exits (status 1) for a supervisor to restart it"
+            )
     finally:
         await client.shutdown()
 
@@ -95,4 +124,12 @@ async def _announce_when_ready(server: uvicorn.Server, options: ServerOptions) -
 def _load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:  # transformers raises many kinds; the user needs one line
+        logger.debug("loading the tokenizer failed", exc_info=True)
+        files = ", ".join(sorted(p.name for p in model_dir.glob("tokenizer*"))) or "none"
+        detail = " ".join(f"{type(e).__name__}: {e}".split())
+        raise EngineStartupError(
+            f"cannot load the tokenizer of {model_dir} (tokenizer files: {files}): {detail}"
+        ) from None

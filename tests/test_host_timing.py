@@ -2,29 +2,45 @@
 
 from __future__ import annotations
 
-import time
+import pytest
 
 from benchmarks.host_timing import timing
 
 
+class FakeTime:
+    """Stands in for the ``time`` module that host_timing reads: a clock the calls below advance
+    by exact amounts, so the sums are exact however loaded the machine is."""
+
+    now = 0.0
+
+    @classmethod
+    def perf_counter(cls) -> float:
+        return cls.now
+
+
 class Clock:
     def outer(self) -> str:
-        time.sleep(0.002)
+        FakeTime.now += 0.002
         return self.inner()
 
     def inner(self) -> str:
-        time.sleep(0.004)
+        FakeTime.now += 0.004
         return "done"
 
 
-def test_nested_calls_count_exclusive_time_and_are_restored() -> None:
+def test_nested_calls_count_exclusive_time_and_are_restored(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import benchmarks.host_timing
+
+    monkeypatch.setattr(benchmarks.host_timing, "time", FakeTime)
     outer, inner = Clock.outer, Clock.inner
     totals: dict[str, float] = {}
     with timing(totals, [(Clock, "outer", "outer"), (Clock, "inner", "inner")]):
         assert Clock().outer() == "done"
     assert Clock.outer is outer and Clock.inner is inner
-    assert 0.004 <= totals["inner"] < 0.020
-    assert 0.002 <= totals["outer"] < 0.004 + 0.010, "outer must exclude the inner call's time"
+    assert totals["inner"] == pytest.approx(0.004)
+    assert totals["outer"] == pytest.approx(0.002), "outer must exclude the inner call's time"
 
 
 def test_a_raising_call_still_counts_and_is_restored() -> None:

@@ -8,73 +8,23 @@ import json
 from typing import Any
 
 import pytest
+from scripted_engine import ScriptedEngine
+from tiny_server import TINY_MODEL_NAME as MODEL
+from tiny_server import tiny_tokenizer
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("zmq")
 
-MODEL = "xhal-tiny-random"
-
-
-class ScriptedEngine:
-    """Stands in for ``EngineClient``: each request emits ``max_tokens`` tokens, except that a
-    prompt starting with token 13 fails in its second step (as a failing engine step would)."""
-
-    def __init__(self) -> None:
-        self.dead_reason: str | None = None
-        self.aborted: list[str] = []
-
-    @property
-    def is_dead(self) -> bool:
-        return self.dead_reason is not None
-
-    def add_request(self, request_id, prompt_token_ids, params, queue) -> None:
-        from serve_cli.messages import Output
-
-        async def run() -> None:
-            for i in range(params.max_tokens):
-                await asyncio.sleep(0)
-                if prompt_token_ids[0] == 13 and i == 1:
-                    queue.put_nowait(
-                        Output(
-                            request_id,
-                            finished=True,
-                            finish_reason="error",
-                            error="RuntimeError: injected",
-                            status=500,
-                        )
-                    )
-                    return
-                last = i == params.max_tokens - 1
-                queue.put_nowait(
-                    Output(
-                        request_id,
-                        [7],
-                        "x",
-                        last,
-                        "length" if last else None,
-                        num_prompt_tokens=len(prompt_token_ids),
-                    )
-                )
-
-        asyncio.get_running_loop().create_task(run())
-
-    def abort(self, request_ids) -> None:
-        self.aborted += request_ids
-
-    async def stats(self) -> dict:
-        return {"kv_blocks_total": 4, "kv_blocks_free": 4}
-
 
 @pytest.fixture
 def scripted_app():
     from serve_cli.api import ServerState, build_app
-    from serve_cli.default_model import build_tokenizer
 
     engine = ScriptedEngine()
     state = ServerState(
         engine,
-        build_tokenizer(),
+        tiny_tokenizer(),
         MODEL,
         max_model_len=64,
         vocab_size=100,
@@ -129,6 +79,18 @@ def test_dead_engine_is_503(scripted_app) -> None:
         assert response.status_code == 503
         assert "engine process died" in response.json()["error"]["message"]
     assert _run(app, "GET", "/health").status_code == 503
+
+
+def test_requests_while_draining_are_503(scripted_app) -> None:
+    """After SIGTERM a request on a connection still open is refused, not started."""
+    app, engine = scripted_app
+    app.state.server.draining = True
+    for body in ({"model": MODEL, "prompt": [5], "max_tokens": 2},
+                 {"model": MODEL, "prompt": [5], "max_tokens": 2, "stream": True}):  # fmt: skip
+        response = _run(app, "POST", "/v1/completions", body)
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "server_shutting_down"
+    assert engine.requests == []
 
 
 class RaisingCore:

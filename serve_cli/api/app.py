@@ -11,9 +11,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from serve_cli.api import chat, completions
+from serve_cli.api import chat, completions, info, tokenization
 from serve_cli.api.errors import APIError, error_response, install_handlers
-from serve_cli.api.responses import ModelCard, ModelList
+from serve_cli.api.responses import ModelList
 from serve_cli.api.state import ServerState
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -36,13 +36,12 @@ def build_app(
     install_handlers(app)
     app.include_router(completions.router)
     app.include_router(chat.router)
+    app.include_router(tokenization.router)
+    app.include_router(info.router)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        card = ModelCard(
-            id=state.model_name, created=state.created, max_model_len=state.max_model_len
-        )
-        return ModelList(data=[card])
+        return ModelList(data=[info.model_card(state)])
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -54,7 +53,7 @@ def build_app(
     @app.get("/metrics")
     async def metrics(request: Request) -> PlainTextResponse:
         stats: dict[str, Any] = {} if state.client.is_dead else await state.client.stats()
-        text = state.metrics.render(stats)
+        text = state.metrics.render(stats, state.model_name)
         return PlainTextResponse(text, media_type=PROMETHEUS_CONTENT_TYPE)
 
     if state.api_key:

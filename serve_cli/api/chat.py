@@ -13,7 +13,7 @@ from serve_cli.api.defaults import with_defaults
 from serve_cli.api.generation import Generation, new_id
 from serve_cli.api.logprobs import chat_logprobs
 from serve_cli.api.params import sampling_params
-from serve_cli.api.prompts import chat_prompt, check_fits
+from serve_cli.api.prompts import chat_prompt, check_context_length, check_fits, message_text
 from serve_cli.api.protocol import ChatCompletionRequest
 from serve_cli.api.responses import (
     ChatChoice,
@@ -31,13 +31,17 @@ router = APIRouter()
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
     state = server_state(request, body.model)
-    prompt = chat_prompt(state, body.messages)
+    prompt = chat_prompt(state, body)
     max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens(state, prompt)
+    if body.max_completion_tokens or body.max_tokens:
+        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        check_context_length(state, len(prompt), max_tokens, param)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(with_defaults(body, state.defaults), max_tokens, logprobs)
     check_fits(state, len(prompt), max_tokens, "max_tokens")
     gen = Generation(state, new_id("chatcmpl"), [prompt], params, body.n)
     header = dict(id=gen.request_id, created=int(time.time()), model=state.model_name)
+    role, echoed = reply_role(body), echoed_text(body)
     if body.stream:
         return sse_response(_chunks(state, body, gen, header))
     if not await gen.run_to_end(request):
@@ -45,9 +49,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     choices = [
         ChatChoice(
             index=c.index,
-            message=ChatMessageOut(role="assistant", content=c.text),
+            message=ChatMessageOut(role=role, content=echoed + c.text),
             logprobs=chat_logprobs(state.tokenizer, c.logprobs) if body.logprobs else None,
             finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
             token_ids=c.token_ids if body.return_token_ids else None,
         )
         for c in gen.choices
@@ -67,9 +72,14 @@ def default_max_tokens(state: ServerState, prompt: list[int]) -> int:
 async def _chunks(
     state: ServerState, body: ChatCompletionRequest, gen: Generation, header: dict[str, Any]
 ) -> AsyncIterator[ChatCompletionChunk]:
+    role, echoed = reply_role(body), echoed_text(body)
     for c in gen.choices:  # the role comes first, as OpenAI streams it
-        delta = ChatMessageOut(role="assistant", content="")
+        delta = ChatMessageOut(role=role, content="")
         yield ChatCompletionChunk(**header, choices=[ChatChunkChoice(index=c.index, delta=delta)])
+        if echoed:
+            delta = ChatMessageOut(content=echoed)
+            part = ChatChunkChoice(index=c.index, delta=delta)
+            yield ChatCompletionChunk(**header, choices=[part])
     wants_tokens = body.return_token_ids or body.logprobs
     async for choice, out in gen.outputs():
         if out.new_text or (wants_tokens and out.new_token_ids):
@@ -82,8 +92,25 @@ async def _chunks(
             yield ChatCompletionChunk(**header, choices=[part])
         if out.finished:
             part = ChatChunkChoice(
-                index=choice.index, delta=ChatMessageOut(), finish_reason=out.finish_reason
+                index=choice.index,
+                delta=ChatMessageOut(),
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
             )
             yield ChatCompletionChunk(**header, choices=[part])
     if body.include_usage:
         yield ChatCompletionChunk(**header, choices=[], usage=gen.usage())
+
+
+def reply_role(body: ChatCompletionRequest) -> str:
+    """The assistant's, or with no generation prompt the open last message's (vLLM's rule)."""
+    return "assistant" if body.add_generation_prompt else body.messages[-1].role
+
+
+def echoed_text(body: ChatCompletionRequest) -> str:
+    """With ``echo``, the reply repeats the last message when it has the reply's role (the
+    message the model continues), as vLLM does; otherwise nothing."""
+    last = body.messages[-1]
+    if not body.echo or last.role != reply_role(body):
+        return ""
+    return message_text(last, len(body.messages) - 1)

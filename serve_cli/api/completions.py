@@ -14,7 +14,7 @@ from serve_cli.api.errors import invalid
 from serve_cli.api.generation import Choice, Generation, new_id
 from serve_cli.api.logprobs import completion_logprobs
 from serve_cli.api.params import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
-from serve_cli.api.prompts import check_fits, completion_prompts
+from serve_cli.api.prompts import check_context_length, check_fits, completion_prompts
 from serve_cli.api.protocol import CompletionRequest
 from serve_cli.api.responses import CompletionChoice, CompletionResponse
 from serve_cli.api.state import ServerState
@@ -32,6 +32,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
     params = sampling_params(with_defaults(body, state.defaults), max_tokens, body.logprobs)
     for ids in prompts:
+        if body.max_tokens:
+            check_context_length(state, len(ids), max_tokens, "max_tokens")
         check_fits(state, len(ids), max_tokens, "max_tokens")
     gen = Generation(state, new_id("cmpl"), prompts, params, body.n)
     header = dict(id=gen.request_id, created=int(time.time()))
@@ -54,6 +56,7 @@ async def _chunks(
         entries = list(out.logprobs or [])
         choice_out = _choice(state, body, choice, out.new_text, out.new_token_ids, entries, offset)
         choice_out.finish_reason = out.finish_reason if out.finished else None
+        choice_out.stop_reason = out.stop_reason if out.finished else None
         yield CompletionResponse(**header, model=state.model_name, choices=[choice_out])
     if body.include_usage:
         yield CompletionResponse(**header, model=state.model_name, choices=[], usage=gen.usage())
@@ -76,5 +79,6 @@ def _choice(
         text=text,
         logprobs=logprobs,
         finish_reason=choice.finish_reason,
+        stop_reason=choice.stop_reason,
         token_ids=list(token_ids) if body.return_token_ids else None,
     )

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from serve_cli.engine_client import EngineDeadError
+from serve_cli.engine_client import Unavailable
 
 logger = logging.getLogger("xhal.serve")
 
@@ -54,9 +54,9 @@ def install_handlers(app: FastAPI) -> None:
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(validation_error(exc))
 
-    @app.exception_handler(EngineDeadError)
-    async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(APIError(503, str(exc), None, "engine_dead"))
+    @app.exception_handler(Unavailable)
+    async def _unavailable(request: Request, exc: Unavailable) -> JSONResponse:
+        return error_response(APIError(503, str(exc), None, exc.code))
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:

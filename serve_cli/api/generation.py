@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serve_cli.api.errors import APIError
+from serve_cli.api.request_log import log_request
 from serve_cli.api.responses import PromptTokensDetails, Usage
 from serve_cli.api.state import ServerState
 from serve_cli.messages import Output
@@ -45,9 +46,13 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     num_cached_tokens: int = 0
-    started: float = 0.0
-    first_token: float | None = None
+    arrival: float = 0.0  # time.monotonic() values: the HTTP request parsed,
+    started: float = 0.0  # sent to the engine,
+    scheduled_at: float | None = None  # first scheduled there (the engine's clock, the same one),
+    first_token: float | None = None  # its first token back here,
+    last_token: float | None = None  # its latest token back here
 
 
 class Generation:
@@ -58,9 +63,12 @@ class Generation:
         self, state: ServerState, request_id: str, prompts: list[list[int]], params: Any, n: int
     ) -> None:
         self.state, self.params, self.n, self.request_id = state, params, n, request_id
+        self.arrival = time.monotonic()
         self.choices = [
-            Choice(i, f"{request_id}-{i}", prompts[i // n]) for i in range(len(prompts) * n)
+            Choice(i, f"{request_id}-{i}", prompts[i // n], arrival=self.arrival)
+            for i in range(len(prompts) * n)
         ]
+        state.metrics.on_http_request(n, params.max_tokens)
         self._by_id = {c.request_id: c for c in self.choices}
         self.num_prompt_tokens = sum(len(p) for p in prompts)
 
@@ -84,6 +92,7 @@ class Generation:
                 choice = self._by_id[item.request_id]
                 self._apply(choice, item)
                 if item.finish_reason == "error":
+                    metrics.on_finished(choice)
                     message = item.error or "the engine failed this request"
                     if item.status == 400:
                         raise APIError(400, message, item.param, "invalid_value")
@@ -93,7 +102,11 @@ class Generation:
                     metrics.on_finished(choice)
                 yield choice, item
         finally:
-            client.abort([c.request_id for c in self.choices if c.finish_reason is None])
+            left = [c for c in self.choices if c.finish_reason is None]
+            client.abort([c.request_id for c in left])
+            for choice in left:  # counted as vLLM counts them, under "abort"
+                metrics.on_finished(choice)
+            log_request(self)
 
     async def run_to_end(self, request: Any) -> bool:
         """Consume every output for a non-streamed response while listening for the client
@@ -137,13 +150,18 @@ class Generation:
         return dataclasses.replace(self.params, seed=self.params.seed + choice.index)
 
     def _apply(self, choice: Choice, out: Output) -> None:
-        if out.new_token_ids and choice.first_token is None:
-            choice.first_token = time.monotonic()
-            self.state.metrics.on_first_token(choice)
+        if choice.scheduled_at is None:
+            choice.scheduled_at = out.scheduled_at
+        if out.new_token_ids:
+            now = time.monotonic()
+            self.state.metrics.on_token(choice, now)
+            if choice.first_token is None:
+                choice.first_token = now
+            choice.last_token = now
         choice.text += out.new_text
         choice.token_ids += out.new_token_ids
         if out.logprobs:
             choice.logprobs += list(out.logprobs)
         choice.num_cached_tokens = max(choice.num_cached_tokens, out.num_cached_tokens)
         if out.finished:
-            choice.finish_reason = out.finish_reason
+            choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason

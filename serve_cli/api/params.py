@@ -27,6 +27,14 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     "guided_regex": (None,),
     "guided_choice": (None,),
     "guided_grammar": (None,),
+    # what a completion or chat request may ask beyond sampling that xhal-serve does not do
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "prompt_logprobs": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
 }
 
 
@@ -43,10 +51,28 @@ def refuse_unimplemented(request: SamplingFields) -> None:
             )
 
 
+def refuse_inconsistent(request: SamplingFields) -> None:
+    """400 for fields that only mean something together with another one, as vLLM refuses them
+    (accepting them would silently drop what the client asked for)."""
+    if request.stream_options is not None and not request.stream:
+        raise invalid(
+            "'stream_options' only applies to a streamed request; set 'stream': true or leave "
+            "'stream_options' out",
+            "stream_options",
+        )
+    wants_top = getattr(request, "top_logprobs", None) is not None
+    if wants_top and getattr(request, "logprobs", None) is not True:
+        raise invalid(
+            "'top_logprobs' needs 'logprobs': true; set it, or leave 'top_logprobs' out",
+            "top_logprobs",
+        )
+
+
 def sampling_params(
     request: SamplingFields, max_tokens: int, logprobs: int | None
 ) -> SamplingParams:
     refuse_unimplemented(request)
+    refuse_inconsistent(request)
     stop = request.stop
     params = SamplingParams(
         max_tokens=max_tokens,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from serve_cli.api.errors import invalid
-from serve_cli.api.protocol import ChatMessage
+from serve_cli.api.protocol import ChatMessage, ChatTemplateFields
 from serve_cli.api.state import ServerState
 
 
@@ -27,26 +27,60 @@ def completion_prompts(state: ServerState, prompt: Any) -> list[list[int]]:
     return prompts
 
 
-def chat_prompt(state: ServerState, messages: list[ChatMessage]) -> list[int]:
-    """The conversation rendered by the tokenizer's chat template, ending in the assistant's
-    turn, as token ids."""
+# apply_chat_template's own arguments: chat_template_kwargs must not override them
+_TEMPLATE_ARGUMENTS = frozenset(
+    {"conversation", "tokenize", "add_generation_prompt", "continue_final_message",
+     "chat_template", "tools", "documents", "return_dict"}
+)  # fmt: skip
+
+
+def chat_prompt(state: ServerState, body: ChatTemplateFields) -> list[int]:
+    """The conversation rendered by the chat template (the tokenizer's, or the request's
+    ``chat_template``), ending in the assistant's turn or, with ``continue_final_message``, in
+    the open last message, as token ids."""
+    ids = _encode(state, render_chat(state, body), add_special_tokens=False)
+    check_prompt(state, ids, "messages")
+    return ids
+
+
+def render_chat(state: ServerState, body: ChatTemplateFields) -> str:
     tokenizer = state.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
+    template = body.chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
         raise invalid(
-            "this model's tokenizer has no chat template; use /v1/completions with a plain prompt",
+            "this model's tokenizer has no chat template; use /v1/completions with a plain "
+            "prompt, or pass one as 'chat_template'",
             "messages",
             "no_chat_template",
         )
-    conversation = [{"role": m.role, "content": _text(m, i)} for i, m in enumerate(messages)]
+    if body.add_generation_prompt and body.continue_final_message:
+        raise invalid(
+            "'continue_final_message' and 'add_generation_prompt' cannot both be true: either the "
+            "model continues the last message or it starts a new turn; set "
+            "'add_generation_prompt': false",
+            "continue_final_message",
+        )
+    extra = dict(body.chat_template_kwargs or {})
+    clash = sorted(_TEMPLATE_ARGUMENTS & extra.keys())
+    if clash:
+        raise invalid(
+            f"'chat_template_kwargs' may not set {', '.join(clash)}: give them as request fields",
+            "chat_template_kwargs",
+        )
+    conversation = [
+        {"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)
+    ]
     try:
-        text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=True
+        return tokenizer.apply_chat_template(
+            conversation,
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            **extra,
         )
     except Exception as e:  # a template may raise on a conversation it does not accept
         raise invalid(f"the chat template rejected the messages: {e}", "messages") from e
-    ids = _encode(state, text, add_special_tokens=False)
-    check_prompt(state, ids, "messages")
-    return ids
 
 
 def check_prompt(state: ServerState, ids: list[int], param: str) -> None:
@@ -68,7 +102,7 @@ def _encode(state: ServerState, text: str, add_special_tokens: bool) -> list[int
     return list(state.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
-def _text(message: ChatMessage, index: int) -> str:
+def message_text(message: ChatMessage, index: int) -> str:
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
     parts = []
@@ -95,4 +129,19 @@ def check_fits(state: ServerState, num_prompt_tokens: int, max_tokens: int, para
             f"{state.num_kv_blocks} in all; lower max_tokens or shorten the prompt",
             param,
             "kv_cache_too_small",
+        )
+
+
+def check_context_length(
+    state: ServerState, num_prompt_tokens: int, max_tokens: int, param: str
+) -> None:
+    """A ``max_tokens`` the client asked for that runs past the context is refused (vLLM does),
+    not clamped: a clamped request would end "length" earlier than the client was told."""
+    if num_prompt_tokens + max_tokens > state.max_model_len:
+        raise invalid(
+            f"this model's maximum context length is {state.max_model_len} tokens, but "
+            f"{num_prompt_tokens + max_tokens} were requested ({num_prompt_tokens} in the prompt, "
+            f"{max_tokens} in '{param}'); lower '{param}' or shorten the prompt",
+            param,
+            "context_length_exceeded",
         )

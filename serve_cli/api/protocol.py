@@ -8,6 +8,8 @@ which are refused when set. ``None`` means "the default".
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_N = 128
@@ -62,8 +64,23 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(BaseModel):
+    """How the conversation is rendered (vLLM's extensions): ``add_generation_prompt`` opens the
+    assistant's turn; ``continue_final_message`` instead leaves the last message open so the model
+    continues it; ``chat_template`` replaces the tokenizer's template; ``chat_template_kwargs``
+    reach the template as variables (Qwen3's ``enable_thinking``)."""
+
+    model_config = ConfigDict(extra="allow")
+
     messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     max_completion_tokens: int | None = Field(None, gt=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False  # vLLM's: the reply repeats the last message when it has the reply's role

@@ -23,6 +23,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id
     token_ids: list[int] | None = None
 
 
@@ -45,6 +46,7 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id
     token_ids: list[int] | None = None
 
 
@@ -62,6 +64,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatMessageOut
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id
     token_ids: list[int] | None = None
 
 
@@ -79,6 +82,7 @@ class ModelCard(BaseModel):
     object: str = "model"
     created: int
     owned_by: str = "xhal"
+    root: str | None = None  # vLLM's: the checkpoint served under this name
     max_model_len: int
 
 

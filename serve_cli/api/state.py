@@ -23,6 +23,12 @@ class ServerState:
     num_kv_blocks: int
     api_key: str | None = None
     created: int = 0  # unix time the server started, for /v1/models
-    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    model_root: str | None = None  # the checkpoint directory, for /v1/models
+    log_prompts: bool = False  # the request log line also shows the prompt text
+    draining: bool = False  # shutting down: new requests get a 503
     # generation_config.json's sampling defaults and the chat output limit
     defaults: RequestDefaults = field(default_factory=lambda: RequestDefaults({}))
+    metrics: ServerMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self.max_model_len)

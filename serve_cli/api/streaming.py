@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from serve_cli.api.errors import APIError, error_body
-from serve_cli.engine_client import EngineDeadError
+from serve_cli.engine_client import Unavailable
 
 logger = logging.getLogger("xhal.serve")
 
@@ -30,8 +30,8 @@ async def _events(chunks: AsyncIterator[BaseModel | dict[str, Any]]) -> AsyncIte
     except APIError as e:
         logger.warning("stream failed: %s", e.message)
         yield _data(error_body(e.status, e.message, e.param, e.code))
-    except EngineDeadError as e:
-        yield _data(error_body(503, str(e), None, "engine_dead"))
+    except Unavailable as e:  # the engine died, or the server is shutting down
+        yield _data(error_body(503, str(e), None, e.code))
     except Exception as e:  # a bug here must not leave the client hanging without [DONE]
         logger.exception("stream failed")
         yield _data(error_body(500, f"internal error: {e}", None, "internal_error"))

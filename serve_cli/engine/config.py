@@ -50,6 +50,7 @@ class EngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = True
     async_scheduling: bool | None = None
+    log_stats_interval: float = 10.0  # seconds between the engine's stats lines; 0: none
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -62,6 +63,10 @@ class EngineConfig:
         for name in ("max_model_len", "kv_cache_memory", "num_kv_blocks"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
+        if not isinstance(self.log_stats_interval, (int, float)) or self.log_stats_interval < 0:
+            raise ValueError(
+                f"log_stats_interval must be >= 0 seconds, got {self.log_stats_interval!r}"
+            )
         if self.kv_cache_memory is not None and self.num_kv_blocks is not None:
             raise ValueError("give at most one of kv_cache_memory (bytes) and num_kv_blocks")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,11 +21,14 @@ from serve_cli.engine.output import RequestOutput
 from serve_cli.engine.request import Request, RequestStatus
 from serve_cli.engine.sampling import SamplingParams, TokenLogprobs
 from serve_cli.engine.scheduler import Scheduler
+from serve_cli.histogram import Histogram
 
 if TYPE_CHECKING:
     from serve_cli.engine.runner.model_runner import LaunchedStep, SampledToken
 
 logger = logging.getLogger(__name__)
+# vLLM's buckets of its iteration-tokens histogram
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass
@@ -35,6 +39,7 @@ class _State:
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
     generator: Any  # the runner's RNG for a seeded request, else None
+    scheduled_at: float | None = None  # time.monotonic() of its first scheduled step
 
 
 @dataclass
@@ -105,6 +110,7 @@ class EngineCore:
         self._counters = dict(
             prompt_tokens_total=0, generation_tokens_total=0, num_preemptions_total=0
         )
+        self._iteration_tokens = Histogram(ITERATION_TOKEN_BUCKETS)
         logger.info(
             "engine ready: %s on %s (%s, tensor-parallel size %d, %s), KV cache %s, "
             "max_model_len %d",
@@ -228,7 +234,12 @@ class EngineCore:
         if batch is None:
             return None
         self._counters["num_preemptions_total"] += len(batch.preempted_ids)
+        self._iteration_tokens.observe(batch.num_tokens)
         step = _Step(batch, {s.request_id: self._states[s.request_id] for s in batch.requests})
+        now = time.monotonic()
+        for state in step.states.values():
+            if state.scheduled_at is None:
+                state.scheduled_at = now
         try:
             params = {rid: s.params for rid, s in step.states.items()}
             generators = {
@@ -266,6 +277,7 @@ class EngineCore:
         texts: dict[str, str] = {}
         finished: dict[str, RequestStatus] = {}
         errors: dict[str, str] = {}
+        stop_reasons: dict[str, int | str | None] = {}
         for s in sampled:
             state = self._states[s.request_id]
             try:
@@ -277,8 +289,11 @@ class EngineCore:
                 continue
             params = state.params
             eos = s.token_id in self.eos_token_ids and not params.ignore_eos
-            eos = eos or s.token_id in params.stop_token_ids
-            if eos or state.detokenizer.stopped:
+            if s.token_id in params.stop_token_ids and not eos:
+                stop_reasons[s.request_id] = s.token_id
+            elif state.detokenizer.stopped:
+                stop_reasons[s.request_id] = state.detokenizer.matched_stop
+            if eos or s.request_id in stop_reasons:
                 finished[s.request_id] = RequestStatus.FINISHED_STOPPED
         tokens = {s.request_id: s.token_id for s in sampled}
         done = {r.request_id for r in self.scheduler.advance(step.batch, tokens, finished)}
@@ -298,7 +313,10 @@ class EngineCore:
                 text += state.detokenizer.flush()
                 reason = "stop" if state.detokenizer.stopped else state.request.finish_reason
             logprobs = None if s.logprobs is None else [s.logprobs]
-            outputs.append(self._output(state, [s.token_id], text, reason, logprobs))
+            output = self._output(state, [s.token_id], text, reason, logprobs)
+            if reason == "stop":
+                output.stop_reason = stop_reasons.get(rid)
+            outputs.append(output)
         return outputs
 
     def _output(
@@ -324,11 +342,12 @@ class EngineCore:
             num_cached_tokens=request.num_cached_tokens,
             num_output_tokens=request.num_output_tokens,
             error=error,
+            scheduled_at=state.scheduled_at,
         )
 
     # introspection and the offline helper -------------------------------------------------------
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         """Gauges and counters for metrics; prefix-cache and token counts are in tokens."""
         bm = self.block_manager
         return dict(
@@ -339,6 +358,7 @@ class EngineCore:
             kv_blocks_free=bm.num_free_blocks,
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
+            iteration_tokens=self._iteration_tokens.to_dict(),
             **self._counters,
         )
 

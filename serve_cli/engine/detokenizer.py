@@ -41,6 +41,7 @@ class IncrementalDetokenizer:
         self._released = 0  # how much of _text has been handed out
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self.stopped = False
+        self.matched_stop: str | None = None  # the stop string that ended the output
 
     @property
     def output_text(self) -> str:
@@ -77,10 +78,11 @@ class IncrementalDetokenizer:
             return
         start = max(0, len(self._text) - self._max_stop + 1)  # a new match ends in the delta
         self._text += delta
-        cut = min(
-            (i for s in self.stop if (i := self._text.find(s, start)) >= 0), default=None
+        found = min(
+            ((i, s) for s in self.stop if (i := self._text.find(s, start)) >= 0), default=None
         )
-        if cut is not None:
+        if found is not None:
+            cut, self.matched_stop = found
             self._text = self._text[: max(cut, self._released)]
             self.stopped = True
 

@@ -14,7 +14,9 @@ class RequestOutput:
     ``new_token_ids`` / ``new_text`` are only what this step added (text held back because it
     might start a stop string comes in a later output). The last output of a request has
     ``finished`` true and ``finish_reason`` "stop" (EOS or a stop string), "length" (max_tokens
-    or max_model_len), "abort" or "error" (then ``error`` says what failed). ``logprobs`` has one
+    or max_model_len), "abort" or "error" (then ``error`` says what failed). ``stop_reason`` is
+    what ended a "stop" other than EOS, as vLLM reports it: the stop string, or the id of the
+    ``stop_token_ids`` token. ``logprobs`` has one
     entry per new token when the request asked for logprobs, else None. ``num_output_tokens``
     counts every token generated so far (EOS included), for usage.
     """
@@ -29,3 +31,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    stop_reason: int | str | None = None
+    scheduled_at: float | None = None  # time.monotonic() when first scheduled (for metrics)
