@@ -1,0 +1,139 @@
+"""The routed experts for a few tokens (decode at batch 1-8): every (token, expert) pair as two
+GEMVs over that expert's weights, with no sort and no padding.
+
+At batch 1 the grouped GEMM pads each expert's one row to its 16-row tile and spends its time on
+the sort and on a tile shape made for many rows; here the work is a weight stream, as in a dense
+decode GEMV. Two launches:
+
+- gate-up: one program per (pair, ``BLOCK_N`` intermediate rows) streams those gate and up rows of
+  the pair's expert against the token's hidden state and stores ``silu(gate) * up`` (``act [P, I]``);
+- down + combine: one program per (token, ``BLOCK_N`` hidden rows) loops over the token's k
+  experts, accumulating each down-projection slice times ``routing weight * act`` in float32, and
+  stores the token's output row in the input dtype. The combine is part of the loop: no atomics,
+  no partial buffer, no reduce launch, and the same bits every run.
+
+The pair index is the fastest grid dimension, so the programs that read the same weight rows of
+an expert two tokens share run side by side (the second read tends to hit L2). Products stay
+unreduced until the loop ends (one cross-lane sum per program). Grids depend only on the shapes,
+so a decode graph captures the call once per bucket and replays it with any routing.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+# up to this many pairs (8 tokens at top-8) the pair GEMVs beat the grouped GEMM at decode;
+# bench_moe's tile sweep times both paths at batches 1-16 to check the crossover
+MAX_SMALL_PAIRS = 64
+
+
+class SmallMoeConfig(NamedTuple):
+    """Tiles of the two launches: (rows, K step) for gate-up and for down."""
+
+    up_block_n: int = 8
+    up_block_k: int = 512
+    down_block_n: int = 16
+    down_block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w13_ptr, ids_ptr, act_ptr,
+    x_stride, w_stride_e, act_stride,
+    INTER: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    token = (pair // TOP_K).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < INTER
+    # w13[e]: [2I, H], gate rows first then up rows
+    gate_rows = w13_ptr + expert * w_stride_e + rows.to(tl.int64)[:, None] * HIDDEN
+    up_rows = gate_rows + INTER * HIDDEN
+    x_row = x_ptr + token * x_stride
+    gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, HIDDEN, BLOCK_K, num_stages=NUM_STAGES):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < HIDDEN
+        mask = row_mask[:, None] & k_mask[None, :]
+        x = tl.load(x_row + ks, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        gate += tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * x
+        up += tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * x
+    g = tl.sum(gate, axis=1)
+    u = tl.sum(up, axis=1)
+    act = g / (1.0 + tl.exp(-g)) * u
+    tl.store(act_ptr + pair * act_stride + rows, act.to(act_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _down_combine_kernel(
+    act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr,
+    act_stride, w_stride_e, out_stride,
+    INTER: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < HIDDEN
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for j in range(TOP_K):
+        pair = token * TOP_K + j
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        weight = tl.load(weights_ptr + pair).to(tl.float32)
+        # w2[e]: [H, I]; this program's BLOCK_N rows of it
+        w_rows = w2_ptr + expert * w_stride_e + rows.to(tl.int64)[:, None] * INTER
+        act_row = act_ptr + pair * act_stride
+        for k0 in tl.range(0, INTER, BLOCK_K, num_stages=NUM_STAGES):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < INTER
+            a = tl.load(act_row + ks, mask=k_mask, other=0.0).to(tl.float32) * weight
+            w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += w.to(tl.float32) * a[None, :]
+    out = tl.sum(acc, axis=1)
+    tl.store(out_ptr + token * out_stride + rows, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+def small_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: SmallMoeConfig | None = None,
+) -> torch.Tensor:
+    """``DeviceOps.moe_experts`` by pair GEMVs: any number of pairs is correct, but past
+    ``MAX_SMALL_PAIRS`` each expert's weights are read once per pair (the grouped GEMM reads
+    them once per step). ``x [T, H]`` with unit stride along H; ``w13``, ``w2`` contiguous;
+    ``topk_weights`` float32 and ``topk_ids`` int32 ``[T, k]``."""
+    config = config or SmallMoeConfig()
+    num_tokens, top_k = topk_ids.shape
+    _, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+    ids = ids.contiguous()
+    weights = topk_weights.float().contiguous()
+    out = x.new_empty(num_tokens, hidden)
+    if num_tokens == 0:
+        return out
+    act = x.new_empty(num_tokens * top_k, inter)  # [P, I], rounded to the input dtype as the grouped path does
+    _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, config.up_block_n))](
+        x, w13, ids, act, x.stride(0), w13.stride(0), act.stride(0),
+        INTER=inter, HIDDEN=hidden, TOP_K=top_k,
+        BLOCK_N=config.up_block_n, BLOCK_K=config.up_block_k, NUM_STAGES=config.num_stages,
+        num_warps=config.num_warps,
+    )
+    _down_combine_kernel[(num_tokens, triton.cdiv(hidden, config.down_block_n))](
+        act, w2, ids, weights, out, act.stride(0), w2.stride(0), out.stride(0),
+        INTER=inter, HIDDEN=hidden, TOP_K=top_k,
+        BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k, NUM_STAGES=config.num_stages,
+        num_warps=config.num_warps,
+    )
+    return out
