@@ -99,7 +99,7 @@ def test_fused_experts_match_reference(case, dtype, config) -> None:
 # intermediate sizes cut for the interpreter, and not multiples of the tiles, so masks are hit)
 # "ragged": row tiles past I and H and K steps past both (24 = 16 + 8, 48 = 32 + 16)
 SMALL_CASES = [(n, moe_small.SmallMoeConfig()) for n in range(1, 9)] + [
-    (n, moe_small.SmallMoeConfig(16, 32, 32, 16, num_stages=2)) for n in (1, 5)
+    (n, moe_small.SmallMoeConfig(16, 32, 32, 16, up_stages=2, down_stages=2)) for n in (1, 5)
 ]
 
 

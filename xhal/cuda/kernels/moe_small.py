@@ -39,7 +39,20 @@ class SmallMoeConfig(NamedTuple):
     down_block_n: int = 16
     down_block_k: int = 256
     num_warps: int = 4
-    num_stages: int = 3
+    up_stages: int = 3
+    # the down loop's bytes in flight are (T * H rows) x down_block_k x (stages - 1), whatever
+    # the row blocks: deeper than gate-up, whose k-times-larger grid already keeps SMs full
+    down_stages: int = 5
+
+
+def small_config(num_tokens: int, hidden: int, num_sms: int = 132) -> SmallMoeConfig:
+    """The down launch has one program per (token, row block): at batch 1 of hidden 2048, 16-row
+    blocks give fewer programs than an H200 has SMs, so narrower blocks until every SM has one.
+    The gate-up launch has k times more programs and needs no such care."""
+    block_n = 16
+    while block_n > 4 and num_tokens * triton.cdiv(hidden, block_n) < num_sms:
+        block_n //= 2
+    return SmallMoeConfig(down_block_n=block_n)
 
 
 @triton.jit
@@ -77,26 +90,26 @@ def _gate_up_kernel(
 def _down_combine_kernel(
     act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr,
     act_stride, w_stride_e, out_stride,
-    INTER: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr,
+    INTER: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, K_STEPS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < HIDDEN
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for j in range(TOP_K):
-        pair = token * TOP_K + j
+    # one flat loop over (expert j, K step), so that the load pipeline runs across the k
+    # experts instead of draining at each expert's few K steps (I = 768 is 3 steps of 256)
+    for step in tl.range(0, TOP_K * K_STEPS, num_stages=NUM_STAGES):
+        pair = token * TOP_K + step // K_STEPS
         expert = tl.load(ids_ptr + pair).to(tl.int64)
-        weight = tl.load(weights_ptr + pair).to(tl.float32)
+        weight = tl.load(weights_ptr + pair)
+        ks = (step % K_STEPS) * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = ks < INTER
+        a = tl.load(act_ptr + pair * act_stride + ks, mask=k_mask, other=0.0).to(tl.float32) * weight
         # w2[e]: [H, I]; this program's BLOCK_N rows of it
         w_rows = w2_ptr + expert * w_stride_e + rows.to(tl.int64)[:, None] * INTER
-        act_row = act_ptr + pair * act_stride
-        for k0 in tl.range(0, INTER, BLOCK_K, num_stages=NUM_STAGES):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_mask = ks < INTER
-            a = tl.load(act_row + ks, mask=k_mask, other=0.0).to(tl.float32) * weight
-            w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            acc += w.to(tl.float32) * a[None, :]
+        w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += w.to(tl.float32) * a[None, :]
     out = tl.sum(acc, axis=1)
     tl.store(out_ptr + token * out_stride + rows, out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
@@ -113,9 +126,9 @@ def small_experts(
     ``MAX_SMALL_PAIRS`` each expert's weights are read once per pair (the grouped GEMM reads
     them once per step). ``x [T, H]`` with unit stride along H; ``w13``, ``w2`` contiguous;
     ``topk_weights`` float32 and ``topk_ids`` int32 ``[T, k]``."""
-    config = config or SmallMoeConfig()
     num_tokens, top_k = topk_ids.shape
     _, two_inter, hidden = w13.shape
+    config = config or small_config(num_tokens, hidden)
     inter = two_inter // 2
     ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
     ids = ids.contiguous()
@@ -127,13 +140,13 @@ def small_experts(
     _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, config.up_block_n))](
         x, w13, ids, act, x.stride(0), w13.stride(0), act.stride(0),
         INTER=inter, HIDDEN=hidden, TOP_K=top_k,
-        BLOCK_N=config.up_block_n, BLOCK_K=config.up_block_k, NUM_STAGES=config.num_stages,
+        BLOCK_N=config.up_block_n, BLOCK_K=config.up_block_k, NUM_STAGES=config.up_stages,
         num_warps=config.num_warps,
     )
     _down_combine_kernel[(num_tokens, triton.cdiv(hidden, config.down_block_n))](
         act, w2, ids, weights, out, act.stride(0), w2.stride(0), out.stride(0),
-        INTER=inter, HIDDEN=hidden, TOP_K=top_k,
-        BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k, NUM_STAGES=config.num_stages,
+        INTER=inter, HIDDEN=hidden, TOP_K=top_k, K_STEPS=triton.cdiv(inter, config.down_block_k),
+        BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k, NUM_STAGES=config.down_stages,
         num_warps=config.num_warps,
     )
     return out
