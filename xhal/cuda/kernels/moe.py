@@ -39,9 +39,8 @@ def _route_kernel(
     top_w = tl.zeros([BLOCK_K], dtype=tl.float32)
     top_i = tl.zeros([BLOCK_K], dtype=tl.int32)
     for j in tl.static_range(K):
-        # the first maximum: the lower expert index wins a tie
-        best = tl.argmax(remaining, axis=0, tie_break_left=True)
-        value = tl.max(remaining, axis=0)
+        # the first maximum: the lower expert index wins a tie; value and index in one reduction
+        value, best = tl.max(remaining, axis=0, return_indices=True, return_indices_tie_break_left=True)
         top_w = tl.where(slots == j, value, top_w)
         top_i = tl.where(slots == j, best.to(tl.int32), top_i)
         remaining = tl.where(offs == best, -1.0, remaining)
@@ -63,6 +62,9 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
             router_logits, weights, ids, router_logits.stride(0),
             E=num_experts, K=top_k, BLOCK_E=triton.next_power_of_2(num_experts),
             BLOCK_K=max(2, triton.next_power_of_2(top_k)), RENORMALIZE=renormalize,
+            # one warp up to 512 experts: the k + 2 reductions of a token stay in warp shuffles,
+            # with no shared-memory round trip and barrier each (batch 1 pays them serially)
+            num_warps=1 if num_experts <= 512 else 4,
         )
     return weights, ids
 
