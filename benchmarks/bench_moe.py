@@ -114,13 +114,14 @@ def sweep_layers(model, batches: list[int], rate: float) -> list[dict]:
         small |= {"/".join(map(str, c)): per_layer_us(moe_small.SmallMoeConfig(*c)) for c in SMALL_SWEEP}
         default_us = per_layer_us(None)
         best_g, best_s = min(grouped, key=grouped.get), min(small, key=small.get)
-        pairs = batch * layers[0].experts.top_k
+        top_k = layers[0].experts.top_k
+        pairs = batch * top_k
         rows.append({
             "batch": batch, "experts": distinct, "floor_us": floor_us,
             "grouped_default_us": per_layer_us(kernels.default_config(pairs, w13.shape[0])),
             "grouped_best_us": grouped[best_g], "grouped_best": best_g,
             "small_heuristic_us": small["heuristic"], "small_best_us": small[best_s], "small_best": best_s,
-            "chosen": "small" if pairs <= moe_small.MAX_SMALL_PAIRS else "grouped",
+            "chosen": "small" if moe_small.use_small_path(batch, top_k, w13.shape[0]) else "grouped",
             "chosen_us": default_us, "chosen_x_floor": default_us / floor_us,
         })
         print(f"batch {batch}: grouped " + ", ".join(f"{k} {v:.1f}" for k, v in grouped.items())

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xhal.cuda.kernels.moe_small import MAX_SMALL_PAIRS, SmallMoeConfig, small_experts
+from xhal.cuda.kernels.moe_small import SmallMoeConfig, small_experts, use_small_path
 
 
 @triton.jit
@@ -294,8 +294,8 @@ def fused_experts(
     topk_ids: torch.Tensor,
     config: MoeConfig | SmallMoeConfig | None = None,
 ) -> torch.Tensor:
-    """``DeviceOps.moe_experts``. Up to ``MAX_SMALL_PAIRS`` token-expert pairs (a shape, so a
-    graph bucket's constant) the pair GEMVs of ``moe_small``; beyond, the gate-up GEMM with
+    """``DeviceOps.moe_experts``. For a few tokens (``moe_small.use_small_path``: shapes only, so
+    a graph bucket's constant) the pair GEMVs of ``moe_small``; beyond, the gate-up GEMM with
     SiLU-and-multiply in its epilogue, the down GEMM scaled by each pair's routing weight, then
     each token's k rows summed in float32. A config forces its path (benchmarks, tests)."""
     num_tokens, top_k = topk_ids.shape
@@ -304,7 +304,7 @@ def fused_experts(
         x = x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
     num_pairs = num_tokens * top_k
-    if isinstance(config, SmallMoeConfig) or (config is None and num_pairs <= MAX_SMALL_PAIRS):
+    if isinstance(config, SmallMoeConfig) or (config is None and use_small_path(num_tokens, top_k, num_experts)):
         return small_experts(x, w13, w2, topk_weights, topk_ids, config)
     config = config or default_config(num_pairs, num_experts)
     pairs = sort_pairs(topk_ids, num_experts, config.block_m)

@@ -31,6 +31,16 @@ import triton.language as tl
 MAX_SMALL_PAIRS = 64
 
 
+def use_small_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether ``fused_experts`` takes the pair GEMVs: shapes only, so one graph bucket always
+    takes the same path. The pair GEMVs read an expert once per token that picks it, the grouped
+    GEMM once per step: one token (its k experts are distinct) always; more tokens while the
+    pairs are at most half the experts, where repeats are few (uniform routing: about P / 2E of
+    the reads; Qwen3-MoE's 128 experts up to 8 tokens, Mixtral's 8 experts at top-2 up to 2)."""
+    num_pairs = num_tokens * top_k
+    return num_tokens == 1 or num_pairs <= min(MAX_SMALL_PAIRS, num_experts // 2)
+
+
 class SmallMoeConfig(NamedTuple):
     """Tiles of the two launches: (rows, K step) for gate-up and for down."""
 
