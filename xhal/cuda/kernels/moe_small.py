@@ -133,9 +133,9 @@ def small_experts(
     topk_ids: torch.Tensor,
     config: SmallMoeConfig | None = None,
 ) -> torch.Tensor:
-    """``DeviceOps.moe_experts`` by pair GEMVs: any number of pairs is correct, but past
-    ``MAX_SMALL_PAIRS`` each expert's weights are read once per pair (the grouped GEMM reads
-    them once per step). ``x [T, H]`` with unit stride along H; ``w13``, ``w2`` contiguous;
+    """``DeviceOps.moe_experts`` by pair GEMVs: right for any batch, but an expert that several
+    tokens pick is read once per pair (the grouped GEMM reads it once per step), hence
+    ``use_small_path``. ``x [T, H]`` with unit stride along H; ``w13``, ``w2`` contiguous;
     ``topk_weights`` float32 and ``topk_ids`` int32 ``[T, k]``."""
     num_tokens, top_k = topk_ids.shape
     _, two_inter, hidden = w13.shape
