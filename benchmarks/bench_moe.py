@@ -88,6 +88,8 @@ def sweep_layers(model, batches: list[int], rate: float) -> list[dict]:
     """Per-layer time of the routed experts (``fused_experts``, graph-captured over
     ``SWEEP_LAYERS`` layers, each with its own routing), grouped GEMM per tile and the pair-GEMV
     path per config, at each batch, against the bytes of the experts the batch routes to."""
+    from triton.runtime.errors import OutOfResources
+
     from xhal.cuda.kernels import moe as kernels
     from xhal.cuda.kernels import moe_small
 
@@ -107,7 +109,11 @@ def sweep_layers(model, batches: list[int], rate: float) -> list[dict]:
                 for mlp, (weights, ids) in zip(layers, routed):
                     kernels.fused_experts(x, mlp.experts.w13_weight, mlp.experts.w2_weight, weights, ids, config)
 
-            return time_graph(step) * 1e3 / len(layers)
+            try:
+                return time_graph(step) * 1e3 / len(layers)
+            except OutOfResources as exc:  # a config too big for this GPU is a result, not the end of the run
+                print(f"batch {batch}: {config} does not fit: {exc}")
+                return float("inf")
 
         grouped = {f"{m}x{n}x{k}": per_layer_us(kernels.MoeConfig(m, n, k)) for m, n, k in SWEEP}
         small = {"heuristic": per_layer_us(moe_small.small_config(batch, w13.shape[2]))}
