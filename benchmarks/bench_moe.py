@@ -7,6 +7,7 @@ the step's tokens actually route to (counted per layer from the same inputs' rou
 attention and router weights, the LM head and one embedding row per token, and the KV cache.
 
     python -m benchmarks.bench_moe [--batches 1 16 64] [--layers 48] [--hf-batches 1] [--no-hf]
+                                   [--sweep-batches 1 2 4 8 16] [--no-sweep] [--profile]
 """
 
 from __future__ import annotations
@@ -77,29 +78,60 @@ def floor_bytes(config: dict, batch: int, experts_per_layer: list[int]) -> dict[
 
 
 SWEEP = [(16, 32, 128), (16, 64, 64), (16, 64, 128), (32, 64, 64), (64, 64, 64)]  # (M, N, K) tiles
+# the small path's alternatives to its heuristic: (up rows, up K, down rows, down K, warps, up / down stages)
+SMALL_SWEEP = [(8, 512, 8, 256, 4, 3, 5), (16, 256, 16, 256, 4, 3, 5), (8, 512, 8, 512, 4, 3, 3),
+               (4, 512, 4, 256, 4, 4, 8), (16, 512, 16, 256, 8, 3, 5)]
+SWEEP_LAYERS = 4  # distinct layers per timed graph: their routed experts (300+ MB) overflow L2 as in a real step
 
 
-def sweep_layer(model, batches: list[int], rate: float) -> list[dict]:
-    """One layer's routed experts (``fused_experts``, graph-captured) per tile configuration at
-    each batch, against the bytes of the experts the batch routes to."""
+def sweep_layers(model, batches: list[int], rate: float) -> list[dict]:
+    """Per-layer time of the routed experts (``fused_experts``, graph-captured over
+    ``SWEEP_LAYERS`` layers, each with its own routing), grouped GEMM per tile and the pair-GEMV
+    path per config, at each batch, against the bytes of the experts the batch routes to."""
+    from triton.runtime.errors import OutOfResources
+
     from xhal.cuda.kernels import moe as kernels
+    from xhal.cuda.kernels import moe_small
 
-    layer = model.model.layers[0].mlp
-    w13, w2 = layer.experts.w13_weight, layer.experts.w2_weight
-    hidden = w13.shape[2]
-    per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    layers = [layer.mlp for layer in model.model.layers[:SWEEP_LAYERS]]
+    w13 = layers[0].experts.w13_weight
+    per_expert = (w13[0].numel() + layers[0].experts.w2_weight[0].numel()) * w13.element_size()
     rows = []
     for batch in batches:
         g = torch.Generator(device=w13.device).manual_seed(batch)
-        x = torch.randn(batch, hidden, device=w13.device, dtype=w13.dtype, generator=g)
-        weights, ids = kernels.route(layer.gate(x), layer.experts.top_k, layer.experts.renormalize)
-        floor_us = int(torch.unique(ids).numel()) * per_expert / rate * 1e6
-        row = {"batch": batch, "floor_us": floor_us, "default": str(kernels.default_config(ids.numel(), w13.shape[0]))}
-        for m, n, k in SWEEP:
-            config = kernels.MoeConfig(m, n, k)
-            us = time_graph(lambda config=config: kernels.fused_experts(x, w13, w2, weights, ids, config)) * 1e3
-            row[f"{m}x{n}x{k}_us"] = us
-        rows.append(row)
+        x = torch.randn(batch, w13.shape[2], device=w13.device, dtype=w13.dtype, generator=g)
+        routed = [kernels.route(mlp.gate(x), mlp.experts.top_k, mlp.experts.renormalize) for mlp in layers]
+        distinct = sum(int(torch.unique(ids).numel()) for _, ids in routed) / len(layers)
+        floor_us = distinct * per_expert / rate * 1e6
+
+        def per_layer_us(config) -> float:
+            def step() -> None:
+                for mlp, (weights, ids) in zip(layers, routed):
+                    kernels.fused_experts(x, mlp.experts.w13_weight, mlp.experts.w2_weight, weights, ids, config)
+
+            try:
+                return time_graph(step) * 1e3 / len(layers)
+            except OutOfResources as exc:  # a config too big for this GPU is a result, not the end of the run
+                print(f"batch {batch}: {config} does not fit: {exc}")
+                return float("inf")
+
+        grouped = {f"{m}x{n}x{k}": per_layer_us(kernels.MoeConfig(m, n, k)) for m, n, k in SWEEP}
+        small = {"heuristic": per_layer_us(moe_small.small_config(batch, w13.shape[2]))}
+        small |= {"/".join(map(str, c)): per_layer_us(moe_small.SmallMoeConfig(*c)) for c in SMALL_SWEEP}
+        default_us = per_layer_us(None)
+        best_g, best_s = min(grouped, key=grouped.get), min(small, key=small.get)
+        top_k = layers[0].experts.top_k
+        pairs = batch * top_k
+        rows.append({
+            "batch": batch, "experts": distinct, "floor_us": floor_us,
+            "grouped_default_us": per_layer_us(kernels.default_config(pairs, w13.shape[0])),
+            "grouped_best_us": grouped[best_g], "grouped_best": best_g,
+            "small_heuristic_us": small["heuristic"], "small_best_us": small[best_s], "small_best": best_s,
+            "chosen": "small" if moe_small.use_small_path(batch, top_k, w13.shape[0]) else "grouped",
+            "chosen_us": default_us, "chosen_x_floor": default_us / floor_us,
+        })
+        print(f"batch {batch}: grouped " + ", ".join(f"{k} {v:.1f}" for k, v in grouped.items())
+              + " us; small " + ", ".join(f"{k} {v:.1f}" for k, v in small.items()) + " us")
     return rows
 
 
@@ -147,7 +179,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=48, help="fewer layers to fit a time budget")
     parser.add_argument("--hf-batches", type=int, nargs="*", default=[1], help="transformers' batches")
     parser.add_argument("--no-hf", action="store_true")
-    parser.add_argument("--no-sweep", action="store_true", help="skip the one-layer tile sweep")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the expert path / tile sweep")
+    parser.add_argument("--sweep-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16],
+                        help="batches of the expert sweep (grouped GEMM tiles against the pair-GEMV path)")
     parser.add_argument("--profile", action="store_true", help="kernels per graph step, per batch")
     args = parser.parse_args()
     config = {**CONFIG, "num_hidden_layers": args.layers}
@@ -193,7 +227,7 @@ def main() -> None:
             profile_kernels(lambda: graph.compute_logits(graph.execute(ids, pos, meta)), f"batch {batch}")
         rows.append(row)
         print(f"batch {batch}: floor parts (GB) " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in parts.items()))
-    sweep = [] if args.no_sweep else sweep_layer(model, batches, rate)
+    sweep = [] if args.no_sweep else sweep_layers(model, sorted(args.sweep_batches), rate)
     hf_rows = []
     if not args.no_hf and args.hf_batches:
         del executors, caches, model
@@ -213,8 +247,9 @@ def main() -> None:
              f"floor = (routed experts + attention/router + LM head + KV bytes) / streaming read "
              f"{rate / 1e12:.2f} TB/s")
     if sweep:
-        print(table(sweep, "one layer's routed experts (graph-captured fused_experts) per tile M x N x K; "
-                           "floor = bytes of the experts routed to / streaming read"))
+        print(table(sweep, f"routed experts per layer (fused_experts graph-captured over {SWEEP_LAYERS} layers), "
+                           "us: grouped GEMM (best tile M x N x K) against the pair-GEMV path (best config); "
+                           "chosen = fused_experts' own pick; floor = bytes of the experts routed to / streaming read"))
     if hf_rows:
         print(table(hf_rows, "peer: transformers Qwen3MoeForCausalLM (sdpa, StaticCache, eager), same shape; "
                              "xhal_speedup = its step / xhal's pipelined graph step"))

@@ -12,7 +12,7 @@ from triton_env import DEVICE, INTERPRETED  # sets TRITON_INTERPRET first
 
 from conformance_tests import moe_reference as ref  # noqa: E402
 from conformance_tests.test_moe import expert_weights, separated_logits, tokens  # noqa: E402
-from xhal.cuda.kernels import moe  # noqa: E402
+from xhal.cuda.kernels import moe, moe_small  # noqa: E402
 
 TOL = ref.EXPERTS_TOLERANCE
 
@@ -95,13 +95,70 @@ def test_fused_experts_match_reference(case, dtype, config) -> None:
     assert ref.max_error(out, expected) <= TOL[dtype]
 
 
-def test_triton_moe_passes_the_moe_family_interpreted(tmp_path) -> None:
-    """The whole moe family (graphs with changing inputs included) on the Triton kernels."""
+# the pair-GEMV path for decode batches: 1..8 tokens at top-8 of 128 experts (hidden and
+# intermediate sizes cut for the interpreter, and not multiples of the tiles, so masks are hit)
+# "ragged": row tiles past I and H and K steps past both (24 = 16 + 8, 48 = 32 + 16)
+SMALL_CASES = [(n, moe_small.SmallMoeConfig()) for n in range(1, 9)] + [
+    (n, moe_small.SmallMoeConfig(16, 32, 32, 16, up_stages=2, down_stages=2)) for n in (1, 5)
+]
+
+
+@pytest.mark.parametrize("num_tokens,config", SMALL_CASES, ids=[f"{n}-{c.up_block_k}" for n, c in SMALL_CASES])
+def test_small_experts_match_float64(num_tokens, config) -> None:
+    num_experts, top_k, hidden, inter = 128, 8, 48, 24
+    weights, ids = ref.route(separated_logits(num_tokens, num_experts, seed=num_tokens), top_k, True)
+    x = tokens(num_tokens, hidden, torch.float32, DEVICE, seed=5)
+    w13, w2 = expert_weights(num_experts, hidden, inter, torch.float32, DEVICE, seed=6)
+    out = moe_small.small_experts(x, w13, w2, weights.float().to(DEVICE), ids.to(DEVICE, torch.int32), config)
+    expected = ref.experts(x, w13, w2, weights.float(), ids)
+    assert out.dtype == torch.float32 and out.shape == (num_tokens, hidden)
+    assert ref.max_error(out, expected) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_small_experts_share_experts_across_tokens(dtype) -> None:
+    """Eight tokens over four experts: every expert serves several tokens, each pair on its own
+    (forced: by default this many repeats take the grouped GEMM)."""
+    num_tokens, num_experts, top_k, hidden, inter = 8, 16, 4, 64, 48
+    logits = separated_logits(num_tokens, num_experts, seed=7, allowed=[2, 5, 6, 11])
+    weights, ids = ref.route(logits, top_k, False)
+    x = tokens(num_tokens, hidden, dtype, DEVICE, seed=8)
+    w13, w2 = expert_weights(num_experts, hidden, inter, dtype, DEVICE, seed=9)
+    out = moe.fused_experts(
+        x, w13, w2, weights.float().to(DEVICE), ids.to(DEVICE, torch.int32), moe_small.SmallMoeConfig()
+    )
+    assert out.dtype == dtype
+    assert ref.max_error(out, ref.experts(x, w13, w2, weights.float(), ids)) <= TOL[dtype]
+
+
+@pytest.mark.parametrize(
+    "num_tokens,top_k,num_experts,small",
+    [(1, 8, 128, True), (8, 8, 128, True), (9, 8, 128, False), (1, 2, 8, True), (2, 2, 8, True),
+     (4, 2, 8, False), (1, 6, 6, True), (2, 6, 6, False)],
+)
+def test_small_path_only_where_experts_rarely_repeat(num_tokens, top_k, num_experts, small) -> None:
+    """One token's experts are distinct; several tokens take the pair GEMVs only while their pairs
+    are at most half the experts (Qwen3-MoE's 128 up to 8 tokens, Mixtral's 8 up to 2)."""
+    assert moe_small.use_small_path(num_tokens, top_k, num_experts) is small
+
+
+def test_small_experts_of_no_token() -> None:
+    w13, w2 = expert_weights(4, 32, 16, torch.float32, DEVICE, seed=1)
+    out = moe_small.small_experts(
+        torch.empty(0, 32, device=DEVICE), w13, w2,
+        torch.empty(0, 2, device=DEVICE), torch.empty(0, 2, dtype=torch.int32, device=DEVICE),
+    )
+    assert out.shape == (0, 32)
+
+
+@pytest.mark.parametrize("device", ["cuda-moe-interpreted", "cuda-moe-small-interpreted"], ids=["by-shape", "pair-gemv"])
+def test_triton_moe_passes_the_moe_family_interpreted(device, tmp_path) -> None:
+    """The whole moe family (graphs with changing inputs included) on the Triton kernels: with
+    the path chosen by shape, and with the pair GEMVs forced onto every case of up to 64 tokens."""
     from conformance_run import explain, run_conformance
 
     proc, report = run_conformance(
-        "cuda-moe-interpreted", "tests.triton_moe_interpreted_platform", tmp_path / "r.json",
-        ("moe",), TRITON_INTERPRET="1",
+        device, "tests.triton_moe_interpreted_platform", tmp_path / "r.json", ("moe",), TRITON_INTERPRET="1",
     )
     assert proc.returncode == 0, explain(proc)
     fam = report["families"]["moe"]

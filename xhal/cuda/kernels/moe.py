@@ -1,5 +1,6 @@
 """Fused mixture of experts in Triton: softmax top-k routing, then the routed experts as two
-grouped GEMMs over token-expert pairs sorted by expert.
+grouped GEMMs over token-expert pairs sorted by expert (a few tokens take the pair GEMVs of
+``moe_small`` instead: no sort, no padding).
 
 The pairs (token t, its j-th expert) are sorted by expert and each expert's run is padded to a
 multiple of ``BLOCK_M``, so that every block of ``BLOCK_M`` sorted rows belongs to one expert and a
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from xhal.cuda.kernels.moe_small import SmallMoeConfig, small_experts, use_small_path
 
 
 @triton.jit
@@ -36,9 +39,8 @@ def _route_kernel(
     top_w = tl.zeros([BLOCK_K], dtype=tl.float32)
     top_i = tl.zeros([BLOCK_K], dtype=tl.int32)
     for j in tl.static_range(K):
-        # the first maximum: the lower expert index wins a tie
-        best = tl.argmax(remaining, axis=0, tie_break_left=True)
-        value = tl.max(remaining, axis=0)
+        # the first maximum: the lower expert index wins a tie; value and index in one reduction
+        value, best = tl.max(remaining, axis=0, return_indices=True, return_indices_tie_break_left=True)
         top_w = tl.where(slots == j, value, top_w)
         top_i = tl.where(slots == j, best.to(tl.int32), top_i)
         remaining = tl.where(offs == best, -1.0, remaining)
@@ -60,6 +62,9 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
             router_logits, weights, ids, router_logits.stride(0),
             E=num_experts, K=top_k, BLOCK_E=triton.next_power_of_2(num_experts),
             BLOCK_K=max(2, triton.next_power_of_2(top_k)), RENORMALIZE=renormalize,
+            # one warp up to 512 experts: the k + 2 reductions of a token stay in warp shuffles,
+            # with no shared-memory round trip and barrier each (batch 1 pays them serially)
+            num_warps=1 if num_experts <= 512 else 4,
         )
     return weights, ids
 
@@ -262,26 +267,54 @@ def _grouped_gemm(
     )
 
 
+@triton.jit
+def _combine_kernel(
+    down_ptr, out_ptr, out_stride,
+    HIDDEN: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # out[t] = sum_j down[t * k + j] in float32, in a fixed order, cast once: one launch where a
+    # torch sum and a dtype copy took two
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < HIDDEN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(down_ptr + (token * TOP_K + j) * HIDDEN + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + token * out_stride + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_COMBINE_BLOCK = 1024
+
+
 def fused_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    config: MoeConfig | None = None,
+    config: MoeConfig | SmallMoeConfig | None = None,
 ) -> torch.Tensor:
-    """``DeviceOps.moe_experts``: the gate-up GEMM with SiLU-and-multiply in its epilogue, the
-    down GEMM scaled by each pair's routing weight, then each token's k rows summed in float32."""
+    """``DeviceOps.moe_experts``. For a few tokens (``moe_small.use_small_path``: shapes only, so
+    a graph bucket's constant) the pair GEMVs of ``moe_small``; beyond, the gate-up GEMM with
+    SiLU-and-multiply in its epilogue, the down GEMM scaled by each pair's routing weight, then
+    each token's k rows summed in float32. A config forces its path (benchmarks, tests)."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
     num_pairs = num_tokens * top_k
+    if isinstance(config, SmallMoeConfig) or (config is None and use_small_path(num_tokens, top_k, num_experts)):
+        return small_experts(x, w13, w2, topk_weights, topk_ids, config)
     config = config or default_config(num_pairs, num_experts)
     pairs = sort_pairs(topk_ids, num_experts, config.block_m)
     act = x.new_empty(num_pairs, two_inter // 2)  # [P, I]
     _grouped_gemm(x, w13, act, pairs, top_k, None, config, gated=True)
     down = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)  # [P, H]
     _grouped_gemm(act, w2, down, pairs, 1, topk_weights.reshape(-1).float().contiguous(), config)
-    return down.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+    out = x.new_empty(num_tokens, hidden)
+    if num_tokens:
+        _combine_kernel[(num_tokens, triton.cdiv(hidden, _COMBINE_BLOCK))](
+            down, out, out.stride(0), HIDDEN=hidden, TOP_K=top_k, BLOCK=_COMBINE_BLOCK,
+        )
+    return out
