@@ -48,6 +48,10 @@ def model(tiny_dir: Path, tmp_path: Path) -> Callable[..., Path]:
 
 
 def serve(*args: str) -> subprocess.CompletedProcess:
+    if "--port" not in args:  # a free port, so that a server left on 8000 does not answer first
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            args = (*args, "--port", str(s.getsockname()[1]))
     command = [sys.executable, "-m", "serve_cli", *args]
     # generous: the answer is expected in about a second, but CI machines are loaded
     return subprocess.run(command, capture_output=True, text=True, timeout=300)

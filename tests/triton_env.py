@@ -26,7 +26,14 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> 
     # within one unit in the last place at the output's largest magnitude: fp32 accumulation
     # plus the final rounding; a missed or doubled K tile is off by whole units
     err = (out.double() - ref).abs().max().item()
-    assert err <= TOL[dtype] * ref.abs().max().item(), err
+    tol = TOL[dtype]
+    if INTERPRETED and dtype == torch.bfloat16:
+        # Triton 3.6's interpreter truncates float32 -> bfloat16 instead of rounding to nearest
+        # (half of 4096 random values differ), so a kernel that rounds an intermediate to bf16
+        # (the residual of fused add+RMSNorm) is one more unit off there; compiled on the GPU
+        # the conformance ops family holds the same kernels to 1 ulp
+        tol *= 2
+    assert err <= tol * ref.abs().max().item(), err
 
 
 @triton.jit

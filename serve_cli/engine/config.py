@@ -98,7 +98,14 @@ def _platform_attribute(device: str, name: str):
     import xhal.platforms
     from xhal.interfaces.platform import Platform
 
-    return getattr(xhal.platforms.platform_class(device.split(":")[0]), name, getattr(Platform, name))
+    try:
+        cls = xhal.platforms.platform_class(device.split(":")[0])
+    except KeyError:
+        known = ", ".join(xhal.platforms.names())
+        raise ValueError(
+            f"unknown device {device!r}; the registered platforms are: {known}"
+        ) from None
+    return getattr(cls, name, getattr(Platform, name))
 
 
 def _check_positive(name: str, value: object) -> None:
