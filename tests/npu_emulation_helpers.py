@@ -1,4 +1,4 @@
-"""Shared by the tests of the torch_npu emulation: the per-test ``emulated_npu`` fixture, random
+"""Shared by the tests of the torch_npu emulation: the per-test ``emulated_npu`` and ``emulated_npu_platform`` fixtures, random
 paged batches, the FIA call as vllm-ascend makes it, and the float64 reference to check it against.
 
 The reference is independent of the emulation: dense attention over K/V gathered per sequence by its
@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
 import torch
 from npu_emulation import install, is_installed, reset_state, uninstall
 from npu_emulation.wheel import WheelUnavailable, wheel_files
+
+import xhal
 
 
 def require_wheel() -> None:
@@ -50,6 +53,21 @@ def assert_calls_bound_and_checked(counts: dict, where: str) -> None:
 BF16 = torch.bfloat16
 MASK = torch.triu(torch.ones(2048, 2048), diagonal=1).to(torch.int8)
 TOL = 2e-2  # bf16 output rounding against a float64 reference
+
+
+@pytest.fixture
+def emulated_npu_platform() -> Iterator[xhal.interfaces.Platform]:
+    """The emulated NPU platform, its ops serving "cpu" for one test; uninstalled after (and the
+    real platform registered under "npu" again)."""
+    from npu_emulation.plugin import EmulatedNpuPlatform
+
+    platform = EmulatedNpuPlatform(activate_ops=False)
+    try:
+        with xhal.ops.using("cpu", platform.ops):
+            yield platform
+    finally:
+        uninstall()
+        xhal.platforms.register("npu", "xhal.npu.platform:NpuPlatform", replace=True)
 
 
 @pytest.fixture

@@ -6,12 +6,14 @@ against the CPU reference)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from npu_emulation_helpers import require_wheel  # noqa: F401  (skips without the torch-npu wheel)
+from npu_emulation_helpers import (
+    emulated_npu_platform,
+    require_wheel,  # noqa: F401  (skips without the torch-npu wheel)
+)
 from paged_host import PagedHost
 
 import xhal
@@ -19,19 +21,7 @@ import xhal
 BLOCK_SIZE = 128
 
 
-@pytest.fixture
-def npu() -> Iterator[xhal.interfaces.Platform]:
-    """The emulated NPU platform, its ops serving "cpu" for one test; uninstalled after."""
-    from npu_emulation import uninstall
-    from npu_emulation.plugin import EmulatedNpuPlatform
-
-    platform = EmulatedNpuPlatform(activate_ops=False)
-    try:
-        with xhal.ops.using("cpu", platform.ops):
-            yield platform
-    finally:
-        uninstall()
-        xhal.platforms.register("npu", "xhal.npu.platform:NpuPlatform", replace=True)
+npu = emulated_npu_platform  # the fixture, under the name the tests take
 
 
 def test_init_routing_follows_the_documented_example(npu) -> None:

@@ -10,17 +10,16 @@ tensors):
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 from pathlib import Path
 
 import pytest
 import torch
 from conformance_run import REPO, explain, run_conformance
 from npu_emulation.registry import read_counts
-from npu_emulation_helpers import assert_calls_bound_and_checked
+from npu_emulation_helpers import assert_calls_bound_and_checked, emulated_npu_platform
 from paged_host import PagedHost
 
-import xhal
 from xhal.interfaces import AttentionSpec, BatchKind, LayerCache
 
 PLUGIN = "tests.npu_emulation.plugin"
@@ -49,19 +48,7 @@ def test_conformance_passes_every_family(tmp_path: Path) -> None:
 # the platform in this process -----------------------------------------------------------------
 
 
-@pytest.fixture
-def npu() -> Iterator[xhal.interfaces.Platform]:
-    """The emulated NPU platform, its ops serving "cpu" for one test; uninstalled after."""
-    from npu_emulation import uninstall
-    from npu_emulation.plugin import EmulatedNpuPlatform
-
-    platform = EmulatedNpuPlatform(activate_ops=False)
-    try:
-        with xhal.ops.using("cpu", platform.ops):
-            yield platform
-    finally:
-        uninstall()
-        xhal.platforms.register("npu", "xhal.npu.platform:NpuPlatform", replace=True)
+npu = emulated_npu_platform  # the fixture, under the name the tests take
 
 
 class _WithoutReplayUpdate:
