@@ -49,13 +49,10 @@ def _rank(rank: int, model_dir: str, init: str, result_dir: str, enforce_eager: 
     os._exit(0)
 
 
-@pytest.mark.parametrize(
-    ("name", "enforce_eager"), [("llama_gqa", True), ("qwen3", True), ("llama_gqa", False)],
-    ids=["llama-eager", "qwen3-eager", "llama-graphs"],
-)
-def test_tp2_matches_tp1(checkpoint_factory, name, enforce_eager):
-    """With graphs, the all-reduces are captured inside the decode and piecewise graphs."""
-    model_dir = str(checkpoint_factory(name))
+def tp2_matches_tp1(model_dir: str, enforce_eager: bool) -> tuple[dict[str, tuple], list[dict]]:
+    """Run the steps at TP=1 in this process and at TP=2 over a real 2-process gloo group; assert
+    each rank's logits equal TP=1's within 1e-5 relative. Returns TP=1's parameter shapes and
+    each rank's results (its logits and parameter shapes)."""
     single, full_shapes = run_steps(model_dir, TensorParallel(0, 1), xhal.platforms.get("cpu").collective(None))
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{tmp}/rendezvous"
@@ -64,6 +61,17 @@ def test_tp2_matches_tp1(checkpoint_factory, name, enforce_eager):
     for r in results:
         rel = float((r["logits"] - single).abs().max() / single.abs().max())
         assert rel < 1e-5, f"TP=2 logits differ from TP=1 by {rel:.2e} relative"
+    return full_shapes, results
+
+
+@pytest.mark.parametrize(
+    ("name", "enforce_eager"), [("llama_gqa", True), ("qwen3", True), ("llama_gqa", False)],
+    ids=["llama-eager", "qwen3-eager", "llama-graphs"],
+)
+def test_tp2_matches_tp1(checkpoint_factory, name, enforce_eager):
+    """With graphs, the all-reduces are captured inside the decode and piecewise graphs."""
+    full_shapes, results = tp2_matches_tp1(str(checkpoint_factory(name)), enforce_eager)
+    for r in results:
         for name_, shape in r["shapes"].items():
             if name_.endswith(SHARDED):
                 assert shape[0] * 2 == full_shapes[name_][0] or shape[1] * 2 == full_shapes[name_][1], name_
