@@ -1,9 +1,11 @@
-"""A stand-in for ``EngineClient`` that answers from a script, for in-process tests of the API."""
+"""A stand-in for ``EngineClient`` that answers from a script, and ``call`` to send one request to
+the app in process, for in-process tests of the API."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 
 class ScriptedEngine:
@@ -67,3 +69,15 @@ class ScriptedEngine:
                 "num_waiting": 1, "prompt_tokens_total": 50, "generation_tokens_total": 7,
                 "prefix_cache_queries": 40, "prefix_cache_hits": 10, "num_preemptions_total": 3,
                 "iteration_tokens": iteration.to_dict()}  # fmt: skip
+
+
+def call(app: Any, method: str, path: str, body: Any = None) -> Any:
+    """One request to the ASGI ``app`` in this process (no server, no port): its ``httpx`` response."""
+    import httpx
+
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            return await c.request(method, path, json=body)
+
+    return asyncio.run(go())

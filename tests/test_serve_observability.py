@@ -4,14 +4,13 @@ imply; one log line per request, without the prompt unless asked; the periodic s
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
-from scripted_engine import ScriptedEngine
+from scripted_engine import ScriptedEngine, call
 from tiny_server import tiny_tokenizer
 
 httpx = pytest.importorskip("httpx")
@@ -31,15 +30,6 @@ def make_app(log_prompts: bool = False) -> Any:
         block_size=16, num_kv_blocks=4, log_prompts=log_prompts,
     )  # fmt: skip
     return build_app(state)
-
-
-def call(app: Any, method: str, path: str, body: Any = None) -> httpx.Response:
-    async def go() -> httpx.Response:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
-            return await c.request(method, path, json=body)
-
-    return asyncio.run(go())
 
 
 def mapping() -> list[tuple[str, str, str]]:

@@ -7,13 +7,12 @@ one answer 400 naming themselves; a wrong model is 404; ``/tokenize`` equals the
 
 from __future__ import annotations
 
-import asyncio
 import json
 from importlib import metadata
 from typing import Any
 
 import pytest
-from scripted_engine import ScriptedEngine
+from scripted_engine import ScriptedEngine, call
 from tiny_server import TINY_MODEL_NAME as MODEL
 from tiny_server import tiny_tokenizer
 
@@ -44,15 +43,6 @@ def app(tokenizer: Any):
     application = build_app(state)
     application.state.engine = engine
     return application
-
-
-def call(app: Any, method: str, path: str, body: Any = None) -> httpx.Response:
-    async def go() -> httpx.Response:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
-            return await c.request(method, path, json=body)
-
-    return asyncio.run(go())
 
 
 def events(response: httpx.Response) -> list[Any]:
