@@ -6,28 +6,12 @@ rest get none); both inside a captured graph whose inputs change before replay."
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
 from conformance_tests import moe_reference as ref
+from conformance_tests.ops_family import _platform_ops_active, pytest_generate_tests  # noqa: F401
 from xhal import ops
-
-
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "dtype" in metafunc.fixturenames:  # every dtype the platform declares for its ops
-        import xhal
-
-        dtypes = xhal.platforms.get(metafunc.config.getoption("--device")).capabilities.ops_dtypes
-        metafunc.parametrize("dtype", dtypes, ids=[str(d).removeprefix("torch.") for d in dtypes])
-
-
-@pytest.fixture(autouse=True)
-def _platform_ops_active(platform) -> Iterator[None]:
-    # an emulated platform on CPU tensors must serve "cpu" itself, not the reference it shadows
-    with ops.using(platform.device_type, platform.ops):
-        yield
 
 
 def separated_logits(

@@ -3,32 +3,15 @@ references (``ops_reference``), for each declared dtype; sampling semantics; tra
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from conformance_tests import ops_reference as ref
 from conformance_tests.coverage import dtype_name
+from conformance_tests.ops_family import _platform_ops_active, pytest_generate_tests  # noqa: F401
 from conformance_tests.tolerances import tolerance
 from xhal import ops
-
-
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    # "dtype" runs over every dtype the platform under test declares for its ops
-    if "dtype" in metafunc.fixturenames:
-        import xhal
-
-        dtypes = xhal.platforms.get(metafunc.config.getoption("--device")).capabilities.ops_dtypes
-        metafunc.parametrize("dtype", dtypes, ids=[str(d).removeprefix("torch.") for d in dtypes])
-
-
-@pytest.fixture(autouse=True)
-def _platform_ops_active(platform) -> Iterator[None]:
-    # an emulated platform on CPU tensors must serve "cpu" itself, not the reference it shadows
-    with ops.using(platform.device_type, platform.ops):
-        yield
 
 
 def rand(
