@@ -37,7 +37,7 @@ def run(platform_name: str, batch: int, q_len: int, ctx: int, tensor_cores: bool
     spec = AttentionSpec(HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, BLOCK)
     backend = platform.attention_backend(spec)
     if tensor_cores is not None:  # the same backend with FlashInfer's other decode kernel
-        from xhal.cuda.attention import FlashInferAttention
+        from xhal.platforms.cuda.attention import FlashInferAttention
 
         backend = FlashInferAttention(spec, backend.workspace, use_tensor_cores=tensor_cores)
     num_blocks = batch * -(-ctx // BLOCK) + 8
@@ -50,7 +50,7 @@ def run(platform_name: str, batch: int, q_len: int, ctx: int, tensor_cores: bool
     q = torch.randn(t, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
     k = torch.randn(t, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
     v = torch.randn_like(k)
-    fn = lambda: backend.forward(0, q, k, v)  # noqa: E731
+    fn = lambda: backend.forward(0, q, k, v)
     # decode runs inside CUDA graphs when served, so time it there: launch overhead excluded
     return time_graph(fn) if q_len == 1 else time_cuda(fn)
 

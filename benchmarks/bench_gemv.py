@@ -77,7 +77,7 @@ def candidates(M: int, N: int, K: int, num_sms: int) -> list[tuple[int, int, int
     split by ``gemv_split_k``. Every one compiles for sm_90 without register spills."""
     import triton
 
-    from xhal.cuda.kernels.gemv import MAX_CORE_M, GemvConfig, gemv_config, gemv_split_k
+    from xhal.platforms.cuda.kernels.gemv import MAX_CORE_M, GemvConfig, gemv_config, gemv_split_k
 
     heuristic = gemv_config(M, N, K, num_sms)
     if M > MAX_CORE_M:  # tensor cores: weight tiles of 32-128 rows x 64-256, split or not
@@ -123,16 +123,16 @@ def run_case(
     ``sweep`` every candidate config timed. Returns the row and the sweep's rows, fastest first."""
     from triton.runtime.errors import OutOfResources
 
-    from xhal.cuda.kernels.gemv import gemv, gemv_config
+    from xhal.platforms.cuda.kernels.gemv import gemv, gemv_config
 
     N, K = weights[0].shape
     weight_bytes = weights[0].numel() * weights[0].element_size()
     x = torch.randn(M, K, dtype=weights[0].dtype, device=setup.device)
     ref = F.linear(x.float(), weights[0].float())
-    err = lambda out: (out.float() - ref).abs().max().item()  # noqa: E731
+    err = lambda out: (out.float() - ref).abs().max().item()
     err_cublas = err(F.linear(x, weights[0]))
     tol = max(2 * err_cublas, 2**-7 * ref.abs().max().item())  # a bf16 ulp at the largest output
-    rate = lambda us: weight_bytes / (us * 1e-6)  # noqa: E731
+    rate = lambda us: weight_bytes / (us * 1e-6)
     config = gemv_config(M, N, K, setup.num_sms)
     err_gemv = err(gemv(x, weights[0], config=config))  # also compiles, outside any capture
 

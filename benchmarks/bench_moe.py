@@ -90,8 +90,8 @@ def sweep_layers(model, batches: list[int], rate: float) -> list[dict]:
     path per config, at each batch, against the bytes of the experts the batch routes to."""
     from triton.runtime.errors import OutOfResources
 
-    from xhal.cuda.kernels import moe as kernels
-    from xhal.cuda.kernels import moe_small
+    from xhal.platforms.cuda.kernels import moe as kernels
+    from xhal.platforms.cuda.kernels import moe_small
 
     layers = [layer.mlp for layer in model.model.layers[:SWEEP_LAYERS]]
     w13 = layers[0].experts.w13_weight
@@ -212,7 +212,7 @@ def main() -> None:
         row = {"batch": batch, "experts/layer": sum(per_layer) / len(per_layer),
                "floor_GB": sum(parts.values()) / 1e9, "floor_ms": floor_ms}
         for eager, ex in executors.items():
-            step = lambda ex=ex: ex.compute_logits(ex.execute(ids, pos, meta))  # noqa: E731
+            step = lambda ex=ex: ex.compute_logits(ex.execute(ids, pos, meta))
             ms = time_cuda(step, iters=10 if eager else 30, warmup=2)
             key = "eager" if eager else "graph"
             row[f"{key}_ms"], row[f"{key}_x_floor"] = ms, ms / floor_ms

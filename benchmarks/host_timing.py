@@ -81,8 +81,8 @@ def host_breakdown(executor: ModelExecutor, ids, pos, meta, iters: int = 50, mod
 
 def _timed_calls() -> list[tuple[object, str, str]]:
     """(owner, attribute, label) of every call a graph decode step makes that may cost host time."""
-    from xhal.cuda import attention as cuda_attention
     from xhal.executor.decode_graph import DecodeGraphs
+    from xhal.platforms.cuda.flashinfer_decode_bucket import DecodeBucket
 
     return [
         (torch, "_foreach_copy_", "torch._foreach_copy_"),
@@ -94,8 +94,8 @@ def _timed_calls() -> list[tuple[object, str, str]]:
         (torch.cuda.Event, "record", "Event.record"),
         (torch.cuda.Event, "synchronize", "Event.synchronize"),
         (torch.cuda.CUDAGraph, "replay", "CUDAGraph.replay"),
-        (cuda_attention._DecodeBucket, "plan", "FlashInfer bucket plan (numpy)"),
-        (cuda_attention._DecodeBucket, "_schedule", "FlashInfer scheduler (C++)"),
+        (DecodeBucket, "plan", "FlashInfer bucket plan (numpy)"),
+        (DecodeBucket, "_schedule", "FlashInfer scheduler (C++)"),
         (DecodeGraphs, "_padded_metadata", "DecodeGraphs._padded_metadata"),
     ]
 

@@ -26,7 +26,7 @@ from conformance_tests.adapter_cases import (
     lengths_view,
     xllm_view,
 )
-from xhal.adapter import from_xllm
+from xhal.adapter.from_xllm import from_xllm
 from xhal.interfaces.metadata import BatchKind
 
 

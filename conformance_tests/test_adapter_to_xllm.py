@@ -23,7 +23,8 @@ from conformance_tests.adapter_cases import (
     assert_normalized,
     cum,
 )
-from xhal.adapter import from_xllm, to_xllm
+from xhal.adapter.from_xllm import from_xllm
+from xhal.adapter.to_xllm import to_xllm
 from xhal.interfaces.metadata import BatchKind
 
 

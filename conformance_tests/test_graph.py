@@ -357,3 +357,23 @@ def test_decode_steps_within_pages(platform, device, record_error, case):
         worst = max(worst, reference.check_layers(outs, inputs, before, caches, batch, spec))
     record_error(worst)
     assert worst <= tol, f"max abs error {worst:.3e} > tolerance {tol:.1e} for {spec}"
+
+
+def test_graph_key_reads_the_persistent_tensors(platform, device, record_error, case):
+    """The graph-key policy of ``AttentionBackend``: a captured bucket reads the persistent
+    metadata tensors in place, so a plan for its key with other device tensors (equal shapes and
+    values) is refused with a ``ValueError``, and the persistent tensors, rewritten in place,
+    still replay right afterwards."""
+    dtype = case.dtype
+    case = DecodeCase(platform, device, case, f"graph key policy {case.id}")
+    spec, caches, tol = case.spec, case.caches, tolerance("attention", dtype)
+    batch, _ = case.bucket(BUCKET)
+    staged = case.staged(batch.metadata)
+    moved = dataclasses.replace(staged, **{name: t.clone() for name, t in case.persistent.items()})
+    with pytest.raises(ValueError):
+        case.backend.plan(moved, graph_key=KEY)
+    inputs, before = case.qkv(BUCKET), reference.snapshot(caches)
+    outs = case.replay(batch, inputs)
+    worst = reference.check_layers(outs, inputs, before, caches, batch, spec)
+    record_error(worst)
+    assert worst <= tol, f"max abs error {worst:.3e} > tolerance {tol:.1e} for {spec}"

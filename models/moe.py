@@ -16,7 +16,7 @@ from torch import nn
 
 from models import config as cfg
 from models.weights import StackedExperts
-from xhal.forward_context import get_forward_context
+from xhal.interfaces.forward_context import get_forward_context
 from xhal.layers import (
     FusedMoE,
     MergedColumnParallelLinear,

@@ -7,7 +7,7 @@ from typing import Any
 from torch import nn
 
 from models import config as cfg
-from xhal.registry import Registry, lazy
+from xhal.platforms.registry import Registry, lazy
 
 _models: Registry[Any] = Registry("model architecture")
 for _arch, _target in {

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from xhal import platforms
-from xhal.cpu_ref.ops import CpuOps
-from xhal.cpu_ref.platform import CpuPlatform
+from xhal.platforms.cpu_ref.ops import CpuOps
+from xhal.platforms.cpu_ref.platform import CpuPlatform
 
 BLOCK = 16
 

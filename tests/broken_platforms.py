@@ -27,13 +27,13 @@ import torch
 import torch.distributed as dist
 
 from xhal import platforms
-from xhal.cpu_ref.attention import CpuAttention
-from xhal.cpu_ref.collective import GlooCollective
-from xhal.cpu_ref.graph import CpuGraphRunner
-from xhal.cpu_ref.kernels.paged import gather_sequence
-from xhal.cpu_ref.platform import CpuPlatform
 from xhal.interfaces.attention import AttentionSpec
 from xhal.interfaces.collective import Collective
+from xhal.platforms.cpu_ref.attention import CpuAttention
+from xhal.platforms.cpu_ref.collective import GlooCollective
+from xhal.platforms.cpu_ref.graph import CpuGraphRunner
+from xhal.platforms.cpu_ref.kernels.paged_attention import gather_sequence
+from xhal.platforms.cpu_ref.platform import CpuPlatform
 
 # Kernels -------------------------------------------------------------------------------------
 

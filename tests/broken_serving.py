@@ -28,14 +28,14 @@ import torch
 import torch.distributed as dist
 
 from xhal import platforms
-from xhal.cpu_ref.attention import CpuAttention
-from xhal.cpu_ref.collective import GlooCollective
-from xhal.cpu_ref.kernels.paged import attend, gather_sequence
-from xhal.cpu_ref.ops import CpuOps
-from xhal.cpu_ref.platform import CpuPlatform
 from xhal.interfaces.attention import AttentionSpec
 from xhal.interfaces.collective import Collective
 from xhal.interfaces.metadata import AttentionMetadata
+from xhal.platforms.cpu_ref.attention import CpuAttention
+from xhal.platforms.cpu_ref.collective import GlooCollective
+from xhal.platforms.cpu_ref.kernels.paged_attention import attend, gather_sequence
+from xhal.platforms.cpu_ref.ops import CpuOps
+from xhal.platforms.cpu_ref.platform import CpuPlatform
 
 SPLIT = 512  # keys per split of the split-KV kernel
 

@@ -67,7 +67,7 @@ def emulated_npu_platform() -> Iterator[xhal.interfaces.Platform]:
             yield platform
     finally:
         uninstall()
-        xhal.platforms.register("npu", "xhal.npu.platform:NpuPlatform", replace=True)
+        xhal.platforms.register("npu", "xhal.platforms.npu.platform:NpuPlatform", replace=True)
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from xhal.align_cli import main
+from xhal.tools.align_cli import main
 
 pytest.importorskip("transformers")
 

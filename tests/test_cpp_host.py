@@ -96,7 +96,7 @@ def python_greedy(
     host's path (xhal.adapter.to_xllm) with its own block assignment; argmax in torch."""
     from models.loader import load_model
     from xhal import platforms
-    from xhal.adapter import to_xllm
+    from xhal.adapter.to_xllm import to_xllm
     from xhal.executor import ExecutorConfig, ModelExecutor
 
     platform = platforms.get("cpu")

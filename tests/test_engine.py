@@ -13,8 +13,8 @@ from serve_cli.engine.block_manager import BlockManager
 from serve_cli.engine.config import EngineConfig
 from serve_cli.engine.core import EngineCore
 from serve_cli.engine.errors import ParamError
-from serve_cli.engine.runner.input_builder import InputBuilder
 from serve_cli.engine.request import Request
+from serve_cli.engine.runner.input_builder import InputBuilder
 from serve_cli.engine.sampling import SamplingParams
 from serve_cli.engine.scheduler import Scheduler
 
@@ -217,7 +217,7 @@ def test_seeded_sampling_is_reproducible_in_any_batch(engine: EngineCore) -> Non
 
 def test_logprobs_are_log_softmax_of_the_logits(engine: EngineCore, llama_gqa_dir: Path) -> None:
     from models import load_model
-    from xhal.align import xhal_prefill
+    from xhal.tools.align import xhal_prefill
 
     prompt = _prompts([11], seed=6)[0]
     params = SamplingParams(max_tokens=3, temperature=0, logprobs=4, ignore_eos=True)

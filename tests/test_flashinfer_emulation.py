@@ -1,4 +1,4 @@
-"""The CUDA platform's FlashInfer attention (``xhal.cuda.attention``) on the FlashInfer emulation
+"""The CUDA platform's FlashInfer attention (``xhal.platforms.cuda.attention``) on the FlashInfer emulation
 (``tests/flashinfer_emulation``, CPU tensors), so its bookkeeping is tested on every CI run and not
 only on a GPU:
 
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conformance_run import explain, run_conformance
+from paged_host import PagedHost
 
 import xhal
 from benchmarks.host_timing import DeviceCalls
-from conformance_run import explain, run_conformance
-from paged_host import PagedHost
 from xhal.interfaces import BatchKind
 
 PLUGIN = "tests.flashinfer_emulation.plugin"
@@ -137,16 +137,16 @@ def test_piecewise_prefill_and_mixed_steps_equal_eager(emulated, model) -> None:
 
 
 def test_scheduler_reruns_only_when_a_page_count_changes(emulated, model, monkeypatch) -> None:
-    from xhal.cuda.attention import _DecodeBucket
+    from xhal.platforms.cuda.flashinfer_decode_bucket import DecodeBucket
 
     counts: list[tuple[int, ...]] = []
-    schedule = _DecodeBucket._schedule
+    schedule = DecodeBucket._schedule
 
     def counting(self, m, indptr, spec, common):
         counts.append(tuple(indptr.tolist()))
         schedule(self, m, indptr, spec, common)
 
-    monkeypatch.setattr(_DecodeBucket, "_schedule", counting)
+    monkeypatch.setattr(DecodeBucket, "_schedule", counting)
     decode_run(emulated(use_tensor_cores=True), model, enforce_eager=False)
     # the first replay plans through the wrapper; later ones reschedule when the page indptr moves
     host, indptrs = PagedHost(24, BLOCK_SIZE), []
@@ -163,11 +163,11 @@ def test_scheduler_reruns_only_when_a_page_count_changes(emulated, model, monkey
 
 
 def test_skipping_the_reschedule_gives_wrong_numbers(emulated, model, monkeypatch) -> None:
-    from xhal.cuda.attention import _DecodeBucket
+    from xhal.platforms.cuda.flashinfer_decode_bucket import DecodeBucket
 
     platform = emulated(use_tensor_cores=True)
     eager = decode_run(platform, model, enforce_eager=True)
-    monkeypatch.setattr(_DecodeBucket, "_schedule", lambda *args: None)
+    monkeypatch.setattr(DecodeBucket, "_schedule", lambda *args: None)
     stale = decode_run(platform, model, enforce_eager=False)
     wrong = [step for step, (s, e) in enumerate(zip(stale, eager)) if not torch.equal(s, e)]
     assert wrong, "a schedule left stale after page counts changed went unnoticed"

@@ -2,7 +2,7 @@
 
 1. Hardware-neutral code (models/, xhal/layers, xhal/executor, xhal/interfaces) imports nothing
    device-specific and names no device graph type.
-2. Backends (xhal/cpu_ref, xhal/cuda, xhal/npu) never import the layers above them.
+2. Backends (xhal/platforms/cpu_ref, xhal/platforms/cuda, xhal/platforms/npu) never import the layers above them.
 3. ``import xhal`` and the CPU path work where no device library can be imported.
 """
 
@@ -19,20 +19,29 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 NEUTRAL_DIRS = ("models", "xhal/layers", "xhal/executor", "xhal/interfaces")
-BACKEND_DIRS = ("xhal/cpu_ref", "xhal/cuda", "xhal/npu")
+BACKEND_DIRS = (
+    "xhal/platforms/cpu_ref",
+    "xhal/platforms/cuda",
+    "xhal/platforms/npu",
+    "xhal/platforms/common",
+)
 DEVICE_LIBRARIES = ("torch_npu", "flashinfer", "triton", "tilelang")
 # neutral code reaches a device only through the interfaces, so a backend package is off limits too
 DEVICE_MODULES = (
     "torch.cuda",
     "torch.npu",
     *DEVICE_LIBRARIES,
-    "xhal.cpu_ref",
-    "xhal.cuda",
-    "xhal.npu",
+    "xhal.platforms.cpu_ref",
+    "xhal.platforms.cuda",
+    "xhal.platforms.npu",
 )
 DEVICE_TORCH_ATTRS = ("cuda", "npu")  # torch.cuda.*, torch.npu.*
 GRAPH_TYPES = ("CUDAGraph", "NPUGraph")
-UPPER_MODULES = ("models", "xhal.executor", "serve_cli")
+UPPER_MODULES = ("models", "xhal.executor", "xhal.tools", "serve_cli")
+# rule 4: what sits above each part of xhal/ (the tools are the top floor of the package)
+ABOVE_XHAL = ("xhal.tools", "serve_cli")
+UNDER_MODELS_DIRS = ("xhal/layers", "xhal/ops", "xhal/interfaces", "xhal/platforms", "xhal/env.py")
+ABOVE_MODELS = ("models", "xhal.executor", "xhal.adapter", *ABOVE_XHAL)
 
 
 def _within(name: str, modules: tuple[str, ...]) -> bool:
@@ -126,20 +135,27 @@ def neutral_violations(source: str, package: str) -> list[str]:
     return out
 
 
-def backend_violations(source: str, package: str) -> list[str]:
-    """Rule 2 for one module's source."""
+def upward_imports(source: str, package: str, upper: tuple[str, ...]) -> list[str]:
+    """The imports of ``upper`` modules in one module's source."""
     tree = ast.parse(source)
     return [
         f"{line}: imports {name}"
         for line, name in imported_names(tree, package)
-        if _within(name, UPPER_MODULES)
+        if _within(name, upper)
     ]
 
 
+def backend_violations(source: str, package: str) -> list[str]:
+    """Rule 2 for one module's source."""
+    return upward_imports(source, package, UPPER_MODULES)
+
+
 def sources(dirs: tuple[str, ...]) -> Iterator[tuple[Path, str]]:
-    """Each Python file under ``dirs`` with the package it belongs to."""
+    """Each Python file under ``dirs`` (a folder, or one file) with the package it belongs to."""
     for d in dirs:
-        for path in sorted((REPO / d).rglob("*.py")) if (REPO / d).is_dir() else []:
+        root = REPO / d
+        paths = sorted(root.rglob("*.py")) if root.is_dir() else [root] if root.is_file() else []
+        for path in paths:
             # the package a module sits in anchors its relative imports
             yield path, ".".join(path.relative_to(REPO).parent.parts)
 
@@ -159,8 +175,8 @@ BAD_NEUTRAL = [
     "import importlib\nimportlib.import_module('torch_npu')",
     "from tilelang import jit",
     "def f(g: 'x', graph: CUDAGraph) -> None: ...",
-    "from xhal.cuda.attention import FlashInferAttention",
-    "from ..cuda import platform",  # in package xhal.layers -> xhal.cuda
+    "from xhal.platforms.cuda.attention import FlashInferAttention",
+    "from ..platforms.cuda import platform",  # in package xhal.layers -> xhal.platforms.cuda
 ]
 GOOD_NEUTRAL = (
     '"""Mentions torch.cuda and CUDAGraph in prose only."""\n'
@@ -197,13 +213,13 @@ BAD_BACKEND = [
     "from models import LlamaForCausalLM",
     "import serve_cli.worker",
     "from xhal import executor",
-    "from ..executor.executor import ModelExecutor",  # in package xhal.cuda -> xhal.executor
+    "from ...executor.executor import ModelExecutor",  # in package xhal.platforms.cuda -> xhal.executor
 ]
 
 
 @pytest.mark.parametrize("source", BAD_BACKEND)
 def test_backend_checker_flags_planted_source(source: str) -> None:
-    assert backend_violations(source, "xhal.cuda"), f"rule 2 checker missed:\n{source}"
+    assert backend_violations(source, "xhal.platforms.cuda"), f"rule 2 checker missed:\n{source}"
 
 
 def test_backend_checker_passes_clean_source() -> None:
@@ -212,7 +228,7 @@ def test_backend_checker_passes_clean_source() -> None:
         "from ..cpu_ref.collective import GlooCollective\n"
         "import models_extra\n"
     )
-    assert backend_violations(clean, "xhal.cuda") == []
+    assert backend_violations(clean, "xhal.platforms.cuda") == []
 
 
 def test_backends_import_no_upper_layer() -> None:
@@ -222,6 +238,40 @@ def test_backends_import_no_upper_layer() -> None:
             f"{path.relative_to(REPO)}:{v}" for v in backend_violations(path.read_text(), package)
         ]
     assert not problems, "backends importing the layers above them:\n" + "\n".join(problems)
+
+
+# rule 4 --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("source", "package", "upper"),
+    [
+        ("from xhal.tools.align import align", "xhal.executor", ABOVE_XHAL),
+        ("from ..tools import align", "xhal.adapter", ABOVE_XHAL),
+        ("import serve_cli.engine", "xhal.layers", ABOVE_XHAL),
+        ("from models.registry import build_model", "xhal.ops", ABOVE_MODELS),
+        ("import models", "xhal.platforms", ABOVE_MODELS),
+        ("from xhal.executor import ModelExecutor", "xhal.interfaces", ABOVE_MODELS),
+    ],
+)
+def test_floor_checker_flags_planted_source(source: str, package: str, upper: tuple) -> None:
+    assert upward_imports(source, package, upper), f"rule 4 checker missed:\n{source}"
+
+
+def test_no_arrow_runs_back_up() -> None:
+    problems, checked = [], 0
+    for path, package in sources(("xhal",)):
+        if _within(package, ("xhal.tools",)):
+            continue
+        checked += 1
+        upper = ABOVE_XHAL
+        if any(path.is_relative_to(REPO / d) for d in UNDER_MODELS_DIRS):
+            upper = ABOVE_MODELS
+        problems += [
+            f"{path.relative_to(REPO)}:{v}" for v in upward_imports(path.read_text(), package, upper)
+        ]
+    assert checked, f"xhal/ holds no Python files: is REPO={REPO} right?"
+    assert not problems, "imports from a lower floor to a higher one:\n" + "\n".join(problems)
 
 
 # rule 3 --------------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from models.config import rope_parameters
 from xhal import platforms
-from xhal.forward_context import ForwardContext, forward_context
 from xhal.interfaces.attention import AttentionBackend
+from xhal.interfaces.forward_context import ForwardContext, forward_context
 from xhal.layers import (
     Attention,
     ColumnParallelLinear,

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from models import WeightsMismatchError, get_model_class, load_model, supported_architectures
-from xhal.align import xhal_prefill
 from xhal.layers import attention_layers
+from xhal.tools.align import xhal_prefill
 
 transformers = pytest.importorskip("transformers")
 

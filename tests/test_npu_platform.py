@@ -1,4 +1,4 @@
-"""The NPU platform (``xhal/npu``) on the torch_npu emulation (``tests/npu_emulation``, CPU
+"""The NPU platform (``xhal/platforms/npu``) on the torch_npu emulation (``tests/npu_emulation``, CPU
 tensors):
 
 - the whole conformance suite, through ``xhal-conformance --device npu --plugin ...``, passes
@@ -157,8 +157,8 @@ def _batch(dtype: torch.dtype, seed: int):
 
 @pytest.mark.parametrize("writer", ["scatter_pa", "reshape_and_cache", "scatter_nd"])
 def test_kv_writers_match_the_reference(npu, writer: str) -> None:
-    from xhal.cpu_ref.attention import CpuAttention
-    from xhal.npu.attention import NpuAttention
+    from xhal.platforms.cpu_ref.attention import CpuAttention
+    from xhal.platforms.npu.attention import NpuAttention
 
     spec, meta, caches, (q, k, v) = _batch(torch.bfloat16, seed=1)
     ref_caches = [LayerCache(c.key.clone(), c.value.clone()) for c in caches]
@@ -182,7 +182,7 @@ def test_hnd_cache_layout_matches_the_reference(npu, monkeypatch) -> None:
     """XHAL_NPU_KV_LAYOUT=HND: caches [nb, Hkv, bs, D] (FIA's recommended (blocknum, KV_N,
     blocksize, D)), written by scatter_nd at (block, head, offset) and read by FIA as they are;
     the same cache contents and outputs as the CPU reference on the NHD layout."""
-    from xhal.cpu_ref.attention import CpuAttention
+    from xhal.platforms.cpu_ref.attention import CpuAttention
 
     assert "HND" in npu.capabilities.attention.kv_cache_layouts
     monkeypatch.setenv("XHAL_NPU_KV_LAYOUT", "HND")

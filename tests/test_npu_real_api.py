@@ -30,7 +30,7 @@ from npu_emulation_helpers import (
 )
 
 from xhal.interfaces.cache import LayerCache
-from xhal.npu import kv_write
+from xhal.platforms.npu import kv_write
 
 NPU_SRC = Path(__file__).resolve().parents[1] / "xhal" / "npu"
 
@@ -41,7 +41,7 @@ def npu(emulated_npu):  # noqa: F811
 
 
 def backend_ops() -> set[str]:
-    """Every ``torch_npu`` op named in ``xhal/npu`` (called as ``npu.<op>`` or listed by name)."""
+    """Every ``torch_npu`` op named in ``xhal/platforms/npu`` (called as ``npu.<op>`` or listed by name)."""
     names: set[str] = set()
     for path in NPU_SRC.glob("*.py"):
         text = path.read_text()
@@ -69,7 +69,7 @@ def test_every_backend_op_is_in_the_wheel_and_emulated_under_its_schema(npu):
 
 
 def test_every_torch_npu_name_the_backend_uses_is_exported_by_the_wheel(npu):
-    """``torch.npu.<name>`` in xhal/npu is in the ``__all__`` of the wheel's torch_npu/npu, and the
+    """``torch.npu.<name>`` in xhal/platforms/npu is in the ``__all__`` of the wheel's torch_npu/npu, and the
     emulated namespace has it."""
     import ast
 

@@ -45,7 +45,7 @@ def test_xhal_align_help_imports_neither_torch_nor_transformers() -> None:
     # what makes it slow is what it imports before parsing: check that, not a time
     code = (
         "import sys\n"
-        "from xhal.align_cli import main\n"
+        "from xhal.tools.align_cli import main\n"
         "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
         "print(sorted(m for m in ('torch', 'transformers', 'models') if m in sys.modules))\n"
     )

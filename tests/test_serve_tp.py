@@ -18,8 +18,8 @@ from serve_cli.engine.config import EngineConfig
 from serve_cli.engine.core import EngineCore
 from serve_cli.engine.sampling import SamplingParams
 from xhal import platforms
-from xhal.cpu_ref.collective import GlooCollective
-from xhal.cpu_ref.platform import CpuPlatform
+from xhal.platforms.cpu_ref.collective import GlooCollective
+from xhal.platforms.cpu_ref.platform import CpuPlatform
 
 pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""The Triton ``gemv`` (xhal/cuda/kernels/gemv.py) against float64 references: split K or not,
+"""The Triton ``gemv`` (xhal/platforms/cuda/kernels/gemv.py) against float64 references: split K or not,
 bias, fp16 / bf16 / fp32, M up to 64 (CUDA cores to 16, tensor cores above), ragged N and K,
 strided x, and its config heuristic. Interpreted on CPU when there is no CUDA device
 (tests/triton_env.py).
@@ -10,9 +10,14 @@ import math
 
 import pytest
 import torch
-from triton_env import DEVICE, INTERPRETED, assert_matches  # sets TRITON_INTERPRET before triton is imported
+from triton_env import (  # sets TRITON_INTERPRET before triton is imported
+    DEVICE,
+    INTERPRETED,
+    assert_matches,
+)
 
-from xhal.cuda.kernels.gemv import MAX_CORE_M, MAX_M, gemv, gemv_config, supports_gemv  # noqa: E402
+from xhal.platforms.cuda.kernels.gemv import MAX_CORE_M, MAX_M, gemv, gemv_config, supports_gemv
+
 
 def _gemv_case(M: int, N: int, K: int, dtype: torch.dtype, bias: bool, seed: int = 0):
     g = torch.Generator().manual_seed(seed)

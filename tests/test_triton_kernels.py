@@ -12,12 +12,15 @@ import math
 import numpy as np
 import pytest
 import torch
+from triton_env import (  # sets TRITON_INTERPRET first
+    DEVICE,
+    NO_RUNTIME_LOOPS,
+    RUNTIME_LOOPS,
+    assert_matches,
+)
 
-from triton_env import DEVICE, NO_RUNTIME_LOOPS, RUNTIME_LOOPS, assert_matches  # sets TRITON_INTERPRET first
-
-from xhal.cuda.kernels.kv_write import write_kv  # noqa: E402
-from xhal.cuda.kernels.paged_attention import paged_attention  # noqa: E402
-
+from xhal.platforms.cuda.kernels.kv_write import write_kv
+from xhal.platforms.cuda.kernels.paged_attention import paged_attention
 
 # kv write --------------------------------------------------------------------------------------
 
@@ -118,9 +121,9 @@ def test_paged_attention_prefill() -> None:
 
 # fused add + RMSNorm, rotary -------------------------------------------------------------------
 
-from conformance_tests import ops_reference as ops_ref  # noqa: E402
-from xhal.cuda.kernels.norm import fused_add_rms_norm  # noqa: E402
-from xhal.cuda.kernels.rotary import rotary_embedding  # noqa: E402
+from conformance_tests import ops_reference as ops_ref
+from xhal.platforms.cuda.kernels.norm import fused_add_rms_norm
+from xhal.platforms.cuda.kernels.rotary import rotary_embedding
 
 
 def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -175,8 +178,8 @@ def test_paged_index_builder(host_pages: bool) -> None:
     """CSR page table of a mixed batch: indptr, last-page lengths, page ids per row and the flat
     block-table positions they are gathered from."""
     from conformance_tests.batches import Seq, build_batch
-    from xhal.cuda.page_table import PagedIndexBuilder
     from xhal.interfaces import BatchKind
+    from xhal.platforms.cuda.flashinfer_page_table import PagedIndexBuilder
 
     bs = 16
     seqs = [Seq(1, 17), Seq(5, 5), Seq(3, 35), Seq(1, 1, padding=True)]
@@ -205,8 +208,8 @@ def test_paged_index_builder_stages_the_hosts_csr_arrays() -> None:
     import dataclasses
 
     from conformance_tests.batches import Seq, build_batch
-    from xhal.cuda.page_table import PagedIndexBuilder
     from xhal.interfaces import BatchKind
+    from xhal.platforms.cuda.flashinfer_page_table import PagedIndexBuilder
 
     bs = 16
     batch = build_batch(BatchKind.DECODE, [Seq(1, 17), Seq(1, 40)], [[7, 2], [4, 0, 11]], bs, torch.device("cpu"), paged_kv=True)
@@ -221,7 +224,7 @@ def test_paged_index_builder_stages_the_hosts_csr_arrays() -> None:
 def test_page_positions_follow_the_table_strides() -> None:
     """A graph bucket gathers page ids from its block table as laid out in memory: positions in
     a column-major table view name the same entries as in a row-major one."""
-    from xhal.cuda.page_table import page_positions
+    from xhal.platforms.cuda.flashinfer_page_table import page_positions
 
     table = torch.tensor([[7, 2, 0], [9, 0, 0], [4, 1, 11]], dtype=torch.int32)
     pages = np.array([2, 1, 3], dtype=np.int32)
@@ -235,7 +238,7 @@ def test_page_positions_follow_the_table_strides() -> None:
 
 def test_flashinfer_activations_only_get_inputs_they_take() -> None:
     """Odd widths (22 -> 11 channels, found failing on the H200) go to the torch path."""
-    from xhal.cuda.ops import FlashInferOps
+    from xhal.platforms.cuda.ops import FlashInferOps
 
     fits = FlashInferOps._fi_activation_fits
     assert fits(torch.zeros(3, 2 * 4096, dtype=torch.bfloat16))
@@ -245,7 +248,7 @@ def test_flashinfer_activations_only_get_inputs_they_take() -> None:
 
 
 def test_cuda_linear_uses_gemv_only_once_eagerly_then_in_captures(monkeypatch) -> None:
-    from xhal.cuda import ops as cuda_ops
+    from xhal.platforms.cuda import ops as cuda_ops
 
     calls = []
     real_gemv = cuda_ops.gemv.gemv
@@ -270,7 +273,7 @@ def test_cuda_linear_uses_gemv_only_once_eagerly_then_in_captures(monkeypatch) -
 
 
 def test_cuda_gemv_rows_from_the_environment(monkeypatch) -> None:
-    from xhal.cuda import ops as cuda_ops
+    from xhal.platforms.cuda import ops as cuda_ops
 
     monkeypatch.setenv("XHAL_CUDA_GEMV_MAX_ROWS", "64")
     assert cuda_ops.CudaOps().gemv_max_rows == 64
@@ -287,8 +290,8 @@ def test_triton_graph_plan_reads_the_persistent_metadata() -> None:
     query lengths change, and refuses other tensors."""
     from benchmarks.host_timing import DeviceCalls
     from conformance_tests.batches import Seq, build_batch
-    from xhal.cuda.attention import TritonAttention
     from xhal.interfaces import AttentionSpec, BatchKind
+    from xhal.platforms.cuda.triton_attention import TritonAttention
 
     def step(kv_lens: list[int]):
         seqs = [Seq(1, n) for n in kv_lens] + [Seq(1, 1, padding=True)]

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from triton_env import DEVICE, INTERPRETED  # sets TRITON_INTERPRET first
 
-from conformance_tests import moe_reference as ref  # noqa: E402
-from conformance_tests.test_moe import expert_weights, separated_logits, tokens  # noqa: E402
-from xhal.cuda.kernels import moe, moe_small  # noqa: E402
+from conformance_tests import moe_reference as ref
+from conformance_tests.test_moe import expert_weights, separated_logits, tokens
+from xhal.platforms.cuda.kernels import moe, moe_small
 
 TOL = ref.EXPERTS_TOLERANCE
 

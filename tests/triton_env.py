@@ -39,7 +39,7 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> 
 @triton.jit
 def _loop_to(out_ptr, n):
     total = 0
-    for i in range(0, n):
+    for i in range(n):
         total += i
     tl.store(out_ptr, total)
 

@@ -1,5 +1,5 @@
 """TEST-ONLY plugin: "cuda-triton-interpreted", the CUDA platform's Triton attention
-(``xhal.cuda.attention.TritonAttention``: our KV-write and paged-attention kernels) run by
+(``xhal.platforms.cuda.attention.TritonAttention``: our KV-write and paged-attention kernels) run by
 Triton's interpreter on CPU tensors; everything else is the CPU reference.
 
 ``xhal-conformance --device cuda-triton-interpreted --plugin tests.triton_interpreted_platform``
@@ -16,9 +16,9 @@ import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from xhal import platforms  # noqa: E402
-from xhal.cpu_ref.platform import CpuPlatform  # noqa: E402
-from xhal.interfaces.attention import AttentionSpec  # noqa: E402
+from xhal import platforms
+from xhal.interfaces.attention import AttentionSpec
+from xhal.platforms.cpu_ref.platform import CpuPlatform
 
 
 class InterpretedTritonPlatform(CpuPlatform):
@@ -33,11 +33,11 @@ class InterpretedTritonPlatform(CpuPlatform):
             any_head_dim=False,
         ),
         ops_dtypes=(torch.float32, torch.bfloat16, torch.float16),
-        notes=("xhal.cuda's Triton attention in Triton's interpreter (tests only)",),
+        notes=("xhal.platforms.cuda's Triton attention in Triton's interpreter (tests only)",),
     )
 
     def attention_backend(self, spec: AttentionSpec):
-        from xhal.cuda.attention import TritonAttention
+        from xhal.platforms.cuda.triton_attention import TritonAttention
 
         self.capabilities.attention.check(spec)
         return TritonAttention(spec)

@@ -1,5 +1,5 @@
 """TEST-ONLY plugin: "cuda-moe-interpreted", the CUDA platform's Triton mixture of experts
-(``xhal.cuda.kernels.moe``: routing kernel, expert-sorted pairs, grouped GEMMs) run by Triton's
+(``xhal.platforms.cuda.kernels.moe``: routing kernel, expert-sorted pairs, grouped GEMMs) run by Triton's
 interpreter on CPU tensors; everything else is the CPU reference.
 
 ``xhal-conformance --device cuda-moe-interpreted --plugin tests.triton_moe_interpreted_platform
@@ -22,26 +22,26 @@ import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from xhal import platforms  # noqa: E402
-from xhal.cpu_ref.ops import CpuOps  # noqa: E402
-from xhal.cpu_ref.platform import CpuPlatform  # noqa: E402
+from xhal import platforms
+from xhal.platforms.cpu_ref.ops import CpuOps
+from xhal.platforms.cpu_ref.platform import CpuPlatform
 
 
 class _TritonMoeOps(CpuOps):
     def moe_route(self, router_logits, top_k, renormalize):
-        from xhal.cuda.kernels import moe
+        from xhal.platforms.cuda.kernels import moe
 
         return moe.route(router_logits, top_k, renormalize)
 
     def moe_experts(self, x, w13, w2, topk_weights, topk_ids):
-        from xhal.cuda.kernels import moe
+        from xhal.platforms.cuda.kernels import moe
 
         return moe.fused_experts(x, w13, w2, topk_weights, topk_ids)
 
 
 class _TritonSmallMoeOps(_TritonMoeOps):
     def moe_experts(self, x, w13, w2, topk_weights, topk_ids):
-        from xhal.cuda.kernels import moe, moe_small
+        from xhal.platforms.cuda.kernels import moe, moe_small
 
         # the family's two cases of 77 and 130 tokens keep the grouped GEMMs: interpreted, the
         # pair GEMVs of that many pairs take a minute (test_triton_moe checks crowded experts)
@@ -54,7 +54,7 @@ class InterpretedTritonMoePlatform(CpuPlatform):
     capabilities = dataclasses.replace(
         CpuPlatform.capabilities,
         ops_dtypes=(torch.float32,),
-        notes=("xhal.cuda's Triton mixture of experts in Triton's interpreter (tests only)",),
+        notes=("xhal.platforms.cuda's Triton mixture of experts in Triton's interpreter (tests only)",),
     )
 
     def __init__(self) -> None:

@@ -36,3 +36,25 @@ def check_metadata() -> bool:
     (``from_xllm(check=True)``, ``AttentionMetadata.validate``), a debug aid that costs host time
     per step; off by default, shapes and dtypes are checked either way."""
     return os.environ.get("XHAL_CHECK_METADATA", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def flashinfer_prefill() -> str:
+    """``XHAL_FLASHINFER_PREFILL``: the FlashInfer backend of the CUDA platform's prefill wrapper,
+    ``"fa2"`` (default: the same JIT module as the tensor-core decode wrapper), ``"fa3"`` or
+    ``"auto"`` (FlashInfer's own choice)."""
+    value = os.environ.get("XHAL_FLASHINFER_PREFILL", "fa2")
+    if value not in ("fa2", "fa3", "auto"):
+        raise ValueError(f"XHAL_FLASHINFER_PREFILL={value!r}: use fa2, fa3 or auto")
+    return value
+
+
+def cuda_gemv_max_rows(limit: int) -> int | None:
+    """``XHAL_CUDA_GEMV_MAX_ROWS``: rows up to which the CUDA platform's linear runs our GEMV
+    instead of cuBLAS (0: cuBLAS always; at most ``limit``, the kernel's own bound); ``None``
+    when unset, leaving the platform's measured default."""
+    value = os.environ.get("XHAL_CUDA_GEMV_MAX_ROWS")
+    if value is None:
+        return None
+    if not value.isdigit() or not 0 <= int(value) <= limit:
+        raise ValueError(f"XHAL_CUDA_GEMV_MAX_ROWS={value!r}: give 0..{limit} (0: cuBLAS always)")
+    return int(value)

@@ -28,7 +28,7 @@ def main() -> None:
     from models.loader import load_model
     from serve_cli.engine.runner.input_builder import HostStep, InputBuilder
     from xhal import platforms
-    from xhal.adapter import to_xllm
+    from xhal.adapter.to_xllm import to_xllm
     from xhal.executor import ExecutorConfig, ModelExecutor
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)

@@ -1,4 +1,4 @@
-"""A CPU emulation of the FlashInfer 0.5.3 API that ``xhal.cuda.attention`` calls. TESTS ONLY.
+"""A CPU emulation of the FlashInfer 0.5.3 API that ``xhal.platforms.cuda.attention`` calls. TESTS ONLY.
 
 ``install()`` puts the emulated module (``flashinfer_emulation.module``) at
 ``sys.modules["flashinfer"]``; ``uninstall()`` takes it away again. The plugin
@@ -25,7 +25,7 @@ What is emulated, and how closely (the 0.5.3 Python and C++ sources were read fo
 
 ``module.py`` holds the wrappers, ``compiled.py`` the compiled modules' ``plan`` and the decode
 kernel, a custom op (``xhal_fi_emu``) that the CPU graph runner records as one device call reading
-its buffers when it runs. Numbers come from ``xhal.cpu_ref``'s attention math.
+its buffers when it runs. Numbers come from ``xhal.platforms.cpu_ref``'s attention math.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
-from xhal.cpu_ref.kernels.paged import attend
+from xhal.platforms.cpu_ref.kernels.paged_attention import attend
 
 # The positional arguments of each module's plan in 0.5.3, as decode.py passes them
 # (csrc/batch_prefill.cu BatchPrefillWithKVCachePlan, csrc/batch_decode.cu BatchDecodeWithPagedKVCachePlan).

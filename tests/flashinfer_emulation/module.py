@@ -1,4 +1,4 @@
-"""The emulated ``flashinfer`` module: the two wrappers ``xhal.cuda.attention`` uses, with
+"""The emulated ``flashinfer`` module: the two wrappers ``xhal.platforms.cuda.attention`` uses, with
 FlashInfer 0.5.3's signatures, on CPU tensors. See the package docstring."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from xhal.cpu_ref.kernels.paged import attend
+from xhal.platforms.cpu_ref.kernels.paged_attention import attend
 
 from .compiled import check, compiled_module, schedule_view
 

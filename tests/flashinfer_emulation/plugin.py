@@ -1,4 +1,4 @@
-"""TEST-ONLY plugin: the CUDA platform's FlashInfer attention (``xhal.cuda.attention``) on the
+"""TEST-ONLY plugin: the CUDA platform's FlashInfer attention (``xhal.platforms.cuda.attention``) on the
 FlashInfer emulation, everything else the CPU reference.
 
 ``XHAL_PLUGINS=tests.flashinfer_emulation.plugin`` (or ``xhal-conformance --plugin
@@ -15,9 +15,9 @@ import dataclasses
 import torch
 
 from xhal import platforms
-from xhal.cpu_ref.kernels import paged  # noqa: F401  (registers torch.ops.xhal_cpu_ref)
-from xhal.cpu_ref.platform import CpuPlatform
 from xhal.interfaces.attention import AttentionSpec
+from xhal.platforms.cpu_ref.kernels import kv_write, paged_attention  # noqa: F401  (register torch.ops.xhal_cpu_ref)
+from xhal.platforms.cpu_ref.platform import CpuPlatform
 
 _WORKSPACE_BYTES = 1024 * 1024  # the emulated kernels never touch it; FlashInfer wants one
 
@@ -34,7 +34,7 @@ class EmulatedFlashInferPlatform(CpuPlatform):
         ),
         ops_dtypes=(torch.float32, torch.bfloat16, torch.float16),
         notes=(
-            "xhal.cuda's FlashInferAttention on a CPU emulation of FlashInfer 0.5.3 (tests only)",
+            "xhal.platforms.cuda's FlashInferAttention on a CPU emulation of FlashInfer 0.5.3 (tests only)",
         ),
     )
 
@@ -48,7 +48,7 @@ class EmulatedFlashInferPlatform(CpuPlatform):
         self._use_tensor_cores = use_tensor_cores
 
     def attention_backend(self, spec: AttentionSpec):
-        from xhal.cuda.attention import FlashInferAttention
+        from xhal.platforms.cuda.attention import FlashInferAttention
 
         self.capabilities.attention.check(spec)
         return FlashInferAttention(

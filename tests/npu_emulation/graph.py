@@ -3,7 +3,7 @@ protocols, ``ExternalEvent`` (``torch_npu/npu/graphs.py`` of the wheel).
 
 Capture runs the work once under a ``TorchDispatchMode`` that records every op with the very
 tensors it touched; replay re-runs exactly those ops on those tensors (as
-``xhal/cpu_ref/graph.py``): in-place ops mutate again, out-of-place results are copied into the
+``xhal/platforms/cpu_ref/graph.py``): in-place ops mutate again, out-of-place results are copied into the
 captured outputs. So everything Python-side is baked at capture, and in particular FIA's host int
 lists (``actual_seq_lengths*``): they are arguments of the one recorded FIA entry and change only
 through

@@ -1,4 +1,4 @@
-"""TEST-ONLY plugin: the NPU platform's own code (``xhal.npu``) on the torch_npu emulation.
+"""TEST-ONLY plugin: the NPU platform's own code (``xhal.platforms.npu``) on the torch_npu emulation.
 
 ``XHAL_PLUGINS=tests.npu_emulation.plugin`` (or ``xhal-conformance --plugin
 tests.npu_emulation.plugin``) registers ``EmulatedNpuPlatform`` as "npu", replacing the built-in.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from xhal import ops, platforms
-from xhal.npu.platform import NpuPlatform
+from xhal.platforms.npu.platform import NpuPlatform
 
 
 class EmulatedNpuPlatform(NpuPlatform):

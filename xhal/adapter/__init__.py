@@ -1,9 +1,13 @@
 """C++-compatible metadata input: xLLM's ``PyAttentionMetadataView`` layout (``"npu"`` or ``"cuda"``
 convention) <-> xhal's normalized ``AttentionMetadata``.
 
-``from_xllm`` is what an executor calls on the host's per-step metadata; ``to_xllm`` is what a
-Python host (the reference server's input builder) uses to emit exactly the C++ layout.
-``header_path()`` is the C header that documents the same contract for C/C++ hosts.
+``xhal.adapter.from_xllm.from_xllm`` is what an executor calls on the host's per-step metadata;
+``xhal.adapter.to_xllm.to_xllm`` is what a Python host (the reference server's input builder)
+uses to emit exactly the C++ layout. ``header_path()`` is the C header that documents the same
+contract for C/C++ hosts.
+
+The package hands on only names that are no submodule's: ``import xhal.adapter.to_xllm`` gives
+the module, and the two functions are imported from their modules.
 """
 
 from __future__ import annotations
@@ -12,9 +16,7 @@ from pathlib import Path
 
 from xhal.adapter.conventions import CONVENTIONS, Convention
 from xhal.adapter.fields import FIELDS
-from xhal.adapter.from_xllm import from_xllm
 from xhal.adapter.kind import derive_kind
-from xhal.adapter.to_xllm import to_xllm
 
 
 def header_path() -> Path:
@@ -27,7 +29,5 @@ __all__ = [
     "FIELDS",
     "Convention",
     "derive_kind",
-    "from_xllm",
     "header_path",
-    "to_xllm",
 ]

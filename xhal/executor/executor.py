@@ -10,12 +10,12 @@ from torch import nn
 
 from xhal.executor.config import ExecutorConfig
 from xhal.executor.decode_graph import DecodeGraphs
-from xhal.executor.piecewise import PiecewiseGraphs
 from xhal.executor.kv_cache import allocate_kv_caches, num_blocks_for_budget
-from xhal.forward_context import ForwardContext, forward_context
+from xhal.executor.piecewise import PiecewiseGraphs
 from xhal.interfaces.attention import AttentionBackend, AttentionSpec
 from xhal.interfaces.cache import LayerCache, normalize_layer_caches
 from xhal.interfaces.collective import Collective
+from xhal.interfaces.forward_context import ForwardContext, forward_context
 from xhal.interfaces.metadata import AttentionMetadata, BatchKind
 from xhal.interfaces.platform import Platform
 from xhal.layers.attention import attention_layers
@@ -190,7 +190,7 @@ class ModelExecutor:
         if not self._caches_bound:
             raise RuntimeError("bind_kv_caches(...) must be called before execute(...)")
         if not isinstance(metadata, AttentionMetadata):
-            from xhal.adapter import from_xllm
+            from xhal.adapter.from_xllm import from_xllm
 
             metadata = from_xllm(metadata, self.config.metadata_convention)
         if metadata.kind == BatchKind.EMPTY or metadata.num_tokens == 0:
@@ -203,7 +203,7 @@ class ModelExecutor:
             return hidden
         for backend in self.backends:
             backend.plan(metadata)
-        run = lambda: self._forward(input_ids, positions, metadata, input_embedding)  # noqa: E731
+        run = lambda: self._forward(input_ids, positions, metadata, input_embedding)
         if layer_synchronizer is None:
             return run()
         return self._run_with_synchronizer(layer_synchronizer, run)

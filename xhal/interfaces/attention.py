@@ -64,13 +64,22 @@ class AttentionBackend(ABC):
       reads; the executor calls it before capturing and before every replay of ``key``, with
       metadata of the bucket's padded shape whose device tensors are the bucket's persistent
       inputs: the same tensors at capture and at every replay, rewritten in place by the caller
-      before ``plan``. A backend may read them from the graph instead of copying them (the host
-      twins, ``*_host``, may be new tensors every step). One exception: the executor's decode
-      graphs derive ``kv_cu_seq_lens`` inside the graph, before the first layer, so a backend
-      reads that one from the graph only, never in ``plan``. A bucket is captured on the
-      executor's dummy step (every row kv_len 1, slot -1, ``max_seq_len`` the bucket's
-      constant) and then replayed for real steps of any length up to the model's maximum, so
-      nothing sized at capture may bound what a replay reads.
+      before ``plan`` (the host twins, ``*_host``, may be new tensors every step).
+    - The graph-key policy, one for every backend: a captured bucket reads those persistent
+      tensors in place (the graph's kernels read them when it replays; ``plan`` copies none of
+      them into buffers of its own), and ``plan`` for a key refuses, with a ``ValueError``, device
+      tensors other than those the key was captured with
+      (``xhal.platforms.common.persistent.PersistentInputs``), since a replay would otherwise read
+      stale addresses. In place is right on every device because the executor guarantees the
+      persistence (``xhal/executor/decode_graph.py`` keeps one set of metadata tensors per
+      bucket), so a per-step copy would only cost device work; what a backend derives from the
+      metadata (FlashInfer's page indices, a dummy row's table) lives in its own buffers,
+      refreshed in ``plan`` or inside the graph. One exception: the executor's decode graphs
+      derive ``kv_cu_seq_lens`` inside the graph, before the first layer, so a backend reads
+      that one from the graph only, never in ``plan``. A bucket is captured on the executor's
+      dummy step (every row kv_len 1, slot -1, ``max_seq_len`` the bucket's constant) and then
+      replayed for real steps of any length up to the model's maximum, so nothing sized at
+      capture may bound what a replay reads. The conformance graph family checks both halves.
     - Block-table entries past a row's ``ceil(kv_len / block_size)`` pages, and the rows of padding
       sequences, are unspecified: on the graph path they hold stale but valid block ids of
       earlier steps. Read only a row's own pages; never treat 0 as "end of row".

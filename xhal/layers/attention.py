@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from xhal.forward_context import get_forward_context
 from xhal.interfaces.attention import AttentionSpec
+from xhal.interfaces.forward_context import get_forward_context
 
 
 class Attention(nn.Module):

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from xhal import ops
-from xhal.forward_context import get_forward_context
+from xhal.interfaces.forward_context import get_forward_context
 from xhal.layers.parallel import TensorParallel
 from xhal.layers.weights import check_shape, copy_shard
 

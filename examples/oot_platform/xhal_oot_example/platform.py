@@ -11,13 +11,13 @@ import os
 import torch
 import torch.distributed as dist
 
-from xhal.cpu_ref.attention import CpuAttention
-from xhal.cpu_ref.collective import GlooCollective
-from xhal.cpu_ref.graph import CpuGraphRunner
-from xhal.cpu_ref.ops import CpuOps
-from xhal.distributed import SingleRankCollective, resolve_group
 from xhal.interfaces import AttentionSpec, Collective, Platform
 from xhal.interfaces.platform import AttentionCapabilities, Capabilities
+from xhal.platforms.common.collective import SingleRankCollective, resolve_group
+from xhal.platforms.cpu_ref.attention import CpuAttention
+from xhal.platforms.cpu_ref.collective import GlooCollective
+from xhal.platforms.cpu_ref.graph import CpuGraphRunner
+from xhal.platforms.cpu_ref.ops import CpuOps
 
 
 class OotPlatform(Platform):

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from serve_cli.engine.batch import PLACEHOLDER_TOKEN_ID
-from xhal.adapter import from_xllm
+from xhal.adapter.from_xllm import from_xllm
 from xhal.adapter.to_xllm import to_xllm_step
 from xhal.env import check_metadata
 

@@ -9,8 +9,8 @@ from types import ModuleType
 
 import torch
 
-from xhal import sampling
 from xhal.interfaces.ops import DeviceOps
+from xhal.platforms.common import sampling
 
 TOP_K_MAX = 1024  # npu_top_k_top_p: k '值域为[1, 1024]，且最大值需要小于等于logits.size(1)'
 # npu_mrope: 'BFLOAT16或FLOAT16时，rotary_dim要求是32的倍数，当输入是FLOAT32时...16的倍数'

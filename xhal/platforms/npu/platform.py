@@ -1,4 +1,4 @@
-"""The Ascend NPU platform, on torch_npu. The op rules quoted across ``xhal/npu`` are from the
+"""The Ascend NPU platform, on torch_npu. The op rules quoted across ``xhal/platforms/npu`` are from the
 official documentation shipped in the torch-npu wheel (``torch_npu/_op_plugin_docs.py``), collected
 with their sources in docs/npu-ops.md."""
 
@@ -12,15 +12,15 @@ import torch
 import torch.distributed as dist
 
 from xhal import env
-from xhal.distributed import SingleRankCollective, resolve_group
 from xhal.interfaces.attention import AttentionSpec
 from xhal.interfaces.collective import Collective
 from xhal.interfaces.platform import AttentionCapabilities, Capabilities, Platform
+from xhal.platforms.common.collective import SingleRankCollective, resolve_group
 
 if TYPE_CHECKING:
-    from xhal.npu.attention import NpuAttention
-    from xhal.npu.graph import NpuGraphRunner
-    from xhal.npu.ops import NpuOps
+    from xhal.platforms.npu.attention import NpuAttention
+    from xhal.platforms.npu.graph import NpuGraphRunner
+    from xhal.platforms.npu.ops import NpuOps
 
 _INSTALL_HELP = (
     "the NPU platform needs torch_npu (Ascend's PyTorch adapter) on top of Ascend's CANN toolkit: "
@@ -77,7 +77,7 @@ class NpuPlatform(Platform):
 
     def __init__(self) -> None:
         self.torch_npu = import_torch_npu()
-        from xhal.npu.ops import NpuOps
+        from xhal.platforms.npu.ops import NpuOps
 
         self._ops = NpuOps(self.torch_npu)
         self._mask: torch.Tensor | None = None
@@ -109,7 +109,7 @@ class NpuPlatform(Platform):
     def attention_backend(self, spec: AttentionSpec) -> NpuAttention:
         self.check_block_size(spec)
         self.capabilities.attention.check(spec)
-        from xhal.npu.attention import NpuAttention
+        from xhal.platforms.npu.attention import NpuAttention
 
         layout = env.npu_kv_layout()
         if layout not in self.capabilities.attention.kv_cache_layouts:
@@ -135,12 +135,12 @@ class NpuPlatform(Platform):
         return self._update_stream
 
     def graph_runner(self) -> NpuGraphRunner:
-        from xhal.npu.graph import NpuGraphRunner
+        from xhal.platforms.npu.graph import NpuGraphRunner
 
         return NpuGraphRunner()
 
     def collective(self, group: dist.ProcessGroup | None = None) -> Collective:
-        from xhal.npu.collective import HcclCollective
+        from xhal.platforms.npu.collective import HcclCollective
 
         group = resolve_group(group)
         return SingleRankCollective() if group is None else HcclCollective(group, self.device())

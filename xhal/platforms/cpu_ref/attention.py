@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from xhal.cpu_ref.kernels import paged  # noqa: F401  (registers torch.ops.xhal_cpu_ref)
 from xhal.interfaces.attention import AttentionBackend
 from xhal.interfaces.cache import LayerCache, normalize_layer_caches
 from xhal.interfaces.metadata import AttentionMetadata
+from xhal.platforms.common.persistent import PersistentInputs
+from xhal.platforms.cpu_ref.kernels import kv_write, paged_attention  # noqa: F401  (register torch.ops.xhal_cpu_ref)
 
 
 @dataclass
@@ -20,23 +21,13 @@ class _Plan:
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
 
-    def refill(self, metadata: AttentionMetadata) -> None:
-        for name in ("q_cu_seq_lens", "kv_seq_lens", "block_table", "slot_mapping"):
-            static, live = getattr(self, name), getattr(metadata, name)
-            if static.shape != live.shape:
-                raise ValueError(
-                    f"graph bucket was planned with {name} of shape {tuple(static.shape)}, now "
-                    f"{tuple(live.shape)}: pad metadata to the bucket's shape before planning it"
-                )
-            static.copy_(live)
-
 
 class CpuAttention(AttentionBackend):
     def __init__(self, spec) -> None:
         super().__init__(spec)
         self._caches: list[LayerCache] = []
         self._plan: _Plan | None = None
-        self._graph_plans: dict[Hashable, _Plan] = {}
+        self._captured: dict[Hashable, PersistentInputs] = {}
 
     def bind_kv_caches(self, caches: Sequence[LayerCache]) -> None:
         self._caches = normalize_layer_caches(caches)
@@ -45,15 +36,13 @@ class CpuAttention(AttentionBackend):
         live = _Plan(
             metadata.q_cu_seq_lens, metadata.kv_seq_lens, metadata.block_table, metadata.slot_mapping
         )
-        if graph_key is None:
-            self._plan = live
-            return
-        # a captured bucket reads static buffers of its own, refreshed before every replay
-        if graph_key not in self._graph_plans:
-            self._graph_plans[graph_key] = _Plan(*(t.clone() for t in vars(live).values()))
-        else:
-            self._graph_plans[graph_key].refill(metadata)
-        self._plan = self._graph_plans[graph_key]
+        if graph_key is not None:
+            # a captured bucket reads the executor's persistent tensors in place: its kernels
+            # read them when the "graph" replays, so they must be the ones it was captured with
+            tensors = tuple(vars(live).values())
+            captured = self._captured.setdefault(graph_key, PersistentInputs(graph_key, *tensors))
+            captured.check(*tensors)
+        self._plan = live
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._plan is None:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xhal.cuda.kernels.moe_small import SmallMoeConfig, small_experts, use_small_path
+from xhal.platforms.cuda.kernels.moe_small import SmallMoeConfig, small_experts, use_small_path
 
 
 @triton.jit

@@ -1,5 +1,5 @@
 """CUDA graphs: ``torch.cuda.CUDAGraph`` captures in one memory pool, piecewise when the captured
-function calls ``split`` (xhal.piecewise_capture)."""
+function calls ``split`` (xhal.platforms.common.graph)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from xhal.piecewise_capture import PiecewiseStreamGraphRunner
+from xhal.platforms.common.graph import PiecewiseStreamGraphRunner
 
 
 class CudaGraphRunner(PiecewiseStreamGraphRunner):

@@ -1,6 +1,6 @@
 """``xhal-align``'s command line. It imports only click until the options are parsed, so
 ``xhal-align --help`` answers at once; the comparison itself (torch, transformers) is
-``xhal.align``."""
+``xhal.tools.align``."""
 
 from __future__ import annotations
 
@@ -36,6 +36,6 @@ def main(
     override: tuple[str, ...],
 ) -> None:
     """Compare xhal with transformers on MODEL_DIR, layer by layer; exit 1 on a divergence."""
-    from xhal.align import run
+    from xhal.tools.align import run
 
     run(model_dir, prompt, token_ids, num_tokens, seed, dtype, device, tol, override)

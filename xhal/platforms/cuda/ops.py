@@ -6,14 +6,13 @@ syncs."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from xhal import sampling
-from xhal.cuda.kernels import gemv, moe, norm, rotary
+from xhal import env
 from xhal.interfaces.ops import DeviceOps
+from xhal.platforms.common import sampling
+from xhal.platforms.cuda.kernels import gemv, moe, norm, rotary
 
 
 class CudaOps(DeviceOps):
@@ -27,11 +26,9 @@ class CudaOps(DeviceOps):
 
     def __init__(self) -> None:
         self._gemv_loaded: set[tuple] = set()
-        rows = os.environ.get("XHAL_CUDA_GEMV_MAX_ROWS")
+        rows = env.cuda_gemv_max_rows(gemv.MAX_M)
         if rows is not None:
-            if not rows.isdigit() or not 0 <= int(rows) <= gemv.MAX_M:
-                raise ValueError(f"XHAL_CUDA_GEMV_MAX_ROWS={rows!r}: give 0..{gemv.MAX_M} (0: cuBLAS always)")
-            self.gemv_max_rows = int(rows)
+            self.gemv_max_rows = rows
 
     def linear(self, x, weight, bias=None):
         """Our GEMV for one-row linears captured into a CUDA graph, cuBLAS otherwise. A Triton

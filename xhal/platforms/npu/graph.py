@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from xhal.piecewise_capture import PiecewiseStreamGraphRunner
+from xhal.platforms.common.graph import PiecewiseStreamGraphRunner
 
 
 class NpuGraphRunner(PiecewiseStreamGraphRunner):

@@ -199,7 +199,7 @@ def supports_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return _unsupported(x, weight) is None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":  # the Triton interpreter: the count only shapes the launch
         return 132

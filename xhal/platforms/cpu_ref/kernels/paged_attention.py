@@ -1,30 +1,17 @@
-"""Reference paged-attention kernels, as custom ops so that a captured "graph" records them as
-single device calls: like a device kernel, each reads its length and index tensors when it runs,
-not when it was captured."""
+"""Reference paged attention, as a custom op so that a captured "graph" records it as one device
+call: like a device kernel, it reads its length and index tensors when it runs, not when it was
+captured. The KV write that precedes it is ``kv_write.py``."""
 
 from __future__ import annotations
 
 import torch
 
-_lib = torch.library.Library("xhal_cpu_ref", "DEF")
-_lib.define(
-    "write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()"
-)
+# a fragment: kv_write.py adds its op to the same namespace
+_lib = torch.library.Library("xhal_cpu_ref", "FRAGMENT")
 _lib.define(
     "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor q_cu_seq_lens, "
     "Tensor kv_seq_lens, Tensor block_table, float scale, int sliding_window, float soft_cap) -> Tensor"
 )
-
-
-@torch.library.impl(_lib, "write_kv", "CPU")
-def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
-    # k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]
-    block_size = k_cache.shape[1]
-    for t, slot in enumerate(slot_mapping.tolist()):
-        if slot < 0:  # padding token: never written
-            continue
-        k_cache[slot // block_size, slot % block_size] = k[t]
-        v_cache[slot // block_size, slot % block_size] = v[t]
 
 
 def gather_sequence(cache: torch.Tensor, block_row: torch.Tensor, kv_len: int) -> torch.Tensor:

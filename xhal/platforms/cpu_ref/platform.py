@@ -1,20 +1,24 @@
-"""The CPU reference platform."""
+"""The CPU reference platform. Its parts are imported when first used, as in every backend's
+``platform.py``, so reading the class (its capabilities, ``is_available``) costs no more than the
+interfaces."""
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from xhal.cpu_ref.attention import CpuAttention
-from xhal.cpu_ref.collective import GlooCollective
-from xhal.cpu_ref.graph import CpuGraphRunner
-from xhal.cpu_ref.ops import CpuOps
 from xhal.interfaces.attention import AttentionSpec
-from xhal.distributed import SingleRankCollective, resolve_group
 from xhal.interfaces.collective import Collective
 from xhal.interfaces.platform import AttentionCapabilities, Capabilities, Platform
+from xhal.platforms.common.collective import SingleRankCollective, resolve_group
+
+if TYPE_CHECKING:
+    from xhal.platforms.cpu_ref.attention import CpuAttention
+    from xhal.platforms.cpu_ref.graph import CpuGraphRunner
+    from xhal.platforms.cpu_ref.ops import CpuOps
 
 
 class CpuPlatform(Platform):
@@ -35,6 +39,8 @@ class CpuPlatform(Platform):
     )
 
     def __init__(self) -> None:
+        from xhal.platforms.cpu_ref.ops import CpuOps
+
         self._ops = CpuOps()
 
     @classmethod
@@ -47,12 +53,18 @@ class CpuPlatform(Platform):
 
     def attention_backend(self, spec: AttentionSpec) -> CpuAttention:
         self.capabilities.attention.check(spec)
+        from xhal.platforms.cpu_ref.attention import CpuAttention
+
         return CpuAttention(spec)
 
     def graph_runner(self) -> CpuGraphRunner:
+        from xhal.platforms.cpu_ref.graph import CpuGraphRunner
+
         return CpuGraphRunner()
 
     def collective(self, group: dist.ProcessGroup | None = None) -> Collective:
+        from xhal.platforms.cpu_ref.collective import GlooCollective
+
         group = resolve_group(group)
         return SingleRankCollective() if group is None else GlooCollective(group)
 

@@ -237,7 +237,7 @@ def run(
     tol: float | None,
     override: tuple[str, ...],
 ) -> None:
-    """``xhal-align``'s work (its command line is ``xhal.align_cli``): print the table; exit 1
+    """``xhal-align``'s work (its command line is ``xhal.tools.align_cli``): print the table; exit 1
     on a divergence."""
     from models.loader import read_config, resolve_dtype
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from xhal.distributed import TensorCollective
+from xhal.platforms.common.collective import TensorCollective
 
 
 class HcclCollective(TensorCollective):

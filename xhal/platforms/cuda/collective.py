@@ -1,8 +1,8 @@
-"""NCCL collectives: the tensor forms NCCL implements natively (xhal.distributed)."""
+"""NCCL collectives: the tensor forms NCCL implements natively (xhal.platforms.common.collective)."""
 
 from __future__ import annotations
 
-from xhal.distributed import TensorCollective
+from xhal.platforms.common.collective import TensorCollective
 
 
 class NcclCollective(TensorCollective):

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from xhal import env
-from xhal.registry import Registry, lazy
+from xhal.platforms.registry import Registry, lazy
 
 if TYPE_CHECKING:
     from xhal.interfaces.platform import Platform
@@ -21,10 +21,10 @@ _instances: dict[str, Platform] = {}
 _plugins_loaded = False
 
 _BUILTINS = {
-    "cpu": "xhal.cpu_ref.platform:CpuPlatform",
-    "cuda": "xhal.cuda.platform:CudaPlatform",
-    "cuda-triton": "xhal.cuda.platform:CudaTritonPlatform",
-    "npu": "xhal.npu.platform:NpuPlatform",
+    "cpu": "xhal.platforms.cpu_ref.platform:CpuPlatform",
+    "cuda": "xhal.platforms.cuda.platform:CudaPlatform",
+    "cuda-triton": "xhal.platforms.cuda.platform:CudaTritonPlatform",
+    "npu": "xhal.platforms.npu.platform:NpuPlatform",
 }
 for _name, _target in _BUILTINS.items():
     _loaders.register(_name, lazy(_target))

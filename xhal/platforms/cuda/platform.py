@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 
 import torch
 import torch.distributed as dist
 
+from xhal import env
 from xhal.interfaces.attention import AttentionBackend, AttentionSpec
-from xhal.distributed import SingleRankCollective, resolve_group
 from xhal.interfaces.collective import Collective
 from xhal.interfaces.platform import AttentionCapabilities, Capabilities, Platform
+from xhal.platforms.common.collective import SingleRankCollective, resolve_group
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class CudaPlatform(Platform):
         self.has_flashinfer = self.use_flashinfer and importlib.util.find_spec("flashinfer") is not None
         if self.use_flashinfer and not self.has_flashinfer:
             logger.warning("flashinfer is not installed: using Triton attention (%s)", _INSTALL)
-        from xhal.cuda.ops import CudaOps, FlashInferOps
+        from xhal.platforms.cuda.ops import CudaOps, FlashInferOps
 
         self._ops = FlashInferOps() if self.has_flashinfer else CudaOps()
         self._workspace: torch.Tensor | None = None
@@ -66,24 +66,23 @@ class CudaPlatform(Platform):
 
     def attention_backend(self, spec: AttentionSpec) -> AttentionBackend:
         self.capabilities.attention.check(spec)
-        from xhal.cuda.attention import FlashInferAttention, TritonAttention
-
         if self.has_flashinfer and spec.dtype in (torch.float16, torch.bfloat16):
+            from xhal.platforms.cuda.attention import FlashInferAttention
+
             if self._workspace is None:  # one zeroed workspace shared by every wrapper
                 self._workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device())
-            prefill = os.environ.get("XHAL_FLASHINFER_PREFILL", "fa2")
-            if prefill not in ("fa2", "fa3", "auto"):
-                raise ValueError(f"XHAL_FLASHINFER_PREFILL={prefill!r}: use fa2, fa3 or auto")
-            return FlashInferAttention(spec, self._workspace, prefill_backend=prefill)
+            return FlashInferAttention(spec, self._workspace, prefill_backend=env.flashinfer_prefill())
+        from xhal.platforms.cuda.triton_attention import TritonAttention
+
         return TritonAttention(spec)
 
     def graph_runner(self):
-        from xhal.cuda.graph import CudaGraphRunner
+        from xhal.platforms.cuda.graph import CudaGraphRunner
 
         return CudaGraphRunner()
 
     def collective(self, group: dist.ProcessGroup | None = None) -> Collective:
-        from xhal.cuda.collective import NcclCollective
+        from xhal.platforms.cuda.collective import NcclCollective
 
         group = resolve_group(group)
         return SingleRankCollective() if group is None else NcclCollective(group)

@@ -23,7 +23,8 @@ import torch
 from xhal.interfaces.attention import AttentionBackend, AttentionSpec
 from xhal.interfaces.cache import LayerCache, normalize_layer_caches
 from xhal.interfaces.metadata import AttentionMetadata
-from xhal.npu.kv_write import KV_WRITERS, pick_kv_writer
+from xhal.platforms.common.persistent import PersistentInputs
+from xhal.platforms.npu.kernels.kv_write import KV_WRITERS, pick_kv_writer
 
 # FIA sparse_mode: '为3时, 代表rightDownCausal模式的mask, 对应以右顶点为划分的下三角场景'
 # (bottom-right aligned causal, what chunked prefill needs); '为4时, 代表band模式的mask'
@@ -47,6 +48,7 @@ class FiaPlan:
     slot_mapping: torch.Tensor  # int32 [T]
     dummy_rows: int = 0  # query rows of a trailing dummy sequence (sliding-window decode)
     graph_key: Hashable | None = None
+    captured: PersistentInputs | None = None  # a graph plan's persistent metadata tensors
 
     @property
     def num_query_rows(self) -> int:
@@ -127,30 +129,24 @@ class NpuAttention(AttentionBackend):
         if graph_key is None:
             self._plan = FiaPlan(cumulative, kv_lens, table, metadata.slot_mapping, dummy_rows)
             return
-        # a captured bucket reads static device buffers of its own, refreshed before every replay
+        # a captured bucket reads the executor's persistent tensors in place (the graph-key policy
+        # of AttentionBackend); only a dummy row's table is the bucket's own, refreshed from them
         static = self._graph_plans.get(graph_key)
         if static is None:
+            captured = PersistentInputs(graph_key, metadata.block_table, metadata.slot_mapping)
             static = FiaPlan(
-                cumulative,
-                kv_lens,
-                table.clone(),
-                metadata.slot_mapping.clone(),
-                dummy_rows,
-                graph_key,
+                cumulative, kv_lens, table, metadata.slot_mapping, dummy_rows, graph_key, captured
             )
             self._graph_plans[graph_key] = static
         else:
-            for buffer, live, name in (
-                (static.block_table, table, "block_table"),
-                (static.slot_mapping, metadata.slot_mapping, "slot_mapping"),
-            ):
-                if buffer.shape != live.shape:
-                    raise ValueError(
-                        f"graph bucket {graph_key!r} was planned with {name} of shape "
-                        f"{tuple(buffer.shape)}, now {tuple(live.shape)}: pad metadata to the "
-                        "bucket's shape before planning it"
-                    )
-                buffer.copy_(live, non_blocking=True)
+            static.captured.check(metadata.block_table, metadata.slot_mapping)
+            if dummy_rows != static.dummy_rows:
+                raise ValueError(
+                    f"graph bucket {graph_key!r} was captured with {static.dummy_rows} dummy rows, "
+                    f"now {dummy_rows}: a bucket keeps its batch kind"
+                )
+            if dummy_rows:
+                static.block_table[:-1].copy_(metadata.block_table, non_blocking=True)
             static.actual_seq_lengths, static.actual_seq_lengths_kv = cumulative, kv_lens
         self._plan = static
 

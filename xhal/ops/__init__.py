@@ -1,0 +1,98 @@
+"""Device ops as ``torch.library`` custom ops, dispatched by PyTorch on the tensors' device.
+
+Layers call ``xhal.ops.rms_norm(x, w, eps)`` and friends. Each op has a fake (meta)
+implementation for tracing (``library.py``), and a kernel per device type that forwards to the
+``DeviceOps`` of the platform *active* for that device type (``dispatch.py``): the first platform
+created for it, ``cpu_ref`` for ``cpu`` by default, or whichever ``using(...)`` selects (an
+emulated device whose tensors live on the CPU makes its own ops active for ``cpu`` this way).
+
+Sampling (``argmax``, ``sample``) takes a ``torch.Generator``, which custom-op schemas cannot carry,
+so it is routed the same way by a plain function instead of through the dispatcher.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xhal.ops.dispatch import activate, active, register_platform, using
+
+__all__ = [
+    "activate",
+    "active",
+    "argmax",
+    "fused_add_rms_norm",
+    "gelu_and_mul",
+    "linear",
+    "moe_experts",
+    "moe_route",
+    "register_platform",
+    "rms_norm",
+    "rotary_embedding",
+    "sample",
+    "silu_and_mul",
+    "using",
+]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    # routed in Python, not a custom op: the default is torch's own GEMM, whose dispatch a
+    # custom op would only add to
+    return active(x).linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.ops.xhal.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.xhal.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.xhal.rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.xhal.silu_and_mul(x)
+
+
+def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    return torch.ops.xhal.gelu_and_mul(x, approximate)
+
+
+def moe_route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.xhal.moe_route(router_logits, top_k, renormalize)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    return torch.ops.xhal.moe_experts(x, w13, w2, topk_weights, topk_ids)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    return active(logits).argmax(logits)
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    return active(logits).sample(logits, temperature, top_k, top_p, generator)

@@ -1,0 +1,68 @@
+"""The ``xhal`` custom-op library: each op's schema and its fake (meta) implementation for
+tracing. The per-device kernels are registered by ``dispatch.py``."""
+
+from __future__ import annotations
+
+import torch
+
+_SCHEMAS = {
+    "rms_norm": "rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
+    "fused_add_rms_norm": (
+        "fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)"
+    ),
+    "rotary_embedding": (
+        "rotary_embedding(Tensor positions, Tensor q, Tensor k, Tensor cos_sin_cache, bool is_neox)"
+        " -> (Tensor, Tensor)"
+    ),
+    "silu_and_mul": "silu_and_mul(Tensor x) -> Tensor",
+    "gelu_and_mul": "gelu_and_mul(Tensor x, str approximate='none') -> Tensor",
+    "moe_route": "moe_route(Tensor router_logits, int top_k, bool renormalize) -> (Tensor, Tensor)",
+    "moe_experts": (
+        "moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids)"
+        " -> Tensor"
+    ),
+}
+
+# every xhal custom op lives in this one namespace, ``torch.ops.xhal``
+LIBRARY = torch.library.Library("xhal", "DEF")
+for _schema in _SCHEMAS.values():
+    LIBRARY.define(_schema)
+
+
+@torch.library.register_fake("xhal::rms_norm")
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("xhal::fused_add_rms_norm")
+def _(x, residual, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.register_fake("xhal::rotary_embedding")
+def _(positions, q, k, cos_sin_cache, is_neox):
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+@torch.library.register_fake("xhal::silu_and_mul")
+def _(x):
+    return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+
+
+@torch.library.register_fake("xhal::gelu_and_mul")
+def _(x, approximate="none"):
+    return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+
+
+@torch.library.register_fake("xhal::moe_route")
+def _(router_logits, top_k, renormalize):
+    num_tokens = router_logits.shape[0]
+    return (
+        router_logits.new_empty(num_tokens, top_k, dtype=torch.float32),
+        router_logits.new_empty(num_tokens, top_k, dtype=torch.int32),
+    )
+
+
+@torch.library.register_fake("xhal::moe_experts")
+def _(x, w13, w2, topk_weights, topk_ids):
+    return torch.empty_like(x)

@@ -1,0 +1,1 @@
+"""Tools built on the whole stack (they import models): ``xhal-align``."""
