@@ -50,13 +50,13 @@ class FlashInferAttention(AttentionBackend):
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace, "NHD", use_tensor_cores=self.use_tensor_cores
         )
-        self._common = dict(  # the plan arguments every wrapper gets
-            sm_scale=spec.softmax_scale,
-            window_left=(spec.sliding_window - 1) if spec.sliding_window else -1,
-            logits_soft_cap=spec.logits_soft_cap,
-            q_data_type=spec.dtype,
-            kv_data_type=spec.dtype,
-        )
+        self._common = {  # the plan arguments every wrapper gets
+            "sm_scale": spec.softmax_scale,
+            "window_left": (spec.sliding_window - 1) if spec.sliding_window else -1,
+            "logits_soft_cap": spec.logits_soft_cap,
+            "q_data_type": spec.dtype,
+            "kv_data_type": spec.dtype,
+        }
         self.buckets: dict[Hashable, DecodeBucket] = {}
         self.index_builder = PagedIndexBuilder(spec.block_size, pin=self._on_cuda)
         self._scheduled = UploadFence(self._on_cuda)  # the eager wrappers stage their schedule in pinned buffers

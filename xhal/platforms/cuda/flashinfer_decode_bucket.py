@@ -37,7 +37,7 @@ class DecodeBucket:
         graph_key: object = None,
     ) -> None:
         b, table = m.num_seqs, m.block_table
-        i32 = dict(dtype=torch.int32, device=workspace.device)
+        i32 = {"dtype": torch.int32, "device": workspace.device}
         self.batch, self.block_size, self.persistent = b, spec.block_size, m
         self._captured = PersistentInputs(graph_key, m.slot_mapping, m.kv_seq_lens, m.block_table)
         max_pages = b * table.shape[1]
