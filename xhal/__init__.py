@@ -43,7 +43,9 @@ _INTERFACES = frozenset(__all__) - {"platforms"}
 
 
 def __getattr__(name: str) -> Any:
-    # PEP 562: the interfaces (and with them torch) load on first access
+    # PEP 562: the interfaces and the ops (and with them torch) load on first access
     if name in _INTERFACES:
         return getattr(importlib.import_module("xhal.interfaces"), name)
+    if name == "ops":
+        return importlib.import_module("xhal.ops")
     raise AttributeError(f"module 'xhal' has no attribute {name!r}")

@@ -2,9 +2,9 @@
 ops that forward to it.
 
 The active ops of a device type are the first platform's created for it (``register_platform``,
-called by ``xhal.platforms.get``), ``cpu_ref``'s for ``cpu`` by default, or whichever
-``activate`` / ``using`` selects (an emulated device whose tensors live on the CPU makes its own
-ops active for ``cpu`` this way)."""
+which the registry calls for each platform it creates: ``xhal.platforms.on_create``),
+``cpu_ref``'s for ``cpu`` by default, or whichever ``activate`` / ``using`` selects (an emulated
+device whose tensors live on the CPU makes its own ops active for ``cpu`` this way)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from xhal import platforms
 from xhal.ops.library import LIBRARY
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ def _register_kernels(device_type: str) -> None:
 
 def register_platform(platform: Platform) -> None:
     """Register kernels for the platform's device type; its ops become active there unless another
-    platform already is. Called by ``xhal.platforms.get``."""
+    platform already is. Called for every platform ``xhal.platforms.get`` creates."""
     _register_kernels(platform.device_type)
     _active.setdefault(platform.device_type, platform.ops)
 
@@ -78,11 +79,7 @@ def active(x: torch.Tensor | str) -> DeviceOps:
     device_type = x if isinstance(x, str) else x.device.type
     if device_type not in _active:
         if device_type == "cpu":
-            # the reference serves the CPU until a platform is made active there; imported, not
-            # looked up in the registry, which itself imports this module (no loop)
-            from xhal.platforms.cpu_ref.ops import CpuOps
-
-            _active.setdefault("cpu", CpuOps())
+            platforms.get("cpu")  # its creation makes cpu_ref's ops active (register_platform)
         else:
             raise RuntimeError(
                 f"no xhal platform serves device type {device_type!r}; create one first, e.g. "
@@ -118,3 +115,4 @@ def using(device_type: str, ops: DeviceOps) -> Iterator[None]:
 # the CPU is always there: its kernels exist from import on and serve cpu_ref until another
 # platform is made active for "cpu"
 _register_kernels("cpu")
+platforms.on_create(register_platform)

@@ -17,8 +17,11 @@ ENTRY_POINT_GROUP = "xhal.platforms"
 
 # name -> zero-argument loader returning the Platform class (or a factory returning an instance)
 _loaders: Registry[Callable[[], object]] = Registry("platform")
-_instances: dict[str, Platform] = {}
+_instances: dict[str, Platform] = {}  # in creation order
 _plugins_loaded = False
+# called with each platform created (``xhal.ops`` registers its kernels and ops this way, so the
+# registry never imports the ops: they sit above it)
+_on_create: list[Callable[[Platform], None]] = []
 
 _BUILTINS = {
     "cpu": "xhal.platforms.cpu_ref.platform:CpuPlatform",
@@ -77,11 +80,18 @@ def get(name: str) -> Platform:
     if name not in _instances:
         cls = platform_class(name)
         _check_interface_version(name, cls)
-        _instances[name] = cls()  # type: ignore[call-arg]
-        from xhal import ops
-
-        ops.register_platform(_instances[name])
+        platform = _instances[name] = cls()  # type: ignore[call-arg]
+        for listener in _on_create:
+            listener(platform)
     return _instances[name]
+
+
+def on_create(listener: Callable[[Platform], None]) -> None:
+    """Call ``listener`` with every platform ``get`` has created (in creation order) and, from
+    now on, with each new one as it is created."""
+    _on_create.append(listener)
+    for platform in list(_instances.values()):
+        listener(platform)
 
 
 def _check_interface_version(name: str, cls: object) -> None:
