@@ -17,9 +17,9 @@ class DeviceOps(ABC):
     the float64 result rounded to the dtype. Inputs may be strided views (a slice of a fused
     projection). Shapes: leading dimensions are free unless stated.
 
-    Registration: ``xhal.platforms.get`` registers the platform's kernels for its
-    ``device_type``, and the first platform created for a device type becomes the active one
-    there. A platform whose tensors live on another platform's device type (an emulation on
+    Registration: every platform ``xhal.platforms.get`` creates has its kernels registered for
+    its ``device_type`` (``xhal.ops`` listens through ``xhal.platforms.on_create``), and the first
+    platform created for a device type becomes the active one there. A platform whose tensors live on another platform's device type (an emulation on
     "cpu") must make its ops active while it runs: ``xhal.ops.activate(device_type, ops)`` from
     then on, or ``with xhal.ops.using(device_type, ops):`` for a block.
     """
