@@ -30,7 +30,7 @@ from npu_emulation_helpers import (
 )
 
 from xhal.interfaces.cache import LayerCache
-from xhal.platforms.npu import kv_write
+from xhal.platforms.npu.kernels import kv_write
 
 NPU_SRC = Path(__file__).resolve().parents[1] / "xhal" / "npu"
 
