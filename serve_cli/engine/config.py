@@ -87,21 +87,17 @@ class EngineConfig:
 
     @property
     def runs_eager(self) -> bool:
-        """Whether the executor runs without graphs: ``enforce_eager``, or when None True on the
-        CPU only."""
+        """Whether the executor runs without graphs: ``enforce_eager``, or when None True for the
+        "cpu" platform only (an emulated device on CPU tensors still captures its graphs)."""
         if self.enforce_eager is not None:
             return self.enforce_eager
-        return _platform_attribute(self.device, "device_type", None) == "cpu"
+        return self.device.split(":")[0] == "cpu"
 
 
-_PLATFORM_DEFAULT = object()
-
-
-def _platform_attribute(device: str, name: str, default: object = _PLATFORM_DEFAULT):
+def _platform_attribute(device: str, name: str):
     """A class attribute of ``device``'s platform ("cuda:1" names platform "cuda"), read without
     creating the platform (that imports device libraries). A platform registered as a factory
-    rather than a class has no class to read: it gets the ``Platform`` defaults (or
-    ``default``, for an attribute ``Platform`` does not define)."""
+    rather than a class has no class to read: it gets the ``Platform`` defaults."""
     import xhal.platforms
     from xhal.interfaces.platform import Platform
 
@@ -112,8 +108,7 @@ def _platform_attribute(device: str, name: str, default: object = _PLATFORM_DEFA
         raise ValueError(
             f"unknown device {device!r}; the registered platforms are: {known}"
         ) from None
-    fallback = getattr(Platform, name) if default is _PLATFORM_DEFAULT else default
-    return getattr(cls, name, fallback)
+    return getattr(cls, name, getattr(Platform, name))
 
 
 def _check_positive(name: str, value: object) -> None:
