@@ -18,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from serve_cli.launcher import ServerProcess
+from tests.launcher import ServerProcess
 
 MIB = 1 << 20
 LIMIT = 1.5  # the peak may be at most this multiple of the after-start figure

@@ -49,7 +49,7 @@ def _executor(batch: int, ctx: int, shape: dict):
     max_len = ctx + 256
     cfg = ExecutorConfig(
         dtype=torch.bfloat16, block_size=BLOCK, max_num_seqs=batch, max_model_len=max_len,
-        decode_capture_sizes=(batch,), piecewise_token_sizes=(),
+        decode_graph_sizes=(batch,), piecewise_token_sizes=(),
     )  # fmt: skip
     executor = ModelExecutor(model, platform, cfg)
     executor.bind_kv_caches(executor.allocate_kv_caches(num_blocks=batch * (max_len // BLOCK) + 1))

@@ -1,28 +1,38 @@
-"""Per-stage host time of a served decode step on the CPU: the stages ``EngineCore.step`` runs,
-timed one by one on a real engine in steady decode.
+"""Per-stage host time of a served decode step on the CPU: the stages the engine process runs
+per step, and what the API process then does with the step's message, timed one by one on a real
+engine in steady decode.
 
     python -m benchmarks.bench_host_stages [--model DIR] [--batch 1 32] [--steps 30]
 
-Stages, in the order a synchronous step runs them: scheduling (``Scheduler.next_batch``), input
-build (``InputBuilder.describe``: the batch flattened for the host), upload (``InputBuilder.upload``:
-xLLM layout, adapter, host-to-device copy), execute (``ModelExecutor.execute``; on the CPU this is the
-model's compute too, not only host work), logits, sampling (launch + read back), detokenization
-(``IncrementalDetokenizer.add_token`` of the step's tokens) and output processing (scheduler
-bookkeeping and outputs). Medians over ``--steps`` decode steps, in microseconds. The script only
-calls engine pieces that exist on main too, so the same file measures main (run it with main's
-checkout first on ``PYTHONPATH``) and the branch.
+Engine process, in the order a synchronous step runs them: scheduling (``Scheduler.next_batch``),
+input build (``InputBuilder.describe``: the batch flattened for the host), upload
+(``InputBuilder.upload``: xLLM layout, adapter, host-to-device copy), execute
+(``ModelExecutor.execute``; on the CPU this is the model's compute too, not only host work),
+logits, sampling (launch + read back), output (``PostProcessor.outputs``: EOS and stop-token
+checks, scheduler bookkeeping, token-id outputs) and IPC send (pickling the step's one
+``StepOutputs`` message, as ``send_pyobj`` does). API process, off the step loop: IPC receive
+(unpickling it) and detokenization (``OutputProcessor.process``: text deltas and stop strings).
+Medians over ``--steps`` decode steps, in microseconds.
+
+Before detokenization moved to the API process, the engine ran it inside its step (an
+``IncrementalDetokenizer.add_token`` per token, between sampling and output): run this file from
+a checkout before that change for those figures (its stage names are the same where they match).
 """
 
 from __future__ import annotations
 
 import argparse
+import pickle
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-STAGES = ("schedule", "input build", "upload", "execute", "logits", "sample", "detokenize", "output")
+ENGINE_STAGES = ("schedule", "input build", "upload", "execute", "logits", "sample", "output",
+                 "ipc send")  # fmt: skip
+API_STAGES = ("ipc receive", "detokenize")
+STAGES = ENGINE_STAGES + API_STAGES
 
 
 def _engine(model_dir: Path, batch: int):
@@ -38,17 +48,24 @@ def _engine(model_dir: Path, batch: int):
 
 def measure(model_dir: Path, batch: int, steps: int, prompt_len: int = 32) -> dict[str, float]:
     """Median microseconds per stage over ``steps`` decode steps of ``batch`` requests."""
+    from serve_cli.engine.output_processor import OutputProcessor
+    from serve_cli.engine.runner.model_runner import SampledToken
     from serve_cli.engine.sampling import SamplingParams
+    from serve_cli.engine.step_pipeline import DeviceStep
+    from serve_cli.process.messages import StepOutputs
 
     engine = _engine(model_dir, batch)
+    processor = OutputProcessor(engine.tokenizer)  # the API process's
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     for i in range(batch):
         prompt = torch.randint(3, engine.vocab_size, (prompt_len,), generator=g).tolist()
         engine.add_request(f"r{i}", prompt, params)
+        processor.add(f"r{i}", prompt, params.stop)
     for _ in range(3):  # prefill, then a few decodes so every request decodes
-        engine.step()
-    runner, scheduler = engine.runner, engine.scheduler
+        for out in engine.step():
+            processor.process(out)
+    runner, scheduler, states = engine.runner, engine.scheduler, engine._states
     times: dict[str, list[float]] = {s: [] for s in STAGES}
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -63,16 +80,22 @@ def measure(model_dir: Path, batch: int, steps: int, prompt_len: int = 32) -> di
         logits = runner.executor.compute_logits(hidden, inputs.selected_idxes)
         t5 = time.perf_counter()
         rids = inputs.sampled_request_ids
-        states = {r: engine._states[r] for r in rids}
         pending = runner.sampler.launch(logits, [states[r].params for r in rids], [None] * len(rids))
-        tokens, _ = pending.resolve()
+        tokens, logprobs = pending.resolve()
+        t6 = time.perf_counter()
+        done = DeviceStep(batch_, {s.request_id: states[s.request_id] for s in batch_.requests},
+                          sampled=[SampledToken(*row) for row in zip(rids, tokens, logprobs)])  # fmt: skip
+        outputs = engine.postprocessor.outputs(done, states)
         t7 = time.perf_counter()
-        for r, token in zip(rids, tokens):
-            states[r].detokenizer.add_token(token)
+        blob = pickle.dumps(StepOutputs(outputs), pickle.HIGHEST_PROTOCOL)
         t8 = time.perf_counter()
-        scheduler.advance(batch_, dict(zip(rids, tokens)), {})
+        received = pickle.loads(blob)
         t9 = time.perf_counter()
-        spans = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t7 - t5, t8 - t7, t9 - t8)
+        for out in received.outputs:
+            processor.process(out)
+        t10 = time.perf_counter()
+        spans = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t7 - t6, t8 - t7,
+                 t9 - t8, t10 - t9)  # fmt: skip
         for name, span in zip(STAGES, spans):
             times[name].append(span * 1e6)
     engine.close()
@@ -97,9 +120,11 @@ def main() -> None:
     print(f"{'stage':<14}" + "".join(f"{'batch ' + str(b):>12}" for b in args.batch))
     for name in STAGES:
         print(f"{name:<14}" + "".join(f"{results[b][name]:>12.0f}" for b in args.batch))
-    host = [s for s in STAGES if s not in ("execute", "logits")]
-    print(f"{'host total':<14}" + "".join(f"{sum(results[b][s] for s in host):>12.0f}" for b in args.batch))
-    print("(execute and logits include the CPU's compute; host total leaves them out)")
+    host = [s for s in ENGINE_STAGES if s not in ("execute", "logits")]
+    print(f"{'engine host':<14}" + "".join(f"{sum(results[b][s] for s in host):>12.0f}" for b in args.batch))
+    print(f"{'api process':<14}" + "".join(f"{sum(results[b][s] for s in API_STAGES):>12.0f}" for b in args.batch))
+    print("(execute and logits include the CPU's compute; engine host leaves them out; the API")
+    print(" process's stages run there, off the engine's step loop)")
 
 
 if __name__ == "__main__":

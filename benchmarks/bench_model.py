@@ -167,7 +167,7 @@ def main() -> None:
     executors = {}
     for eager in (False, True):
         cfg = ExecutorConfig(dtype=torch.bfloat16, block_size=BLOCK, max_num_seqs=max(batches),
-                             max_model_len=CTX + 64, enforce_eager=eager, decode_capture_sizes=tuple(batches))
+                             max_model_len=CTX + 64, enforce_eager=eager, decode_graph_sizes=tuple(batches))
         executors[eager] = ModelExecutor(model, platform, cfg)
     caches = executors[False].allocate_kv_caches(num_blocks=num_blocks)
     for ex in executors.values():

@@ -294,7 +294,7 @@ def main(
     _preflight(host, port, Path(model_dir), config, device)
     # imported only now: the server's imports (FastAPI, uvicorn, ZMQ) take seconds on a loaded
     # machine, and the checks above should answer before them
-    from serve_cli.engine_client import EngineDeadError, EngineStartupError
+    from serve_cli.process.engine_client import EngineDeadError, EngineStartupError
     from serve_cli.server import ServerOptions, serve
 
     # a built-in's generation_config.json sets no max_new_tokens: its cap comes first

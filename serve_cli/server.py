@@ -4,7 +4,7 @@ Shutdown: SIGINT or SIGTERM makes uvicorn stop accepting, lets open requests fin
 ``--shutdown-timeout`` seconds and then ends the rest in-band (``serve_cli.shutdown``), and runs
 the app's lifespan exit, which stops the engine process; the ``finally`` below stops it too when
 start-up fails half-way. The engine process also dies on its own if this process dies (see
-``engine_process``), so no process is left behind. If the engine process dies first, the server
+``process.engine_process``), so no process is left behind. If the engine process dies first, the server
 answers its requests with 503s, stops, and ``serve`` raises ``EngineDeadError`` (exit status 1).
 """
 
@@ -21,8 +21,8 @@ import uvicorn
 from serve_cli.api import ServerState, build_app
 from serve_cli.api.defaults import load_request_defaults
 from serve_cli.engine.config import EngineConfig
-from serve_cli.engine_client import EngineClient, EngineDeadError, EngineStartupError
 from serve_cli.preflight import small_kv_warning
+from serve_cli.process.engine_client import EngineClient, EngineDeadError, EngineStartupError
 from serve_cli.shutdown import BACKSTOP_S, Drain, GracefulServer, exit_when_engine_dies
 
 logger = logging.getLogger("xhal.serve")
@@ -70,9 +70,11 @@ async def _serve(options: ServerOptions, config: EngineConfig) -> None:
             warning = small_kv_warning(info.num_kv_blocks, info.block_size, info.max_model_len)
             if warning:
                 logger.warning(warning)
+        tokenizer = await tokenizer_task
+        client.attach_tokenizer(tokenizer)  # it makes the text of the engine's token ids
         state = ServerState(
             client=client,
-            tokenizer=await tokenizer_task,
+            tokenizer=tokenizer,
             model_name=options.model_name,
             max_model_len=info.max_model_len,
             vocab_size=info.vocab_size,

@@ -17,7 +17,7 @@ from typing import Any
 
 import uvicorn
 
-from serve_cli.engine_client import ServerShuttingDown
+from serve_cli.process.engine_client import ServerShuttingDown
 
 logger = logging.getLogger("xhal.serve")
 # uvicorn's own limit, a backstop behind ours: ended requests answer within moments

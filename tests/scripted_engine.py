@@ -23,7 +23,7 @@ class ScriptedEngine:
 
     def add_request(self, request_id, prompt_token_ids, params, queue) -> None:
         self.requests.append((list(prompt_token_ids), params))
-        from serve_cli.messages import Output
+        from serve_cli.engine.output import RequestOutput
 
         async def run() -> None:
             scheduled_at = time.monotonic()
@@ -31,7 +31,7 @@ class ScriptedEngine:
                 await asyncio.sleep(0)
                 if prompt_token_ids[0] == 13 and i == 1:
                     queue.put_nowait(
-                        Output(
+                        RequestOutput(
                             request_id,
                             finished=True,
                             finish_reason="error",
@@ -42,7 +42,7 @@ class ScriptedEngine:
                     return
                 last = i == params.max_tokens - 1
                 queue.put_nowait(
-                    Output(
+                    RequestOutput(
                         request_id,
                         [7],
                         "x",

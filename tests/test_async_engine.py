@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 
 from serve_cli.engine.config import EngineConfig  # noqa: E402
 from serve_cli.engine.core import EngineCore  # noqa: E402
+from serve_cli.engine.offline import TextSession  # noqa: E402
 from serve_cli.engine.sampling import SamplingParams  # noqa: E402
 
 BASE = dict(max_num_seqs=8, max_num_batched_tokens=48, max_model_len=128, num_kv_blocks=48)
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def _engine(model_dir: Path, overlap: bool, **overrides) -> EngineCore:
     config = EngineConfig(model_dir=model_dir, async_scheduling=overlap, **{**BASE, **overrides})
-    assert config.async_scheduling is overlap
+    assert config.schedules_async is overlap
     return EngineCore(config)
 
 
@@ -41,12 +42,14 @@ def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
 def _run(engine: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]],
          abort_after: dict[str, int] | None = None) -> dict[str, dict]:  # fmt: skip
     """Submit all, step until idle (aborting a request once it has ``abort_after[rid]`` tokens);
-    per request: token ids, text, finish reason, usage count and logprobs."""
+    per request: token ids, text, finish reason, usage count and logprobs. Outputs go through a
+    ``TextSession``: text and stop strings as the API process makes them."""
+    session = TextSession(engine)
     for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
+        session.add_request(rid, prompt, params)
     result = {rid: dict(ids=[], text="", reason=None, n=0, lp=[]) for rid in requests}
-    while engine.has_unfinished():
-        for out in engine.step():
+    while session.has_unfinished():
+        for out in session.step():
             r = result[out.request_id]
             r["ids"] += out.new_token_ids
             r["text"] += out.new_text
@@ -54,7 +57,7 @@ def _run(engine: EngineCore, requests: dict[str, tuple[list[int], SamplingParams
             r["reason"], r["n"] = out.finish_reason, out.num_output_tokens
         for rid, n in (abort_after or {}).items():
             if len(result[rid]["ids"]) >= n and result[rid]["reason"] is None:
-                engine.abort(rid)
+                session.abort(rid)
     stats = engine.stats()
     assert stats["kv_blocks_used"] == 0 and stats["num_running"] == stats["num_waiting"] == 0
     assert engine._in_flight is None and not engine.scheduler._outstanding
@@ -62,9 +65,9 @@ def _run(engine: EngineCore, requests: dict[str, tuple[list[int], SamplingParams
 
 
 def test_config_default_is_off_on_the_cpu_and_on_elsewhere() -> None:
-    assert EngineConfig().async_scheduling is False
-    assert EngineConfig(device="cuda").async_scheduling is True
-    assert EngineConfig(device="npu", tensor_parallel_size=2).async_scheduling is True
+    assert EngineConfig().schedules_async is False
+    assert EngineConfig(device="cuda").schedules_async is True
+    assert EngineConfig(device="npu", tensor_parallel_size=2).schedules_async is True
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(device="cuda", async_scheduling="yes")
 
@@ -94,9 +97,9 @@ def test_greedy_outputs_match_with_eos_max_tokens_and_chunked_prefill(engines) -
         requests[f"r{i}"] = (p, params)
     runs = {}
     for overlap, engine in engines.items():
-        engine.eos_token_ids = frozenset({eos})
+        engine.postprocessor.eos_token_ids = frozenset({eos})
         runs[overlap] = _run(engine, requests)
-        engine.eos_token_ids = frozenset()
+        engine.postprocessor.eos_token_ids = frozenset()
     _assert_same(runs[True], runs[False])
     reasons = [r["reason"] for r in runs[False].values()]
     assert "stop" in reasons and "length" in reasons

@@ -17,7 +17,7 @@ import torch
 from readme_examples import readme_curl_commands, run_curl_example
 
 from serve_cli.builtin_models import SMOLLM2_INSTALL, ServedModel, resolve_model, smollm2_gguf
-from serve_cli.launcher import ServerProcess
+from launcher import ServerProcess
 
 gguf = pytest.importorskip("gguf", reason="reading the GGUF file needs xhal[serve]'s gguf")
 pytest.importorskip("accelerate", reason="transformers reads GGUF files with accelerate")

@@ -12,10 +12,11 @@ from serve_cli.engine.config import EngineConfig
 
 
 def test_cpu_runs_eagerly_unless_told_otherwise() -> None:
-    assert EngineConfig().enforce_eager is True
-    assert EngineConfig(enforce_eager=False).enforce_eager is False
-    assert EngineConfig(device="cuda").enforce_eager is False
-    assert EngineConfig(device="cuda", enforce_eager=True).enforce_eager is True
+    assert EngineConfig().runs_eager is True
+    assert EngineConfig().enforce_eager is None  # the field keeps what was asked for
+    assert EngineConfig(enforce_eager=False).runs_eager is False
+    assert EngineConfig(device="cuda").runs_eager is False
+    assert EngineConfig(device="cuda", enforce_eager=True).runs_eager is True
     with pytest.raises(ValueError, match="enforce_eager"):
         EngineConfig(enforce_eager="yes")
 

@@ -13,6 +13,7 @@ from serve_cli.engine.block_manager import BlockManager
 from serve_cli.engine.config import EngineConfig
 from serve_cli.engine.core import EngineCore
 from serve_cli.engine.errors import ParamError
+from serve_cli.engine.offline import TextSession
 from serve_cli.engine.request import Request
 from serve_cli.engine.runner.input_builder import InputBuilder
 from serve_cli.engine.sampling import SamplingParams
@@ -85,8 +86,9 @@ def reference(llama_gqa_dir: Path):
     return run
 
 
-def _drain(engine: EngineCore) -> dict[str, list]:
-    """Step until idle; every output, by request id."""
+def _drain(engine: EngineCore | TextSession) -> dict[str, list]:
+    """Step until idle; every output, by request id (text and stop strings too through a
+    ``TextSession``, as a served request gets them)."""
     outputs: dict[str, list] = {}
     while engine.has_unfinished():
         for out in engine.step():
@@ -153,8 +155,9 @@ def test_stop_string_cuts_text_and_finishes_with_stop(default_engine: EngineCore
     tok = default_engine.tokenizer
     prompt = tok("Where did you put the keys?")["input_ids"]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    default_engine.add_request("free", prompt, params)
-    run = _drain(default_engine)["free"]
+    session = TextSession(default_engine)  # the text is made as the API process makes it
+    session.add_request("free", prompt, params)
+    run = _drain(session)["free"]
     ids = sum((o.new_token_ids for o in run), [])
     text = "".join(o.new_text for o in run)
     assert text == tok.decode(ids, skip_special_tokens=True) and run[-1].finish_reason == "length"
@@ -163,8 +166,8 @@ def test_stop_string_cuts_text_and_finishes_with_stop(default_engine: EngineCore
     k = len(tok.decode(ids[:4]))
     stop = text[k - 1 : k + 2]
     cut = text.find(stop)
-    default_engine.add_request("stopped", prompt, replace(params, stop=("@@@", stop)))
-    run = _drain(default_engine)["stopped"]
+    session.add_request("stopped", prompt, replace(params, stop=("@@@", stop)))
+    run = _drain(session)["stopped"]
     assert "".join(o.new_text for o in run) == text[:cut]
     assert run[-1].finished and run[-1].finish_reason == "stop"
     got = sum((o.new_token_ids for o in run), [])
@@ -176,7 +179,7 @@ def test_eos_finishes_with_stop_unless_ignored(llama_gqa_dir: Path, reference) -
     prompt = _prompts([12], seed=3)[0]
     expected = reference(prompt)
     k = next(i for i in range(1, len(expected)) if expected[i] not in expected[:i])
-    engine.eos_token_ids = frozenset({expected[k]})  # a later greedy token becomes the EOS
+    engine.postprocessor.eos_token_ids = frozenset({expected[k]})  # a later greedy token is EOS
     engine.add_request("eos", prompt, SamplingParams(max_tokens=10, temperature=0))
     engine.add_request("ignore", prompt, GREEDY)
     outputs = _drain(engine)
@@ -267,22 +270,26 @@ def test_abort_frees_blocks(engine: EngineCore) -> None:
 @pytest.mark.parametrize(
     "field, prompt, params",
     [
-        ("max_tokens", [5], SamplingParams(max_tokens=0)),
-        ("temperature", [5], SamplingParams(temperature=-0.5)),
-        ("top_p", [5], SamplingParams(top_p=0.0)),
-        ("top_p", [5], SamplingParams(top_p=1.5)),
-        ("top_k", [5], SamplingParams(top_k=-2)),
-        ("stop", [5], SamplingParams(stop=("ok", 3))),
-        ("logprobs", [5], SamplingParams(logprobs=21)),
-        ("seed", [5], SamplingParams(seed=1.5)),
-        ("prompt", [], SamplingParams()),
-        ("prompt", [5] * 129, SamplingParams()),
-        ("prompt", [5, 256], SamplingParams()),
+        ("max_tokens", [5], {"max_tokens": 0}),
+        ("temperature", [5], {"temperature": -0.5}),
+        ("top_p", [5], {"top_p": 0.0}),
+        ("top_p", [5], {"top_p": 1.5}),
+        ("top_k", [5], {"top_k": -2}),
+        ("stop", [5], {"stop": ("ok", 3)}),
+        ("stop", [5], {"stop": "ok"}),  # a tuple of strings, not a bare string
+        ("logprobs", [5], {"logprobs": 21}),
+        ("seed", [5], {"seed": 1.5}),
+        ("stop_token_ids", [5], {"stop_token_ids": [3]}),
+        ("prompt", [], {}),
+        ("prompt", [5] * 129, {}),
+        ("prompt", [5, 256], {}),
+        ("prompt", [5, 2.0], {}),
     ],
 )
 def test_bad_requests_name_the_field(engine: EngineCore, field, prompt, params) -> None:
+    """Sampling parameters are checked where they are made (one place), the prompt on arrival."""
     with pytest.raises(ParamError, match=field) as err:
-        engine.add_request("bad", prompt, params)
+        engine.add_request("bad", prompt, SamplingParams(**params))
     assert err.value.param == field and isinstance(err.value, ValueError)
     assert not engine.has_unfinished()
 

@@ -218,8 +218,8 @@ def test_capture_graphs_up_front_writes_no_cache(checkpoint_factory):
     h = Harness(checkpoint_factory("llama_tied"), enforce_eager=False)
     before = [c.key.clone() for c in h.executor.backends[0]._caches]
     stats = h.executor.capture_graphs(progress=False)
-    assert stats["graphs"] == len(h.executor.config.capture_sizes)
-    assert all(("decode", s) in h.executor.decode_graphs.graphs for s in h.executor.config.capture_sizes)
+    assert stats["graphs"] == len(h.executor.config.decode_capture_sizes)
+    assert all(("decode", s) in h.executor.decode_graphs.graphs for s in h.executor.config.decode_capture_sizes)
     assert all(torch.equal(a, c.key) for a, c in zip(before, h.executor.backends[0]._caches))
     seqs = prompts(h.vocab, [5, 9])
     h.step([(i, s) for i, s in enumerate(seqs)])

@@ -77,7 +77,7 @@ def executor_on(platform, model, seqs: int, max_model_len: int = 128, num_blocks
     """A bf16 executor on ``platform`` with one decode bucket of ``seqs`` and its KV cache bound."""
     from xhal.executor import ExecutorConfig, ModelExecutor
 
-    config = {"decode_capture_sizes": (seqs,), "piecewise_token_sizes": (), **config}
+    config = {"decode_graph_sizes": (seqs,), "piecewise_token_sizes": (), **config}
     cfg = ExecutorConfig(
         dtype=torch.bfloat16, block_size=BLOCK_SIZE, max_num_seqs=seqs, max_model_len=max_model_len, **config
     )

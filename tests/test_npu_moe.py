@@ -181,7 +181,7 @@ def _decode(platform, model, enforce_eager: bool) -> list[torch.Tensor]:
 
     config = ExecutorConfig(
         dtype=torch.bfloat16, block_size=BLOCK_SIZE, max_num_seqs=4, max_model_len=512,
-        enforce_eager=enforce_eager, decode_capture_sizes=(4,), piecewise_token_sizes=(),
+        enforce_eager=enforce_eager, decode_graph_sizes=(4,), piecewise_token_sizes=(),
     )  # fmt: skip
     executor = ModelExecutor(model, platform, config)
     executor.bind_kv_caches(executor.allocate_kv_caches(num_blocks=16))

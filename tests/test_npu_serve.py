@@ -14,7 +14,7 @@ from checkpoints import build_checkpoint
 from npu_emulation.registry import read_counts
 from npu_emulation_helpers import assert_calls_bound_and_checked
 
-from serve_cli.launcher import ServerProcess
+from launcher import ServerProcess
 
 openai = pytest.importorskip("openai", reason="the server tests drive it with the openai client")
 pytest.importorskip("fastapi")

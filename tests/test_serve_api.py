@@ -15,7 +15,7 @@ import pytest
 from readme_examples import run_curl_example
 from tiny_server import TINY_MODEL_NAME, tiny_server_args
 
-from serve_cli.launcher import ServerProcess
+from launcher import ServerProcess
 
 openai = pytest.importorskip("openai", reason="the server tests drive it with the openai client")
 httpx = pytest.importorskip("httpx")

@@ -137,10 +137,10 @@ class RecordingEngine:
         self.params: list[Any] = []
 
     def add_request(self, request_id: str, prompt: list[int], params: Any, queue: Any) -> None:
-        from serve_cli.messages import Output
+        from serve_cli.engine.output import RequestOutput
 
         self.params.append(params)
-        done = Output(request_id, [7], "x", True, "length", num_prompt_tokens=len(prompt))
+        done = RequestOutput(request_id, [7], "x", True, "length", num_prompt_tokens=len(prompt))
         queue.put_nowait(done)
 
     def abort(self, request_ids: list[str]) -> None:
@@ -235,7 +235,7 @@ def test_chat_without_max_tokens_stops_at_the_default_limit() -> None:
 
 def test_bench_serve_reports_a_refused_key_in_one_line() -> None:
     from benchmarks.bench_serve import main
-    from serve_cli.launcher import ServerProcess
+    from launcher import ServerProcess
 
     args = ["--model", "builtin:tiny-random", "--api-key", "sk-bench", "--log-level", "warning"]
     with ServerProcess(args) as server:

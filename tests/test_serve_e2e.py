@@ -14,7 +14,7 @@ import pytest
 from checkpoints import llama_gqa
 from processes import GENEROUS_S, spawned_children, wait_for, wait_gone
 
-from serve_cli.launcher import ServerProcess
+from launcher import ServerProcess
 
 openai = pytest.importorskip("openai", reason="the server tests drive it with the openai client")
 httpx = pytest.importorskip("httpx")

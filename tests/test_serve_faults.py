@@ -136,8 +136,8 @@ def test_engine_loop_survives_a_raising_step() -> None:
     import zmq
 
     from serve_cli.engine.sampling import SamplingParams
-    from serve_cli.engine_process import EngineLoop
-    from serve_cli.messages import AddRequest, Shutdown, StatsQuery, StatsReply, StepOutputs
+    from serve_cli.process.engine_process import EngineLoop
+    from serve_cli.process.messages import AddRequest, Shutdown, StatsQuery, StatsReply, StepOutputs
 
     ctx = zmq.Context()
     to_engine, engine_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)

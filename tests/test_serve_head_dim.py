@@ -7,7 +7,7 @@ import pytest
 import torch
 from checkpoints import llama_head_dim_16
 
-from serve_cli.launcher import ServerProcess
+from launcher import ServerProcess
 
 openai = pytest.importorskip("openai", reason="the server tests drive it with the openai client")
 pytest.importorskip("fastapi")

@@ -16,7 +16,7 @@ import pytest
 from processes import spawned_children, wait_for
 from tiny_server import TINY_MODEL_NAME, tiny_server_args
 
-from serve_cli.launcher import ServerProcess
+from launcher import ServerProcess
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")

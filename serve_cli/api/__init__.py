@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI): request models, routes, errors, metrics.
 
 It runs in the API process: it tokenizes and validates, hands requests to the engine process
-through ``serve_cli.engine_client.EngineClient`` and streams the outputs back.
+through ``serve_cli.process.engine_client.EngineClient`` and streams the outputs back.
 """
 
 from __future__ import annotations

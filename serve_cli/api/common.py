@@ -6,7 +6,7 @@ from fastapi import Request
 
 from serve_cli.api.errors import APIError
 from serve_cli.api.state import ServerState
-from serve_cli.engine_client import EngineDeadError, ServerShuttingDown
+from serve_cli.process.engine_client import EngineDeadError, ServerShuttingDown
 
 
 def server_state(request: Request, model: str | None) -> ServerState:

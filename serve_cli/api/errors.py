@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from serve_cli.engine_client import Unavailable
+from serve_cli.process.engine_client import Unavailable
 
 logger = logging.getLogger("xhal.serve")
 

@@ -20,7 +20,7 @@ from serve_cli.api.errors import APIError
 from serve_cli.api.request_log import log_request
 from serve_cli.api.responses import PromptTokensDetails, Usage
 from serve_cli.api.state import ServerState
-from serve_cli.messages import Output
+from serve_cli.engine.output import RequestOutput
 
 
 def new_id(prefix: str) -> str:
@@ -72,7 +72,7 @@ class Generation:
         self._by_id = {c.request_id: c for c in self.choices}
         self.num_prompt_tokens = sum(len(p) for p in prompts)
 
-    async def outputs(self) -> AsyncIterator[tuple[Choice, Output]]:
+    async def outputs(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
         """Each engine output with its choice, in arrival order, until every choice finished.
         Raises ``APIError`` for a request the engine failed or rejected, ``EngineDeadError``
         when the engine process died."""
@@ -149,7 +149,7 @@ class Generation:
             return self.params
         return dataclasses.replace(self.params, seed=self.params.seed + choice.index)
 
-    def _apply(self, choice: Choice, out: Output) -> None:
+    def _apply(self, choice: Choice, out: RequestOutput) -> None:
         if choice.scheduled_at is None:
             choice.scheduled_at = out.scheduled_at
         if out.new_token_ids:

@@ -74,19 +74,17 @@ def sampling_params(
     refuse_unimplemented(request)
     refuse_inconsistent(request)
     stop = request.stop
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=0 if request.top_k is None else request.top_k,
-        seed=request.seed,
-        stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
-        logprobs=logprobs,
-        ignore_eos=request.ignore_eos,
-        stop_token_ids=request.stop_token_ids or (),
-    )
     try:
-        params.validate()
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=0 if request.top_k is None else request.top_k,
+            seed=request.seed,
+            stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+            logprobs=logprobs,
+            ignore_eos=request.ignore_eos,
+            stop_token_ids=tuple(request.stop_token_ids or ()),
+        )
     except ParamError as e:
         raise invalid(f"'{e.param}': {e.message}", e.param) from e
-    return params

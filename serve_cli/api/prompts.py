@@ -7,6 +7,7 @@ from typing import Any
 from serve_cli.api.errors import invalid
 from serve_cli.api.protocol import ChatMessage, ChatTemplateFields
 from serve_cli.api.state import ServerState
+from serve_cli.engine.prompt_rules import prompt_problem
 
 
 def completion_prompts(state: ServerState, prompt: Any) -> list[list[int]]:
@@ -84,18 +85,9 @@ def render_chat(state: ServerState, body: ChatTemplateFields) -> str:
 
 
 def check_prompt(state: ServerState, ids: list[int], param: str) -> None:
-    if not ids:
-        raise invalid(f"'{param}' must not be empty (it encodes to no tokens)", param)
-    if len(ids) > state.max_model_len:
-        raise invalid(
-            f"the prompt has {len(ids)} tokens, more than this server's max model length "
-            f"({state.max_model_len}); shorten it or restart with a larger --max-model-len",
-            param,
-            "context_length_exceeded",
-        )
-    bad = [t for t in ids if not 0 <= t < state.vocab_size]
-    if bad:
-        raise invalid(f"token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})", param)
+    problem = prompt_problem(ids, state.vocab_size, state.max_model_len, param)
+    if problem is not None:
+        raise invalid(problem.message, param, problem.code or "invalid_value")
 
 
 def _encode(state: ServerState, text: str, add_special_tokens: bool) -> list[int]:

@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from serve_cli.api.errors import APIError, error_body
-from serve_cli.engine_client import Unavailable
+from serve_cli.process.engine_client import Unavailable
 
 logger = logging.getLogger("xhal.serve")
 

@@ -24,15 +24,16 @@ class EngineConfig:
     ``async_scheduling`` schedules and builds step N+1 on the host while step N runs on the
     device (its sampled tokens reach step N+1 on the device), and only then reads step N back.
     None (the default) takes the platform's ``async_scheduling`` attribute (off on the CPU,
-    where nothing runs asynchronously to overlap with). With tensor parallelism rank 0 broadcasts each step's sampled
-    tokens to the workers on the device, where the next step's placeholders read them. After
-    construction it is a bool.
+    where nothing runs asynchronously to overlap with); ``schedules_async`` is the choice made.
+    With tensor parallelism rank 0 broadcasts each step's sampled tokens to the workers on the
+    device, where the next step's placeholders read them.
 
     ``enforce_eager`` None (the default) is True on the CPU and False elsewhere: the CPU's
     "graphs" only re-run the recorded ops (no launch overhead to save) and keep every
     intermediate of each captured bucket alive, so a lazily captured prefill bucket per new
     prompt length grew a 135M model's engine from 3 to 7 GB; eager is faster there and flat in
-    memory. After construction it is a bool.
+    memory. ``runs_eager`` is the choice made. The fields keep what was asked for (the config
+    is frozen and never rewritten); the properties resolve the defaults.
     """
 
     model_dir: str | Path | None = None
@@ -71,24 +72,26 @@ class EngineConfig:
             raise ValueError("give at most one of kv_cache_memory (bytes) and num_kv_blocks")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        overlap = self.async_scheduling
-        if overlap is None:
-            overlap = bool(_platform_attribute(self.device, "async_scheduling"))
-        elif not isinstance(overlap, bool):
-            raise ValueError(f"async_scheduling must be a boolean or None, got {overlap!r}")
-        object.__setattr__(self, "async_scheduling", overlap)
-        eager = self.enforce_eager
-        if eager is None:
-            eager = self.device.split(":")[0] == "cpu"
-        elif not isinstance(eager, bool):
-            raise ValueError(f"enforce_eager must be a boolean or None, got {eager!r}")
-        object.__setattr__(self, "enforce_eager", eager)
+        for name in ("async_scheduling", "enforce_eager"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be a boolean or None, got {value!r}")
+        _platform_attribute(self.device, "async_scheduling")  # refuse an unknown device now
 
     @property
-    def metadata_convention(self) -> str:
-        """The xLLM layout the input builder emits: the platform's ``metadata_convention``
-        (the one xLLM's build for that device uses)."""
-        return _platform_attribute(self.device, "metadata_convention")
+    def schedules_async(self) -> bool:
+        """Whether steps overlap: ``async_scheduling``, or when None the platform's default."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return bool(_platform_attribute(self.device, "async_scheduling"))
+
+    @property
+    def runs_eager(self) -> bool:
+        """Whether the executor runs without graphs: ``enforce_eager``, or when None True for the
+        "cpu" platform only (an emulated device on CPU tensors still captures its graphs)."""
+        if self.enforce_eager is not None:
+            return self.enforce_eager
+        return self.device.split(":")[0] == "cpu"
 
 
 def _platform_attribute(device: str, name: str):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from serve_cli.engine.errors import ParamError
 
@@ -20,8 +21,10 @@ class SamplingParams:
     before them (finish reason "stop"); a token of ``stop_token_ids`` ends it after itself
     (finish reason "stop", even with ``ignore_eos``, as vLLM does). ``logprobs`` N returns, per
     generated token, its logprob and the N most likely tokens' (from the raw logits, before
-    temperature). Construction only normalizes (a single stop string becomes a tuple, stop token
-    ids a frozenset); ``validate`` checks.
+    temperature). Construction validates, so a ``SamplingParams`` that exists is a valid one:
+    this is the one place its rules live (the API and the engine both rely on it). ``stop`` is a
+    tuple of strings and ``stop_token_ids`` a tuple or frozenset of ids, as given: nothing is
+    converted after construction.
     """
 
     max_tokens: int = 16
@@ -32,25 +35,16 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
     ignore_eos: bool = False
-    stop_token_ids: frozenset[int] = frozenset()
+    stop_token_ids: tuple[int, ...] | frozenset[int] = ()
 
     def __post_init__(self) -> None:
-        stop = self.stop
-        if stop is None:
-            stop = ()
-        elif isinstance(stop, str):
-            stop = (stop,)
-        elif isinstance(stop, (list, tuple)):
-            stop = tuple(stop)
-        object.__setattr__(self, "stop", stop)
-        if isinstance(self.stop_token_ids, (list, tuple, set)):
-            object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
+        self._validate()
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def validate(self) -> None:
+    def _validate(self) -> None:
         """Raise ``ParamError`` (a ``ValueError``) naming the first invalid field."""
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ParamError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
@@ -63,7 +57,7 @@ class SamplingParams:
         if self.seed is not None and not _is_int(self.seed):
             raise ParamError("seed", f"must be an integer, got {self.seed!r}")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) for s in self.stop):
-            raise ParamError("stop", f"must be a string or a list of strings, got {self.stop!r}")
+            raise ParamError("stop", f"must be a tuple of strings, got {self.stop!r}")
         if any(s == "" for s in self.stop):
             raise ParamError("stop", "stop strings must not be empty")
         if self.logprobs is not None and (
@@ -75,8 +69,10 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise ParamError("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
         ids = self.stop_token_ids
-        if not isinstance(ids, frozenset) or not all(_is_int(t) and t >= 0 for t in ids):
-            raise ParamError("stop_token_ids", "must be a list of integer token ids >= 0")
+        if not isinstance(ids, (tuple, frozenset)) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise ParamError(
+                "stop_token_ids", f"must be a tuple of integer token ids >= 0, got {ids!r}"
+            )
 
 
 def _is_int(value: object) -> bool:
@@ -87,10 +83,10 @@ def _is_number(value: object) -> bool:
     return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 
-@dataclass(frozen=True)
-class TokenLogprobs:
+class TokenLogprobs(NamedTuple):
     """One generated token's logprob and the ``top`` most likely ``(token_id, logprob)`` pairs,
-    most likely first (log-softmax of the raw logits)."""
+    most likely first (log-softmax of the raw logits). A named tuple: plain data, so it crosses to
+    the API process as it is and reads there as ``(token_id, logprob, top)``."""
 
     token_id: int
     logprob: float

@@ -11,11 +11,13 @@ import torch
 class ExecutorConfig:
     """How the executor runs a model.
 
-    ``piecewise_token_sizes`` are the token buckets of piecewise graphs for prefill and mixed
-    batches (all but attention captured). ``decode_capture_sizes`` defaults to 1, 2, 4, 8 then steps of 16 up to ``max_num_seqs``:
-    a decode batch of B sequences replays the smallest bucket >= B, padded with rows that carry
-    slot -1 and never change real rows. ``max_model_len`` fixes the width of the static block
-    table a captured graph reads.
+    Graph buckets: ``decode_graph_sizes`` chooses the batch sizes decode graphs are captured for
+    and ``decode_capture_sizes`` is what is used: those sizes sorted and deduplicated, or by
+    default 1, 2, 4, 8 then steps of 16 up to ``max_num_seqs``. A decode batch of B sequences
+    replays the smallest bucket >= B, padded with rows that carry slot -1 and never change real
+    rows. Likewise ``piecewise_token_sizes`` chooses the token buckets of piecewise graphs for
+    prefill and mixed batches (all but attention captured) and ``token_capture_sizes`` is what is
+    used. ``max_model_len`` fixes the width of the static block table a captured graph reads.
     """
 
     dtype: torch.dtype = torch.float32
@@ -23,7 +25,8 @@ class ExecutorConfig:
     max_num_seqs: int = 64
     max_model_len: int = 2048
     enforce_eager: bool = False
-    decode_capture_sizes: tuple[int, ...] | None = None
+    # batch buckets of decode graphs; None: the default (see decode_capture_sizes)
+    decode_graph_sizes: tuple[int, ...] | None = None
     # token buckets of piecewise graphs (prefill / mixed); () turns them off
     piecewise_token_sizes: tuple[int, ...] | None = None
     max_num_batched_tokens: int = 2048
@@ -38,9 +41,10 @@ class ExecutorConfig:
             )
 
     @property
-    def capture_sizes(self) -> tuple[int, ...]:
-        if self.decode_capture_sizes is not None:
-            return tuple(sorted(set(self.decode_capture_sizes)))
+    def decode_capture_sizes(self) -> tuple[int, ...]:
+        """The decode graphs' batch buckets, ascending."""
+        if self.decode_graph_sizes is not None:
+            return tuple(sorted(set(self.decode_graph_sizes)))
         sizes = [s for s in (1, 2, 4, 8) if s <= self.max_num_seqs]
         sizes += range(16, self.max_num_seqs + 1, 16)
         if sizes[-1] != self.max_num_seqs:

@@ -37,7 +37,7 @@ class DecodeGraphs:
         self.config, self.backends, self.forward = config, backends, forward
         self.platform = platform
         self.graphs = platform.graph_runner()
-        self.sizes = config.capture_sizes
+        self.sizes = config.decode_capture_sizes
         n, device = self.sizes[-1], platform.device()
         i32 = dict(dtype=torch.int32, device=device)
         self.input_ids = torch.zeros(n, **i32)

@@ -11,6 +11,7 @@ from torch import nn
 from xhal.executor.config import ExecutorConfig
 from xhal.executor.decode_graph import DecodeGraphs
 from xhal.executor.kv_cache import allocate_kv_caches, num_blocks_for_budget
+from xhal.executor.layer_sync import LayerSynchronizer, record_every_layer, recording_layers
 from xhal.executor.piecewise import PiecewiseGraphs
 from xhal.interfaces.attention import AttentionBackend, AttentionSpec
 from xhal.interfaces.cache import LayerCache, normalize_layer_caches
@@ -38,7 +39,8 @@ class ModelExecutor:
         self.model, self.platform = model, platform
         self.config = config or ExecutorConfig()
         self.collective = collective or platform.collective(None)
-        self.specs = self._attention_specs(model)
+        self._attention_layers = attention_layers(model)
+        self.specs = self._attention_specs()
         by_spec: dict[AttentionSpec, AttentionBackend] = {}
         self.backend_of: dict[int, AttentionBackend] = {}
         for layer_id, spec in self.specs.items():
@@ -59,9 +61,9 @@ class ModelExecutor:
 
     # setup -------------------------------------------------------------------------------------
 
-    def _attention_specs(self, model: nn.Module) -> dict[int, AttentionSpec]:
+    def _attention_specs(self) -> dict[int, AttentionSpec]:
         cfg = self.config
-        return {a.layer_id: a.spec(cfg.dtype, cfg.block_size) for a in attention_layers(model)}
+        return {a.layer_id: a.spec(cfg.dtype, cfg.block_size) for a in self._attention_layers}
 
     @staticmethod
     def _hidden_size(model: nn.Module) -> int:
@@ -70,27 +72,6 @@ class ModelExecutor:
         if size is None:
             raise ValueError("the model needs a .config with hidden_size")
         return int(size)
-
-    def _decoder_layers(self) -> nn.ModuleList:
-        layers = getattr(getattr(self.model, "model", None), "layers", None)
-        if layers is None:
-            raise ValueError(
-                "a layer_synchronizer needs the decoder layers at model.model.layers "
-                "(the Hugging Face layout)"
-            )
-        return layers
-
-    def _run_with_synchronizer(self, synchronizer: Any, run: Any) -> torch.Tensor:
-        """Run ``run()`` with ``synchronizer.record_event(i)`` after decoder layer ``i``."""
-        handles = [
-            layer.register_forward_hook(lambda *_, i=i: synchronizer.record_event(i))
-            for i, layer in enumerate(self._decoder_layers())
-        ]
-        try:
-            return run()
-        finally:
-            for handle in handles:
-                handle.remove()
 
     # KV caches ---------------------------------------------------------------------------------
 
@@ -179,13 +160,15 @@ class ModelExecutor:
         positions: torch.Tensor,
         metadata: Any,
         input_embedding: torch.Tensor | None = None,
-        layer_synchronizer: Any = None,
+        layer_synchronizer: LayerSynchronizer | None = None,
     ) -> torch.Tensor:
         """Run one step and return hidden states ``[T, hidden]``.
 
         ``metadata`` is an ``AttentionMetadata`` or an xLLM metadata view (object or dict) in
         ``config.metadata_convention``, normalized by ``xhal.adapter``. The result may be a view
-        of a graph's static output: consume it before the next ``execute``.
+        of a graph's static output: consume it before the next ``execute``. A
+        ``layer_synchronizer`` gets ``record_event(layer_id)`` once per attention layer, in layer
+        order, as each finishes (eager) or after the replay (graphs): see ``layer_sync``.
         """
         if not self._caches_bound:
             raise RuntimeError("bind_kv_caches(...) must be called before execute(...)")
@@ -198,15 +181,14 @@ class ModelExecutor:
         hidden = self._run_graphs(input_ids, positions, metadata, input_embedding)
         if hidden is not None:
             if layer_synchronizer is not None:  # a graph finishes every layer at once
-                for index in range(len(self.specs)):
-                    layer_synchronizer.record_event(index)
+                record_every_layer(self._attention_layers, layer_synchronizer)
             return hidden
         for backend in self.backends:
             backend.plan(metadata)
-        run = lambda: self._forward(input_ids, positions, metadata, input_embedding)
         if layer_synchronizer is None:
-            return run()
-        return self._run_with_synchronizer(layer_synchronizer, run)
+            return self._forward(input_ids, positions, metadata, input_embedding)
+        with recording_layers(self._attention_layers, layer_synchronizer):
+            return self._forward(input_ids, positions, metadata, input_embedding)
 
     def _run_graphs(
         self,

@@ -11,7 +11,7 @@ import contextlib
 import contextvars
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from xhal.interfaces.attention import AttentionBackend
@@ -25,14 +25,13 @@ class ForwardContext:
 
     ``attention[layer_id]`` is the backend serving that layer (already planned for this step);
     ``metadata`` is None outside attention work (e.g. while computing logits);
-    ``collective`` is the tensor-parallel group's; ``layer_synchronizer``, when given, is the
-    host's object whose ``record_event(layer_id)`` is called after each decoder layer.
+    ``collective`` is the tensor-parallel group's. (A host's layer synchronizer is the
+    executor's business, not the layers': see ``xhal.executor.layer_sync``.)
     """
 
     metadata: AttentionMetadata | None
     attention: Mapping[int, AttentionBackend]
     collective: Collective
-    layer_synchronizer: Any = None
 
 
 _current: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(

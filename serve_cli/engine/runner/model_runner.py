@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,6 +19,7 @@ if TYPE_CHECKING:
     from serve_cli.engine.config import EngineConfig
     from serve_cli.engine.runner.tp_group import TPWorkers
     from serve_cli.engine.sampling import SamplingParams, TokenLogprobs
+    from serve_cli.engine.served_model import ServedModel
 
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class ModelRunner:
     involved.
     """
 
-    def __init__(self, model_dir: Path, config: EngineConfig, max_model_len: int) -> None:
+    def __init__(self, served: ServedModel, config: EngineConfig) -> None:
         from xhal import platforms
         from xhal.executor import bytes_per_block
         from xhal.layers import TensorParallel
@@ -74,14 +74,12 @@ class ModelRunner:
         if config.tensor_parallel_size > 1:
             from serve_cli.engine.runner import tp_group
 
-            self.workers = tp_group.TPWorkers(self.platform, model_dir, config, max_model_len)
+            self.workers = tp_group.TPWorkers(self.platform, served, config)
             collective = self.workers.collective
         try:
             self.device = self.platform.device()
             tp = TensorParallel(0, config.tensor_parallel_size)
-            self.executor = build_executor(
-                self.platform, model_dir, config, max_model_len, tp, collective
-            )
+            self.executor = build_executor(self.platform, served, config, tp, collective)
             self.model = self.executor.model
             num_blocks = config.num_kv_blocks
             if num_blocks is None and config.kv_cache_memory is None:
@@ -109,7 +107,7 @@ class ModelRunner:
             raise
         self.dtype = self.executor.config.dtype
         self.input_builder = InputBuilder(
-            self.device, config.metadata_convention, config.block_size
+            self.device, self.platform.metadata_convention, config.block_size
         )
         self.sampler = Sampler(self.device, config.seed)
 

@@ -4,7 +4,6 @@ these, so the ranks cannot drift apart."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,6 +11,7 @@ import torch
 if TYPE_CHECKING:
     from serve_cli.engine.config import EngineConfig
     from serve_cli.engine.runner.input_builder import ModelInput
+    from serve_cli.engine.served_model import ServedModel
     from xhal.executor import ModelExecutor
     from xhal.interfaces.collective import Collective
     from xhal.interfaces.platform import Platform
@@ -20,21 +20,21 @@ if TYPE_CHECKING:
 
 def build_executor(
     platform: Platform,
-    model_dir: Path,
+    served: ServedModel,
     config: EngineConfig,
-    max_model_len: int,
     tp: TensorParallel,
     collective: Collective | None = None,
     progress: bool = True,
 ) -> ModelExecutor:
-    """Load this rank's shard (``tp``) onto the platform's current device and wrap it in the
-    executor every rank configures identically."""
+    """Load this rank's shard (``tp``) of ``served`` (from its config.json as read once, not
+    from the file again) onto the platform's current device and wrap it in the executor every
+    rank configures identically; the xLLM layout is the platform's ``metadata_convention``."""
     from models.loader import load_model
     from xhal.executor import ExecutorConfig, ModelExecutor
 
     model = load_model(
-        model_dir, config.dtype, platform.device(), tp=tp, progress=progress,
-        load_format=config.load_format,
+        served.directory, config.dtype, platform.device(), tp=tp, config=served.hf_config,
+        progress=progress, load_format=config.load_format,
     )
     return ModelExecutor(
         model,
@@ -44,9 +44,9 @@ def build_executor(
             block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enforce_eager=config.enforce_eager,
-            metadata_convention=config.metadata_convention,
+            max_model_len=served.max_model_len,
+            enforce_eager=config.runs_eager,
+            metadata_convention=platform.metadata_convention,
         ),
         collective,
     )

@@ -15,7 +15,6 @@ import pickle
 import socket
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from serve_cli.engine.runner.tp_protocol import (
@@ -35,6 +34,7 @@ if TYPE_CHECKING:
 
     from serve_cli.engine.config import EngineConfig
     from serve_cli.engine.runner.input_builder import HostStep
+    from serve_cli.engine.served_model import ServedModel
     from xhal.interfaces.platform import Platform
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class TPWorkers:
     """
 
     def __init__(
-        self, platform: Platform, model_dir: Path, config: EngineConfig, max_model_len: int
+        self, platform: Platform, model: ServedModel, config: EngineConfig
     ) -> None:
         world_size = config.tensor_parallel_size
         ctx = mp.get_context("spawn")
@@ -75,9 +75,8 @@ class TPWorkers:
                     rank,
                     world_size,
                     init_method,
-                    model_dir,
+                    model,
                     config,
-                    max_model_len,
                     os.getpid(),
                     logging.getLogger().getEffectiveLevel(),
                 )

@@ -8,11 +8,11 @@ worker -> rank 0: ``Started`` (before the rendezvous), ``Ready`` (its KV cache i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from serve_cli.engine.config import EngineConfig
+    from serve_cli.engine.served_model import ServedModel
 
 
 @dataclass(frozen=True)
@@ -22,9 +22,8 @@ class WorkerArgs:
     rank: int
     world_size: int
     init_method: str  # the torch.distributed rendezvous, hosted by rank 0
-    model_dir: Path
+    model: ServedModel  # the checkpoint and its config.json, as rank 0 read it
     config: EngineConfig
-    max_model_len: int
     parent_pid: int
     log_level: int
 

@@ -67,9 +67,8 @@ def _serve(args: WorkerArgs, conn: Connection) -> None:
     config = args.config
     executor = build_executor(
         platform,
-        args.model_dir,
+        args.model,
         config,
-        args.max_model_len,
         TensorParallel(args.rank, args.world_size),
         platform.collective(group),
         progress=False,
@@ -80,7 +79,7 @@ def _serve(args: WorkerArgs, conn: Connection) -> None:
     if not isinstance(bind, BindKV):
         raise RuntimeError(f"expected BindKV from rank 0, got {type(bind).__name__}")
     executor.bind_kv_caches(executor.allocate_kv_caches(num_blocks=bind.num_blocks))
-    builder = InputBuilder(platform.device(), config.metadata_convention, config.block_size)
+    builder = InputBuilder(platform.device(), platform.metadata_convention, config.block_size)
     conn.send(Ready(args.rank))
     sampled_before: list[str] = []  # the request ids the step before sampled, in its order
     while not isinstance(step := conn.recv(), Stop):

@@ -1,7 +1,10 @@
 """The API process's handle on the engine process: start it, feed it, route its outputs.
 
 Each HTTP request hands ``add_request`` an ``asyncio.Queue``; one background task reads the
-engine's output socket and puts every ``Output`` on the queue of its request. When the engine
+engine's output socket (one ``StepOutputs`` of token ids per engine step), makes each output's
+text here, in the API process (``OutputProcessor``: incremental detokenization and stop strings,
+aborting in the engine a request a stop string ended) and puts every ``RequestOutput`` on the
+queue of its request. When the engine
 process dies, every waiting queue gets an ``EngineDeadError`` and later calls raise it at once,
 so no request hangs.
 """
@@ -22,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 import zmq
 import zmq.asyncio
 
-from serve_cli.engine_process import run_engine_process
-from serve_cli.messages import (
+from serve_cli.engine.output_processor import OutputProcessor
+from serve_cli.process.engine_process import run_engine_process
+from serve_cli.process.messages import (
     AbortRequests,
     AddRequest,
     EngineFailed,
@@ -66,8 +70,8 @@ class EngineStartupError(RuntimeError):
 class EngineClient:
     """Runs on the API process's event loop; one per server.
 
-    Invariants: a request's queue receives its ``Output``s in step order and is dropped after the
-    finished one (or on ``abort``); sends never block (a gone engine makes them fail at once);
+    Invariants: a request's queue receives its ``RequestOutput``s (text filled in) in step order
+    and is dropped after the finished one (or on ``abort``); sends never block (a gone engine makes them fail at once);
     after the engine process exits, ``dead_reason`` is set and every call raises
     ``EngineDeadError``.
     """
@@ -79,6 +83,7 @@ class EngineClient:
         self.on_dead: Callable[[], None] | None = None  # called once the engine process died
         self._refusal: Unavailable | None = None  # set once fail_all ended everything
         self._queues: dict[str, asyncio.Queue] = {}
+        self._outputs: OutputProcessor | None = None  # set by attach_tokenizer
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._query_ids = itertools.count()
         self._process: multiprocessing.process.BaseProcess | None = None
@@ -131,20 +136,31 @@ class EngineClient:
         asyncio.get_running_loop().add_reader(self._process.sentinel, self._on_engine_exit)
         return msg
 
+    def attach_tokenizer(self, tokenizer: Any) -> None:
+        """The tokenizer whose decode makes the outputs' text; needed before ``add_request``."""
+        self._outputs = OutputProcessor(tokenizer)
+
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: Any, queue: asyncio.Queue
     ) -> None:
-        """Send a request; its ``Output``s, or an ``Unavailable`` error, arrive on ``queue``."""
+        """Send a request; its ``RequestOutput``s, or an ``Unavailable`` error, arrive on
+        ``queue``."""
         self._check_alive()
         if self._refusal is not None:
             raise self._refusal
-        if not self._send(AddRequest(request_id, list(prompt_token_ids), params)):
+        if self._outputs is None:
+            raise RuntimeError("attach_tokenizer(...) must be called before add_request(...)")
+        prompt = list(prompt_token_ids)
+        if not self._send(AddRequest(request_id, prompt, params)):
             raise EngineDeadError("the engine process is not reachable; restart xhal-serve")
+        self._outputs.add(request_id, prompt, params.stop)
         self._queues[request_id] = queue
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop requests (the client went away); their blocks are freed at the next drain."""
         live = [rid for rid in request_ids if self._queues.pop(rid, None) is not None]
+        for rid in live:
+            self._forget(rid)
         if live and not self.is_dead:
             self._send(AbortRequests(live))
 
@@ -160,6 +176,8 @@ class EngineClient:
         for queue in self._queues.values():
             queue.put_nowait(error)
         self._queues.clear()
+        for rid in ids:
+            self._forget(rid)
         if ids and not self.is_dead:
             self._send(AbortRequests(ids))
         return len(ids)
@@ -202,16 +220,35 @@ class EngineClient:
         while True:
             msg = await self._outbox.recv_pyobj()
             if isinstance(msg, StepOutputs):
-                for out in msg.outputs:
-                    queue = self._queues.get(out.request_id)
-                    if queue is not None:
-                        queue.put_nowait(out)
-                        if out.finished:
-                            del self._queues[out.request_id]
+                self._route(msg)
             elif isinstance(msg, StatsReply):
                 waiter = self._stats_waiters.get(msg.query_id)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(msg.stats)
+
+    def _route(self, msg: StepOutputs) -> None:
+        """Make one step's text and hand each output to its request's queue; the requests a stop
+        string ended here are aborted in the engine with one message."""
+        assert self._outputs is not None
+        stopped = []
+        for raw in msg.outputs:
+            queue = self._queues.get(raw.request_id)
+            if queue is None:  # aborted, or ended here while the engine ran a step behind
+                continue
+            out, stop_engine = self._outputs.process(raw)
+            if out is None:
+                continue
+            if stop_engine:
+                stopped.append(out.request_id)
+            queue.put_nowait(out)
+            if out.finished:
+                del self._queues[out.request_id]
+        if stopped and not self.is_dead:
+            self._send(AbortRequests(stopped))
+
+    def _forget(self, request_id: str) -> None:
+        if self._outputs is not None:
+            self._outputs.drop(request_id)
 
     def _on_engine_exit(self) -> None:
         loop = asyncio.get_running_loop()

@@ -3,13 +3,16 @@
 API -> engine: ``AddRequest``, ``AbortRequests``, ``StatsQuery``, ``Shutdown``.
 Engine -> API: ``EngineReady`` or ``EngineFailed`` once at start, then ``StepOutputs`` after
 every step and ``StatsReply`` per query. Only plain data crosses: the API process never needs
-torch or the engine's own classes to read a message.
+torch to read a message. A step's outputs are the engine's own ``RequestOutput`` (torch-free,
+plain fields): one output type from the engine to the HTTP response.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from serve_cli.engine.output import RequestOutput
 
 
 @dataclass(frozen=True)
@@ -51,32 +54,11 @@ class EngineFailed:
 
 
 @dataclass(frozen=True)
-class Output:
-    """One request's progress in one step (a plain copy of the engine's ``RequestOutput``).
-
-    ``status`` is the HTTP status the API should answer with when ``finish_reason == "error"``:
-    400 when the engine rejected the request on arrival (``param`` names the field when the
-    engine said which), 500 when a step failed.
-    """
-
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    new_text: str = ""
-    finished: bool = False
-    finish_reason: str | None = None
-    logprobs: Any = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    error: str | None = None
-    status: int = 500
-    param: str | None = None  # the offending request field, for a rejected request
-    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
-    scheduled_at: float | None = None  # time.monotonic() when the engine first scheduled it
-
-
-@dataclass(frozen=True)
 class StepOutputs:
-    outputs: list[Output]
+    """Every output of one engine step, in one message (token ids; the API process makes the
+    text)."""
+
+    outputs: list[RequestOutput]
 
 
 @dataclass(frozen=True)

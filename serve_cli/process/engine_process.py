@@ -1,8 +1,9 @@
 """The engine process: it owns the ``EngineCore`` and runs the step loop, nothing else.
 
-Loop: drain the requests and aborts that arrived, run one step, send that step's outputs; answer
-stats queries between steps. HTTP and tokenization live in the API process, so they never stall
-a step. The process ignores SIGINT (the API process coordinates shutdown), exits on SIGTERM or a
+Loop: drain the requests and aborts that arrived, run one step, send that step's outputs (token
+ids, one ``StepOutputs`` message per step); answer stats queries between steps. HTTP,
+tokenization and detokenization (text deltas, stop strings: ``OutputProcessor``) live in the API
+process, so they never stall a step. The process ignores SIGINT (the API process coordinates shutdown), exits on SIGTERM or a
 ``Shutdown`` message, and dies with its parent (``PR_SET_PDEATHSIG`` plus a parent-pid check).
 """
 
@@ -17,14 +18,14 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from serve_cli.engine.errors import ParamError
+from serve_cli.engine.output import RequestOutput, failed_output
 from serve_cli.engine.runner.lifetime import die_with_parent
 from serve_cli.engine.stats_logger import StatsLogger
-from serve_cli.messages import (
+from serve_cli.process.messages import (
     AbortRequests,
     AddRequest,
     EngineFailed,
     EngineReady,
-    Output,
     Shutdown,
     StatsQuery,
     StatsReply,
@@ -33,7 +34,6 @@ from serve_cli.messages import (
 
 if TYPE_CHECKING:
     from serve_cli.engine.config import EngineConfig
-    from serve_cli.engine.output import RequestOutput
 
 logger = logging.getLogger("xhal.serve.engine")
 IDLE_POLL_MS = 100  # how long an idle loop waits for input before re-checking its parent
@@ -83,7 +83,7 @@ def run_engine_process(
 class EngineLoop:
     """Drains input, steps the core and ships outputs until shut down or orphaned.
 
-    Invariant: every request the API added gets exactly one finished ``Output`` (or the API aborted
+    Invariant: every request the API added gets exactly one finished ``RequestOutput`` (or the API aborted
     it), even when a step raises: then every live request fails with ``finish_reason="error"``, the
     traceback is logged and the loop carries on.
     """
@@ -105,7 +105,7 @@ class EngineLoop:
             self.stats_logger.maybe_log(self.core.stats)
 
     def _drain(self) -> None:
-        rejected: list[Output] = []
+        rejected: list[RequestOutput] = []
         while True:
             try:
                 msg = self.inbox.recv_pyobj(zmq.NOBLOCK)
@@ -117,7 +117,7 @@ class EngineLoop:
                     self.live.add(msg.request_id)
                 except ValueError as e:  # a ParamError, or a request the KV cache can never hold
                     param = e.param if isinstance(e, ParamError) else None
-                    rejected.append(_failed(msg.request_id, str(e), status=400, param=param))
+                    rejected.append(failed_output(msg.request_id, str(e), 400, param))
             elif isinstance(msg, AbortRequests):
                 for rid in msg.request_ids:
                     if rid in self.live:
@@ -132,14 +132,14 @@ class EngineLoop:
 
     def _step(self) -> None:
         try:
-            outputs = [_to_message(out) for out in self.core.step()]
+            outputs = self.core.step()
         except Exception:
             logger.exception("engine step failed; failing its %d live requests", len(self.live))
             reason = traceback.format_exc(limit=1).strip().splitlines()[-1]
             outputs = []
             for rid in sorted(self.live):
                 self.core.abort(rid)  # frees its blocks
-                outputs.append(_failed(rid, f"the engine step failed: {reason}"))
+                outputs.append(failed_output(rid, f"the engine step failed: {reason}"))
         # abort() may itself emit an "abort" output for a request the API already dropped
         outputs = [o for o in outputs if o.request_id in self.live]
         for out in outputs:
@@ -147,35 +147,6 @@ class EngineLoop:
                 self.live.discard(out.request_id)
         if outputs:
             self.outbox.send_pyobj(StepOutputs(outputs))
-
-
-def _to_message(out: RequestOutput) -> Output:
-    return Output(
-        request_id=out.request_id,
-        new_token_ids=list(out.new_token_ids),
-        new_text=out.new_text,
-        finished=out.finished,
-        finish_reason=out.finish_reason,
-        logprobs=_plain_logprobs(out.logprobs),
-        num_prompt_tokens=out.num_prompt_tokens,
-        num_cached_tokens=out.num_cached_tokens,
-        error=out.error,
-        stop_reason=out.stop_reason,
-        scheduled_at=out.scheduled_at,
-    )
-
-
-def _plain_logprobs(logprobs: Any) -> list[tuple[int, float, tuple]] | None:
-    """``TokenLogprobs`` per new token -> ``(token_id, logprob, ((id, logprob), ...))``."""
-    if not logprobs:
-        return None
-    return [(lp.token_id, lp.logprob, tuple(lp.top)) for lp in logprobs if lp is not None]
-
-
-def _failed(request_id: str, message: str, status: int = 500, param: str | None = None) -> Output:
-    return Output(
-        request_id, finished=True, finish_reason="error", error=message, status=status, param=param
-    )
 
 
 def _ready_message(core: Any) -> EngineReady:
