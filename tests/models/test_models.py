@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from models import WeightsMismatchError, get_model_class, load_model, supported_architectures
+from models.loader import safetensors_files
 from xhal.align import xhal_prefill
 from xhal.layers import attention_layers
 
@@ -62,9 +63,24 @@ def test_tied_embeddings_share_one_tensor(llama_tied_dir: Path) -> None:
     assert model.lm_head.weight.dtype == torch.float32
 
 
-def test_sharded_checkpoint_uses_its_index(llama_sharded_dir: Path) -> None:
+def test_sharded_checkpoint_uses_its_index(llama_sharded_dir: Path, tmp_path: Path) -> None:
+    """The loader reads the shards the index names, every one and nothing else: a stray file
+    beside them is ignored (the same logits as transformers'), a named shard gone is an error
+    naming it. (Without the index every *.safetensors file would be read, the stray one too.)"""
     index = json.loads((llama_sharded_dir / "model.safetensors.index.json").read_text())
-    assert len(set(index["weight_map"].values())) > 1
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    assert [f.name for f in safetensors_files(llama_sharded_dir)] == shards
+    copy = _copy_with(llama_sharded_dir, tmp_path / "stray")
+    save_file({"stray.weight": torch.zeros(2)}, copy / "zz-stray.safetensors")
+    model = load_model(copy, dtype=torch.float32, progress=False)  # would be a mismatch otherwise
+    input_ids = _prompt(model.config["vocab_size"])
+    expected = _hf_logits(llama_sharded_dir, input_ids)
+    rel = (xhal_prefill(model, input_ids)[1] - expected).abs().max() / expected.abs().max()
+    assert rel <= 1e-4, f"max relative difference {float(rel):.2e}"
+    (copy / shards[-1]).unlink()
+    with pytest.raises(FileNotFoundError, match=f"shards that are missing: .*{shards[-1]}"):
+        load_model(copy, dtype=torch.float32, progress=False)
 
 
 def _copy_with(src: Path, dst: Path, edit_config=None, edit_tensors=None) -> Path:

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from serve_cli.engine.batch import PLACEHOLDER_TOKEN_ID
 from serve_cli.engine.block_manager import BlockManager
 from serve_cli.engine.request import Request
-from serve_cli.engine.runner.input_builder import InputBuilder
+from serve_cli.engine.runner.input_builder import HostStep, InputBuilder, PreviousTokens
 from serve_cli.engine.scheduler import Scheduler
 
 
@@ -86,3 +88,55 @@ def test_metadata_checks_run_only_when_asked(monkeypatch: pytest.MonkeyPatch) ->
     for name in ("q_cu_seq_lens", "kv_cu_seq_lens", "q_seq_lens", "kv_seq_lens", "block_table", "slot_mapping"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert a.kind == b.kind and a.kv_seq_lens.tolist() == [4, 10]
+
+
+def test_the_host_step_is_the_batch_laid_out_by_hand() -> None:
+    """``describe`` against the layout written out here: a's decode token (position 3 of a
+    4-token context) then b's ten prompt tokens, each at its block's slot, sampling the last
+    token of each."""
+    batch = _mixed_batch()
+    a, b = batch.requests
+    step = InputBuilder(torch.device("cpu"), "cuda", block_size=4).describe(batch)
+
+    def slot(table: list[int], position: int) -> int:
+        return table[position // 4] * 4 + position % 4
+
+    assert step.input_ids.tolist() == [9, *range(1, 11)]
+    assert step.positions.tolist() == [3, *range(10)]
+    assert (step.q_seq_lens.tolist(), step.kv_seq_lens.tolist()) == ([1, 10], [4, 10])
+    assert step.slot_mapping.tolist() == [slot(a.block_table, 3)] + [slot(b.block_table, p) for p in range(10)]
+    assert step.block_tables == [a.block_table, b.block_table]
+    assert (step.selected_idxes.tolist(), step.sampled_request_ids) == ([0, 10], ["a", "b"])
+    assert (step.placeholder_idxes, step.placeholder_request_ids) == ([], [])
+
+
+def _step_with_placeholder() -> HostStep:
+    """Request "b" decodes the token the previous step is still sampling for it (async)."""
+    return HostStep(
+        input_ids=np.array([7, PLACEHOLDER_TOKEN_ID], dtype=np.int32),
+        positions=np.array([5, 2], dtype=np.int32),
+        q_seq_lens=np.array([1, 1], dtype=np.int32),
+        kv_seq_lens=np.array([6, 3], dtype=np.int32),
+        block_tables=[[0, 1], [2]],
+        slot_mapping=np.array([5, 10], dtype=np.int32),
+        selected_idxes=np.array([0, 1], dtype=np.int32),
+        sampled_request_ids=["a", "b"],
+        placeholder_idxes=[1],
+        placeholder_request_ids=["b"],
+    )
+
+
+def test_placeholders_take_the_previous_steps_token_of_their_request() -> None:
+    builder = InputBuilder(torch.device("cpu"), "npu", block_size=4)
+    previous = PreviousTokens(["c", "b", "a"], torch.tensor([11, 42, 99]))
+    inputs = builder.upload(_step_with_placeholder(), previous)
+    assert inputs.input_ids.tolist() == [7, 42]  # b's row of previous, not the row at index 1
+    assert inputs.positions.tolist() == [5, 2] and inputs.sampled_request_ids == ["a", "b"]
+
+
+def test_placeholders_without_their_token_are_refused() -> None:
+    builder = InputBuilder(torch.device("cpu"), "npu", block_size=4)
+    with pytest.raises(ValueError, match="none was given"):
+        builder.upload(_step_with_placeholder())
+    with pytest.raises(ValueError, match=r"sampled no token for \['b'\]"):
+        builder.upload(_step_with_placeholder(), PreviousTokens(["a"], torch.tensor([1])))
