@@ -18,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from tests.launcher import ServerProcess
+from tests.support.launcher import ServerProcess
 
 MIB = 1 << 20
 LIMIT = 1.5  # the peak may be at most this multiple of the after-start figure

@@ -1,7 +1,7 @@
 """Host side of a graph decode step on the CPU, FlashInfer emulated: what the executor's Python
 and the FlashInfer backend's bookkeeping cost, and how many tensor operations (device calls, on
 a GPU) a step queues besides the replay. No GPU needed; run from a checkout, since the FlashInfer
-emulation lives in ``tests/flashinfer_emulation``:
+emulation lives in ``tests/support/flashinfer_emulation``:
 
     python -m benchmarks.bench_host_emulated
 
@@ -33,9 +33,9 @@ BLOCK = 16
 
 
 def _executor(batch: int, ctx: int, shape: dict):
-    sys.path.insert(0, str(REPO / "tests"))
+    sys.path.insert(0, str(REPO))  # tests/ is a package of the checkout, not installed
     try:
-        from flashinfer_emulation.plugin import EmulatedFlashInferPlatform
+        from tests.support.flashinfer_emulation.plugin import EmulatedFlashInferPlatform
     except ImportError as e:
         raise SystemExit(f"run from a checkout of the repository (needs tests/): {e}") from e
     from models.loader import load_model

@@ -169,9 +169,24 @@ def test_components(platform: Platform) -> None:
 
 
 def test_runtime_services(platform: Platform) -> None:
+    """``mem_get_info`` is what the engine sizes its KV cache from: the total is the device's and
+    does not move, and the free memory it reports can really be allocated, on the device; where
+    the device is not the host's memory, holding a block shows in the free count."""
     platform.synchronize()
     free, total = platform.mem_get_info()
     assert isinstance(free, int) and isinstance(total, int) and 0 <= free <= total and total > 0
+    block = min(free // 4, 256 << 20)  # bytes; a quarter of free, so other tenants do not matter
+    held = torch.empty(block, dtype=torch.uint8, device=platform.device())
+    held.fill_(1)  # touched: memory the OS only promised is not held
+    platform.synchronize()
+    free_held, total_held = platform.mem_get_info()
+    assert total_held == total, "the device's total memory changed while a tensor was allocated"
+    if platform.device_type != "cpu" and block >= 64 << 20:  # the host's free count is noisy
+        assert free - free_held >= block // 2, (
+            f"holding {block} bytes on {platform.device()} lowered the reported free memory by "
+            f"only {free - free_held}"
+        )
+    del held
 
 
 def test_unknown_platform_lists_known_names() -> None:

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random checkpoints (built once per session; see tests/checkpoints.py)."""
+"""Shared fixtures: tiny random checkpoints (built once per session; see tests/support/checkpoints.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from checkpoints import BUILDERS
+from tests.support.checkpoints import BUILDERS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is built locally; never reach the hub
 

@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+from tests.support.paths import REPO
+
 import ast
 import os
 import subprocess
@@ -17,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
 NEUTRAL_DIRS = ("models", "xhal/layers", "xhal/executor", "xhal/interfaces")
 BACKEND_DIRS = (
     "xhal/platforms/cpu_ref",

@@ -1,5 +1,5 @@
 // argmax_check ROWS VOCAB FILE THREADS: the ArgmaxPool's index for each row of a float32 file,
-// one per line, for tests/test_cpp_host.py to compare with torch.argmax.
+// one per line, for tests/examples/test_cpp_host.py to compare with torch.argmax.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>

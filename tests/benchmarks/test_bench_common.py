@@ -1,0 +1,35 @@
+"""Benchmark ceilings and floors: the streaming-read kernel behind ``read_bandwidth`` reads every
+element once (on the GPU or in Triton's interpreter), and the honest decode floor counts the bytes
+a step really reads (hand-computed for the Llama-3 8B and 3.2-1B shapes)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def test_streaming_read_kernel_reads_every_element_once() -> None:
+    from benchmarks.common import stream_read_sum
+    from tests.support.triton_env import DEVICE  # skips this test where triton is missing
+
+    block, iters = 64, 4
+    n = 3 * block * iters + 77  # a ragged last program: the mask must drop what lies past n
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    partial = stream_read_sum(x, block=block, iters=iters)
+    assert partial.numel() == 4
+    assert abs(partial.double().sum().item() - x.double().sum().item()) < 1e-3
+
+
+def test_decode_reads_one_embedding_row_unless_the_table_is_the_lm_head() -> None:
+    from benchmarks.bench_model import SHAPES, decode_read_bytes
+
+    weights = 10**9  # any figure: only the differences are computed
+    # 8B, untied: the table (128256 x 4096 bf16) is replaced by one row per sequence; KV of
+    # 2048 tokens x 32 layers x 8 heads x 128 x (K, V) x 2 bytes per sequence
+    kv = 2048 * 32 * 8 * 128 * 2 * 2
+    got = decode_read_bytes(SHAPES["llama3-8b"], weights, batch=2, ctx=2048)
+    assert got["all"] == weights + 2 * kv
+    assert got["honest"] == weights - 128256 * 4096 * 2 + 2 * 4096 * 2 + 2 * kv
+    # 3.2-1B, tied: the LM head reads the whole table, so nothing is taken off; head dim 64
+    kv_1b = 2048 * 16 * 8 * 64 * 2 * 2
+    got = decode_read_bytes(SHAPES["llama3.2-1b"], weights, batch=1, ctx=2048)
+    assert got["all"] == got["honest"] == weights + kv_1b

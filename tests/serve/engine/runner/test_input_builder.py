@@ -1,0 +1,142 @@
+"""The reference host's input builder: each step is laid out once and every device tensor of it
+reaches the device in ONE host-to-device copy, with the paged-KV host arrays carried through.
+
+The "device" here is PyTorch's ``meta`` device: copies to it are real dispatcher calls that a
+``TorchDispatchMode`` can count, on any machine."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from serve_cli.engine.batch import PLACEHOLDER_TOKEN_ID
+from serve_cli.engine.block_manager import BlockManager
+from serve_cli.engine.request import Request
+from serve_cli.engine.runner.input_builder import HostStep, InputBuilder, PreviousTokens
+from serve_cli.engine.scheduler import Scheduler
+
+
+class HostToDevice(TorchDispatchMode):
+    """Counts the ops that take a CPU tensor and return a tensor on another device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = [a for a in args if isinstance(a, torch.Tensor)]
+        if isinstance(out, torch.Tensor) and out.device.type != "cpu" and any(a.device.type == "cpu" for a in ins):
+            self.copies.append(str(func))
+        return out
+
+
+def _mixed_batch():
+    """A decode next to a prompt chunk, as the scheduler builds them."""
+    bm = BlockManager(num_blocks=32, block_size=4)
+    scheduler = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=12, max_model_len=64)
+    scheduler.submit(Request("a", [5, 6, 7], max_tokens=4))
+    scheduler.advance(scheduler.next_batch(), {"a": 9})
+    scheduler.submit(Request("b", list(range(1, 11)), max_tokens=4))
+    return scheduler.next_batch()
+
+
+@pytest.mark.parametrize("convention", ["cuda", "npu"])
+def test_a_step_reaches_the_device_in_one_copy(convention: str) -> None:
+    batch = _mixed_batch()
+    builder = InputBuilder(torch.device("meta"), convention, block_size=4)
+    step = builder.describe(batch)
+    with HostToDevice() as counter:
+        inputs = builder.upload(step)
+    assert len(counter.copies) == 1, counter.copies
+    md = inputs.metadata
+    device_fields = [f.name for f in dataclasses.fields(md) if isinstance(getattr(md, f.name), torch.Tensor)]
+    for name in device_fields:
+        want = "cpu" if name.endswith("_host") else "meta"
+        assert getattr(md, name).device.type == want, name
+    for t in (inputs.input_ids, inputs.positions, inputs.selected_idxes):
+        assert t.device.type == "meta"
+    assert (md.paged_kv_indptr is not None) == (convention == "cuda")
+
+
+def test_the_host_csr_arrays_match_the_block_table() -> None:
+    """xLLM's CUDA layout carries FlashInfer's host arrays: page counts per sequence and the
+    tokens in each last page, computed here by hand from the batch."""
+    batch = _mixed_batch()
+    md = InputBuilder(torch.device("cpu"), "cuda", block_size=4).build(batch)
+    a, b = batch.requests  # a: a decode at kv length 4; b: a 10-token prompt chunk
+    assert (a.end_position, b.end_position) == (4, 10)
+    assert md.metadata.paged_kv_indptr_host.tolist() == [0, 1, 4]
+    assert md.metadata.paged_kv_last_page_len_host.tolist() == [4, 2]
+    assert md.metadata.paged_kv_indices.tolist() == a.block_table[:1] + b.block_table[:3]
+
+
+def test_metadata_checks_run_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The served path skips the adapter's value checks (its layout is right by construction);
+    XHAL_CHECK_METADATA=1 turns them back on, and the step they check is the same."""
+    batch = _mixed_batch()
+    monkeypatch.delenv("XHAL_CHECK_METADATA", raising=False)
+    fast = InputBuilder(torch.device("cpu"), "cuda", block_size=4)
+    monkeypatch.setenv("XHAL_CHECK_METADATA", "1")
+    checked = InputBuilder(torch.device("cpu"), "cuda", block_size=4)
+    assert (fast.check, checked.check) == (False, True)
+    a, b = fast.build(batch).metadata, checked.build(batch).metadata
+    for name in ("q_cu_seq_lens", "kv_cu_seq_lens", "q_seq_lens", "kv_seq_lens", "block_table", "slot_mapping"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert a.kind == b.kind and a.kv_seq_lens.tolist() == [4, 10]
+
+
+def test_the_host_step_is_the_batch_laid_out_by_hand() -> None:
+    """``describe`` against the layout written out here: a's decode token (position 3 of a
+    4-token context) then b's ten prompt tokens, each at its block's slot, sampling the last
+    token of each."""
+    batch = _mixed_batch()
+    a, b = batch.requests
+    step = InputBuilder(torch.device("cpu"), "cuda", block_size=4).describe(batch)
+
+    def slot(table: list[int], position: int) -> int:
+        return table[position // 4] * 4 + position % 4
+
+    assert step.input_ids.tolist() == [9, *range(1, 11)]
+    assert step.positions.tolist() == [3, *range(10)]
+    assert (step.q_seq_lens.tolist(), step.kv_seq_lens.tolist()) == ([1, 10], [4, 10])
+    assert step.slot_mapping.tolist() == [slot(a.block_table, 3)] + [slot(b.block_table, p) for p in range(10)]
+    assert step.block_tables == [a.block_table, b.block_table]
+    assert (step.selected_idxes.tolist(), step.sampled_request_ids) == ([0, 10], ["a", "b"])
+    assert (step.placeholder_idxes, step.placeholder_request_ids) == ([], [])
+
+
+def _step_with_placeholder() -> HostStep:
+    """Request "b" decodes the token the previous step is still sampling for it (async)."""
+    return HostStep(
+        input_ids=np.array([7, PLACEHOLDER_TOKEN_ID], dtype=np.int32),
+        positions=np.array([5, 2], dtype=np.int32),
+        q_seq_lens=np.array([1, 1], dtype=np.int32),
+        kv_seq_lens=np.array([6, 3], dtype=np.int32),
+        block_tables=[[0, 1], [2]],
+        slot_mapping=np.array([5, 10], dtype=np.int32),
+        selected_idxes=np.array([0, 1], dtype=np.int32),
+        sampled_request_ids=["a", "b"],
+        placeholder_idxes=[1],
+        placeholder_request_ids=["b"],
+    )
+
+
+def test_placeholders_take_the_previous_steps_token_of_their_request() -> None:
+    builder = InputBuilder(torch.device("cpu"), "npu", block_size=4)
+    previous = PreviousTokens(["c", "b", "a"], torch.tensor([11, 42, 99]))
+    inputs = builder.upload(_step_with_placeholder(), previous)
+    assert inputs.input_ids.tolist() == [7, 42]  # b's row of previous, not the row at index 1
+    assert inputs.positions.tolist() == [5, 2] and inputs.sampled_request_ids == ["a", "b"]
+
+
+def test_placeholders_without_their_token_are_refused() -> None:
+    builder = InputBuilder(torch.device("cpu"), "npu", block_size=4)
+    with pytest.raises(ValueError, match="none was given"):
+        builder.upload(_step_with_placeholder())
+    with pytest.raises(ValueError, match=r"sampled no token for \['b'\]"):
+        builder.upload(_step_with_placeholder(), PreviousTokens(["a"], torch.tensor([1])))

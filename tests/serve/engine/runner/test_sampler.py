@@ -1,0 +1,107 @@
+"""The engine's sampler (``serve_cli.engine.runner.sampler``) on the CPU: greedy rows are the
+argmax, sampled rows follow softmax(logits / T) restricted by top-k and top-p (counted against the
+probabilities computed here in float64), logprobs are the raw logits' log-softmax, and a seeded
+request's tokens do not depend on what it is batched with."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from serve_cli.engine.runner.sampler import Sampler
+from serve_cli.engine.sampling import SamplingParams
+
+CPU = torch.device("cpu")
+ROW = [2.0, 1.0, 0.5, -1.0, 0.0]  # one vocabulary of 5, a clear order: 0 > 1 > 2 > 4 > 3
+DRAWS = 4000
+
+
+def softmax64(row: list[float], temperature: float) -> list[float]:
+    """softmax(row / T) in float64, by hand."""
+    top = max(row)
+    e = [math.exp((x - top) / temperature) for x in row]
+    return [v / sum(e) for v in e]
+
+
+def frequencies(tokens: list[int], vocab: int) -> list[float]:
+    return [tokens.count(v) / len(tokens) for v in range(vocab)]
+
+
+def draw(params: SamplingParams, seed: int = 0) -> list[int]:
+    """``DRAWS`` rows of ``ROW`` sampled with ``params`` on the engine's shared generator."""
+    logits = torch.tensor([ROW] * DRAWS)
+    tokens, _ = Sampler(CPU, seed).sample(logits, [params] * DRAWS, [None] * DRAWS)
+    return tokens
+
+
+def test_greedy_rows_are_the_argmax() -> None:
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))
+    tokens, logprobs = Sampler(CPU, 0).sample(logits, [SamplingParams(temperature=0)] * 6, [None] * 6)
+    assert tokens == [int(r.argmax()) for r in logits]
+    assert logprobs == [None] * 6
+
+
+# 4000 draws: a frequency's standard error is at most 0.008, so 0.03 is about four of them
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
+def test_sampled_rows_follow_the_tempered_softmax(temperature: float) -> None:
+    freq = frequencies(draw(SamplingParams(temperature=temperature)), len(ROW))
+    for got, want in zip(freq, softmax64(ROW, temperature)):
+        assert abs(got - want) < 0.03, (freq, temperature)
+
+
+def test_top_k_keeps_the_k_most_likely_renormalized() -> None:
+    freq = frequencies(draw(SamplingParams(temperature=1.0, top_k=2)), len(ROW))
+    p = softmax64(ROW[:2], 1.0)  # tokens 0 and 1 only
+    assert freq[2:] == [0.0, 0.0, 0.0]
+    assert abs(freq[0] - p[0]) < 0.03 and abs(freq[1] - p[1]) < 0.03
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
+    p = softmax64(ROW, 1.0)  # p[0] ~ 0.53, p[0] + p[1] ~ 0.73: top_p 0.6 keeps tokens 0 and 1
+    assert p[0] < 0.6 < p[0] + p[1]
+    freq = frequencies(draw(SamplingParams(temperature=1.0, top_p=0.6)), len(ROW))
+    assert freq[2:] == [0.0, 0.0, 0.0]
+    assert abs(freq[0] - p[0] / (p[0] + p[1])) < 0.03
+
+
+def test_top_k_of_one_is_greedy_at_any_temperature() -> None:
+    assert set(draw(SamplingParams(temperature=5.0, top_k=1))) == {0}
+
+
+def test_logprobs_are_the_raw_log_softmax() -> None:
+    """Logprobs come from the logits before temperature: the chosen token's and the top n, most
+    likely first, checked against a float64 log-softmax; rows that did not ask get None."""
+    logits = torch.tensor([ROW, ROW[::-1]])
+    params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0.7)]
+    tokens, logprobs = Sampler(CPU, 0).sample(logits, params, [None, None])
+    assert tokens[0] == 0 and logprobs[1] is None
+    got = logprobs[0]
+    logz = math.log(sum(math.exp(x) for x in ROW))
+    want = sorted(((i, x - logz) for i, x in enumerate(ROW)), key=lambda t: -t[1])[:3]
+    assert got.token_id == 0 and got.logprob == pytest.approx(ROW[0] - logz, abs=1e-6)
+    assert [t for t, _ in got.top] == [t for t, _ in want]
+    assert [v for _, v in got.top] == pytest.approx([v for _, v in want], abs=1e-6)
+
+
+def test_a_seeded_request_ignores_its_batch() -> None:
+    """The same seed gives the same tokens alone and beside other requests (seeded or not), in
+    any row; and the shared generator of the unseeded rows makes a run reproducible."""
+    sampler = Sampler(CPU, 0)
+    hot = SamplingParams(temperature=1.5)
+    logits = torch.tensor([ROW] * 3)
+
+    def seeded(tokens_per_step: int, rows: int, at: int) -> list[int]:
+        gen = sampler.new_generator(1234)
+        out = []
+        for _ in range(tokens_per_step):
+            gens = [gen if r == at else None for r in range(rows)]
+            out.append(sampler.sample(logits[:rows], [hot] * rows, gens)[0][at])
+        return out
+
+    alone = seeded(20, 1, 0)
+    assert seeded(20, 3, 2) == alone and seeded(20, 3, 1) == alone
+    assert len(set(alone)) > 1  # at T=1.5 twenty draws are not all the same token
+    assert draw(hot, seed=7) == draw(hot, seed=7)
+    assert draw(hot, seed=7) != draw(hot, seed=8)
