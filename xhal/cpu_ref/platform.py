@@ -7,14 +7,15 @@ import os
 import torch
 import torch.distributed as dist
 
-from xhal.cpu_ref.attention import CpuAttention
 from xhal.cpu_ref.collective import GlooCollective
 from xhal.cpu_ref.graph import CpuGraphRunner
-from xhal.cpu_ref.ops import CpuOps
-from xhal.interfaces.attention import AttentionSpec
 from xhal.distributed import SingleRankCollective, resolve_group
+from xhal.interfaces.attention import AttentionBackend, AttentionSpec
 from xhal.interfaces.collective import Collective
+from xhal.interfaces.ops import DeviceOps
 from xhal.interfaces.platform import AttentionCapabilities, Capabilities, Platform
+from xhal.solutions.kernels import Kernels
+from xhal.solutions.solution import DeviceInfo
 
 
 class CpuPlatform(Platform):
@@ -35,19 +36,25 @@ class CpuPlatform(Platform):
     )
 
     def __init__(self) -> None:
-        self._ops = CpuOps()
+        device = DeviceInfo("cpu", name="cpu", library_versions=(("torch", torch.__version__),))
+        self._kernels = Kernels(self, device)
+        self._ops: DeviceOps = self._kernels.ops
 
     @classmethod
     def is_available(cls) -> bool:
         return True
 
     @property
-    def ops(self) -> CpuOps:
+    def ops(self) -> DeviceOps:
         return self._ops
 
-    def attention_backend(self, spec: AttentionSpec) -> CpuAttention:
+    @property
+    def kernels(self) -> Kernels:
+        return self._kernels
+
+    def attention_backend(self, spec: AttentionSpec) -> AttentionBackend:
         self.capabilities.attention.check(spec)
-        return CpuAttention(spec)
+        return self._kernels.attention_backend(spec)
 
     def graph_runner(self) -> CpuGraphRunner:
         return CpuGraphRunner()

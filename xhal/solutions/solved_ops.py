@@ -1,0 +1,55 @@
+"""``DeviceOps`` assembled from one chosen implementation per op."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from xhal.interfaces.ops import DeviceOps
+from xhal.solutions.op_names import DEVICE_OPS
+
+
+class SolvedOps(DeviceOps):
+    """Each op forwards to the implementation chosen for it once, at construction: a call costs
+    one extra Python call, never a selection."""
+
+    def __init__(self, impls: Mapping[str, Callable], names: Mapping[str, str]) -> None:
+        missing = [op for op in DEVICE_OPS if op not in impls]
+        if missing:
+            raise ValueError(f"SolvedOps needs an implementation of every device op; missing: {missing}")
+        self.names = dict(names)  # op -> solution name, for logs and reports
+        self._linear = impls["linear"]
+        self._rms_norm = impls["rms_norm"]
+        self._fused_add_rms_norm = impls["fused_add_rms_norm"]
+        self._rotary_embedding = impls["rotary_embedding"]
+        self._silu_and_mul = impls["silu_and_mul"]
+        self._gelu_and_mul = impls["gelu_and_mul"]
+        self._moe_route = impls["moe_route"]
+        self._moe_experts = impls["moe_experts"]
+        self._sample = impls["sampling"]
+
+    def linear(self, x, weight, bias=None):
+        return self._linear(x, weight, bias)
+
+    def rms_norm(self, x, weight, eps):
+        return self._rms_norm(x, weight, eps)
+
+    def fused_add_rms_norm(self, x, residual, weight, eps):
+        return self._fused_add_rms_norm(x, residual, weight, eps)
+
+    def rotary_embedding(self, positions, q, k, cos_sin_cache, is_neox):
+        return self._rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
+
+    def silu_and_mul(self, x):
+        return self._silu_and_mul(x)
+
+    def gelu_and_mul(self, x, approximate="none"):
+        return self._gelu_and_mul(x, approximate)
+
+    def moe_route(self, router_logits, top_k, renormalize):
+        return self._moe_route(router_logits, top_k, renormalize)
+
+    def moe_experts(self, x, w13, w2, topk_weights, topk_ids):
+        return self._moe_experts(x, w13, w2, topk_weights, topk_ids)
+
+    def sample(self, logits, temperature, top_k, top_p, generator=None):
+        return self._sample(logits, temperature, top_k, top_p, generator)
