@@ -62,7 +62,7 @@ def kernel_solution(request: pytest.FixtureRequest) -> tuple[str, tuple[str, ...
 def pytest_runtest_call(item: pytest.Item):
     """A forced solution that refuses the test's spec (an attention dtype or head dim it does
     not take) is not exercised by that test: a skip with the reason, not a failure."""
-    from conformance_tests.solution_variants import UNMET
+    from conformance_tests.solution_variants import SOLUTION, UNMET
     from xhal.solutions import SolutionUnavailable
 
     try:
@@ -70,5 +70,6 @@ def pytest_runtest_call(item: pytest.Item):
     except SolutionUnavailable as e:
         if getattr(item, "callspec", None) is None or "kernel_solution" not in item.callspec.params:
             raise
-        item.user_properties.append((UNMET, str(e)))
+        keys = [value for name, value in item.user_properties if name == SOLUTION]
+        item.user_properties.extend((UNMET, f"{key}: {e}") for key in keys)
         pytest.skip(f"not exercised: {e}")
