@@ -9,7 +9,7 @@ from xhal.solutions.solution import Requirement, Solution
 _CPU = Requirement(device_type="cpu")
 
 
-class _ReferenceAttention:
+class ReferenceAttention:
     def __init__(self, platform: object) -> None:
         del platform
 
@@ -28,7 +28,7 @@ def reference_ops(platform: object):
 
 SOLUTIONS = (
     *(Solution(op, "reference", "xhal.cpu_ref.solutions:reference_ops", _CPU, priority=0) for op in DEVICE_OPS),
-    *(Solution(op, "reference", "xhal.cpu_ref.solutions:_ReferenceAttention", _CPU) for op in ATTENTION_OPS),
+    *(Solution(op, "reference", "xhal.cpu_ref.solutions:ReferenceAttention", _CPU) for op in ATTENTION_OPS),
     Solution(
         "sampling", "torch", "xhal.solutions.torch_ops:TorchOps", _CPU, priority=-10,
         description="the vectorized, sync-free sampler the GPU and NPU use (xhal.sampling)",

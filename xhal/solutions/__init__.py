@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from xhal.solutions.op_names import ATTENTION_OPS, DEVICE_OPS, OPS, env_name
 from xhal.solutions.registry import ENTRY_POINT_GROUP, register, solutions, unregister
-from xhal.solutions.select import SolutionUnavailable, select, unmet
+from xhal.solutions.selection import SolutionUnavailable, select, unmet
 from xhal.solutions.solution import Config, DeviceInfo, Package, Requirement, Solution
 
 __all__ = [

@@ -11,7 +11,7 @@ from xhal import env
 from xhal.registry import lazy
 from xhal.solutions import registry
 from xhal.solutions.op_names import ATTENTION_OPS, DEVICE_OPS, OPS
-from xhal.solutions.select import select, unmet
+from xhal.solutions.selection import select, unmet
 from xhal.solutions.solution import DeviceInfo, Solution
 from xhal.solutions.solved_ops import SolvedOps
 from xhal.solutions.timing import Timer
