@@ -101,7 +101,12 @@ class PrefillAttention:
         return RecordingAttention(spec, "prefill")
 
 
-def toy_solutions(*, tunable: bool = False) -> list[Solution]:
+FAKE_COST_CONFIGS = (
+    Config("slow", {"cost": 3.0}), Config("fast", {"cost": 1.0}), Config("medium", {"cost": 2.0}),
+)
+
+
+def toy_solutions(*, tunable: bool = False, configs: tuple[Config, ...] = FAKE_COST_CONFIGS) -> list[Solution]:
     out = [Solution(op, "reference", "xhal.cpu_ref.solutions:reference_ops", TOY) for op in DEVICE_OPS]
     out += [Solution(op, "reference", "xhal.cpu_ref.solutions:ReferenceAttention", TOY) for op in ATTENTION_OPS]
     out += [
@@ -114,9 +119,6 @@ def toy_solutions(*, tunable: bool = False) -> list[Solution]:
         Solution("paged_prefill_attention", "fast-prefill", "toy_solutions:PrefillAttention", TOY, 10),
     ]
     if tunable:
-        configs = (
-            Config("slow", {"cost": 3.0}), Config("fast", {"cost": 1.0}), Config("medium", {"cost": 2.0}),
-        )
         out.append(Solution("linear", "tunable", "toy_solutions:TunableLinear", TOY, priority=10,
                             configs=configs, bucket="toy_solutions:rows_bucket"))
     return out

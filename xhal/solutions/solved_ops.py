@@ -17,6 +17,7 @@ class SolvedOps(DeviceOps):
         if missing:
             raise ValueError(f"SolvedOps needs an implementation of every device op; missing: {missing}")
         self.names = dict(names)  # op -> solution name, for logs and reports
+        self.impls = dict(impls)  # op -> implementation (a TunedOp for a solution with configs)
         self._linear = impls["linear"]
         self._rms_norm = impls["rms_norm"]
         self._fused_add_rms_norm = impls["fused_add_rms_norm"]

@@ -36,6 +36,7 @@ class TunedOp:
         self._cache, self._timer, self._is_capturing = cache, timer, is_capturing
         self._configs = {c.name: c.params for c in solution.configs}
         self.chosen: dict[str, str] = {}  # bucket -> config name
+        self.tuned: set[str] = set()  # buckets timed by this process (the rest came from disk)
         self._params: dict[str, Mapping[str, object]] = {}
 
     def __call__(self, *args):
@@ -70,6 +71,7 @@ class TunedOp:
             raise RuntimeError(f"{self.solution.key}: every config failed on bucket {bucket}; see the log above")
         name = min(times, key=times.__getitem__)
         self._cache.put(self.solution.key, bucket, name)
+        self.tuned.add(bucket)
         logger.info(
             "%s: tuned bucket %s -> %s (%s)", self.solution.key, bucket, name,
             ", ".join(f"{n} {t * 1e6:.1f} us" for n, t in times.items()),
