@@ -10,6 +10,12 @@ from conformance_tests.coverage import COVERS
 from xhal.interfaces.platform import Platform
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "kernel_ops(*ops): the solution ops a test exercises; it runs once per solution"
+    )
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("xhal")
     group.addoption("--device", default="cpu", help="xhal platform name to test (default: cpu)")

@@ -20,7 +20,8 @@ from xhal.solutions.op_names import ATTENTION_OPS
 SOLUTION = "solution"  # user property: the "op=name" a test ran
 UNMET = "solution_unmet"  # user property: why that solution was not exercised
 
-# test name prefix -> the ops a test exercises; the longest matching prefix wins
+# test name prefix -> the ops a test exercises; the longest matching prefix wins. A new test
+# (a fused op's family) says it with ``@pytest.mark.kernel_ops("op", ...)`` instead.
 DEVICE_OP_TESTS: dict[str, tuple[str, ...]] = {
     "test_linear": ("linear",),
     "test_rms_norm": ("rms_norm",),
@@ -61,7 +62,8 @@ def parametrize(metafunc: pytest.Metafunc) -> None:
     import xhal
 
     platform = xhal.platforms.get(metafunc.config.getoption("--device"))
-    wanted = ops_of(metafunc.function.__name__, metafunc.module.__name__)
+    marker = metafunc.definition.get_closest_marker("kernel_ops")
+    wanted = tuple(marker.args) if marker else ops_of(metafunc.function.__name__, metafunc.module.__name__)
     if not wanted or not _serves_its_solutions(platform):
         return
     kernels = platform.kernels

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: install the carried wheels, then the stages named on the command
 # line (default: conformance (cuda, cuda-triton), bench_gemv, bench_attention, bench_model); also
-# serve, cpp_host (examples/cpp_host/bench_cuda.sh), conformance-<device>, prebuild (FlashInfer's JIT modules compiled side by side) and pack.
+# serve, cpp_host (examples/cpp_host/bench_cuda.sh), conformance-<device>, solutions (the kernels
+# chosen, checked against the pre-solution choices), prebuild (FlashInfer's JIT modules compiled side by side) and pack.
 # Call with `.whl` carried; FlashInfer's JIT cache goes to .fi_cache/ (ignored) so later calls on a
 # warm machine reuse it. `pack` bundles the compiled FlashInfer libraries into $OUT/fi_aot.tar.xz.*;
 # put those parts in .fi_aot/ (ignored) and carry it too: they are unpacked as FlashInfer's AOT
@@ -34,6 +35,10 @@ for stage in $stages; do
     conformance)
       for dev in cuda cuda-triton; do
         py -m conformance_tests.cli --device $dev --report "$out/conformance-$dev.json" || status=1
+      done ;;
+    solutions)  # the kernels cuda and cuda-triton choose must be the pre-solution ones; host cost per call
+      for dev in cuda cuda-triton; do
+        py scripts/check_solutions.py --device $dev --expect-legacy 2>&1 | tee "$out/solutions-$dev.txt" || status=1
       done ;;
     conformance-*)  # CONF_ARGS narrows it, e.g. "--family attention" (FlashInfer's JIT is slow)
       py -m conformance_tests.cli --device "${stage#conformance-}" ${CONF_ARGS:-} --report "$out/$stage.json" || status=1 ;;

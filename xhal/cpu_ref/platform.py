@@ -35,10 +35,10 @@ class CpuPlatform(Platform):
         notes=("reference implementation: correct, not fast",),
     )
 
+    _kernels: Kernels | None = None
+
     def __init__(self) -> None:
-        device = DeviceInfo("cpu", name="cpu", library_versions=(("torch", torch.__version__),))
-        self._kernels = Kernels(self, device)
-        self._ops: DeviceOps = self._kernels.ops
+        self._ops: DeviceOps = self.kernels.ops
 
     @classmethod
     def is_available(cls) -> bool:
@@ -50,11 +50,14 @@ class CpuPlatform(Platform):
 
     @property
     def kernels(self) -> Kernels:
+        if self._kernels is None:  # made on first use: a subclass may set its own ops instead
+            device = DeviceInfo("cpu", name="cpu", library_versions=(("torch", torch.__version__),))
+            self._kernels = Kernels(self, device)
         return self._kernels
 
     def attention_backend(self, spec: AttentionSpec) -> AttentionBackend:
         self.capabilities.attention.check(spec)
-        return self._kernels.attention_backend(spec)
+        return self.kernels.attention_backend(spec)
 
     def graph_runner(self) -> CpuGraphRunner:
         return CpuGraphRunner()

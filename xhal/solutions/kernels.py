@@ -13,7 +13,7 @@ from xhal.solutions import registry
 from xhal.solutions.op_names import ATTENTION_OPS, DEVICE_OPS, OPS
 from xhal.solutions.selection import select, unmet
 from xhal.solutions.solution import DeviceInfo, Solution
-from xhal.solutions.solved_ops import SolvedOps
+from xhal.solutions.solved_ops import REQUIRED, SolvedOps
 from xhal.solutions.timing import Timer
 from xhal.solutions.tuned_op import TunedOp
 from xhal.solutions.tuning_cache import TuningCache
@@ -54,7 +54,9 @@ class Kernels:
         self._providers: dict[str, object] = {}
         self._attention_logged: set[tuple] = set()
         self.chosen: dict[str, Solution] = {
-            op: select(op, device, forced=self._overrides.get(op)) for op in DEVICE_OPS
+            op: select(op, device, forced=self._overrides.get(op))
+            for op in DEVICE_OPS
+            if op in REQUIRED or self.solutions(op)  # a newer op without solutions: its default
         }
         self.ops = self._solved_ops(self.chosen)
         logger.info(

@@ -5,15 +5,23 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from xhal.interfaces.ops import DeviceOps
-from xhal.solutions.op_names import DEVICE_OPS
+from xhal.solutions.op_names import OPS
+
+# the ops every DeviceOps has; an op added later (a fused one) needs only its entry in OPS
+REQUIRED = (
+    "linear", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "gelu_and_mul",
+    "moe_route", "moe_experts", "sampling",
+)
 
 
 class SolvedOps(DeviceOps):
     """Each op forwards to the implementation chosen for it once, at construction: a call costs
-    one extra Python call, never a selection."""
+    one extra Python call, never a selection. An op beyond ``REQUIRED`` with a chosen solution is
+    served by it directly (an instance attribute named by ``OPS``); without one, by the
+    ``DeviceOps`` default (a fused op's default is the plain sequence of chosen ops)."""
 
     def __init__(self, impls: Mapping[str, Callable], names: Mapping[str, str]) -> None:
-        missing = [op for op in DEVICE_OPS if op not in impls]
+        missing = [op for op in REQUIRED if op not in impls]
         if missing:
             raise ValueError(f"SolvedOps needs an implementation of every device op; missing: {missing}")
         self.names = dict(names)  # op -> solution name, for logs and reports
@@ -27,6 +35,9 @@ class SolvedOps(DeviceOps):
         self._moe_route = impls["moe_route"]
         self._moe_experts = impls["moe_experts"]
         self._sample = impls["sampling"]
+        for op, impl in impls.items():
+            if op not in REQUIRED:
+                setattr(self, OPS[op], impl)
 
     def linear(self, x, weight, bias=None):
         return self._linear(x, weight, bias)
