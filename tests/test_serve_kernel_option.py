@@ -41,3 +41,22 @@ def test_a_child_process_platform_follows_the_setting() -> None:
         proc = subprocess.run([sys.executable, "-c", probe], check=False, cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0 and proc.stdout.strip() == expected, explain(proc)
+
+
+def test_serve_passes_kernel_options_to_the_engine_environment(monkeypatch, tmp_path) -> None:
+    pytest.importorskip("fastapi")
+    pytest.importorskip("zmq")
+    import os
+
+    from click.testing import CliRunner
+
+    import serve_cli.server
+    from serve_cli.cli import main
+
+    seen: list[str | None] = []
+    monkeypatch.setattr(serve_cli.server, "serve", lambda options, config: seen.append(os.environ.get("XHAL_KERNEL_SAMPLING")))
+    monkeypatch.setenv("XHAL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("XHAL_KERNEL_SAMPLING", "")  # restored after the test: nothing leaks
+    result = CliRunner().invoke(main, ["builtin:tiny-random", "--kernel", "sampling=torch"])
+    assert result.exit_code == 0, result.output
+    assert seen == ["torch"]
