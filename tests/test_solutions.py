@@ -152,3 +152,19 @@ def test_cpu_platform_serves_its_chosen_solutions() -> None:
     platform = xhal.platforms.get("cpu")
     assert platform.kernels is not None and platform.ops is platform.kernels.ops
     assert set(platform.ops.names.values()) == {"reference"}
+
+
+def test_a_row_limited_solution_hands_larger_calls_to_the_next_best(toys) -> None:
+    small = solutions.Solution(
+        "silu_and_mul", "two-rows", "toy_solutions:CountingActivation",
+        solutions.Requirement(device_type="toy", max_rows=2), priority=50,
+    )
+    for _ in toy.registered([small]):
+        kernels = Kernels(toy.ToyPlatform(), toy.DEVICE)
+        assert kernels.ops.names["silu_and_mul"] == "two-rows"
+        for shape, expected_calls in (((2, 8), 1), ((3, 8), 0), ((1, 2, 8), 1), ((2, 2, 8), 0)):
+            x = torch.randn(*shape, dtype=torch.float64)
+            toy.CountingActivation.calls = 0
+            gate, up = x.chunk(2, dim=-1)
+            torch.testing.assert_close(kernels.ops.silu_and_mul(x), torch.nn.functional.silu(gate) * up)
+            assert toy.CountingActivation.calls == expected_calls, shape

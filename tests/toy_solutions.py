@@ -132,3 +132,18 @@ def registered(items: list[Solution]) -> Iterator[list[Solution]]:
     finally:
         for s in items:
             solutions.unregister(s)
+
+
+class CountingActivation:
+    """``silu_and_mul`` that counts its calls (the reference computes the same values)."""
+
+    calls = 0
+
+    def __init__(self, platform: object) -> None:
+        del platform
+
+    @classmethod
+    def silu_and_mul(cls, x: torch.Tensor) -> torch.Tensor:
+        cls.calls += 1
+        gate, up = x.float().chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate) * up).to(x.dtype)

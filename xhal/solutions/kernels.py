@@ -11,7 +11,8 @@ from xhal import env
 from xhal.registry import lazy
 from xhal.solutions import registry
 from xhal.solutions.op_names import ATTENTION_OPS, DEVICE_OPS, OPS
-from xhal.solutions.selection import select, unmet
+from xhal.solutions.row_limit import RowLimited
+from xhal.solutions.selection import SolutionUnavailable, select, unmet
 from xhal.solutions.solution import DeviceInfo, Solution
 from xhal.solutions.solved_ops import REQUIRED, SolvedOps
 from xhal.solutions.timing import Timer
@@ -93,6 +94,18 @@ class Kernels:
         if solution.configs:
             bucket = lazy(solution.bucket)()  # type: ignore[arg-type]
             impl = TunedOp(solution, impl, bucket, self.tuning_cache, self._timer, self._is_capturing)
+        limit = solution.requires.max_rows
+        if limit is not None:  # larger calls: the best solution that takes more rows
+            larger = [
+                s for s in self.solutions(solution.op)
+                if (s.requires.max_rows is None or s.requires.max_rows > limit) and self.unmet(s) is None
+            ]
+            if not larger:
+                raise SolutionUnavailable(
+                    f"{solution.key} takes at most {limit} rows and no solution of {solution.op} "
+                    "that takes more can run here"
+                )
+            impl = RowLimited(impl, self.implementation(larger[0]), limit)
         return impl
 
     def _solved_ops(self, chosen: Mapping[str, Solution]) -> SolvedOps:

@@ -37,7 +37,7 @@ class Requirement:
     min_compute_capability: tuple[int, int] | None = None
     dtypes: tuple[torch.dtype, ...] | None = None
     head_dims: tuple[int, ...] | None = None
-    max_rows: int | None = None  # shape limit: rows (tokens) per call
+    max_rows: int | None = None  # shape limit: rows per call; larger calls go to the best solution without it
     packages: tuple[Package, ...] = ()
 
 
