@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -31,9 +33,14 @@ def test_every_op_has_a_cpu_reference_and_declarations_import_no_kernel_library(
     cuda = {s.key for op in solutions.OPS for s in solutions.solutions(op, "cuda")}
     assert {"linear=triton", "rms_norm=flashinfer", "paged_decode_attention=flashinfer",
             "paged_prefill_attention=triton", "moe_experts=triton-grouped"} <= cuda
-    import sys
-
-    assert not {"triton", "flashinfer", "tilelang", "xhal.cuda.ops"} & set(sys.modules)
+    # in a fresh interpreter: other tests of this process may have imported kernels
+    probe = (
+        "import sys\nfrom xhal import solutions\n"
+        "assert sum(len(solutions.solutions(op)) for op in solutions.OPS) > 30\n"
+        "print(sorted({'triton', 'flashinfer', 'tilelang', 'xhal.cuda.ops', 'xhal.npu.ops'} & set(sys.modules)))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], check=False, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
 
 
 def test_best_met_solution_wins_and_a_missing_package_is_logged_once(toys, caplog) -> None:
@@ -168,3 +175,31 @@ def test_a_row_limited_solution_hands_larger_calls_to_the_next_best(toys) -> Non
             gate, up = x.chunk(2, dim=-1)
             torch.testing.assert_close(kernels.ops.silu_and_mul(x), torch.nn.functional.silu(gate) * up)
             assert toy.CountingActivation.calls == expected_calls, shape
+
+
+# what xhal/cuda/ops.py and platform.py chose by hand before solutions, FlashInfer installed
+LEGACY_CUDA = {
+    "linear": "triton", "rms_norm": "flashinfer", "fused_add_rms_norm": "triton",
+    "rotary_embedding": "triton", "silu_and_mul": "flashinfer", "gelu_and_mul": "flashinfer",
+    "moe_route": "triton", "moe_experts": "triton", "sampling": "torch",
+}
+
+
+@pytest.mark.parametrize("installed", [{"triton", "flashinfer"}, {"triton"}], ids=["flashinfer", "no-flashinfer"])
+def test_cuda_declarations_keep_the_choices_made_before_solutions(installed, monkeypatch) -> None:
+    from xhal.cuda.platform import CudaTritonPlatform
+    from xhal.solutions import selection
+
+    monkeypatch.setattr(selection, "_importable", lambda module: module in installed)
+    h200 = solutions.DeviceInfo("cuda", "NVIDIA H200", (9, 0))
+    fallback = {"rms_norm": "torch", "silu_and_mul": "torch", "gelu_and_mul": "torch"}
+    expected = LEGACY_CUDA if "flashinfer" in installed else {**LEGACY_CUDA, **fallback}
+    assert {op: solutions.select(op, h200).name for op in LEGACY_CUDA} == expected
+    for dtype, name in ((torch.bfloat16, "flashinfer"), (torch.float16, "flashinfer"), (torch.float32, "triton")):
+        for op in solutions.ATTENTION_OPS:
+            got = solutions.select(op, h200, dtype=dtype, head_dim=128).name
+            assert got == (name if "flashinfer" in installed else "triton"), (op, dtype)
+    # cuda-triton: Triton attention and torch norms and activations, whatever is installed
+    forced = CudaTritonPlatform.solution_defaults
+    assert {op: solutions.select(op, h200, forced=forced.get(op)).name for op in LEGACY_CUDA} == {**LEGACY_CUDA, **fallback}
+    assert {solutions.select(op, h200, forced=forced[op], dtype=torch.bfloat16).name for op in solutions.ATTENTION_OPS} == {"triton"}
