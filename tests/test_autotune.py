@@ -115,3 +115,14 @@ def test_real_timing_picks_the_config_that_does_less_work(tmp_path, monkeypatch)
         torch.testing.assert_close(k.ops.linear(x, w), F.linear(x, w))
         assert k.ops.impls["linear"].chosen == {"m64-n256-k256": "light"}
         assert platform.synchronized >= 4  # the device drained around every timed run
+
+
+def test_an_unwritable_cache_costs_a_retune_not_a_failure(tmp_path, monkeypatch) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("XHAL_CACHE_DIR", str(blocker))  # tuning/ cannot be made under a file
+    for _ in toy.registered(toy.toy_solutions(tunable=True)):
+        k = kernels()
+        x, w = inputs(1)
+        torch.testing.assert_close(k.ops.linear(x, w), F.linear(x, w))
+        assert k.ops.impls["linear"].chosen == {"m1-n8-k16": "fast"}

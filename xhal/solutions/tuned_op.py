@@ -70,7 +70,11 @@ class TunedOp:
         if not times:
             raise RuntimeError(f"{self.solution.key}: every config failed on bucket {bucket}; see the log above")
         name = min(times, key=times.__getitem__)
-        self._cache.put(self.solution.key, bucket, name)
+        try:
+            self._cache.put(self.solution.key, bucket, name)
+        except OSError as e:  # a read-only cache directory costs a retune next start, not a step
+            logger.warning("%s: cannot write the tuning cache %s (%s); set XHAL_CACHE_DIR to a writable "
+                           "directory", self.solution.key, self._cache.path, e)
         self.tuned.add(bucket)
         logger.info(
             "%s: tuned bucket %s -> %s (%s)", self.solution.key, bucket, name,

@@ -35,7 +35,7 @@ class TuningCache:
         if self._winners is None:
             try:
                 self._winners = json.loads(self.path.read_text())["winners"]
-            except FileNotFoundError:
+            except OSError:  # none yet, or unreadable: tune (and try to write it) again
                 self._winners = {}
             except (ValueError, KeyError, TypeError):  # a damaged file: tune again, rewrite it
                 self._winners = {}
