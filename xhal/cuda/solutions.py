@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from xhal.solutions.solution import Package, Requirement, Solution
+from xhal.solutions.solution import Config, Package, Requirement, Solution
 
 TRITON = Package("triton", "pip install 'xhal[cuda]' (triton)")
 FLASHINFER = Package("flashinfer", "pip install 'xhal[cuda]' (flashinfer-python==0.5.3)")
@@ -74,6 +74,14 @@ def _req(*packages: Package, dtypes: tuple[torch.dtype, ...] | None = None) -> R
     return Requirement(device_type="cuda", dtypes=dtypes, packages=packages)
 
 
+# the config space of linear=triton-tuned (xhal/cuda/tuned_gemv.py), spelled here so that the
+# declaration imports nothing
+_GEMV_CONFIGS = (
+    Config("heuristic", {}),
+    Config("wide-rows", {"block_n_scale": 2}),
+    Config("split-k-x2", {"split_scale": 2.0}),
+    Config("split-k-half", {"split_scale": 0.5}),
+)
 _OPS = "xhal.cuda.solutions:cuda_ops"
 _FI_OPS = "xhal.cuda.solutions:flashinfer_ops"
 _TORCH = "xhal.solutions.torch_ops:TorchOps"
@@ -81,6 +89,9 @@ _TORCH = "xhal.solutions.torch_ops:TorchOps"
 SOLUTIONS = (
     Solution("linear", "triton", _OPS, _req(TRITON), 20,
              description="our GEMV for one-row linears (XHAL_CUDA_GEMV_MAX_ROWS), cuBLAS beyond"),
+    Solution("linear", "triton-tuned", "xhal.cuda.tuned_gemv:TunedGemv", _req(TRITON), 15,
+             configs=_GEMV_CONFIGS, bucket="xhal.cuda.tuned_gemv:bucket",
+             description="our GEMV for up to 64 rows, its launch shape autotuned; cuBLAS beyond"),
     Solution("linear", "vendor", _TORCH, _req(), 10, description="cuBLAS for every shape"),
     Solution("rms_norm", "flashinfer", _FI_OPS, _req(FLASHINFER), 20,
              description="FlashInfer's rmsnorm for fp16/bf16, float32 on torch"),
