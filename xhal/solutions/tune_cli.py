@@ -63,7 +63,7 @@ def main(model: str, device: str, load_format: str, dtype: str | None, max_batch
     if not tunable:
         click.echo(f"no chosen solution on {device} has a config space: nothing to tune ({chosen})")
         return
-    torch_dtype = getattr(torch, dtype or str(config.get("torch_dtype") or "bfloat16"))
+    torch_dtype = getattr(torch, dtype or str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"))
     workloads = [
         w for w in model_workloads(config, platform.device(), torch_dtype, max_batch, tensor_parallel_size)
         if w.op in tunable
