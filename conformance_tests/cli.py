@@ -14,6 +14,7 @@ import click
 import pytest
 
 from conformance_tests.coverage import CANNOT_EXERCISE, COVERS
+from conformance_tests.solution_report import per_solution, solution_lines
 
 SUITE_DIR = Path(__file__).resolve().parent
 # families whose verdict is about numbers: "passed" needs at least one passed test that checked some
@@ -51,6 +52,8 @@ class _Collector:
                 "max_error": None,
                 "covers": [],
                 "cannot_exercise": [],
+                "solutions": [],
+                "solution_unmet": [],
             },
         )
         if report.failed:
@@ -64,8 +67,10 @@ class _Collector:
             if name == "max_error":
                 prev = entry["max_error"]
                 entry["max_error"] = value if prev is None else max(prev, value)
-            elif name in (COVERS, CANNOT_EXERCISE) and value not in entry[name]:
+            elif name in (COVERS, CANNOT_EXERCISE, "solution_unmet") and value not in entry[name]:
                 entry[name].append(value)
+            elif name == "solution" and value not in entry["solutions"]:
+                entry["solutions"].append(value)
 
     def families(self) -> dict[str, dict]:
         out: dict[str, dict] = defaultdict(
@@ -168,6 +173,9 @@ def main(device: str, report: str | None, families: tuple[str, ...], plugins: tu
         print(f"NOT EXERCISED: declared {label}, but no passed numeric test ran it")
     for label in collector.cannot_exercise():
         print(f"not exercisable on this machine: {label}")
+    solutions = per_solution(collector.tests)
+    for line in solution_lines(solutions):
+        print(line)
     if report:
         data = {
             "device": device,
@@ -175,6 +183,7 @@ def main(device: str, report: str | None, families: tuple[str, ...], plugins: tu
             "families": fams,
             "not_exercised": missing,
             "cannot_exercise": collector.cannot_exercise(),
+            "solutions": solutions,
             "tests": collector.tests,
         }
         Path(report).write_text(json.dumps(data, indent=2))

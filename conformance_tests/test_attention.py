@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from conformance_tests import grid, reference
+from conformance_tests import grid, reference, solution_variants
 from conformance_tests.batches import (
     Batch,
     Seq,
@@ -29,6 +29,7 @@ from conformance_tests.batches import (
     spec_or_skip,
 )
 from conformance_tests.coverage import attention_labels
+from conformance_tests.solution_variants import _solution_under_test  # noqa: F401
 from conformance_tests.tolerances import tolerance
 from xhal.interfaces import AttentionBackend, AttentionSpec, BatchKind, LayerCache, Platform
 
@@ -37,6 +38,7 @@ NUM_PADDING = 3  # trailing padding rows (slot -1) in every batch
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    solution_variants.parametrize(metafunc)  # every attention solution, not only the chosen one
     # the grid is the platform's declaration (conformance_tests.grid)
     if "case" not in metafunc.fixturenames or metafunc.function.__name__ == "test_undeclared_spec_raises":
         return

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: install the carried wheels, then the stages named on the command
 # line (default: conformance (cuda, cuda-triton), bench_gemv, bench_attention, bench_model); also
-# serve, cpp_host (examples/cpp_host/bench_cuda.sh), conformance-<device>, prebuild (FlashInfer's JIT modules compiled side by side) and pack.
+# serve, cpp_host (examples/cpp_host/bench_cuda.sh), conformance-<device>, solutions (the kernels
+# chosen, checked against the pre-solution choices), tune (xhal-tune twice), prebuild (FlashInfer's JIT modules compiled side by side) and pack.
 # Call with `.whl` carried; FlashInfer's JIT cache goes to .fi_cache/ (ignored) so later calls on a
 # warm machine reuse it. `pack` bundles the compiled FlashInfer libraries into $OUT/fi_aot.tar.xz.*;
 # put those parts in .fi_aot/ (ignored) and carry it too: they are unpacked as FlashInfer's AOT
@@ -34,6 +35,16 @@ for stage in $stages; do
     conformance)
       for dev in cuda cuda-triton; do
         py -m conformance_tests.cli --device $dev --report "$out/conformance-$dev.json" || status=1
+      done ;;
+    solutions)  # the kernels cuda and cuda-triton choose must be the pre-solution ones; host cost per call
+      for dev in cuda cuda-triton; do
+        py scripts/check_solutions.py --device $dev --expect-legacy 2>&1 | tee "$out/solutions-$dev.txt" || status=1
+      done ;;
+    tune)  # xhal-tune twice on the 8B shape with linear=triton-tuned: the second run times nothing
+      dir=$(python3 -m benchmarks.make_dummy_model /tmp/dummy-llama3-8b llama3-8b | tail -1)
+      for run in 1 2; do
+        XHAL_KERNEL_LINEAR=triton-tuned XHAL_CACHE_DIR=/tmp/xhal-tune-cache py -m xhal.solutions.tune_cli "$dir" \
+          --device cuda --load-format dummy --max-batch ${TUNE_MAX_BATCH:-4} 2>&1 | tee -a "$out/tune.txt" || status=1
       done ;;
     conformance-*)  # CONF_ARGS narrows it, e.g. "--family attention" (FlashInfer's JIT is slow)
       py -m conformance_tests.cli --device "${stage#conformance-}" ${CONF_ARGS:-} --report "$out/$stage.json" || status=1 ;;

@@ -37,6 +37,11 @@ def conformance(out: Path) -> list[str]:
             if isinstance(r, dict) and "passed" in r:
                 lines.append(f"conformance {data.get('device', report.stem):<12} {name:<11} "
                              f"{r['passed']:>4} passed {r['failed']:>3} failed {r['skipped']:>3} skipped")
+        by_status: dict[str, list[str]] = {}
+        for key, sol in data.get("solutions", {}).items():  # every registered kernel solution
+            by_status.setdefault(sol["status"], []).append(key)
+        for status, keys in sorted(by_status.items()):
+            lines.append(f"solutions   {data.get('device', report.stem):<12} {status:<13} {len(keys):>3}: {', '.join(keys)}")
     return lines
 
 

@@ -54,6 +54,20 @@ def _check_device(value: str) -> None:
         )
 
 
+def _apply_kernels(kernels: tuple[str, ...]) -> None:
+    """``--kernel OP=SOLUTION`` as ``XHAL_KERNEL_<OP>``, which the engine and worker processes inherit."""
+    if not kernels:
+        return
+    import os
+
+    from xhal.solutions.options import apply_kernel_options
+
+    try:
+        apply_kernel_options(kernels, os.environ)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--kernel") from None
+
+
 def _require_packages() -> None:
     missing = [pip for mod, pip in REQUIRED.items() if importlib.util.find_spec(mod) is None]
     if missing:
@@ -252,6 +266,14 @@ def _served_model(model: str | None, model_option: str | None) -> ServedModel:
     "hold what should not reach a log).",
 )
 @click.option(
+    "--kernel",
+    "kernels",
+    multiple=True,
+    metavar="OP=SOLUTION",
+    help="Force an op's kernel solution, e.g. --kernel paged_decode_attention=triton (repeatable; "
+    "the same as XHAL_KERNEL_<OP>=SOLUTION; docs/solutions.md lists ops and solutions).",
+)
+@click.option(
     "--shutdown-timeout",
     type=click.FloatRange(min=0),
     default=DEFAULT_SHUTDOWN_TIMEOUT_S,
@@ -272,6 +294,7 @@ def main(
     log_level: str,
     log_prompts: bool,
     shutdown_timeout: float,
+    kernels: tuple[str, ...],
     **engine_options: object,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions,
@@ -284,6 +307,7 @@ def main(
     Ctrl-C or SIGTERM stops both.
     """
     _require_packages()
+    _apply_kernels(kernels)
     served = _served_model(model, model_option)
     model_name, model_dir = served_model_name or served.name, served.model_dir
     given = {k: v for k, v in engine_options.items() if v is not None}

@@ -58,3 +58,27 @@ def cuda_gemv_max_rows(limit: int) -> int | None:
     if not value.isdigit() or not 0 <= int(value) <= limit:
         raise ValueError(f"XHAL_CUDA_GEMV_MAX_ROWS={value!r}: give 0..{limit} (0: cuBLAS always)")
     return int(value)
+
+
+def kernel_overrides() -> dict[str, str]:
+    """``XHAL_KERNEL_<OP>=<solution>``: force an op's solution, e.g. ``XHAL_KERNEL_RMS_NORM=torch``
+    or ``XHAL_KERNEL_PAGED_DECODE_ATTENTION=triton`` (``xhal-serve --kernel OP=SOLUTION`` sets
+    these). Returns op -> solution name; an unknown op raises, listing the settings there are."""
+    from xhal.solutions.op_names import OPS, env_name
+
+    by_env = {env_name(op): op for op in OPS}
+    out = {}
+    for key, value in os.environ.items():
+        if not key.startswith("XHAL_KERNEL_"):
+            continue
+        if key not in by_env:
+            raise ValueError(f"{key}: no such op; settings: {', '.join(sorted(by_env))}")
+        if value.strip():
+            out[by_env[key]] = value.strip()
+    return out
+
+
+def autotune() -> bool:
+    """``XHAL_AUTOTUNE=0``: never time configs (a solution with a config space takes its cached
+    winner, else its first config); on by default."""
+    return os.environ.get("XHAL_AUTOTUNE", "1").strip().lower() not in ("0", "false", "no", "off")

@@ -35,7 +35,7 @@ def run(*cmd: str, site: Path) -> subprocess.CompletedProcess[str]:
     env.pop("XHAL_PLUGINS", None)  # the entry point alone must be enough
     env.pop("PYTEST_ADDOPTS", None)
     env["OMP_NUM_THREADS"] = "1"  # tiny tensors; other test processes share the machine
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     target = root / "site"
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation"]
     cmd += ["--no-index", "--disable-pip-version-check", "--target", str(target), str(source)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"pip install of {EXAMPLE} failed:\n{proc.stdout}\n{proc.stderr}"
     yield target
     shutil.rmtree(target)  # the "uninstall": nothing outside this directory was touched
@@ -92,3 +92,31 @@ def test_conformance_suite_passes(site: Path, tmp_path: Path) -> None:
     assert not [n for n in ran if any(u in n for u in undeclared)], "ran an undeclared capability"
     assert data["not_exercised"] == [], data["not_exercised"]
     assert any("-d64-" in n for n in ran) and any("-d128-" in n for n in ran), ran[:5]
+
+
+def test_entry_point_adds_a_solution_that_conformance_runs(
+    site: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    probe = (
+        "import sys, torch, xhal\n"
+        "from xhal import solutions\n"
+        "names = [s.name for s in solutions.solutions('rms_norm', 'cpu')]\n"
+        "p = xhal.platforms.get('cpu')\n"
+        "x, w = torch.randn(3, 40), torch.randn(40)\n"
+        "xd = x.double()\n"
+        "ref = (xd / (xd.pow(2).mean(-1, keepdim=True) + 0.1).sqrt() * w.double()).float()\n"
+        "print(names, p.ops.names['rms_norm'], torch.equal(p.ops.rms_norm(x, w, 0.1), ref))\n"
+    )
+    env_run = run(sys.executable, "-c", probe, site=site)
+    assert env_run.returncode == 0, env_run.stderr
+    assert "'oot-float64'" in env_run.stdout and " reference " in env_run.stdout, env_run.stdout
+    monkeypatch.setenv("XHAL_KERNEL_RMS_NORM", "oot-float64")  # run() copies this environment
+    forced = run(sys.executable, "-c", probe, site=site)
+    monkeypatch.delenv("XHAL_KERNEL_RMS_NORM")
+    assert forced.returncode == 0 and forced.stdout.strip().endswith("oot-float64 True"), forced.stdout + forced.stderr
+    report = tmp_path / "cpu.json"
+    cmd = [sys.executable, "-m", "conformance_tests.cli", "--device", "cpu", "--family", "ops", "--report", str(report)]
+    proc = run(*cmd, site=site)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}"
+    sol = json.loads(report.read_text())["solutions"]["rms_norm=oot-float64"]
+    assert sol["status"] == "passed" and sol["passed"] > 0, sol

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from xhal.interfaces.collective import Collective
     from xhal.interfaces.graph import GraphRunner
     from xhal.interfaces.ops import DeviceOps
+    from xhal.solutions.kernels import Kernels
 
 
 # The version of these interfaces (the four ABCs, the dataclasses, the metadata contract).
@@ -137,6 +138,13 @@ class Platform(ABC):
 
     @abstractmethod
     def attention_backend(self, spec: AttentionSpec) -> AttentionBackend: ...
+
+    @property
+    def kernels(self) -> Kernels | None:
+        """The kernel solutions chosen for this platform (``xhal.solutions.kernels.Kernels``), or
+        None for a platform that does not build its ops from solutions. The conformance suite
+        runs every solution it lists, not only the chosen ones."""
+        return None
 
     @abstractmethod
     def graph_runner(self) -> GraphRunner: ...

@@ -10,15 +10,15 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from xhal.interfaces.attention import AttentionSpec
+from xhal.interfaces.attention import AttentionBackend, AttentionSpec
 from xhal.interfaces.collective import Collective
+from xhal.interfaces.ops import DeviceOps
 from xhal.interfaces.platform import AttentionCapabilities, Capabilities, Platform
 from xhal.platforms.common.collective import SingleRankCollective, resolve_group
 
 if TYPE_CHECKING:
-    from xhal.platforms.cpu_ref.attention import CpuAttention
     from xhal.platforms.cpu_ref.graph import CpuGraphRunner
-    from xhal.platforms.cpu_ref.ops import CpuOps
+    from xhal.solutions.kernels import Kernels
 
 
 class CpuPlatform(Platform):
@@ -38,24 +38,32 @@ class CpuPlatform(Platform):
         notes=("reference implementation: correct, not fast",),
     )
 
-    def __init__(self) -> None:
-        from xhal.platforms.cpu_ref.ops import CpuOps
+    _kernels: Kernels | None = None
 
-        self._ops = CpuOps()
+    def __init__(self) -> None:
+        self._ops: DeviceOps = self.kernels.ops
 
     @classmethod
     def is_available(cls) -> bool:
         return True
 
     @property
-    def ops(self) -> CpuOps:
+    def ops(self) -> DeviceOps:
         return self._ops
 
-    def attention_backend(self, spec: AttentionSpec) -> CpuAttention:
-        self.capabilities.attention.check(spec)
-        from xhal.platforms.cpu_ref.attention import CpuAttention
+    @property
+    def kernels(self) -> Kernels:
+        if self._kernels is None:  # made on first use: a subclass may set its own ops instead
+            from xhal.solutions.kernels import Kernels
+            from xhal.solutions.solution import DeviceInfo
 
-        return CpuAttention(spec)
+            device = DeviceInfo("cpu", name="cpu", library_versions=(("torch", torch.__version__),))
+            self._kernels = Kernels(self, device)
+        return self._kernels
+
+    def attention_backend(self, spec: AttentionSpec) -> AttentionBackend:
+        self.capabilities.attention.check(spec)
+        return self.kernels.attention_backend(spec)
 
     def graph_runner(self) -> CpuGraphRunner:
         from xhal.platforms.cpu_ref.graph import CpuGraphRunner

@@ -1,24 +1,21 @@
-"""The CUDA platform. ``cuda`` uses FlashInfer attention when it is installed (Triton otherwise);
-``cuda-triton`` always uses the Triton fallback, so both paths can be proven by the suite."""
+"""The CUDA platform. Its kernels are solutions (``xhal/platforms/cuda/solutions.py``): ``cuda`` picks
+FlashInfer attention when it is installed (Triton otherwise); ``cuda-triton`` forces the Triton
+attention, so both paths can be proven by the suite."""
 
 from __future__ import annotations
 
 import importlib.util
-import logging
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
-from xhal import env
 from xhal.interfaces.attention import AttentionBackend, AttentionSpec
 from xhal.interfaces.collective import Collective
 from xhal.interfaces.platform import AttentionCapabilities, Capabilities, Platform
 from xhal.platforms.common.collective import SingleRankCollective, resolve_group
 
-logger = logging.getLogger(__name__)
-
 _INSTALL = "pip install 'xhal[cuda]' (flashinfer-python==0.5.3 and triton)"
-_WORKSPACE_BYTES = 128 * 1024 * 1024
 
 
 class CudaPlatform(Platform):
@@ -38,43 +35,41 @@ class CudaPlatform(Platform):
         ops_dtypes=(torch.float32, torch.bfloat16, torch.float16),
         notes=("bf16/fp16 attention on FlashInfer when installed; float32 on the Triton kernel",),
     )
-    use_flashinfer = True
+
+    # solutions this platform forces by default (XHAL_KERNEL_<OP> settings still win)
+    solution_defaults: ClassVar[dict[str, str]] = {}
 
     def __init__(self) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("the CUDA platform needs a visible NVIDIA GPU and a CUDA build of torch")
         if importlib.util.find_spec("triton") is None:
             raise RuntimeError(f"the CUDA platform needs triton: {_INSTALL}")
-        self.has_flashinfer = self.use_flashinfer and importlib.util.find_spec("flashinfer") is not None
-        if self.use_flashinfer and not self.has_flashinfer:
-            logger.warning("flashinfer is not installed: using Triton attention (%s)", _INSTALL)
-        from xhal.platforms.cuda.ops import CudaOps, FlashInferOps
+        from xhal.solutions.kernels import Kernels
 
-        self._ops = FlashInferOps() if self.has_flashinfer else CudaOps()
-        self._workspace: torch.Tensor | None = None
+        self._kernels = Kernels(
+            self, _device_info(), defaults=self.solution_defaults,
+            is_capturing=torch.cuda.is_current_stream_capturing,
+        )
+        self._ops = self._kernels.ops
 
     @classmethod
     def is_available(cls) -> bool:
         try:
             return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
-        except Exception:
+        except Exception:  # noqa: BLE001  (is_available never raises, whatever a broken install does)
             return False
 
     @property
     def ops(self):
         return self._ops
 
+    @property
+    def kernels(self):
+        return self._kernels
+
     def attention_backend(self, spec: AttentionSpec) -> AttentionBackend:
         self.capabilities.attention.check(spec)
-        if self.has_flashinfer and spec.dtype in (torch.float16, torch.bfloat16):
-            from xhal.platforms.cuda.attention import FlashInferAttention
-
-            if self._workspace is None:  # one zeroed workspace shared by every wrapper
-                self._workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device())
-            return FlashInferAttention(spec, self._workspace, prefill_backend=env.flashinfer_prefill())
-        from xhal.platforms.cuda.triton_attention import TritonAttention
-
-        return TritonAttention(spec)
+        return self._kernels.attention_backend(spec)
 
     def graph_runner(self):
         from xhal.platforms.cuda.graph import CudaGraphRunner
@@ -101,5 +96,32 @@ class CudaPlatform(Platform):
 
 
 class CudaTritonPlatform(CudaPlatform):
+    """``cuda`` without FlashInfer: Triton attention, torch norms and activations (what the
+    name meant before solutions; ``XHAL_KERNEL_<OP>`` picks any other mix on ``cuda``)."""
+
     name = "cuda-triton"
-    use_flashinfer = False
+    solution_defaults: ClassVar[dict[str, str]] = {
+        "paged_decode_attention": "triton",
+        "paged_prefill_attention": "triton",
+        "rms_norm": "torch",
+        "silu_and_mul": "torch",
+        "gelu_and_mul": "torch",
+    }
+
+
+def _device_info():
+    from importlib.metadata import PackageNotFoundError, version
+
+    from xhal.solutions.solution import DeviceInfo
+
+    versions = [("torch", torch.__version__), ("cuda", str(torch.version.cuda))]
+    for package in ("triton", "flashinfer-python", "tilelang"):
+        try:
+            versions.append((package, version(package)))
+        except PackageNotFoundError:
+            pass
+    index = torch.cuda.current_device()
+    return DeviceInfo(
+        "cuda", name=torch.cuda.get_device_name(index),
+        compute_capability=torch.cuda.get_device_capability(index), library_versions=tuple(versions),
+    )

@@ -12,15 +12,15 @@ import torch
 import torch.distributed as dist
 
 from xhal import env
-from xhal.interfaces.attention import AttentionSpec
+from xhal.interfaces.attention import AttentionBackend, AttentionSpec
 from xhal.interfaces.collective import Collective
 from xhal.interfaces.platform import AttentionCapabilities, Capabilities, Platform
 from xhal.platforms.common.collective import SingleRankCollective, resolve_group
 
 if TYPE_CHECKING:
+    from xhal.interfaces.ops import DeviceOps
     from xhal.platforms.npu.attention import NpuAttention
     from xhal.platforms.npu.graph import NpuGraphRunner
-    from xhal.platforms.npu.ops import NpuOps
 
 _INSTALL_HELP = (
     "the NPU platform needs torch_npu (Ascend's PyTorch adapter) on top of Ascend's CANN toolkit: "
@@ -77,11 +77,14 @@ class NpuPlatform(Platform):
 
     def __init__(self) -> None:
         self.torch_npu = import_torch_npu()
-        from xhal.platforms.npu.ops import NpuOps
-
-        self._ops = NpuOps(self.torch_npu)
         self._mask: torch.Tensor | None = None
         self._update_stream = None
+        from xhal.solutions.kernels import Kernels
+        from xhal.solutions.solution import DeviceInfo
+
+        versions = (("torch", torch.__version__), ("torch_npu", str(getattr(self.torch_npu, "__version__", ""))))
+        self._kernels = Kernels(self, DeviceInfo("npu", name="npu", library_versions=versions))
+        self._ops = self._kernels.ops
 
     @classmethod
     def is_available(cls) -> bool:
@@ -95,8 +98,12 @@ class NpuPlatform(Platform):
             return False
 
     @property
-    def ops(self) -> NpuOps:
+    def ops(self) -> DeviceOps:
         return self._ops
+
+    @property
+    def kernels(self):
+        return self._kernels
 
     def check_block_size(self, spec: AttentionSpec) -> None:
         if spec.block_size % 128 or spec.block_size > self.max_block_size:
@@ -106,9 +113,13 @@ class NpuPlatform(Platform):
                 f"between 128 and {self.max_block_size} (use --block-size 128)"
             )
 
-    def attention_backend(self, spec: AttentionSpec) -> NpuAttention:
+    def attention_backend(self, spec: AttentionSpec) -> AttentionBackend:
         self.check_block_size(spec)
         self.capabilities.attention.check(spec)
+        return self._kernels.attention_backend(spec)
+
+    def fia_attention(self, spec: AttentionSpec) -> NpuAttention:
+        """The "vendor" attention solution (``xhal/platforms/npu/solutions.py``): one FIA call per layer."""
         from xhal.platforms.npu.attention import NpuAttention
 
         layout = env.npu_kv_layout()

@@ -1,0 +1,119 @@
+"""The CUDA platform's solutions. Priorities keep the choices made before solutions existed:
+FlashInfer's norm and activations and attention when installed, our Triton GEMV / fused add+norm
+/ rotary / fused MoE, cuBLAS and torch as the fallbacks."""
+
+from __future__ import annotations
+
+import torch
+
+from xhal import env
+from xhal.solutions.solution import Config, Package, Requirement, Solution
+
+TRITON = Package("triton", "pip install 'xhal[cuda]' (triton)")
+FLASHINFER = Package("flashinfer", "pip install 'xhal[cuda]' (flashinfer-python==0.5.3)")
+_HALF = (torch.float16, torch.bfloat16)
+_WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+def cuda_ops(platform: object):
+    from xhal.platforms.cuda.ops import CudaOps
+
+    return CudaOps()
+
+
+def flashinfer_ops(platform: object):
+    from xhal.platforms.cuda.ops import FlashInferOps
+
+    return FlashInferOps()
+
+
+class GroupedMoe:
+    """The fused MoE without its small-token pair path: the grouped GEMMs for every batch."""
+
+    def __init__(self, platform: object) -> None:
+        from xhal.platforms.cuda.kernels import moe
+
+        self._moe = moe
+
+    def moe_experts(self, x, w13, w2, topk_weights, topk_ids):
+        config = self._moe.default_config(topk_ids.numel(), w13.shape[0])
+        return self._moe.fused_experts(x, w13, w2, topk_weights, topk_ids, config)
+
+
+class FlashInferAttentionProvider:
+    """One zeroed workspace shared by every FlashInfer wrapper of the platform."""
+
+    def __init__(self, platform) -> None:
+        self._device = platform.device()
+        self._workspace: torch.Tensor | None = None
+
+    def attention_backend(self, spec):
+        from xhal.platforms.cuda.attention import FlashInferAttention
+
+        prefill = env.flashinfer_prefill()
+        if self._workspace is None:
+            self._workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=self._device)
+        return FlashInferAttention(spec, self._workspace, prefill_backend=prefill)
+
+
+class TritonAttentionProvider:
+    def __init__(self, platform: object) -> None:
+        del platform
+
+    @staticmethod
+    def attention_backend(spec):
+        from xhal.platforms.cuda.triton_attention import TritonAttention
+
+        return TritonAttention(spec)
+
+
+def _req(*packages: Package, dtypes: tuple[torch.dtype, ...] | None = None) -> Requirement:
+    return Requirement(device_type="cuda", dtypes=dtypes, packages=packages)
+
+
+# the config space of linear=triton-tuned (xhal/platforms/cuda/tuned_gemv.py), spelled here so that the
+# declaration imports nothing
+_GEMV_CONFIGS = (
+    Config("heuristic", {}),
+    Config("wide-rows", {"block_n_scale": 2}),
+    Config("split-k-x2", {"split_scale": 2.0}),
+    Config("split-k-half", {"split_scale": 0.5}),
+)
+_OPS = "xhal.platforms.cuda.solutions:cuda_ops"
+_FI_OPS = "xhal.platforms.cuda.solutions:flashinfer_ops"
+_TORCH = "xhal.solutions.torch_ops:TorchOps"
+
+SOLUTIONS = (
+    Solution("linear", "triton", _OPS, _req(TRITON), 20,
+             description="our GEMV for one-row linears (XHAL_CUDA_GEMV_MAX_ROWS), cuBLAS beyond"),
+    Solution("linear", "triton-tuned", "xhal.platforms.cuda.tuned_gemv:TunedGemv", _req(TRITON), 15,
+             configs=_GEMV_CONFIGS, bucket="xhal.platforms.cuda.tuned_gemv:bucket",
+             description="our GEMV for up to 64 rows, its launch shape autotuned; cuBLAS beyond"),
+    Solution("linear", "vendor", _TORCH, _req(), 10, description="cuBLAS for every shape"),
+    Solution("rms_norm", "flashinfer", _FI_OPS, _req(FLASHINFER), 20,
+             description="FlashInfer's rmsnorm for fp16/bf16, float32 on torch"),
+    Solution("rms_norm", "torch", _TORCH, _req(), 10),
+    Solution("fused_add_rms_norm", "triton", _OPS, _req(TRITON), 20),
+    Solution("fused_add_rms_norm", "torch", _TORCH, _req(), 10),
+    Solution("rotary_embedding", "triton", _OPS, _req(TRITON), 20),
+    Solution("silu_and_mul", "flashinfer", _FI_OPS, _req(FLASHINFER), 20,
+             description="FlashInfer's for aligned fp16/bf16, torch otherwise"),
+    Solution("silu_and_mul", "torch", _TORCH, _req(), 10),
+    Solution("gelu_and_mul", "flashinfer", _FI_OPS, _req(FLASHINFER), 20,
+             description="FlashInfer's exact-erf form for aligned fp16/bf16, torch otherwise"),
+    Solution("gelu_and_mul", "torch", _TORCH, _req(), 10),
+    Solution("moe_route", "triton", _OPS, _req(TRITON), 20),
+    Solution("moe_experts", "triton", _OPS, _req(TRITON), 20,
+             description="grouped GEMMs; the pair GEMVs of moe_small for a few tokens"),
+    Solution("moe_experts", "triton-grouped", "xhal.platforms.cuda.solutions:GroupedMoe", _req(TRITON), 15,
+             description="grouped GEMMs for every batch"),
+    Solution("sampling", "torch", _TORCH, _req(), 10),
+    *(
+        Solution(op, name, target, req, priority)
+        for op in ("paged_decode_attention", "paged_prefill_attention")
+        for name, target, req, priority in (
+            ("flashinfer", "xhal.platforms.cuda.solutions:FlashInferAttentionProvider", _req(FLASHINFER, dtypes=_HALF), 30),
+            ("triton", "xhal.platforms.cuda.solutions:TritonAttentionProvider", _req(TRITON), 20),
+        )
+    ),
+)
