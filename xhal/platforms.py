@@ -24,6 +24,7 @@ _BUILTINS = {
     "cpu": "xhal.cpu_ref.platform:CpuPlatform",
     "cuda": "xhal.cuda.platform:CudaPlatform",
     "cuda-triton": "xhal.cuda.platform:CudaTritonPlatform",
+    "cuda-tilelang": "xhal.cuda.tilelang_platform:CudaTileLangPlatform",
     "npu": "xhal.npu.platform:NpuPlatform",
 }
 for _name, _target in _BUILTINS.items():
