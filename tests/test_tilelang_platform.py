@@ -11,12 +11,13 @@ import pytest
 import torch
 
 import xhal
-from xhal.cuda import tilelang_platform
-from xhal.cuda.kernels import tilelang_decode, tilelang_norm
-from xhal.cuda.tilelang_attention import unsupported
 from xhal.interfaces import AttentionSpec
 
 pytest.importorskip("triton", reason="the CUDA platform's fallback solutions are Triton kernels")
+
+from xhal.cuda import tilelang_platform
+from xhal.cuda.kernels import tilelang_decode, tilelang_norm
+from xhal.cuda.tilelang_attention import unsupported
 
 
 def test_registered_and_importable_without_tilelang():

@@ -14,7 +14,6 @@ import logging
 
 import torch
 
-from xhal.cuda.ops import CudaOps
 from xhal.cuda.platform import CudaTritonPlatform
 from xhal.interfaces.attention import AttentionBackend, AttentionSpec
 
@@ -32,19 +31,6 @@ def tilelang_missing() -> str | None:
     if importlib.util.find_spec("tilelang") is None:
         return f"tilelang is not installed ({INSTALL})"
     return None
-
-
-class TileLangOps(CudaOps):
-    """``fused_add_rms_norm`` on TileLang (solution ``tilelang``: fp16 / bf16 / fp32, weight in the
-    input's dtype, hidden size a multiple of 256 up to 16384); other shapes and every other op on
-    the Triton / torch solutions of ``CudaOps``."""
-
-    def fused_add_rms_norm(self, x, residual, weight, eps):
-        from xhal.cuda.kernels import tilelang_norm
-
-        if x.numel() and tilelang_norm.supports(x, weight):
-            return tilelang_norm.fused_add_rms_norm(x, residual, weight, eps)
-        return super().fused_add_rms_norm(x, residual, weight, eps)
 
 
 class CudaTileLangPlatform(CudaTritonPlatform):
@@ -71,6 +57,8 @@ class CudaTileLangPlatform(CudaTritonPlatform):
         super().__init__()
         self.missing = tilelang_missing()
         if self.missing is None:
+            from xhal.cuda.tilelang_ops import TileLangOps
+
             self._ops = TileLangOps()
         elif not _warned:
             _warned = True
