@@ -80,18 +80,17 @@ def _program(head_dim: int, page_size: int, dtype: str):
 
             for t in T.Pipelined(count, num_stages=2):
                 base = (first + t) * _BLOCK_N
+                # K and V of the tile in one gather: twice the bytes in flight per CTA
                 for j, d in T.Parallel(_BLOCK_N, head_dim):
                     page = block_table[b, T.min((base + j) // page_size, max_pages - 1)]
                     k_s[j, d] = T.if_then_else(
                         base + j < kv_len, K[page, (base + j) % page_size, kvh, d], T.cast(0, dtype)
                     )
-                T.clear(scores)
-                T.gemm(q_s, k_s, scores, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                for j, d in T.Parallel(_BLOCK_N, head_dim):
-                    page = block_table[b, T.min((base + j) // page_size, max_pages - 1)]
                     v_s[j, d] = T.if_then_else(
                         base + j < kv_len, V[page, (base + j) % page_size, kvh, d], T.cast(0, dtype)
                     )
+                T.clear(scores)
+                T.gemm(q_s, k_s, scores, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 for i, j in T.Parallel(_BLOCK_H, _BLOCK_N):
                     scores[i, j] = T.if_then_else(base + j < kv_len, scores[i, j] * scale_log2, neg_inf)
                 T.copy(row_max, prev_max)
