@@ -56,12 +56,20 @@ def reference(q, cache: LayerCache, m: AttentionMetadata, scale: float) -> torch
     return out
 
 
-def decode_case(name: str, batch: int, ctx: int, block: int, dtype=torch.bfloat16, ragged: bool = False):
-    """(error vs float64, median us in a graph) of one KV write + decode attention layer."""
+def decode_case(
+    name: str, batch: int, ctx: int, block: int, dtype=torch.bfloat16, ragged: bool = False, block_h: int | None = None
+):
+    """(error vs float64, median us in a graph) of one KV write + decode attention layer;
+    ``block_h`` forces TileLang's row tile (query heads per CTA)."""
     platform = xhal.platforms.get(name)
     device = platform.device()
     spec = AttentionSpec(HEADS, KV_HEADS, HEAD_DIM, dtype, block)
     backend = platform.attention_backend(spec)
+    if block_h is not None:
+        from xhal.cuda.attention import TritonAttention
+        from xhal.cuda.tilelang_attention import TileLangAttention
+
+        backend = TileLangAttention(spec, TritonAttention(spec), backend.num_sms, block_h=block_h)
     lens = torch.randint(1, ctx + 1, (batch,)).tolist() if ragged else [ctx] * batch
     num_blocks = sum(-(-n // block) for n in lens) + 8
     shape = (num_blocks, block, KV_HEADS, HEAD_DIM)
@@ -96,9 +104,10 @@ def main() -> None:
     args = parser.parse_args()
     read = read_bandwidth()["read"]
     print(f"read ceiling {read / 1e12:.2f} TB/s (read-only streaming kernel, this run)")
-    names = {"tilelang": "cuda-tilelang", "triton": "cuda-triton"}
+    # tilelang: 16 query-head rows per CTA (the 8B group of 4 padded); tilelang-h64: 64 rows
+    names = {"tilelang": ("cuda-tilelang", None), "tilelang-h64": ("cuda-tilelang", 64), "triton": ("cuda-triton", None)}
     if "cuda" in xhal.platforms.available() and xhal.platforms.get("cuda").has_flashinfer:
-        names["flashinfer"] = "cuda"
+        names["flashinfer"] = ("cuda", None)
     # correctness first: ragged lengths, both dtypes, both page sizes (TileLang only: the others
     # are proven by the conformance suite)
     checks = []
@@ -114,10 +123,10 @@ def main() -> None:
     for block in ((16,) if args.quick else (16, 128)):
         for batch in (1, 16, 64):
             kv_bytes = batch * 2048 * KV_HEADS * HEAD_DIM * 2 * 2
-            for sol, name in names.items():
+            for sol, (name, block_h) in names.items():
                 if sol == "flashinfer" and block != 16:
                     continue  # FlashInfer's page-128 kernels are another JIT build
-                err, us = decode_case(name, batch, 2048, block)
+                err, us = decode_case(name, batch, 2048, block, block_h=block_h)
                 rows.append({"solution": sol, "page": block, "batch": batch, "us": us, "err": err,
                              "TB/s": kv_bytes / (us * 1e-6) / 1e12, "of_read": kv_bytes / (us * 1e-6) / read})
     print(table(rows, "decode attention layer (KV write + attention) in a CUDA graph, bf16 32q/8kv D128 ctx 2048: KV bytes / time"))

@@ -85,3 +85,9 @@ def test_norm_requirements():
     assert not tilelang_norm.supports(torch.ones(3, 192, dtype=torch.bfloat16), torch.ones(192, dtype=torch.bfloat16))
     assert not tilelang_norm.supports(torch.ones(3, 4096, dtype=torch.bfloat16), w.float())
     assert not tilelang_norm.supports(torch.ones(3, 32768, dtype=torch.bfloat16), torch.ones(32768, dtype=torch.bfloat16))
+
+
+def test_row_tile_is_the_smallest_that_holds_the_group():
+    assert [tilelang_decode.block_rows(g) for g in (1, 4, 16, 17, 64)] == [16, 16, 16, 64, 64]
+    with pytest.raises(ValueError, match="up to 64"):
+        tilelang_decode.block_rows(65)

@@ -53,14 +53,18 @@ class TileLangAttention(AttentionBackend):
     for a graph bucket these are its persistent inputs, so a replay's plan queues no device work.
     """
 
-    def __init__(self, spec: AttentionSpec, fallback: AttentionBackend, num_sms: int) -> None:
+    def __init__(
+        self, spec: AttentionSpec, fallback: AttentionBackend, num_sms: int, block_h: int | None = None
+    ) -> None:
         super().__init__(spec)
         reason = unsupported(spec)
         if reason is not None:
             raise ValueError(f"TileLangAttention cannot run {reason}; use the Triton or FlashInfer backend")
         self.fallback = fallback
         self.num_sms = num_sms
-        tilelang_decode.compiled(spec.head_dim, spec.block_size, spec.dtype)
+        # block_h: rows of query heads per CTA (default: the smallest tile holding the group)
+        self.block_h = tilelang_decode.block_rows(spec.group_size) if block_h is None else block_h
+        tilelang_decode.compiled(spec.head_dim, spec.block_size, spec.dtype, self.block_h)
         self._caches: list[LayerCache] = []
         self._decode: _DecodePlan | None = None
 
@@ -97,6 +101,7 @@ class TileLangAttention(AttentionBackend):
         if lens.stride(0) != 1:
             lens = lens.contiguous()
         tilelang_decode.paged_decode(
-            rows, cache.key, cache.value, table, lens, self.spec.softmax_scale, out[: p.num_seqs], p.splits
+            rows, cache.key, cache.value, table, lens, self.spec.softmax_scale, out[: p.num_seqs], p.splits,
+            self.block_h,
         )
         return out
