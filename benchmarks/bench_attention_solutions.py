@@ -104,8 +104,12 @@ def main() -> None:
     args = parser.parse_args()
     read = read_bandwidth()["read"]
     print(f"read ceiling {read / 1e12:.2f} TB/s (read-only streaming kernel, this run)")
-    # tilelang: 16 query-head rows per CTA (the 8B group of 4 padded); tilelang-h64: 64 rows
-    names = {"tilelang": ("cuda-tilelang", None), "tilelang-h64": ("cuda-tilelang", 64), "triton": ("cuda-triton", None)}
+    # tilelang: the row tile chosen per step (16 query-head rows per CTA for split batches, 64 for
+    # unsplit ones); -h16 / -h64 force one
+    names = {
+        "tilelang": ("cuda-tilelang", None), "tilelang-h16": ("cuda-tilelang", 16),
+        "tilelang-h64": ("cuda-tilelang", 64), "triton": ("cuda-triton", None),
+    }
     if "cuda" in xhal.platforms.available() and xhal.platforms.get("cuda").has_flashinfer:
         names["flashinfer"] = ("cuda", None)
     # correctness first: ragged lengths, both dtypes, both page sizes (TileLang only: the others
