@@ -91,3 +91,11 @@ def test_row_tile_is_the_smallest_that_holds_the_group():
     assert [tilelang_decode.block_rows(g) for g in (1, 4, 16, 17, 64)] == [16, 16, 16, 64, 64]
     with pytest.raises(ValueError, match="up to 64"):
         tilelang_decode.block_rows(65)
+
+
+@pytest.mark.parametrize("block_h", [32, 16])
+def test_forced_row_tile_must_hold_the_group(block_h):
+    from xhal.cuda.tilelang_attention import TileLangAttention
+
+    with pytest.raises(ValueError, match="at least the GQA group 32"):  # before anything compiles
+        TileLangAttention(AttentionSpec(64, 2, 128, torch.bfloat16, 16), None, 132, block_h=block_h)

@@ -64,7 +64,7 @@ class TileLangAttention(AttentionBackend):
         self.fallback = fallback
         self.num_sms = num_sms
         # block_h: rows of query heads per CTA; None: chosen per step (see ``_row_tile``)
-        if block_h is not None and block_h not in (16, 64) or (block_h or 64) < spec.group_size:
+        if block_h is not None and (block_h not in (16, 64) or block_h < spec.group_size):
             raise ValueError(f"block_h={block_h}: give 16 or 64 rows, at least the GQA group {spec.group_size}")
         self.block_h = block_h
         self._row_tile(2)  # compile the small-batch kernel now; ``plan`` compiles any other
