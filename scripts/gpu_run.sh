@@ -2,7 +2,8 @@
 # One run on the GPU machine: install the carried wheels, then the stages named on the command
 # line (default: conformance (cuda, cuda-triton), bench_gemv, bench_attention, bench_model); also
 # serve, cpp_host (examples/cpp_host/bench_cuda.sh), conformance-<device>, solutions (the kernels
-# chosen, checked against the pre-solution choices), tune (xhal-tune twice), prebuild (FlashInfer's JIT modules compiled side by side) and pack.
+# chosen, checked against the pre-solution choices), tune (xhal-tune twice), tilelang (installs
+# TileLang's wheels: scripts/tilelang_wheels.sh), prebuild (FlashInfer's JIT modules compiled side by side) and pack.
 # Call with `.whl` carried; FlashInfer's JIT cache goes to .fi_cache/ (ignored) so later calls on a
 # warm machine reuse it. `pack` bundles the compiled FlashInfer libraries into $OUT/fi_aot.tar.xz.*;
 # put those parts in .fi_aot/ (ignored) and carry it too: they are unpacked as FlashInfer's AOT
@@ -26,6 +27,7 @@ status=0
 for stage in $stages; do
   echo "=== $stage ($(date +%T))"
   case $stage in
+    tilelang) bash scripts/tilelang_wheels.sh install || status=1 ;;  # after the stash run (scripts/tilelang_wheels.sh)
     prebuild) py scripts/fi_prebuild.py 2>&1 | tee "$out/prebuild.txt" || status=1 ;;
     pack)  # every compiled module (<name>/<name>.so, the AOT layout), the ones unpacked above too
       find .fi_cache "$aot" -name '*.so' -path '*/cached_ops/*' -o -name '*.so' -path "$aot/*" 2>/dev/null \

@@ -27,6 +27,7 @@ _BUILTINS = {
     "cpu": "xhal.platforms.cpu_ref.platform:CpuPlatform",
     "cuda": "xhal.platforms.cuda.platform:CudaPlatform",
     "cuda-triton": "xhal.platforms.cuda.platform:CudaTritonPlatform",
+    "cuda-tilelang": "xhal.platforms.cuda.tilelang_platform:CudaTileLangPlatform",
     "npu": "xhal.platforms.npu.platform:NpuPlatform",
 }
 for _name, _target in _BUILTINS.items():

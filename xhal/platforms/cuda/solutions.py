@@ -11,6 +11,11 @@ from xhal.solutions.solution import Config, Package, Requirement, Solution
 
 TRITON = Package("triton", "pip install 'xhal[cuda]' (triton)")
 FLASHINFER = Package("flashinfer", "pip install 'xhal[cuda]' (flashinfer-python==0.5.3)")
+TILELANG = Package(
+    "tilelang",
+    "pip install tilelang==0.1.15 (with z3-solver, apache-tvm-ffi 0.1.12, ml-dtypes, torch-c-dlpack-ext;"
+    " scripts/fetch_tilelang_wheels.sh for a machine without network)",
+)
 _HALF = (torch.float16, torch.bfloat16)
 _WORKSPACE_BYTES = 128 * 1024 * 1024
 
@@ -56,6 +61,29 @@ class FlashInferAttentionProvider:
         return FlashInferAttention(spec, self._workspace, prefill_backend=prefill)
 
 
+def tilelang_ops(platform: object):
+    from xhal.platforms.cuda.tilelang_ops import TileLangOps
+
+    return TileLangOps()
+
+
+class TileLangAttentionProvider:
+    """TileLang's split-KV paged decode for the specs it is built for (fp16 / bf16, head dim 128,
+    no window or soft cap), the Triton kernel for the rest and for prefill steps."""
+
+    def __init__(self, platform) -> None:
+        self._sms = torch.cuda.get_device_properties(platform.device()).multi_processor_count
+
+    def attention_backend(self, spec):
+        from xhal.platforms.cuda.tilelang_attention import TileLangAttention, unsupported
+        from xhal.platforms.cuda.triton_attention import TritonAttention
+
+        fallback = TritonAttention(spec)
+        if unsupported(spec) is not None:
+            return fallback
+        return TileLangAttention(spec, fallback, self._sms)
+
+
 class TritonAttentionProvider:
     def __init__(self, platform: object) -> None:
         del platform
@@ -94,6 +122,8 @@ SOLUTIONS = (
              description="FlashInfer's rmsnorm for fp16/bf16, float32 on torch"),
     Solution("rms_norm", "torch", _TORCH, _req(), 10),
     Solution("fused_add_rms_norm", "triton", _OPS, _req(TRITON), 20),
+    Solution("fused_add_rms_norm", "tilelang", "xhal.platforms.cuda.solutions:tilelang_ops",
+             _req(TILELANG), 15, description="TileLang's for hidden sizes a multiple of 256, Triton otherwise"),
     Solution("fused_add_rms_norm", "torch", _TORCH, _req(), 10),
     Solution("rotary_embedding", "triton", _OPS, _req(TRITON), 20),
     Solution("silu_and_mul", "flashinfer", _FI_OPS, _req(FLASHINFER), 20,
@@ -116,4 +146,9 @@ SOLUTIONS = (
             ("triton", "xhal.platforms.cuda.solutions:TritonAttentionProvider", _req(TRITON), 20),
         )
     ),
+    # decode only: a prefill step on this backend runs its Triton fallback, so it is no
+    # paged_prefill_attention solution
+    Solution("paged_decode_attention", "tilelang", "xhal.platforms.cuda.solutions:TileLangAttentionProvider",
+             Requirement(device_type="cuda", dtypes=_HALF, head_dims=(128,), packages=(TILELANG,)), 25,
+             description="TileLang split-KV decode (head dim 128, no window or soft cap); Triton beyond"),
 )
