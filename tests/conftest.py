@@ -7,9 +7,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
+
 from tests.support.checkpoints import BUILDERS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is built locally; never reach the hub
+if not torch.cuda.is_available():
+    # Triton kernels run in Triton's interpreter here. Set before any test module is collected:
+    # triton decides per kernel when the kernel is defined, so a module that imports a kernel file
+    # before tests/support/triton_env.py would otherwise leave that kernel compiled-only.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
