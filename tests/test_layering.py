@@ -19,7 +19,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 NEUTRAL_DIRS = ("models", "xhal/layers", "xhal/executor", "xhal/interfaces")
-BACKEND_DIRS = ("xhal/cpu_ref", "xhal/cuda", "xhal/npu")
+BACKEND_DIRS = ("xhal/cpu_ref", "xhal/cpu_fast", "xhal/cuda", "xhal/npu")
 DEVICE_LIBRARIES = ("torch_npu", "flashinfer", "triton", "tilelang")
 # neutral code reaches a device only through the interfaces, so a backend package is off limits too
 DEVICE_MODULES = (
@@ -27,6 +27,7 @@ DEVICE_MODULES = (
     "torch.npu",
     *DEVICE_LIBRARIES,
     "xhal.cpu_ref",
+    "xhal.cpu_fast",
     "xhal.cuda",
     "xhal.npu",
 )

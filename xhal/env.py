@@ -36,3 +36,13 @@ def check_metadata() -> bool:
     (``from_xllm(check=True)``, ``AttentionMetadata.validate``), a debug aid that costs host time
     per step; off by default, shapes and dtypes are checked either way."""
     return os.environ.get("XHAL_CHECK_METADATA", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def serve_cpu_platform() -> str:
+    """``XHAL_SERVE_CPU_PLATFORM``: the platform ``xhal-serve --device cpu`` runs on, ``cpu-fast``
+    (default: the batched, eager CPU platform) or ``cpu`` (the reference, to rule out the fast
+    attention when chasing a wrong output)."""
+    value = os.environ.get("XHAL_SERVE_CPU_PLATFORM", "cpu-fast")
+    if value not in ("cpu-fast", "cpu"):
+        raise ValueError(f"XHAL_SERVE_CPU_PLATFORM={value!r}: use cpu-fast (default) or cpu")
+    return value

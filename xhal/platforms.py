@@ -22,6 +22,7 @@ _plugins_loaded = False
 
 _BUILTINS = {
     "cpu": "xhal.cpu_ref.platform:CpuPlatform",
+    "cpu-fast": "xhal.cpu_fast.platform:CpuFastPlatform",
     "cuda": "xhal.cuda.platform:CudaPlatform",
     "cuda-triton": "xhal.cuda.platform:CudaTritonPlatform",
     "npu": "xhal.npu.platform:NpuPlatform",
