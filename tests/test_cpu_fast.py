@@ -117,3 +117,25 @@ def test_conformance_attention_family_passes_on_cpu_fast(tmp_path: Path) -> None
     proc = subprocess.run(cmd, check=False, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "attention    passed" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ops_are_the_references_bit_for_bit(dtype: torch.dtype) -> None:
+    from xhal.cpu_fast.ops import FastCpuOps
+    from xhal.cpu_ref.ops import CpuOps
+
+    fast, ref = FastCpuOps(), CpuOps()
+    g = torch.Generator().manual_seed(1)
+    x, residual, weight = (torch.randn(5, 64, generator=g).to(dtype) for _ in range(3))
+    assert torch.equal(fast.rms_norm(x, weight, 1e-5), ref.rms_norm(x, weight, 1e-5))
+    for got, want in zip(fast.fused_add_rms_norm(x, residual, weight, 1e-6),
+                         ref.fused_add_rms_norm(x, residual, weight, 1e-6)):
+        assert torch.equal(got, want)
+    q, k = torch.randn(5, 4, 32, generator=g).to(dtype), torch.randn(5, 2, 32, generator=g).to(dtype)
+    positions = torch.tensor([0, 3, 7, 1, 2])
+    for rotary_dim in (32, 16):  # full and partial rotary
+        cache = torch.randn(16, rotary_dim, generator=g)
+        for neox in (True, False):
+            for got, want in zip(fast.rotary_embedding(positions, q, k, cache, neox),
+                                 ref.rotary_embedding(positions, q, k, cache, neox)):
+                assert torch.equal(got, want)

@@ -36,6 +36,7 @@ class _Plan:
     decode_mask: torch.Tensor | None  # bool [Bd, 1, 1, Lmax]; None: every key visible
     chunks: tuple[_Chunk, ...]
     num_real_tokens: int  # rows past it are padding and come out as zeros
+    decode_only: bool  # every row is a one-token sequence's, in order: no row shuffling needed
 
 
 def _visible(kv_lens: torch.Tensor, positions: torch.Tensor, window: int) -> torch.Tensor:
@@ -91,7 +92,11 @@ def make_plan(metadata: AttentionMetadata, spec: AttentionSpec) -> _Plan:
         decode_kv_rows = _kv_rows(block_table[seqs], positions, spec.block_size).masked_fill(~visible, 0)
         if not bool(visible.all()):
             decode_mask = visible[:, None, None, :]
-    return _Plan(write_rows, write_slots, decode_rows, decode_kv_rows, decode_mask, tuple(chunks), starts)
+    decode_only = not chunks and len(decode) == starts == metadata.num_tokens
+    return _Plan(
+        write_rows, write_slots, decode_rows, decode_kv_rows, decode_mask, tuple(chunks), starts,
+        decode_only,
+    )
 
 
 def _attend(
@@ -168,19 +173,27 @@ class FastCpuAttention(AttentionBackend):
         else:
             k_flat.index_copy_(0, plan.write_slots, k.index_select(0, plan.write_rows))
             v_flat.index_copy_(0, plan.write_slots, v.index_select(0, plan.write_rows))
+        if plan.decode_only:  # the common decode step: no padding, no prefill, rows in order
+            return self._decode(q, k_flat, v_flat, plan).to(q.dtype)
         num_tokens = q.shape[0]
         padded = num_tokens > plan.num_real_tokens
         out = q.new_zeros(q.shape) if padded else q.new_empty(q.shape)  # [T, H, D]
         if plan.decode_rows is not None:
-            qd = q.index_select(0, plan.decode_rows).unsqueeze(2)  # [Bd, H, 1, D]
-            kd = k_flat[plan.decode_kv_rows].transpose(1, 2)  # [Bd, Hkv, Lmax, D]
-            vd = v_flat[plan.decode_kv_rows].transpose(1, 2)
-            od = _attend(qd, kd, vd, plan.decode_mask, False, self.spec)  # [Bd, H, 1, D]
-            out.index_copy_(0, plan.decode_rows, od.squeeze(2).to(out.dtype))
+            od = self._decode(q.index_select(0, plan.decode_rows), k_flat, v_flat, plan)
+            out.index_copy_(0, plan.decode_rows, od.to(out.dtype))
         for chunk in plan.chunks:
             qc = q[chunk.start:chunk.end].transpose(0, 1)[None]  # [1, H, Lq, D]
-            kc = k_flat[chunk.kv_rows].transpose(0, 1)[None]  # [1, Hkv, L, D]
-            vc = v_flat[chunk.kv_rows].transpose(0, 1)[None]
+            kc = k_flat.index_select(0, chunk.kv_rows).transpose(0, 1)[None]  # [1, Hkv, L, D]
+            vc = v_flat.index_select(0, chunk.kv_rows).transpose(0, 1)[None]
             oc = _attend(qc, kc, vc, chunk.mask, chunk.mask is None, self.spec)  # [1, H, Lq, D]
             out[chunk.start:chunk.end] = oc[0].transpose(0, 1)
         return out
+
+    def _decode(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        """q ``[Bd, H, D]`` of the one-token sequences -> their outputs ``[Bd, H, D]`` (float32)."""
+        rows = plan.decode_kv_rows  # [Bd, Lmax]
+        assert rows is not None
+        shape = (*rows.shape, *k_flat.shape[1:])  # [Bd, Lmax, Hkv, D]
+        kd = k_flat.index_select(0, rows.view(-1)).view(shape).transpose(1, 2)  # [Bd, Hkv, Lmax, D]
+        vd = v_flat.index_select(0, rows.view(-1)).view(shape).transpose(1, 2)
+        return _attend(q.unsqueeze(2), kd, vd, plan.decode_mask, False, self.spec).squeeze(2)
