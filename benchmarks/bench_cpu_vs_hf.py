@@ -4,13 +4,17 @@ same thread count, side by side: batch-1 decode rate, a long prefill (prefix cac
 aggregate rate of concurrent requests; greedy token ids are compared.
 
     python -m benchmarks.bench_cpu_vs_hf [--threads N] [--decode-tokens 64] [--prefill-tokens 1300]
-        [--concurrency 8] [--enforce-eager] [--dir DIR]
+        [--concurrency 8] [--rounds 3] [--enforce-eager] [--dir DIR]
+
+``--device cpu`` serves on ``cpu-fast``; ``XHAL_SERVE_CPU_PLATFORM=cpu`` measures the reference
+platform instead (the figures before ``cpu-fast``).
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -18,11 +22,12 @@ from pathlib import Path
 import torch
 
 # SmolLM2-135M(-Instruct)'s architecture; the weights here are random, so the text is noise
-SMOLLM2_135M = dict(
-    hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-    num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
-    rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-)
+SMOLLM2_135M = {
+    "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+    "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+}
 
 
 def make_checkpoint(out: Path) -> Path:
@@ -48,7 +53,8 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, SMOLLM2_135M["vocab_size"], (n,), generator=g).tolist()
 
 
-def xhal_runs(model_dir: Path, args: argparse.Namespace) -> dict[str, object]:
+def xhal_side(model_dir: Path, args: argparse.Namespace):
+    """``timed(prompts, n) -> (seconds, ids of the first prompt)`` on xhal's engine, and its close."""
     from serve_cli.engine.config import EngineConfig
     from serve_cli.engine.core import EngineCore
     from serve_cli.engine.sampling import SamplingParams
@@ -59,53 +65,46 @@ def xhal_runs(model_dir: Path, args: argparse.Namespace) -> dict[str, object]:
         enable_prefix_caching=False, enforce_eager=args.enforce_eager,
     ))
 
-    def timed(prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
+    def timed(prompts: list[list[int]], n: int) -> tuple[float, list[int]]:
         params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
         start = time.perf_counter()
         out = engine.generate(prompts, params)
-        return time.perf_counter() - start, out
+        return time.perf_counter() - start, out[0]
 
-    short = _prompt(32, 0)
-    timed([short], 2)  # warm-up
-    first, _ = timed([short], 1)
-    total, ids = timed([short], args.decode_tokens)
-    long_s, _ = timed([_prompt(args.prefill_tokens, 1)], 1)
-    many = [_prompt(32, 10 + i) for i in range(args.concurrency)]
-    batch_s, _ = timed(many, args.decode_tokens)
-    engine.close()
-    return {
-        "decode_tok_s": (args.decode_tokens - 1) / (total - first),
-        "prefill_s": long_s,
-        "concurrent_tok_s": args.concurrency * args.decode_tokens / batch_s,
-        "ids": ids[0],
-    }
+    return timed, engine.close
 
 
-def hf_runs(model_dir: Path, args: argparse.Namespace) -> dict[str, object]:
+def hf_side(model_dir: Path, args: argparse.Namespace):
+    """The same ``timed`` on transformers ``generate``."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     @torch.no_grad()
-    def timed(prompts: list[list[int]], n: int) -> tuple[float, torch.Tensor]:
-        ids = torch.tensor(prompts)
+    def timed(prompts: list[list[int]], n: int) -> tuple[float, list[int]]:
+        ids = torch.tensor(prompts)  # prompts of one length: no padding
         start = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                              min_new_tokens=n, do_sample=False, pad_token_id=0)
-        return time.perf_counter() - start, out[:, ids.shape[1]:]
+        return time.perf_counter() - start, out[0, ids.shape[1]:].tolist()
 
+    return timed, lambda: None
+
+
+def measure(timed, args: argparse.Namespace) -> dict[str, object]:
+    """One round: batch-1 decode rate (first token's time taken out), the long prefill, and the
+    aggregate rate of ``--concurrency`` requests."""
     short = _prompt(32, 0)
-    timed([short], 2)
     first, _ = timed([short], 1)
     total, ids = timed([short], args.decode_tokens)
     long_s, _ = timed([_prompt(args.prefill_tokens, 1)], 1)
-    many = [_prompt(32, 10 + i) for i in range(args.concurrency)]  # same length: no padding
+    many = [_prompt(32, 10 + i) for i in range(args.concurrency)]
     batch_s, _ = timed(many, args.decode_tokens)
     return {
         "decode_tok_s": (args.decode_tokens - 1) / (total - first),
         "prefill_s": long_s,
         "concurrent_tok_s": args.concurrency * args.decode_tokens / batch_s,
-        "ids": ids[0].tolist(),
+        "ids": ids,
     }
 
 
@@ -115,14 +114,24 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--prefill-tokens", type=int, default=1300)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds, xhal then transformers in each; medians are printed")
     parser.add_argument("--enforce-eager", action="store_true", help="xhal without CPU 'graphs'")
     parser.add_argument("--dir", type=Path, default=None, help="checkpoint dir (made once, reused)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_checkpoint(args.dir or Path(tmp) / "smollm2-135m-shape")
-        xhal, hf = xhal_runs(model_dir, args), hf_runs(model_dir, args)
-    print(f"CPU, {args.threads} threads, SmolLM2-135M shape (random float32 weights), greedy")
+        sides = {"xhal": xhal_side(model_dir, args), "hf": hf_side(model_dir, args)}
+        for timed, _ in sides.values():
+            timed([_prompt(32, 0)], 2)  # warm-up
+        # alternate the two within each round, so a change in the machine's load hits both
+        rounds = [{name: measure(timed, args) for name, (timed, _) in sides.items()}
+                  for _ in range(args.rounds)]
+        for _, close in sides.values():
+            close()
+    print(f"CPU, {args.threads} threads, SmolLM2-135M shape (random float32 weights), greedy, "
+          f"median of {args.rounds} round(s)")
     print(f"{'':<34}{'xhal':>12}{'transformers':>14}{'xhal / hf':>11}")
     rows = (
         ("decode, batch 1 (tok/s)", "decode_tok_s", True),
@@ -130,11 +139,17 @@ def main() -> None:
         (f"{args.concurrency} concurrent, aggregate (tok/s)", "concurrent_tok_s", True),
     )
     for title, key, higher in rows:
-        ratio = xhal[key] / hf[key] if higher else hf[key] / xhal[key]
-        print(f"{title:<34}{xhal[key]:>12.2f}{hf[key]:>14.2f}{ratio:>10.2f}x")
-    scaling = xhal["concurrent_tok_s"] / xhal["decode_tok_s"]
-    print(f"xhal {args.concurrency}-request aggregate / batch-1 rate: {scaling:.2f}x")
-    print(f"greedy ids identical (batch 1, {args.decode_tokens} tokens): {xhal['ids'] == hf['ids']}")
+        xs = [r["xhal"][key] for r in rounds]
+        hs = [r["hf"][key] for r in rounds]
+        ratios = [x / h if higher else h / x for x, h in zip(xs, hs)]
+        print(f"{title:<34}{statistics.median(xs):>12.2f}{statistics.median(hs):>14.2f}"
+              f"{statistics.median(ratios):>10.2f}x")
+        if args.rounds > 1:
+            print(f"{'  per round, xhal / hf':<34}" + " ".join(f"{r:.2f}x" for r in ratios))
+    scaling = [r["xhal"]["concurrent_tok_s"] / r["xhal"]["decode_tok_s"] for r in rounds]
+    print(f"xhal {args.concurrency}-request aggregate / batch-1 rate: {statistics.median(scaling):.2f}x")
+    same = all(r["xhal"]["ids"] == r["hf"]["ids"] for r in rounds)
+    print(f"greedy ids identical (batch 1, {args.decode_tokens} tokens): {same}")
 
 
 if __name__ == "__main__":

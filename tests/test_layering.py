@@ -22,6 +22,7 @@ import pytest
 NEUTRAL_DIRS = ("models", "xhal/layers", "xhal/executor", "xhal/interfaces")
 BACKEND_DIRS = (
     "xhal/platforms/cpu_ref",
+    "xhal/platforms/cpu_fast",
     "xhal/platforms/cuda",
     "xhal/platforms/npu",
     "xhal/platforms/common",
@@ -33,6 +34,7 @@ DEVICE_MODULES = (
     "torch.npu",
     *DEVICE_LIBRARIES,
     "xhal.platforms.cpu_ref",
+    "xhal.platforms.cpu_fast",
     "xhal.platforms.cuda",
     "xhal.platforms.npu",
 )

@@ -82,3 +82,13 @@ def autotune() -> bool:
     """``XHAL_AUTOTUNE=0``: never time configs (a solution with a config space takes its cached
     winner, else its first config); on by default."""
     return os.environ.get("XHAL_AUTOTUNE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def serve_cpu_platform() -> str:
+    """``XHAL_SERVE_CPU_PLATFORM``: the platform ``xhal-serve --device cpu`` runs on, ``cpu-fast``
+    (default: the batched, eager CPU platform) or ``cpu`` (the reference, to rule out the fast
+    attention when chasing a wrong output)."""
+    value = os.environ.get("XHAL_SERVE_CPU_PLATFORM", "cpu-fast")
+    if value not in ("cpu-fast", "cpu"):
+        raise ValueError(f"XHAL_SERVE_CPU_PLATFORM={value!r}: use cpu-fast (default) or cpu")
+    return value

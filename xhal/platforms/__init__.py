@@ -25,6 +25,7 @@ _on_create: list[Callable[[Platform], None]] = []
 
 _BUILTINS = {
     "cpu": "xhal.platforms.cpu_ref.platform:CpuPlatform",
+    "cpu-fast": "xhal.platforms.cpu_fast.platform:CpuFastPlatform",
     "cuda": "xhal.platforms.cuda.platform:CudaPlatform",
     "cuda-triton": "xhal.platforms.cuda.platform:CudaTritonPlatform",
     "cuda-tilelang": "xhal.platforms.cuda.tilelang_platform:CudaTileLangPlatform",

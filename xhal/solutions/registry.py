@@ -15,7 +15,10 @@ from xhal.solutions.solution import Solution
 
 ENTRY_POINT_GROUP = "xhal.solutions"
 # each module holds ``SOLUTIONS``, a tuple of Solution records
-_BUILTIN_MODULES = ("xhal.platforms.cpu_ref.solutions", "xhal.platforms.cuda.solutions", "xhal.platforms.npu.solutions")
+_BUILTIN_MODULES = (
+    "xhal.platforms.cpu_ref.solutions",
+    "xhal.platforms.cpu_fast.solutions",
+    "xhal.platforms.cuda.solutions", "xhal.platforms.npu.solutions")
 
 _by_op: dict[str, list[Solution]] = {op: [] for op in OPS}
 _loaded = False

@@ -64,11 +64,12 @@ class ModelRunner:
     """
 
     def __init__(self, served: ServedModel, config: EngineConfig) -> None:
+        from serve_cli.engine.runner.platform_choice import serving_platform
         from xhal import platforms
         from xhal.executor import bytes_per_block
         from xhal.layers import TensorParallel
 
-        self.platform = platforms.get(config.device)
+        self.platform = platforms.get(serving_platform(config.device))
         self.workers: TPWorkers | None = None
         collective = None
         if config.tensor_parallel_size > 1:

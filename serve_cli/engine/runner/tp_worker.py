@@ -57,11 +57,12 @@ def _serve(args: WorkerArgs, conn: Connection) -> None:
     import torch.distributed as dist
 
     from serve_cli.engine.runner.input_builder import InputBuilder, PreviousTokens
+    from serve_cli.engine.runner.platform_choice import serving_platform
     from serve_cli.engine.runner.rank import build_executor, forward
     from xhal import platforms
     from xhal.layers import TensorParallel
 
-    platform = platforms.get(args.config.device)
+    platform = platforms.get(serving_platform(args.config.device))
     conn.send(Started(args.rank))
     group = platform.init_process_group(args.rank, args.world_size, args.init_method)
     config = args.config

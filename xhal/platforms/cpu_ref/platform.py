@@ -5,7 +5,7 @@ interfaces."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,8 @@ class CpuPlatform(Platform):
     )
 
     _kernels: Kernels | None = None
+    # op -> solution a subclass forces (cpu-fast); XHAL_KERNEL_<OP> still overrides
+    solution_defaults: ClassVar[dict[str, str]] = {}
 
     def __init__(self) -> None:
         self._ops: DeviceOps = self.kernels.ops
@@ -58,7 +60,7 @@ class CpuPlatform(Platform):
             from xhal.solutions.solution import DeviceInfo
 
             device = DeviceInfo("cpu", name="cpu", library_versions=(("torch", torch.__version__),))
-            self._kernels = Kernels(self, device)
+            self._kernels = Kernels(self, device, defaults=self.solution_defaults)
         return self._kernels
 
     def attention_backend(self, spec: AttentionSpec) -> AttentionBackend:

@@ -1,0 +1,141 @@
+"""The ``cpu-fast`` platform against the reference ``cpu`` platform (the oracle): its attention on
+the same paged caches and steps, the conformance suite's attention family, and ``xhal-serve
+--device cpu`` choosing it. (Whole models: ``test_engine`` checks the engine, now on ``cpu-fast``,
+against an offline loop on the reference platform and against transformers.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tests.support.paged_host import PagedHost
+
+from serve_cli.engine.runner.platform_choice import serving_platform
+from xhal import platforms
+from xhal.interfaces.attention import AttentionSpec
+from xhal.interfaces.cache import LayerCache
+
+from tests.support.paths import REPO
+NUM_BLOCKS, NUM_LAYERS = 64, 2
+
+
+def _spec(dtype: torch.dtype = torch.float32, block_size: int = 16, **features) -> AttentionSpec:
+    return AttentionSpec(
+        num_heads=8, num_kv_heads=2, head_dim=32, dtype=dtype, block_size=block_size,
+        scale=32**-0.5, **features,
+    )
+
+
+def _caches(spec: AttentionSpec) -> list[LayerCache]:
+    shape = (NUM_BLOCKS, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    return [LayerCache(torch.zeros(shape, dtype=spec.dtype), torch.zeros(shape, dtype=spec.dtype))
+            for _ in range(NUM_LAYERS)]
+
+
+def _run_both(spec: AttentionSpec, steps: list[tuple[list[tuple[int, int]], int]]) -> None:
+    """Each step: (seq_id, new tokens) per sequence and a count of padding rows; both backends
+    see the same q/k/v on caches of their own; outputs and caches must agree at every step."""
+    fast = platforms.get("cpu-fast").attention_backend(spec)
+    ref = platforms.get("cpu").attention_backend(spec)
+    fast_caches, ref_caches = _caches(spec), _caches(spec)
+    fast.bind_kv_caches(fast_caches)
+    ref.bind_kv_caches(ref_caches)
+    host = PagedHost(NUM_BLOCKS, spec.block_size, seed=3)
+    g = torch.Generator().manual_seed(0)
+    tol = 1e-5 if spec.dtype == torch.float32 else 2e-2
+    for chunks, pad in steps:
+        _, _, metadata = host.step([(s, [0] * n) for s, n in chunks], pad_tokens=pad)
+        fast.plan(metadata)
+        ref.plan(metadata)
+        real = sum(n for _, n in chunks)
+        for layer in range(NUM_LAYERS):
+            q, k, v = (
+                torch.randn(real + pad, heads, spec.head_dim, generator=g).to(spec.dtype)
+                for heads in (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads)
+            )
+            got, want = fast.forward(layer, q, k, v), ref.forward(layer, q, k, v)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            torch.testing.assert_close(got[:real].float(), want[:real].float(), atol=tol, rtol=tol)
+            assert torch.equal(fast_caches[layer].key, ref_caches[layer].key)
+            assert torch.equal(fast_caches[layer].value, ref_caches[layer].value)
+
+
+# a prefill of two sequences, a mixed step (a decode next to a chunk over a cached prefix and a
+# fresh prefill), then decodes of unequal lengths, one with padding rows (slot -1)
+STEPS = [
+    ([(0, 37), (1, 5)], 0),
+    ([(0, 1), (1, 20), (2, 9)], 3),
+    ([(0, 1), (1, 1), (2, 1)], 0),
+    ([(2, 1), (0, 1)], 5),
+]
+
+
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_matches_the_reference(block_size: int) -> None:
+    _run_both(_spec(block_size=block_size), STEPS)
+
+
+def test_matches_the_reference_with_a_window_and_a_logit_cap() -> None:
+    _run_both(_spec(sliding_window=7), STEPS)
+    _run_both(_spec(logits_soft_cap=5.0), STEPS)
+
+
+def test_matches_the_reference_in_bfloat16() -> None:
+    _run_both(_spec(torch.bfloat16), STEPS)
+
+
+def test_refuses_graph_plans_and_non_contiguous_caches() -> None:
+    spec = _spec()
+    backend = platforms.get("cpu-fast").attention_backend(spec)
+    _, _, metadata = PagedHost(NUM_BLOCKS, spec.block_size).step([(0, [0, 0])])
+    with pytest.raises(RuntimeError, match="graph_key"):
+        backend.plan(metadata, graph_key=1)
+    shape = (spec.num_kv_heads, NUM_BLOCKS, spec.block_size, spec.head_dim)
+    strided = torch.zeros(shape).transpose(0, 1).transpose(1, 2)  # right shape, not contiguous
+    with pytest.raises(ValueError, match="contiguous"):
+        backend.bind_kv_caches([LayerCache(strided, strided)])
+
+
+def test_the_server_runs_cpu_fast_for_device_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("XHAL_SERVE_CPU_PLATFORM", raising=False)
+    assert serving_platform("cpu") == "cpu-fast"
+    assert serving_platform("cuda") == "cuda"
+    monkeypatch.setenv("XHAL_SERVE_CPU_PLATFORM", "cpu")
+    assert serving_platform("cpu") == "cpu"
+    monkeypatch.setenv("XHAL_SERVE_CPU_PLATFORM", "fast")
+    with pytest.raises(ValueError, match="cpu-fast"):
+        serving_platform("cpu")
+
+
+def test_conformance_attention_family_passes_on_cpu_fast(tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "conformance_tests.cli", "--device", "cpu-fast",
+           "--family", "attention", "--report", str(report)]
+    proc = subprocess.run(cmd, check=False, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "attention    passed" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ops_are_the_references_bit_for_bit(dtype: torch.dtype) -> None:
+    from xhal.platforms.cpu_fast.ops import FastCpuOps
+    from xhal.platforms.cpu_ref.ops import CpuOps
+
+    fast, ref = FastCpuOps(), CpuOps()
+    g = torch.Generator().manual_seed(1)
+    x, residual, weight = (torch.randn(5, 64, generator=g).to(dtype) for _ in range(3))
+    assert torch.equal(fast.rms_norm(x, weight, 1e-5), ref.rms_norm(x, weight, 1e-5))
+    for got, want in zip(fast.fused_add_rms_norm(x, residual, weight, 1e-6),
+                         ref.fused_add_rms_norm(x, residual, weight, 1e-6)):
+        assert torch.equal(got, want)
+    q, k = torch.randn(5, 4, 32, generator=g).to(dtype), torch.randn(5, 2, 32, generator=g).to(dtype)
+    positions = torch.tensor([0, 3, 7, 1, 2])
+    for rotary_dim in (32, 16):  # full and partial rotary
+        cache = torch.randn(16, rotary_dim, generator=g)
+        for neox in (True, False):
+            for got, want in zip(fast.rotary_embedding(positions, q, k, cache, neox),
+                                 ref.rotary_embedding(positions, q, k, cache, neox)):
+                assert torch.equal(got, want)

@@ -1,0 +1,40 @@
+"""The reference DeviceOps with the float32 path's no-op casts and empty concatenations left out:
+the same operations in the same order, so float32 results are bit-identical to ``CpuOps``'s."""
+
+from __future__ import annotations
+
+import torch
+
+from xhal.platforms.cpu_ref.ops import CpuOps, _rotate
+
+
+class FastCpuOps(CpuOps):
+    """Requirements: CPU tensors. float32 inputs (with float32 weights and a rotary dim equal to
+    the head dim) take the short path; anything else is the reference's own code."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype != torch.float32 or weight.dtype != torch.float32:
+            return super().rms_norm(x, weight, eps)
+        return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.dtype != torch.float32 or residual.dtype != torch.float32:
+            return super().fused_add_rms_norm(x, residual, weight, eps)
+        summed = x + residual
+        return self.rms_norm(summed, weight, eps), summed
+
+    def rotary_embedding(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        is_neox: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rotary_dim = cos_sin_cache.shape[-1]
+        if q.dtype != torch.float32 or k.dtype != torch.float32 or q.shape[-1] != rotary_dim:
+            return super().rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
+        cos, sin = cos_sin_cache[positions.long()].float().unsqueeze(1).chunk(2, dim=-1)
+        return _rotate(q, cos, sin, is_neox), _rotate(k, cos, sin, is_neox)

@@ -1,0 +1,31 @@
+"""The fast CPU platform: the reference platform with the fast CPU solutions forced, declared
+eager."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import ClassVar
+
+from xhal.platforms.cpu_fast.solutions import FAST_OPS
+from xhal.platforms.cpu_ref.platform import CpuPlatform
+from xhal.solutions.op_names import ATTENTION_OPS
+
+
+class CpuFastPlatform(CpuPlatform):
+    """``cpu-fast``: what the CPU serves with. Collectives and memory queries are the
+    reference's, the norms and rotary the reference's without its float32 no-op casts (solution
+    ``fast``, bit-identical); attention is planned once per step and batched (solution ``sdpa``).
+    No graphs: on the CPU a recorded "graph" replays the same kernels with more Python around
+    them. Its ops serve "cpu" tensors only when it is the first CPU platform created in the
+    process (``xhal.ops.register_platform``), as in ``xhal-serve``."""
+
+    name = "cpu-fast"
+    capabilities = replace(
+        CpuPlatform.capabilities,
+        graphs=False,
+        notes=("the reference platform with a batched SDPA attention over the paged cache; eager",),
+    )
+    solution_defaults: ClassVar[dict[str, str]] = {
+        **{op: "fast" for op in FAST_OPS},
+        **{op: "sdpa" for op in ATTENTION_OPS},
+    }

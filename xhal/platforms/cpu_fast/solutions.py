@@ -1,0 +1,39 @@
+"""The fast CPU solutions: ``FastCpuOps``' norms and rotary (the reference's without its float32
+no-op casts, bit-identical) and ``FastCpuAttention`` (planned once per step, every decode of a
+batch in one SDPA call over the paged cache; eager only: it refuses a graph key). They rank
+below the reference, so the ``cpu`` platform stays the oracle; ``cpu-fast`` forces them."""
+
+from __future__ import annotations
+
+from xhal.solutions.op_names import ATTENTION_OPS
+from xhal.solutions.solution import Requirement, Solution
+
+_CPU = Requirement(device_type="cpu")
+FAST_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding")
+
+
+def fast_ops(platform: object):
+    from xhal.platforms.cpu_fast.ops import FastCpuOps
+
+    return FastCpuOps()
+
+
+class FastAttention:
+    def __init__(self, platform: object) -> None:
+        del platform
+
+    @staticmethod
+    def attention_backend(spec):
+        from xhal.platforms.cpu_fast.attention import FastCpuAttention
+
+        return FastCpuAttention(spec)
+
+
+SOLUTIONS = (
+    *(Solution(op, "fast", "xhal.platforms.cpu_fast.solutions:fast_ops", _CPU, priority=-5) for op in FAST_OPS),
+    *(
+        Solution(op, "sdpa", "xhal.platforms.cpu_fast.solutions:FastAttention", _CPU, priority=-5,
+                 description="batched SDPA over the paged cache, eager only")
+        for op in ATTENTION_OPS
+    ),
+)
