@@ -17,7 +17,7 @@ from conformance_tests.coverage import CANNOT_EXERCISE, COVERS
 
 SUITE_DIR = Path(__file__).resolve().parent
 # families whose verdict is about numbers: "passed" needs at least one passed test that checked some
-NUMERIC_FAMILIES = ("attention", "collective", "graph", "ops")
+NUMERIC_FAMILIES = ("attention", "collective", "fused", "graph", "ops")
 
 
 def family_of(nodeid: str) -> str:

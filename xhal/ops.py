@@ -33,6 +33,11 @@ _SCHEMAS = {
     ),
     "silu_and_mul": "silu_and_mul(Tensor x) -> Tensor",
     "gelu_and_mul": "gelu_and_mul(Tensor x, str approximate='none') -> Tensor",
+    "add_rms_norm_linear": (
+        "add_rms_norm_linear(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight,"
+        " Tensor? bias=None) -> (Tensor, Tensor)"
+    ),
+    "silu_and_mul_linear": "silu_and_mul_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor",
     "moe_route": "moe_route(Tensor router_logits, int top_k, bool renormalize) -> (Tensor, Tensor)",
     "moe_experts": (
         "moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids)"
@@ -68,6 +73,16 @@ def _(x):
 @torch.library.register_fake("xhal::gelu_and_mul")
 def _(x, approximate="none"):
     return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+
+
+@torch.library.register_fake("xhal::add_rms_norm_linear")
+def _(x, residual, norm_weight, eps, weight, bias=None):
+    return x.new_empty(*x.shape[:-1], weight.shape[0]), torch.empty_like(x)
+
+
+@torch.library.register_fake("xhal::silu_and_mul_linear")
+def _(x, weight, bias=None):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 @torch.library.register_fake("xhal::moe_route")
@@ -113,6 +128,18 @@ def _register_kernels(device_type: str) -> None:
         "xhal::gelu_and_mul",
         device_type,
         lambda x, approximate="none": active(x).gelu_and_mul(x, approximate),
+        lib=_lib,
+    )
+    torch.library.register_kernel(
+        "xhal::add_rms_norm_linear",
+        device_type,
+        lambda x, r, g, eps, w, b=None: active(x).add_rms_norm_linear(x, r, g, eps, w, b),
+        lib=_lib,
+    )
+    torch.library.register_kernel(
+        "xhal::silu_and_mul_linear",
+        device_type,
+        lambda x, w, b=None: active(x).silu_and_mul_linear(x, w, b),
         lib=_lib,
     )
     torch.library.register_kernel(
@@ -217,6 +244,23 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     return torch.ops.xhal.gelu_and_mul(x, approximate)
+
+
+def add_rms_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.xhal.add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
+
+
+def silu_and_mul_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    return torch.ops.xhal.silu_and_mul_linear(x, weight, bias)
 
 
 def moe_route(
