@@ -21,8 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from xhal import env
 from xhal.cuda.kernels.kv_write import write_kv
 from xhal.cuda.kernels.paged_attention import paged_attention
+from xhal.cuda.kernels.rotary_kv import rotary_write_kv
 from xhal.cuda.page_table import PagedIndexBuilder, PinnedRing, UploadFence, page_positions
 from xhal.interfaces.attention import AttentionBackend, AttentionSpec
 from xhal.interfaces.cache import LayerCache, normalize_layer_caches
@@ -169,6 +171,9 @@ class FlashInferAttention(AttentionBackend):
         self._fi = flashinfer
         self.workspace = workspace
         self._kv_write = kv_write
+        # rotary fused into the KV write: our Triton kernel, on a GPU (the CPU emulation of the
+        # tests passes its own kv_write and keeps the two launches)
+        self.fuses_rotary = workspace.is_cuda and kv_write is write_kv and env.cuda_fused()
         self._on_cuda = workspace.is_cuda
         # FlashInfer's advice: tensor-core decode pays from a GQA group of 4 up
         self.use_tensor_cores = spec.group_size >= 4 if use_tensor_cores is None else use_tensor_cores
@@ -228,12 +233,23 @@ class FlashInferAttention(AttentionBackend):
         return torch.cuda.current_stream() if self._on_cuda else None
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache = self._layer_cache(layer_id)
+        self._kv_write(k, v, cache.key, cache.value, self._slot_mapping)
+        return self._attend(q, cache)
+
+    def forward_rotary(self, layer_id, q, k, v, positions, cos_sin_cache, is_neox):
+        cache = self._layer_cache(layer_id)
+        q = rotary_write_kv(positions, q, k, v, cos_sin_cache, is_neox, cache.key, cache.value, self._slot_mapping)
+        return self._attend(q, cache)
+
+    def _layer_cache(self, layer_id: int) -> LayerCache:
         bucket = self._bucket
         if bucket is not None and bucket.first_layer in (None, layer_id):
             bucket.first_layer = layer_id  # the graph's first attention layer refreshes the bucket
             bucket.refresh()
-        cache = self._caches[layer_id]
-        self._kv_write(k, v, cache.key, cache.value, self._slot_mapping)
+        return self._caches[layer_id]
+
+    def _attend(self, q: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         n = self._num_real
         if n == q.shape[0]:
             return self._wrapper.run(q, (cache.key, cache.value))
@@ -261,6 +277,7 @@ class TritonAttention(AttentionBackend):
 
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__(spec)
+        self.fuses_rotary = env.cuda_fused()  # rotary_kv.py: rotary in the KV write's launch
         self._caches: list[LayerCache] = []
         self._plan: _TritonPlan | None = None
         self._graph_plans: dict[Hashable, _TritonPlan] = {}
@@ -292,8 +309,17 @@ class TritonAttention(AttentionBackend):
         self._plan = plan
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cache, p, s = self._caches[layer_id], self._plan, self.spec
-        write_kv(k, v, cache.key, cache.value, p.slot_mapping)
+        cache = self._caches[layer_id]
+        write_kv(k, v, cache.key, cache.value, self._plan.slot_mapping)
+        return self._attend(q, cache)
+
+    def forward_rotary(self, layer_id, q, k, v, positions, cos_sin_cache, is_neox):
+        cache = self._caches[layer_id]
+        q = rotary_write_kv(positions, q, k, v, cos_sin_cache, is_neox, cache.key, cache.value, self._plan.slot_mapping)
+        return self._attend(q, cache)
+
+    def _attend(self, q: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+        p, s = self._plan, self.spec
         out = torch.zeros_like(q)
         return paged_attention(
             q, cache.key, cache.value, p.token_seq, p.q_cu_seq_lens, p.kv_seq_lens, p.block_table,
