@@ -169,7 +169,7 @@ def bench_attention(config, m, ceil, platform) -> list[dict]:
     rows, ref = [], None
     for impl, backend in (("flashinfer", platform.attention_backend(spec)), ("triton", TritonAttention(spec))):
         backend.bind_kv_caches(caches)
-        backend.plan(meta)
+        backend.plan(meta, graph_key=("bench", m))  # a graph bucket's plan, as decode graphs run it
         out = backend.forward(0, q, k, v).float()
         ref = out if ref is None else ref
         err = float((out - ref).abs().max() / ref.abs().max())
@@ -193,8 +193,7 @@ def tune_stream_gemv(name, n, k, ceil, pdl_ok) -> list[dict]:
     ws = _copies(lambda: torch.randn(n, k, dtype=dtype, device="cuda") * k**-0.5, n * k * 2)
     x = torch.randn(1, k, dtype=dtype, device="cuda")
     floor_us = n * k * 2 / ceil["read_bandwidth"] * 1e6
-    configs = [(bn, bk, sk, w, st) for bn, bk in ((4, 1024), (8, 512), (16, 256), (8, 1024), (16, 512))
-               for sk in (1, 2) for w, st in ((4, 3), (8, 3))]
+    configs = [(bn, bk, sk, w, 3) for bn, bk in ((4, 1024), (8, 512), (16, 256)) for sk in (1, 2) for w in (4, 8)]
     rows = []
 
     def timed(cfg, pdl):
@@ -207,11 +206,34 @@ def tune_stream_gemv(name, n, k, ceil, pdl_ok) -> list[dict]:
 
     for cfg in configs:
         timed(cfg, False)
-    if pdl_ok:  # PDL on the four best shapes only (each is a compile of its own)
-        for cfg in [r["config"] for r in sorted(rows, key=lambda r: r["us"])[:4]]:
+    if pdl_ok:  # PDL on the three best shapes only (each is a compile of its own)
+        for cfg in [r["config"] for r in sorted(rows, key=lambda r: r["us"])[:3]]:
             timed(cfg, True)
     rows.sort(key=lambda r: r["us"])
     return rows[:6]
+
+
+def tune_fused(shape: str, proj: dict, ceil) -> list[dict]:
+    """Launch shapes of the fused GEMVs at batch 1 (no PDL): norm+qkv, norm+gate_up, silu+down."""
+    from xhal.cuda.kernels import fused_gemv
+
+    dtype, rows = torch.bfloat16, []
+    for op, (n, k) in (("norm+qkv", proj["qkv"]), ("norm+gate_up", proj["gate_up"]), ("silu+down", proj["down"])):
+        ws = _copies(lambda n=n, k=k: torch.randn(n, k, dtype=dtype, device="cuda") * k**-0.5, n * k * 2)
+        x = torch.randn(1, 2 * k if op == "silu+down" else k, dtype=dtype, device="cuda")
+        res, g = torch.randn(1, k, dtype=dtype, device="cuda"), torch.ones(k, dtype=dtype, device="cuda")
+        floor_us = n * k * 2 / ceil["read_bandwidth"] * 1e6
+        for cfg in ((8, 512, 1, 4, 3), (16, 256, 1, 4, 3), (16, 512, 1, 4, 3), (32, 256, 1, 4, 3), (8, 512, 2, 4, 3)):
+            if op == "silu+down":
+                fn = lambda w, c=cfg, x=x: fused_gemv.silu_and_mul_gemv(x, w, config=c)
+            else:
+                fn = lambda w, c=cfg, x=x, res=res, g=g: fused_gemv.add_rms_norm_gemv(x, res, g, 1e-5, w, config=c)
+            us = graph_us(lambda i, fn=fn, ws=ws: fn(ws[i % len(ws)]), CALLS, 10)
+            rows.append({"shape": shape, "op": op, "config": cfg, "us": us, "of_ceiling": floor_us / us})
+    best = {}
+    for r in sorted(rows, key=lambda r: r["us"]):
+        best.setdefault(r["op"], []).append(r)
+    return [r for op_rows in best.values() for r in op_rows[:2]]
 
 
 def main() -> None:
@@ -230,10 +252,17 @@ def main() -> None:
         import flashinfer as fi
     except ImportError:
         fi = None
+    if args.tune:  # first: the launch shapes CudaOps' TUNED table takes
+        for shape in args.shapes:
+            proj = projections(SHAPES[shape])
+            for name in ("qkv", "o"):
+                print(table(tune_stream_gemv(name, *proj[name], ceil, pdl_ok), f"--- {shape} {name} batch 1: best launch shapes"))
+            print(table(tune_fused(shape, proj, ceil), f"--- {shape} fused GEMVs, batch 1: the two best launch shapes each"))
     for shape in args.shapes:
-        config, rows = SHAPES[shape], []
+        config = SHAPES[shape]
         proj = projections(config)
         for m in args.batches:
+            rows = []
             for name in ("qkv", "o", "gate_up", "down"):
                 rows += bench_linear(name, m, *proj[name], ceil, pdl_ok)
             for name in ("qkv", "gate_up"):
@@ -242,11 +271,8 @@ def main() -> None:
             rows += bench_rotary_kv(config, m, ceil)
             if not args.no_attention:
                 rows += bench_attention(config, m, ceil, platform)
-        print(table(rows, f"--- {shape}: us per call in a CUDA graph; of_ceiling = floor / time "
-                          f"(floor: bytes / read {ceil['read_bandwidth'] / 1e12:.2f} TB/s or FLOPs / matmul)"))
-        if args.tune:
-            for name in ("qkv", "o"):
-                print(table(tune_stream_gemv(name, *proj[name], ceil, pdl_ok), f"--- {shape} {name} batch 1: best launch shapes"))
+            print(table(rows, f"--- {shape}, batch {m}: us per call in a CUDA graph; of_ceiling = floor / time "
+                              f"(floor: bytes / read {ceil['read_bandwidth'] / 1e12:.2f} TB/s or FLOPs / matmul)"))
 
 
 if __name__ == "__main__":

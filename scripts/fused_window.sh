@@ -29,11 +29,8 @@ if [ "$mode" = check ]; then
       --batches ${MODEL_BATCHES:-1} --no-hf --kernels 2>&1 | tee "$out/model-$shape-$variant.txt" || status=1
   done
 else
-  if [ ! -d /tmp/site/flashinfer ]; then
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
-  fi
-  timeout -k 5 "${BENCH_TIMEOUT:-240}" python3 -m benchmarks.bench_solutions ${BENCH_ARGS:---tune} 2>&1 \
-    | tee "$out/bench_solutions.txt" || status=1
+  BENCH_ARGS=${BENCH_ARGS:---tune} STAGE_TIMEOUT=${BENCH_TIMEOUT:-270} bash scripts/gpu_run.sh bench_solutions || status=1
+  cp "$out/bench_solutions.txt" "$out/bench_solutions.log" 2>/dev/null
 fi
 echo "=== summary ($mode)"
 grep -h -E "^ceilings" "$out"/model-*.txt "$out"/bench_solutions.txt 2>/dev/null | head -3

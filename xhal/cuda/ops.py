@@ -47,8 +47,8 @@ class CudaOps(DeviceOps):
             x.dim() == 2 and x.shape[0] <= self.gemv_max_rows and gemv.supports_gemv(x, weight)
             and self._graph_kernel(key)
         ):
-            if self.pdl and x.shape[0] <= gemv.MAX_CORE_M:
-                return fused_gemv.stream_gemv(x, weight, bias, use_pdl=True)
+            if x.shape[0] <= gemv.MAX_CORE_M and (self.pdl or (x.shape[0] == 1 and (0, *weight.shape) in fused_gemv.TUNED)):
+                return fused_gemv.stream_gemv(x, weight, bias, use_pdl=self.pdl)
             return gemv.gemv(x, weight, bias)
         return F.linear(x, weight, bias)
 
