@@ -24,6 +24,7 @@ from xhal import platforms  # noqa: E402
 from xhal.cpu_ref.ops import CpuOps  # noqa: E402
 from xhal.cpu_ref.platform import CpuPlatform  # noqa: E402
 from xhal.interfaces.attention import AttentionSpec  # noqa: E402
+from xhal.interfaces.metadata import BatchKind  # noqa: E402
 
 
 def _config(m: int, k: int) -> tuple[int, int, int, int, int]:
@@ -65,7 +66,9 @@ class FusedInterpretedPlatform(CpuPlatform):
         attention=dataclasses.replace(
             CpuPlatform.capabilities.attention,
             dtypes=_DTYPES,
-            head_dims=(64, 128),
+            head_dims=(64,),  # the smaller of the CUDA platform's two: the interpreter is slow
+            # decode only: an interpreted prefill takes half a minute (the GPU run covers it)
+            batch_kinds=frozenset({BatchKind.DECODE}),
             any_head_dim=False,
         ),
         ops_dtypes=_DTYPES,
