@@ -20,11 +20,11 @@ import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from xhal import platforms  # noqa: E402
-from xhal.cpu_ref.ops import CpuOps  # noqa: E402
-from xhal.cpu_ref.platform import CpuPlatform  # noqa: E402
-from xhal.interfaces.attention import AttentionSpec  # noqa: E402
-from xhal.interfaces.metadata import BatchKind  # noqa: E402
+from xhal import platforms
+from xhal.cpu_ref.ops import CpuOps
+from xhal.cpu_ref.platform import CpuPlatform
+from xhal.interfaces.attention import AttentionSpec
+from xhal.interfaces.metadata import BatchKind
 
 
 def _config(m: int, k: int) -> tuple[int, int, int, int, int]:
