@@ -18,11 +18,11 @@ from xhal.forward_context import ForwardContext, forward_context
 from xhal.interfaces.attention import AttentionBackend
 from xhal.layers import Attention, RotaryEmbedding
 
-CONFIG = dict(
-    architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=2, vocab_size=101, rms_norm_eps=1e-5,
-    rope_theta=10000.0, max_position_embeddings=128, tie_word_embeddings=False, hidden_act="silu",
-)
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 101, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "max_position_embeddings": 128, "tie_word_embeddings": False, "hidden_act": "silu",
+}
 
 
 class _CountingOps(CpuOps):
