@@ -15,7 +15,7 @@ if [ "$mode" = check ]; then
   fams=""
   for f in ${FUSED_FAMILIES:-fused ops}; do fams="$fams --family $f"; done
   CONF_ARGS="$fams" STAGE_TIMEOUT=${CONF_TIMEOUT:-150} bash scripts/gpu_run.sh conformance-cuda || status=1
-  if [ -n "${TRITON_FUSED:-1}" ]; then  # the Triton attention's forward_rotary too
+  if [ -n "${TRITON_FUSED-1}" ]; then  # TRITON_FUSED= skips it; the Triton attention's forward_rotary too
     CONF_ARGS="--family fused" STAGE_TIMEOUT=${CONF_TIMEOUT:-150} bash scripts/gpu_run.sh conformance-cuda-triton || status=1
   fi
   # MODEL_RUNS: shape:variant pairs; fused / unfused (XHAL_CUDA_FUSED) / pdl (fused + XHAL_CUDA_PDL=1)
