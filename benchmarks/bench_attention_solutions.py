@@ -66,7 +66,7 @@ def decode_case(
     spec = AttentionSpec(HEADS, KV_HEADS, HEAD_DIM, dtype, block)
     backend = platform.attention_backend(spec)
     if block_h is not None:
-        from xhal.platforms.cuda.attention import TritonAttention
+        from xhal.platforms.cuda.triton_attention import TritonAttention
         from xhal.platforms.cuda.tilelang_attention import TileLangAttention
 
         backend = TileLangAttention(spec, TritonAttention(spec), backend.num_sms, block_h=block_h)

@@ -85,7 +85,7 @@ def prefill_metadata(tokens: int, device, vocab_size: int = CONFIG["vocab_size"]
     return ids, torch.arange(tokens, dtype=torch.int32, device=device), meta
 
 
-def profile_kernels(step, title: str, iters: int = 5) -> None:
+def profile_kernels(step, title: str, iters: int = 5, num_layers: int | None = None) -> None:
     """Which kernels a step runs and their device time (CUPTI sees inside graph replays)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -100,6 +100,8 @@ def profile_kernels(step, title: str, iters: int = 5) -> None:
     total = sum(e.self_device_time_total for e in events) / iters
     launches = sum(e.count for e in events) / iters
     print(f"--- kernels per step, {title}: {launches:.0f} launches, {total:.0f} us of device time")
+    if num_layers:  # the step's launches and device time per decoder layer (LM head and embedding included)
+        print(f"    per layer: {launches / num_layers:.1f} launches, {total / num_layers:.1f} us")
     for e in events[:20]:
         print(f"  {e.count / iters:6.0f} x {e.self_device_time_total / e.count:8.2f} us = "
               f"{e.self_device_time_total / iters:8.1f} us  {e.key[:90]}")
@@ -154,6 +156,7 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--hf-eager-only", action="store_true", help="skip torch.compile for transformers")
     parser.add_argument("--profile", action="store_true", help="cProfile the host side of execute")
+    parser.add_argument("--kernels", action="store_true", help="only the per-step kernel profile of --profile")
     args = parser.parse_args()
     ceil = ceilings()
     platform = xhal.platforms.get("cuda")
@@ -214,9 +217,12 @@ def main() -> None:
                 parts = host_breakdown(ex, ids, pos, meta, mode=mode)
                 print(f"--- host parts, graph decode, batch {batch}, entered {mode}: {parts}")
             print(table(call_breakdown(ex, ids, pos, meta), f"--- host us per step by call, graph decode, batch {batch}"))
+    if args.profile or args.kernels:
+        ex = executors[False]
         for batch in batches:
             ids, pos, meta = decode_metadata(batch, CTX, device, vocab)
-            profile_kernels(lambda: ex.compute_logits(ex.execute(ids, pos, meta)), f"graph decode, batch {batch}")
+            profile_kernels(lambda: ex.compute_logits(ex.execute(ids, pos, meta)), f"graph decode, batch {batch}",
+                            num_layers=config["num_hidden_layers"])
     print(table(rows, f"decode step (execute + logits), {args.shape} shape, bf16, {weight_bytes / 1e9:.2f} GB weights; "
                       "floor = (weights + KV) / copy rate, read_floor = (bytes really read) / read rate"))
     tokens = 4096

@@ -21,7 +21,6 @@ from xhal.layers import (
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
-    SiluAndMul,
     TensorParallel,
     VocabParallelEmbedding,
 )
@@ -84,14 +83,17 @@ class RopeAttention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)  # [T, (H + 2 Hkv) * D] for this rank's heads
+        return self.attend(positions, self.qkv_proj(hidden))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Everything after the qkv projection (which the decoder layer may fuse with its norm)."""
+        # qkv: [T, (H + 2 Hkv) * D] for this rank's heads
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             num_tokens = q.shape[0]
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.q_size)  # [T*H, D]
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.kv_size)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))  # attn: [T, H*D]
+        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))  # attn: [T, H*D]
 
 
 class GatedMLP(nn.Module):
@@ -108,10 +110,13 @@ class GatedMLP(nn.Module):
             hidden_size, [intermediate, intermediate], bias=options.mlp_bias, tp=tp
         )
         self.down_proj = RowParallelLinear(intermediate, hidden_size, bias=options.mlp_bias, tp=tp)
-        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # gate_up: [T, 2 I / tp]
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The SiLU gate and the down projection, one fused op: gate_up ``[T, 2 I / tp]``."""
+        return self.down_proj.forward_silu_and_mul(gate_up)
 
 
 class DecoderLayer(nn.Module):
@@ -139,11 +144,19 @@ class DecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # each norm runs fused into the projection after it (DeviceOps.add_rms_norm_linear: the
+        # plain sequence on the reference, one kernel where a platform has one)
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
+            qkv = self.self_attn.qkv_proj(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
+            qkv, residual = self.self_attn.qkv_proj.forward_normed(hidden, residual, self.input_layernorm)
+        hidden = self.self_attn.attend(positions, qkv)
+        if isinstance(self.mlp, GatedMLP):
+            gate_up, residual = self.mlp.gate_up_proj.forward_normed(
+                hidden, residual, self.post_attention_layernorm
+            )
+            return self.mlp.down(gate_up), residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 

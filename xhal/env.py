@@ -92,3 +92,26 @@ def serve_cpu_platform() -> str:
     if value not in ("cpu-fast", "cpu"):
         raise ValueError(f"XHAL_SERVE_CPU_PLATFORM={value!r}: use cpu-fast (default) or cpu")
     return value
+
+
+def _flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise ValueError(f"{name}={raw!r}: use 1 or 0")
+    return value in ("1", "true", "yes", "on")
+
+
+def cuda_fused() -> bool:
+    """``XHAL_CUDA_FUSED``: the CUDA platform's fused decode kernels (RMSNorm into the following
+    projection, the SiLU gate into the down projection, rotary into the KV write); on by default,
+    ``0`` runs the unfused sequence of the same ops (to measure one against the other)."""
+    return _flag("XHAL_CUDA_FUSED", True)
+
+
+def cuda_pdl() -> bool:
+    """``XHAL_CUDA_PDL=1``: launch the CUDA platform's decode GEMVs with programmatic dependent
+    launch (sm_90+), so each is scheduled while the kernel before it drains; off by default."""
+    return _flag("XHAL_CUDA_PDL", False)

@@ -9,13 +9,21 @@ import torch
 
 def test_streaming_read_kernel_reads_every_element_once() -> None:
     from benchmarks.common import stream_read_sum
-    from tests.support.triton_env import DEVICE  # skips this test where triton is missing
+    from tests.support.triton_env import (  # skips where triton is missing
+        DEVICE,
+        NO_RUNTIME_LOOPS,
+        RUNTIME_LOOPS,
+    )
 
-    block, iters = 64, 4
-    n = 3 * block * iters + 77  # a ragged last program: the mask must drop what lies past n
+    if not RUNTIME_LOOPS:
+        import pytest
+
+        pytest.skip(NO_RUNTIME_LOOPS)
+    block, unroll = 64, 2
+    n = 5 * block * unroll + 77  # a ragged tail: program 0 reads it under a mask
     x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    partial = stream_read_sum(x, block=block, iters=iters)
-    assert partial.numel() == 4
+    partial = stream_read_sum(x, programs=3, block=block, unroll=unroll, num_warps=1)
+    assert partial.numel() == 3  # persistent: one partial per program, 5 chunks over 3 programs
     assert abs(partial.double().sum().item() - x.double().sum().item()) < 1e-3
 
 

@@ -29,6 +29,15 @@ class _SplitAttention:
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.graphs.split(lambda: self.backend.forward(layer_id, q, k, v))
 
+    @property
+    def fuses_rotary(self) -> bool:
+        return self.backend.fuses_rotary
+
+    def forward_rotary(self, layer_id: int, q, k, v, positions, cos_sin_cache, is_neox) -> torch.Tensor:
+        return self.graphs.split(
+            lambda: self.backend.forward_rotary(layer_id, q, k, v, positions, cos_sin_cache, is_neox)
+        )
+
 
 class PiecewiseGraphs:
     """A batch of T tokens runs in the smallest token bucket >= T: input ids and positions are

@@ -126,5 +126,26 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q ``[T, H, D]``, k and v ``[T, Hkv, D]`` -> out ``[T, H, D]`` in q's dtype."""
 
+    #: Whether ``forward_rotary`` is implemented. The layer calls it instead of rotating q and k
+    #: itself only when this is true, so a backend that leaves it false keeps the plain contract.
+    #: A backend may set it per instance (when the fused kernel depends on the device).
+    fuses_rotary: bool = False
+
+    def forward_rotary(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        is_neox: bool,
+    ) -> torch.Tensor:
+        """``forward(layer_id, q', k', v)`` with ``q', k' = rotary_embedding(positions, q, k,
+        cos_sin_cache, is_neox)`` (``DeviceOps.rotary_embedding``'s definition), the rotation
+        fused with the KV write: the cache receives k' and v at ``slot_mapping``. The same
+        invariants as ``forward`` (graph-safe, strided inputs, slot -1 never written)."""
+        raise NotImplementedError(f"{type(self).__name__} does not fuse rotary with the KV write")
+
     def before_replay(self, graph_key: Hashable) -> None:
         """Replay hook: update host arguments a captured graph baked. Default: nothing to do."""

@@ -70,6 +70,35 @@ class DeviceOps(ABC):
         gate, up = x.float().chunk(2, dim=-1)
         return (F.gelu(gate, approximate=approximate) * up).to(x.dtype)
 
+    # Fused decode ops. The defaults are the plain unfused sequence (what cpu_ref computes), so a
+    # platform without fused kernels is right as it is; a platform overrides one where a kernel
+    # saves launches or weight passes, and may fall back to the default for shapes it skips.
+
+    def add_rms_norm_linear(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(linear(rms_norm(x + residual), weight, bias), x + residual)``: the residual add and
+        RMSNorm that precede a projection (qkv after the input norm, gate_up after the
+        post-attention norm). x, residual ``[T, K]``; weight ``[N, K]``; the new residual is the
+        sum stored in x's dtype, as ``fused_add_rms_norm`` returns it. A fused kernel may skip
+        rounding the normed rows to the dtype before the product (the conformance fused family
+        states the tolerance that allows)."""
+        normed, summed = self.fused_add_rms_norm(x, residual, norm_weight, eps)
+        return self.linear(normed, weight, bias), summed
+
+    def silu_and_mul_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``linear(silu_and_mul(x), weight, bias)``: the gated activation feeding the down
+        projection. x ``[T, 2I]`` (gate then up), weight ``[N, I]``."""
+        return self.linear(self.silu_and_mul(x), weight, bias)
+
     # Mixture of experts. Not abstract so that a platform without MoE models still constructs;
     # such a platform fails the conformance suite's moe family with this message.
 

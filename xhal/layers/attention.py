@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from xhal.interfaces.attention import AttentionSpec
 from xhal.interfaces.forward_context import get_forward_context
+
+if TYPE_CHECKING:
+    from xhal.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -44,8 +49,17 @@ class Attention(nn.Module):
             logits_soft_cap=self.logits_soft_cap,
         )
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q ``[T, H*D]`` or ``[T, H, D]``, k and v likewise with Hkv -> out ``[T, H*D]``."""
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        rotary: RotaryEmbedding | None = None,
+    ) -> torch.Tensor:
+        """q ``[T, H*D]`` or ``[T, H, D]``, k and v likewise with Hkv -> out ``[T, H*D]``. With
+        ``rotary`` (and the step's ``positions``), q and k are rotated first: by the backend in
+        its KV write when it declares ``fuses_rotary``, by ``rotary`` otherwise."""
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -56,7 +70,16 @@ class Attention(nn.Module):
                 f"the forward context has no attention backend for layer {self.layer_id} "
                 f"(it serves layers {sorted(backends)})"
             )
-        out = backends[self.layer_id].forward(self.layer_id, q, k, v)  # [T, H, D]
+        backend = backends[self.layer_id]
+        if rotary is None:
+            out = backend.forward(self.layer_id, q, k, v)  # [T, H, D]
+        elif backend.fuses_rotary:
+            out = backend.forward_rotary(
+                self.layer_id, q, k, v, positions, rotary.cos_sin_cache, rotary.is_neox_style
+            )
+        else:
+            q, k = rotary(positions, q, k)
+            out = backend.forward(self.layer_id, q, k, v)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
 
     def extra_repr(self) -> str:

@@ -7,6 +7,8 @@ through the step's ``Collective`` (``get_forward_context().collective``) and are
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -14,6 +16,9 @@ from xhal import ops
 from xhal.interfaces.forward_context import get_forward_context
 from xhal.layers.parallel import TensorParallel
 from xhal.layers.weights import check_shape, copy_shard
+
+if TYPE_CHECKING:
+    from xhal.layers.norm import RMSNorm
 
 
 def _parameter(*shape: int) -> nn.Parameter:
@@ -59,6 +64,16 @@ class ColumnParallelLinear(nn.Module):
         if self.gather_output and self.tp.size > 1:
             y = get_forward_context().collective.all_gather(y, dim=-1)  # [T, out]
         return y
+
+    def forward_normed(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(norm(x, residual)[0]), x + residual)`` as one fused op: the residual add and
+        RMSNorm that precede this projection (the norm is replicated on every rank)."""
+        y, residual = ops.add_rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
+        if self.gather_output and self.tp.size > 1:
+            y = get_forward_context().collective.all_gather(y, dim=-1)  # [T, out]
+        return y, residual
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -135,6 +150,18 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = x.narrow(-1, self.tp.rank * n, n)  # [T, in / tp]
         y = ops.linear(x, self.weight)  # [T, out], this rank's partial sum
+        if self.reduce_results:
+            y = get_forward_context().collective.all_reduce(y)
+        return y + self.bias if self.bias is not None else y
+
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(silu_and_mul(x))`` with the gated activation fused into this projection's
+        input: x ``[T, 2 I / tp]`` is this rank's gate | up halves (always parallel)."""
+        if not self.input_is_parallel:
+            raise ValueError("forward_silu_and_mul takes this rank's gate | up shard; build the layer with input_is_parallel=True")
+        if self.tp.size == 1:
+            return ops.silu_and_mul_linear(x, self.weight, self.bias)
+        y = ops.silu_and_mul_linear(x, self.weight)  # [T, out], this rank's partial sum
         if self.reduce_results:
             y = get_forward_context().collective.all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -19,6 +19,7 @@ from xhal.ops.dispatch import activate, active, register_platform, using
 __all__ = [
     "activate",
     "active",
+    "add_rms_norm_linear",
     "argmax",
     "fused_add_rms_norm",
     "gelu_and_mul",
@@ -28,6 +29,7 @@ __all__ = [
     "register_platform",
     "rms_norm",
     "rotary_embedding",
+    "silu_and_mul_linear",
     "sample",
     "silu_and_mul",
     "using",
@@ -66,6 +68,23 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     return torch.ops.xhal.gelu_and_mul(x, approximate)
+
+
+def add_rms_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.xhal.add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
+
+
+def silu_and_mul_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    return torch.ops.xhal.silu_and_mul_linear(x, weight, bias)
 
 
 def moe_route(

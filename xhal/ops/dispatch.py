@@ -53,6 +53,18 @@ def _register_kernels(device_type: str) -> None:
         lib=LIBRARY,
     )
     torch.library.register_kernel(
+        "xhal::add_rms_norm_linear",
+        device_type,
+        lambda x, r, g, eps, w, b=None: active(x).add_rms_norm_linear(x, r, g, eps, w, b),
+        lib=LIBRARY,
+    )
+    torch.library.register_kernel(
+        "xhal::silu_and_mul_linear",
+        device_type,
+        lambda x, w, b=None: active(x).silu_and_mul_linear(x, w, b),
+        lib=LIBRARY,
+    )
+    torch.library.register_kernel(
         "xhal::moe_route",
         device_type,
         lambda logits, k, renorm: active(logits).moe_route(logits, k, renorm),

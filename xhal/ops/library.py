@@ -16,6 +16,11 @@ _SCHEMAS = {
     ),
     "silu_and_mul": "silu_and_mul(Tensor x) -> Tensor",
     "gelu_and_mul": "gelu_and_mul(Tensor x, str approximate='none') -> Tensor",
+    "add_rms_norm_linear": (
+        "add_rms_norm_linear(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight,"
+        " Tensor? bias=None) -> (Tensor, Tensor)"
+    ),
+    "silu_and_mul_linear": "silu_and_mul_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor",
     "moe_route": "moe_route(Tensor router_logits, int top_k, bool renormalize) -> (Tensor, Tensor)",
     "moe_experts": (
         "moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids)"
@@ -52,6 +57,16 @@ def _(x):
 @torch.library.register_fake("xhal::gelu_and_mul")
 def _(x, approximate="none"):
     return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+
+
+@torch.library.register_fake("xhal::add_rms_norm_linear")
+def _(x, residual, norm_weight, eps, weight, bias=None):
+    return x.new_empty(*x.shape[:-1], weight.shape[0]), torch.empty_like(x)
+
+
+@torch.library.register_fake("xhal::silu_and_mul_linear")
+def _(x, weight, bias=None):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 @torch.library.register_fake("xhal::moe_route")

@@ -10,6 +10,8 @@ OPS: dict[str, str] = {
     "rotary_embedding": "rotary_embedding",
     "silu_and_mul": "silu_and_mul",
     "gelu_and_mul": "gelu_and_mul",
+    "add_rms_norm_linear": "add_rms_norm_linear",
+    "silu_and_mul_linear": "silu_and_mul_linear",
     "moe_route": "moe_route",
     "moe_experts": "moe_experts",
     "sampling": "sample",

@@ -21,12 +21,14 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
+from xhal import env
 from xhal.interfaces.attention import AttentionBackend, AttentionSpec
 from xhal.interfaces.cache import LayerCache, normalize_layer_caches
 from xhal.interfaces.metadata import AttentionMetadata, BatchKind
 from xhal.platforms.cuda.flashinfer_decode_bucket import DecodeBucket
 from xhal.platforms.cuda.flashinfer_page_table import PagedIndexBuilder, UploadFence
 from xhal.platforms.cuda.kernels.kv_write import write_kv
+from xhal.platforms.cuda.kernels.rotary_kv import rotary_write_kv
 
 
 class FlashInferAttention(AttentionBackend):
@@ -43,6 +45,9 @@ class FlashInferAttention(AttentionBackend):
         self._fi = flashinfer
         self.workspace = workspace
         self._kv_write = kv_write
+        # rotary fused into the KV write: our Triton kernel, on a GPU (the CPU emulation of the
+        # tests passes its own kv_write and keeps the two launches)
+        self.fuses_rotary = workspace.is_cuda and kv_write is write_kv and env.cuda_fused()
         self._on_cuda = workspace.is_cuda
         # FlashInfer's advice: tensor-core decode pays from a GQA group of 4 up
         self.use_tensor_cores = spec.group_size >= 4 if use_tensor_cores is None else use_tensor_cores
@@ -102,12 +107,25 @@ class FlashInferAttention(AttentionBackend):
         return torch.cuda.current_stream() if self._on_cuda else None
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache = self._layer_cache(layer_id)
+        self._kv_write(k, v, cache.key, cache.value, self._slot_mapping)
+        return self._attend(q, cache)
+
+    def forward_rotary(self, layer_id, q, k, v, positions, cos_sin_cache, is_neox):
+        cache = self._layer_cache(layer_id)
+        q = rotary_write_kv(
+            positions, q, k, v, cos_sin_cache, is_neox, cache.key, cache.value, self._slot_mapping
+        )
+        return self._attend(q, cache)
+
+    def _layer_cache(self, layer_id: int) -> LayerCache:
         bucket = self._bucket
         if bucket is not None and bucket.first_layer in (None, layer_id):
             bucket.first_layer = layer_id  # the graph's first attention layer refreshes the bucket
             bucket.refresh()
-        cache = self._caches[layer_id]
-        self._kv_write(k, v, cache.key, cache.value, self._slot_mapping)
+        return self._caches[layer_id]
+
+    def _attend(self, q: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         n = self._num_real
         if n == q.shape[0]:
             return self._wrapper.run(q, (cache.key, cache.value))

@@ -1,5 +1,6 @@
-"""CUDA DeviceOps: our Triton kernels for small-batch linear layers (GEMV), the fused residual
-add + RMSNorm and rotary embedding (out of place, one launch each), the fused mixture of experts
+"""CUDA DeviceOps: our Triton kernels for small-batch linear layers (GEMV, and fused with the
+RMSNorm or SiLU gate before them), the fused residual add + RMSNorm and rotary embedding (out of
+place, one launch each), the fused mixture of experts
 (top-k routing, grouped GEMMs over expert-sorted tokens), FlashInfer's RMSNorm /
 activation kernels when FlashInfer is present, vectorized torch otherwise; sampling without host
 syncs."""
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from xhal import env
 from xhal.interfaces.ops import DeviceOps
 from xhal.platforms.common import sampling
-from xhal.platforms.cuda.kernels import gemv, moe, norm, rotary
+from xhal.platforms.cuda.kernels import fused_gemv, gemv, moe, norm, rotary
 
 
 class CudaOps(DeviceOps):
@@ -26,6 +27,7 @@ class CudaOps(DeviceOps):
 
     def __init__(self) -> None:
         self._gemv_loaded: set[tuple] = set()
+        self.fused, self.pdl = env.cuda_fused(), env.cuda_pdl()
         rows = env.cuda_gemv_max_rows(gemv.MAX_M)
         if rows is not None:
             self.gemv_max_rows = rows
@@ -37,16 +39,48 @@ class CudaOps(DeviceOps):
         while a graph replays it for free. Compiling and loading a kernel cannot happen under
         capture, so the first eager call of a shape (the graph runner's warm-up) launches our
         kernel once and later captures of that shape use it."""
-        if x.dim() == 2 and x.shape[0] <= self.gemv_max_rows and gemv.supports_gemv(x, weight):
-            key = (x.shape[0], *weight.shape, x.stride(), x.dtype, x.device, bias is not None)
-            if torch.cuda.is_current_stream_capturing():
-                if key in self._gemv_loaded:
-                    return gemv.gemv(x, weight, bias)
-            elif key not in self._gemv_loaded:
-                out = gemv.gemv(x, weight, bias)
-                self._gemv_loaded.add(key)
-                return out
+        key = ("linear", x.shape[0], *weight.shape, x.stride(), x.dtype, x.device, bias is not None)
+        if (
+            x.dim() == 2 and x.shape[0] <= self.gemv_max_rows and gemv.supports_gemv(x, weight)
+            and self._graph_kernel(key)
+        ):
+            if x.shape[0] <= gemv.MAX_CORE_M and (self.pdl or (x.shape[0] == 1 and (0, *weight.shape) in fused_gemv.TUNED)):
+                return fused_gemv.stream_gemv(x, weight, bias, use_pdl=self.pdl)
+            return gemv.gemv(x, weight, bias)
         return F.linear(x, weight, bias)
+
+    def _graph_kernel(self, key: tuple) -> bool:
+        """Whether this call launches one of our Triton kernels: under capture, when an eager
+        call of the same key compiled it; eagerly, only the first call of a key (the warm-up),
+        since eager Triton launches cost the host more than the library call they replace."""
+        if torch.cuda.is_current_stream_capturing():
+            return key in self._gemv_loaded
+        if key in self._gemv_loaded:
+            return False
+        self._gemv_loaded.add(key)
+        return True
+
+    def add_rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias=None):
+        """One fused kernel (fused_gemv.add_rms_norm_gemv) for one-row decode in a graph; the
+        unfused sequence otherwise (or with XHAL_CUDA_FUSED=0)."""
+        if (
+            self.fused and x.dim() == 2 and x.shape[0] <= self.gemv_max_rows
+            and fused_gemv.supports(x, weight) and residual.shape == x.shape
+            and self._graph_kernel(("norm_linear", x.shape[0], *weight.shape, x.stride(), residual.stride(), x.dtype, x.device, bias is not None))
+        ):
+            return fused_gemv.add_rms_norm_gemv(x, residual, norm_weight, eps, weight, bias, use_pdl=self.pdl)
+        return super().add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
+
+    def silu_and_mul_linear(self, x, weight, bias=None):
+        """One fused kernel (fused_gemv.silu_and_mul_gemv) for one-row decode in a graph; the
+        unfused sequence otherwise (or with XHAL_CUDA_FUSED=0)."""
+        if (
+            self.fused and x.dim() == 2 and x.shape[0] <= self.gemv_max_rows
+            and fused_gemv.supports(x, weight, gated=True)
+            and self._graph_kernel(("silu_linear", x.shape[0], *weight.shape, x.stride(), x.dtype, x.device, bias is not None))
+        ):
+            return fused_gemv.silu_and_mul_gemv(x, weight, bias, use_pdl=self.pdl)
+        return super().silu_and_mul_linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         xf = x.float()

@@ -132,6 +132,12 @@ SOLUTIONS = (
     Solution("gelu_and_mul", "flashinfer", _FI_OPS, _req(FLASHINFER), 20,
              description="FlashInfer's exact-erf form for aligned fp16/bf16, torch otherwise"),
     Solution("gelu_and_mul", "torch", _TORCH, _req(), 10),
+    # the fused decode ops: our fused GEMVs for a graph-captured row (XHAL_CUDA_FUSED=0: the
+    # unfused sequence of the chosen ops), the unfused sequence elsewhere
+    Solution("add_rms_norm_linear", "triton", _OPS, _req(TRITON), 20,
+             description="residual add + RMSNorm in the GEMV's prologue for one row"),
+    Solution("silu_and_mul_linear", "triton", _OPS, _req(TRITON), 20,
+             description="the SiLU gate in the down GEMV's prologue for one row"),
     Solution("moe_route", "triton", _OPS, _req(TRITON), 20),
     Solution("moe_experts", "triton", _OPS, _req(TRITON), 20,
              description="grouped GEMMs; the pair GEMVs of moe_small for a few tokens"),

@@ -9,12 +9,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from xhal import env
 from xhal.interfaces.attention import AttentionBackend, AttentionSpec
 from xhal.interfaces.cache import LayerCache, normalize_layer_caches
 from xhal.interfaces.metadata import AttentionMetadata
 from xhal.platforms.common.persistent import PersistentInputs
 from xhal.platforms.cuda.kernels.kv_write import write_kv
 from xhal.platforms.cuda.kernels.paged_attention import paged_attention
+from xhal.platforms.cuda.kernels.rotary_kv import rotary_write_kv
 
 
 @dataclass
@@ -37,6 +39,7 @@ class TritonAttention(AttentionBackend):
 
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__(spec)
+        self.fuses_rotary = env.cuda_fused()  # rotary_kv.py: rotary in the KV write's launch
         self._caches: list[LayerCache] = []
         self._plan: _TritonPlan | None = None
         self._graph_plans: dict[Hashable, _TritonPlan] = {}
@@ -70,8 +73,19 @@ class TritonAttention(AttentionBackend):
         self._plan = plan
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cache, p, s = self._caches[layer_id], self._plan, self.spec
-        write_kv(k, v, cache.key, cache.value, p.slot_mapping)
+        cache = self._caches[layer_id]
+        write_kv(k, v, cache.key, cache.value, self._plan.slot_mapping)
+        return self._attend(q, cache)
+
+    def forward_rotary(self, layer_id, q, k, v, positions, cos_sin_cache, is_neox):
+        cache = self._caches[layer_id]
+        q = rotary_write_kv(
+            positions, q, k, v, cos_sin_cache, is_neox, cache.key, cache.value, self._plan.slot_mapping
+        )
+        return self._attend(q, cache)
+
+    def _attend(self, q: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+        p, s = self._plan, self.spec
         out = torch.zeros_like(q)
         return paged_attention(
             q, cache.key, cache.value, p.token_seq, p.q_cu_seq_lens, p.kv_seq_lens, p.block_table,

@@ -1,0 +1,133 @@
+"""The fused ops from the model's side: a Llama decoder calls ``add_rms_norm_linear`` and
+``silu_and_mul_linear`` (the reference runs them as the plain sequence, so outputs equal a model
+built from the unfused ops), and ``layers.Attention`` hands rotary to a backend only when the
+backend declares ``fuses_rotary``."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from benchmarks.bench_model import decode_metadata
+from models.llama import LlamaForCausalLM
+from xhal import ops, platforms
+from xhal.platforms.cpu_ref.ops import CpuOps
+from xhal.executor import ExecutorConfig, ModelExecutor
+from xhal.interfaces.forward_context import ForwardContext, forward_context
+from xhal.interfaces.attention import AttentionBackend
+from xhal.layers import Attention, RotaryEmbedding
+
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 101, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "max_position_embeddings": 128, "tie_word_embeddings": False, "hidden_act": "silu",
+}
+
+
+class _CountingOps(CpuOps):
+    """The reference, counting the fused ops and checking they see what the unfused ops would."""
+
+    def __init__(self) -> None:
+        self.calls = {"add_rms_norm_linear": 0, "silu_and_mul_linear": 0}
+
+    def add_rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias=None):
+        self.calls["add_rms_norm_linear"] += 1
+        return super().add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
+
+    def silu_and_mul_linear(self, x, weight, bias=None):
+        self.calls["silu_and_mul_linear"] += 1
+        return super().silu_and_mul_linear(x, weight, bias)
+
+
+def _unfused_forward(model, ids: torch.Tensor, positions: torch.Tensor, backends, collective) -> torch.Tensor:
+    """The decoder written with the unfused ops only: the result the fused ops must reproduce."""
+    inner, residual = model.model, None
+    hidden = inner.embed_tokens(ids)
+    with forward_context(ForwardContext(metadata=None, attention=backends, collective=collective)):
+        for layer in inner.layers:
+            if residual is None:
+                residual, hidden = hidden, layer.input_layernorm(hidden)
+            else:
+                hidden, residual = layer.input_layernorm(hidden, residual)
+            attn = layer.self_attn
+            q, k, v = ops.linear(hidden, attn.qkv_proj.weight).split([attn.q_size, attn.kv_size, attn.kv_size], -1)
+            q, k = attn.rotary_emb(positions, q, k)
+            hidden = ops.linear(attn.attn(q, k, v), attn.o_proj.weight)
+            hidden, residual = layer.post_attention_layernorm(hidden, residual)
+            mlp = layer.mlp
+            hidden = ops.linear(ops.silu_and_mul(ops.linear(hidden, mlp.gate_up_proj.weight)), mlp.down_proj.weight)
+        return inner.norm(hidden, residual)[0]
+
+
+def test_llama_calls_the_fused_ops_and_matches_the_unfused_sequence() -> None:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(CONFIG).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    platform = platforms.get("cpu")
+    cfg = ExecutorConfig(dtype=torch.float32, block_size=16, max_num_seqs=2, max_model_len=64, enforce_eager=True)
+    executor = ModelExecutor(model, platform, cfg)
+    caches = executor.allocate_kv_caches(num_blocks=8)
+    for cache in caches:  # the cached prefix both runs read: zeros
+        cache.key.zero_()
+        cache.value.zero_()
+    executor.bind_kv_caches(caches)
+    ids, pos, meta = decode_metadata(2, 32, "cpu", CONFIG["vocab_size"])
+    counting = _CountingOps()
+    with ops.using("cpu", counting):
+        hidden = executor.execute(ids, pos, meta)
+    layers = CONFIG["num_hidden_layers"]
+    # the first layer's input norm has no residual yet: every other norm runs fused
+    assert counting.calls == {"add_rms_norm_linear": 2 * layers - 1, "silu_and_mul_linear": layers}
+    # the same step again, unfused, over caches reset to the same contents
+    for cache in caches:
+        cache.key.zero_()
+        cache.value.zero_()
+    backends = {i: platform.attention_backend(a.spec(torch.float32, 16)) for i, a in enumerate(_attention_layers(model))}
+    for b in backends.values():
+        b.bind_kv_caches(caches)
+        b.plan(meta)
+    expected = _unfused_forward(model, ids, pos, backends, platform.collective(None))
+    torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
+
+
+def _attention_layers(model) -> list[Attention]:
+    return sorted((m for m in model.modules() if isinstance(m, Attention)), key=lambda m: m.layer_id)
+
+
+class _Backend(AttentionBackend):
+    def __init__(self, spec, fuses: bool) -> None:
+        super().__init__(spec)
+        self.fuses_rotary = fuses
+        self.calls: list[tuple] = []
+
+    def bind_kv_caches(self, caches: Sequence) -> None: ...
+
+    def plan(self, metadata, graph_key: Hashable | None = None) -> None: ...
+
+    def forward(self, layer_id, q, k, v):
+        self.calls.append(("forward", q.clone(), k.clone()))
+        return q
+
+    def forward_rotary(self, layer_id, q, k, v, positions, cos_sin_cache, is_neox):
+        self.calls.append(("forward_rotary", positions, cos_sin_cache, is_neox))
+        return q
+
+
+def test_attention_hands_rotary_to_a_backend_only_when_it_fuses_it() -> None:
+    attn = Attention(num_heads=4, head_dim=8, scale=0.5, num_kv_heads=2, layer_id=0)
+    rotary = RotaryEmbedding(8, 8, 64, 10000.0, is_neox_style=False)
+    q, k, v = torch.randn(3, 32), torch.randn(3, 16), torch.randn(3, 16)
+    positions = torch.tensor([0, 5, 9], dtype=torch.int32)
+    single = platforms.get("cpu").collective(None)
+    fusing, plain = _Backend(attn.spec(torch.float32, 16), True), _Backend(attn.spec(torch.float32, 16), False)
+    for backend in (fusing, plain):
+        with forward_context(ForwardContext(metadata=None, attention={0: backend}, collective=single)):
+            attn(q, k, v, positions, rotary)
+    kind, pos, table, neox = fusing.calls[0]
+    assert (kind, neox) == ("forward_rotary", False) and pos is positions and table is rotary.cos_sin_cache
+    kind, q_seen, k_seen = plain.calls[0]
+    q_rot, k_rot = ops.rotary_embedding(positions, q.view(3, 4, 8), k.view(3, 2, 8), rotary.cos_sin_cache, False)
+    assert kind == "forward" and torch.equal(q_seen, q_rot) and torch.equal(k_seen, k_rot)

@@ -1,0 +1,260 @@
+"""Decode GEMVs with the op before them fused into their input: residual add + RMSNorm
+(``add_rms_norm_gemv``: qkv after the input norm, gate_up after the post-attention norm) and the
+SiLU gate (``silu_and_mul_gemv``: the down projection). Also the plain GEMV on the same program
+layout (``stream_gemv``), with programmatic dependent launch as an option.
+
+The program layout is ``gemv.py``'s (BLOCK_N weight rows, one K range, products kept unreduced
+until the loop ends, a deterministic split-K reduce). What is fused is computed on the x tile a
+program loads anyway, so the weight stream is unchanged and one launch (plus the reduce when K is
+split) replaces two or three:
+
+- norm: each step adds the residual tile (rounded to the dtype, as the unfused op stores it),
+  multiplies by the norm weight and accumulates the sum of squares next to the products; the
+  row's ``1 / rms`` is a scalar, so it scales the finished dot product (or the split-K reduce
+  does, from each split's sum of squares). The normed input is therefore not rounded to the
+  dtype before the product, one rounding fewer than the unfused sequence (see the conformance
+  fused family for the tolerance). Programs of the first row block also store the new residual.
+- silu: ``silu(gate) * up`` rounded to the dtype, exactly the unfused op's input to the GEMV.
+
+Programmatic dependent launch (sm_90+, ``use_pdl``): the kernel is launched with the PDL
+attribute, so it is scheduled while the previous kernel drains; it loads its first weight tile
+(weights never depend on earlier kernels) and then waits (``griddepcontrol``) before its first
+load of x; it also lets the next kernel launch early. Every kernel that reads this
+one's output must itself wait (CUDA guarantees that for kernels launched without the attribute).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from xhal.platforms.cuda.kernels.gemv import _DTYPES, _TILES, MAX_CORE_M, GemvConfig, _num_sms, gemv_split_k
+
+_PLAIN, _NORM, _SILU = 0, 1, 2
+_REDUCE_BLOCK = 1024
+
+
+@triton.jit
+def _step(
+    acc, sq, w, ks, k_mask, xm, x_rows, res_ptr, res_stride, g_ptr, sum_ptr, ms, pid_n, dtype,
+    K: tl.constexpr, PROLOGUE: tl.constexpr,
+):
+    """One K step: this tile's input (the fused op applied to the x tile) times the weight tile."""
+    if PROLOGUE == 1:  # residual add + RMSNorm, 1/rms applied after the loop
+        x = tl.load(x_rows + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+        r = tl.load(res_ptr + ms[:, None] * res_stride + ks[None, :], mask=xm, other=0.0)
+        s = (x + r.to(tl.float32)).to(dtype)  # the residual stream keeps the input dtype
+        tl.store(sum_ptr + ms[:, None] * K + ks[None, :], s, mask=xm & (pid_n == 0))
+        s = s.to(tl.float32)
+        sq += s * s
+        a = s * tl.load(g_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+    elif PROLOGUE == 2:  # silu(gate) * up, rounded as the unfused op stores it
+        gate = tl.load(x_rows + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+        up = tl.load(x_rows + K + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+        a = (gate * tl.sigmoid(gate) * up).to(dtype).to(tl.float32)
+    else:
+        a = tl.load(x_rows + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+    acc += a[:, None, :] * w.to(tl.float32)[None, :, :]
+    return acc, sq
+
+
+@triton.jit
+def _fused_gemv_kernel(
+    x_ptr, res_ptr, g_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, sum_ptr, sq_ptr,
+    N, x_stride, res_stride, eps,
+    K: tl.constexpr, K_PER_SPLIT: tl.constexpr, M: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    ms = tl.arange(0, BLOCK_M)
+    m_mask = ms < M
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
+    x_rows = x_ptr + ms[:, None] * x_stride
+    dtype = out_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    k_start = pid_k * K_PER_SPLIT
+    # the first step is peeled: its weight tile (weights never depend on the previous kernel) is
+    # loaded before waiting for that kernel under PDL, so the stream starts during its tail
+    ks = k_start + tl.arange(0, BLOCK_K)
+    k_mask = ks < K
+    w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # x (and the residual) come from the previous kernel
+        tl.extra.cuda.gdc_launch_dependents()
+    acc, sq = _step(acc, sq, w, ks, k_mask, m_mask[:, None] & k_mask[None, :], x_rows, res_ptr, res_stride,
+                    g_ptr, sum_ptr, ms, pid_n, dtype, K, PROLOGUE)
+    for k0 in tl.range(BLOCK_K, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
+        ks = k_start + k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        acc, sq = _step(acc, sq, w, ks, k_mask, m_mask[:, None] & k_mask[None, :], x_rows, res_ptr, res_stride,
+                        g_ptr, sum_ptr, ms, pid_n, dtype, K, PROLOGUE)
+    out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
+    if PROLOGUE == 1:
+        sumsq = tl.sum(sq, axis=1)  # [BLOCK_M], this split's part
+        if SPLIT:
+            tl.store(sq_ptr + pid_k * M + ms, sumsq, mask=m_mask & (pid_n == 0))
+        else:
+            out = out * tl.rsqrt(sumsq / K + eps)[:, None]
+    offs = ms[:, None] * N + rows[None, :]
+    mask = m_mask[:, None] & row_mask[None, :]
+    if SPLIT:
+        tl.store(part_ptr + pid_k * M * N + offs, out, mask=mask)
+    else:
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs, out.to(dtype), mask=mask)
+
+
+@triton.jit
+def _fused_reduce_kernel(
+    part_ptr, sq_ptr, bias_ptr, out_ptr, N, MN, eps,
+    K: tl.constexpr, M: tl.constexpr, SPLIT_K: tl.constexpr, NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    ss = tl.zeros([BLOCK], dtype=tl.float32)
+    m = offs // N
+    for s in tl.static_range(SPLIT_K):  # fixed order: the same bits every run
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+        if NORM:
+            ss += tl.load(sq_ptr + s * M + m, mask=mask, other=0.0)
+    if NORM:
+        acc = acc * tl.rsqrt(ss / K + eps)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# one-row launch shapes measured best on the H200 (benchmarks/bench_solutions.py --tune), by
+# (prologue, N, K) with prologue 0 plain, 1 add + RMSNorm, 2 SiLU gate; others take the heuristic
+TUNED: dict[tuple[int, int, int], GemvConfig] = {}
+
+
+def fused_gemv_config(M: int, N: int, K: int, num_sms: int = 132, prologue: int = _PLAIN) -> GemvConfig:
+    """``TUNED`` for one row where measured, else ``gemv_config``'s heuristic for the CUDA-core
+    path (M <= 16)."""
+    if M == 1 and (prologue, N, K) in TUNED:
+        return TUNED[(prologue, N, K)]
+    block_n, block_k = _TILES[triton.next_power_of_2(M)]
+    block_k = min(block_k, max(16, triton.next_power_of_2(K)))
+    split_k = gemv_split_k(N, K, block_n, block_k, num_sms)
+    steps = triton.cdiv(triton.cdiv(K, block_k), split_k)
+    return GemvConfig(block_n, block_k, split_k, 4, min(steps, 3))
+
+
+def _check(name: str, x: torch.Tensor, weight: torch.Tensor, k: int) -> None:
+    if x.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"{name}: x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.dtype != weight.dtype or x.dtype not in _DTYPES:
+        raise ValueError(f"{name}: x and weight must share one of {_DTYPES}, got {x.dtype} and {weight.dtype}")
+    if not 1 <= x.shape[0] <= MAX_CORE_M:
+        raise ValueError(f"{name}: x has {x.shape[0]} rows; this kernel takes 1..{MAX_CORE_M} (use the unfused ops)")
+    if weight.shape[1] != k or weight.shape[0] == 0 or k == 0:
+        raise ValueError(f"{name}: weight {tuple(weight.shape)} does not take inputs of width {k}")
+    if not weight.is_contiguous():
+        raise ValueError(f"{name}: weight must be contiguous [N, K] (the nn.Linear layout)")
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+    """Whether the fused GEMVs take ``x`` (``[M <= 16, K]``, or ``[M, 2K]`` gated) and
+    ``weight [N, K]``: one float dtype, a contiguous weight."""
+    k = x.shape[-1] // 2 if gated else x.shape[-1]
+    try:
+        _check("fused_gemv", x, weight, k)
+    except ValueError:
+        return False
+    return not gated or x.shape[-1] % 2 == 0
+
+
+def _launch(
+    prologue: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
+    config: tuple[int, int, int, int, int] | None, use_pdl: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    M, N, K = x.shape[0], weight.shape[0], weight.shape[1]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if bias is not None and (bias.shape != (N,) or bias.device != x.device):
+        raise ValueError(f"fused_gemv: bias must be [{N}] on {x.device}, got {tuple(bias.shape)} on {bias.device}")
+    cfg = GemvConfig(*config) if config is not None else fused_gemv_config(M, N, K, _num_sms(x.device), prologue)
+    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
+    split_k = triton.cdiv(K, k_per_split)
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    summed = None
+    res_arg, g_arg, sum_arg, res_stride = out, out, out, 0
+    if prologue == _NORM:
+        if residual.stride(-1) != 1:
+            residual = residual.contiguous()
+        summed = torch.empty((M, K), dtype=x.dtype, device=x.device)
+        res_arg, g_arg, sum_arg, res_stride = residual, norm_weight, summed, residual.stride(0)
+    bias_arg = out if bias is None else bias.contiguous()
+    part = out if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
+    sq = out if split_k == 1 or prologue != _NORM else torch.empty((split_k, M), dtype=torch.float32, device=x.device)
+    pdl = {"launch_pdl": True} if use_pdl else {}
+    _fused_gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
+        x, res_arg, g_arg, weight, bias_arg, out, part, sum_arg, sq,
+        N, x.stride(0), res_stride, eps,
+        K=K, K_PER_SPLIT=k_per_split, M=M, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, PROLOGUE=prologue, SPLIT=split_k > 1, HAS_BIAS=bias is not None,
+        NUM_STAGES=cfg.num_stages, USE_PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl,
+    )
+    if split_k > 1:
+        _fused_reduce_kernel[(triton.cdiv(M * N, _REDUCE_BLOCK),)](
+            part, sq, bias_arg, out, N, M * N, eps,
+            K=K, M=M, SPLIT_K=split_k, NORM=prologue == _NORM, HAS_BIAS=bias is not None,
+            BLOCK=_REDUCE_BLOCK, USE_PDL=use_pdl, **pdl,
+        )
+    return out, summed
+
+
+def add_rms_norm_gemv(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, bias: torch.Tensor | None = None,
+    config: tuple[int, int, int, int, int] | None = None, use_pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual) @ weight.T + bias, x + residual)`` in one launch (two when K is
+    split). Needs x, residual ``[M <= 16, K]`` (last dim contiguous or copied), weight ``[N, K]``
+    contiguous, fp16 / bf16 / fp32; use_pdl needs sm_90+. Graph-safe once compiled."""
+    _check("add_rms_norm_gemv", x, weight, x.shape[-1])
+    if residual.shape != x.shape or norm_weight.shape != (x.shape[-1],):
+        raise ValueError(
+            f"add_rms_norm_gemv: residual {tuple(residual.shape)} and norm weight {tuple(norm_weight.shape)} "
+            f"must be {tuple(x.shape)} and ({x.shape[-1]},)"
+        )
+    out, summed = _launch(_NORM, x, weight, bias, residual, norm_weight, eps, config, use_pdl)
+    return out, summed
+
+
+def silu_and_mul_gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    config: tuple[int, int, int, int, int] | None = None, use_pdl: bool = False,
+) -> torch.Tensor:
+    """``(silu(x[:, :I]) * x[:, I:]) @ weight.T + bias`` in one launch (two when K is split).
+    Needs x ``[M <= 16, 2I]``, weight ``[N, I]`` contiguous, fp16 / bf16 / fp32; use_pdl sm_90+."""
+    if x.dim() != 2 or x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul_gemv: x must be [M, 2I], got {tuple(x.shape)}")
+    _check("silu_and_mul_gemv", x, weight, x.shape[-1] // 2)
+    return _launch(_SILU, x, weight, bias, None, None, 0.0, config, use_pdl)[0]
+
+
+def stream_gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    config: tuple[int, int, int, int, int] | None = None, use_pdl: bool = False,
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` on this file's layout (``gemv.gemv`` without the tensor-core
+    path, with PDL as an option). Needs x ``[M <= 16, K]``, weight ``[N, K]`` contiguous."""
+    _check("stream_gemv", x, weight, x.shape[-1])
+    return _launch(_PLAIN, x, weight, bias, None, None, 0.0, config, use_pdl)[0]

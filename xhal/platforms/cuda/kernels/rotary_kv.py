@@ -1,0 +1,88 @@
+"""Rotary embedding fused with the paged KV write: one launch rotates q (out of place), rotates k
+straight into the key cache and copies v into the value cache at each token's slot (slot -1: not
+written). It replaces the rotary launch and the KV-write launch of an attention layer; the
+rotation is ``rotary.py``'s (NeoX or GPT-J pairs, float32 cos/sin table, partial rotary)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_store(src, dst, cos, sin, i, m, D: tl.constexpr, HALF: tl.constexpr,
+                  BLOCK_TAIL: tl.constexpr, IS_NEOX: tl.constexpr):
+    if IS_NEOX:  # rotate halves: (x[i], x[i + HALF])
+        first, second = i, i + HALF
+    else:  # GPT-J: rotate interleaved pairs (x[2i], x[2i + 1])
+        first, second = 2 * i, 2 * i + 1
+    x1 = tl.load(src + first, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + second, mask=m, other=0.0).to(tl.float32)
+    out_ty = dst.dtype.element_ty
+    tl.store(dst + first, (x1 * cos - x2 * sin).to(out_ty), mask=m)
+    tl.store(dst + second, (x2 * cos + x1 * sin).to(out_ty), mask=m)
+    if BLOCK_TAIL > 0:  # partial rotary: dims past rotary_dim pass through
+        t = 2 * HALF + tl.arange(0, BLOCK_TAIL)
+        mt = t < D
+        tl.store(dst + t, tl.load(src + t, mask=mt, other=0.0), mask=mt)
+
+
+@triton.jit
+def _rotary_kv_kernel(
+    pos_ptr, q_ptr, k_ptr, v_ptr, cache_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, cache_stride,
+    HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, IS_NEOX: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)
+    m = i < HALF
+    cos = tl.load(cache_ptr + pos * cache_stride + i, mask=m, other=0.0)
+    sin = tl.load(cache_ptr + pos * cache_stride + HALF + i, mask=m, other=0.0)
+    if head < HQ:
+        src = q_ptr + token * q_stride_t + head * q_stride_h
+        _rotate_store(src, q_out_ptr + (token * HQ + head) * D, cos, sin, i, m, D, HALF, BLOCK_TAIL, IS_NEOX)
+    else:
+        kv_head = head - HQ
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        if slot >= 0:  # padding tokens (slot -1) are never written
+            dst = slot * (HK * D) + kv_head * D  # caches: [num_blocks * block_size, HK, D]
+            src = k_ptr + token * k_stride_t + kv_head * k_stride_h
+            _rotate_store(src, k_cache_ptr + dst, cos, sin, i, m, D, HALF, BLOCK_TAIL, IS_NEOX)
+            d = tl.arange(0, BLOCK_D)
+            md = d < D
+            v = tl.load(v_ptr + token * v_stride_t + kv_head * v_stride_h + d, mask=md)
+            tl.store(v_cache_ptr + dst + d, v, mask=md)
+
+
+def rotary_write_kv(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    cos_sin_cache: torch.Tensor, is_neox: bool,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotated q ``[T, H, D]`` (new, contiguous); rotated k and v written into the contiguous
+    caches ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping`` (-1 skipped). q, k, v may be
+    strided (last dim contiguous or copied); positions int32 / int64 ``[T]``; cos_sin_cache
+    float32 ``[max_position, rotary_dim]``. Any CUDA GPU Triton runs on; graph-safe once compiled."""
+    num_tokens, hq, d = q.shape
+    hk = k.shape[1]
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape[-2:] != (hk, d):
+        raise ValueError(f"rotary_write_kv: caches must be contiguous [..., {hk}, {d}], got {tuple(k_cache.shape)}")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.stride(-1) != 1:
+        cos_sin_cache = cos_sin_cache.float().contiguous()
+    half = cos_sin_cache.shape[-1] // 2
+    q_out = q.new_empty(q.shape)
+    if num_tokens:
+        tail = d - 2 * half
+        _rotary_kv_kernel[(num_tokens, hq + hk)](
+            positions, q, k, v, cos_sin_cache, q_out, k_cache, v_cache, slot_mapping,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
+            HQ=hq, HK=hk, D=d, HALF=half, BLOCK_D=triton.next_power_of_2(d),
+            BLOCK_HALF=triton.next_power_of_2(half), BLOCK_TAIL=triton.next_power_of_2(tail) if tail else 0,
+            IS_NEOX=is_neox, num_warps=1,
+        )
+    return q_out
