@@ -88,7 +88,7 @@ def test_xhal_serve_greedy_equals_transformers_generate(tmp_path: Path) -> None:
     pytest.importorskip("zmq")
     import openai
 
-    from launcher import ServerProcess
+    from tests.support.launcher import ServerProcess
 
     path = qwen3_moe(tmp_path / "qwen3_moe", tokenizer=True)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))

@@ -237,7 +237,7 @@ def test_chat_without_max_tokens_stops_at_the_default_limit() -> None:
 
 def test_bench_serve_reports_a_refused_key_in_one_line() -> None:
     from benchmarks.bench_serve import main
-    from launcher import ServerProcess
+    from tests.support.launcher import ServerProcess
 
     args = ["--model", "builtin:tiny-random", "--api-key", "sk-bench", "--log-level", "warning"]
     with ServerProcess(args) as server:

@@ -163,7 +163,7 @@ def test_serve_tp2_answers_like_tp1_and_leaves_no_worker(llama_gqa_dir: Path) ->
     openai = pytest.importorskip("openai")
     pytest.importorskip("fastapi")
     pytest.importorskip("zmq")
-    from launcher import ServerProcess
+    from tests.support.launcher import ServerProcess
 
     texts = ["hello world the quick brown fox", "one two three", "a lazy dog jumps over " * 6]
 

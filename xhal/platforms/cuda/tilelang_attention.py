@@ -18,6 +18,7 @@ from xhal.platforms.cuda.kernels.kv_write import write_kv
 from xhal.interfaces.attention import AttentionBackend, AttentionSpec
 from xhal.interfaces.cache import LayerCache, normalize_layer_caches
 from xhal.interfaces.metadata import AttentionMetadata, BatchKind
+from xhal.platforms.common.persistent import PersistentInputs
 
 HEAD_DIMS = (128,)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -69,6 +70,7 @@ class TileLangAttention(AttentionBackend):
         self.block_h = block_h
         self._row_tile(2)  # compile the small-batch kernel now; ``plan`` compiles any other
         self._caches: list[LayerCache] = []
+        self._captured: dict[Hashable, PersistentInputs] = {}  # graph key -> its metadata tensors
         self._decode: _DecodePlan | None = None
 
     def bind_kv_caches(self, caches: Sequence[LayerCache]) -> None:
@@ -81,6 +83,13 @@ class TileLangAttention(AttentionBackend):
             self._decode = None
             self.fallback.plan(m, graph_key)
             return
+        if graph_key is not None:  # the interface's graph-key policy: read in place, refuse copies
+            tables = (m.block_table, m.kv_seq_lens, m.slot_mapping)
+            captured = self._captured.get(graph_key)
+            if captured is None:
+                self._captured[graph_key] = PersistentInputs(graph_key, *tables)
+            else:
+                captured.check(*tables)
         splits = tilelang_decode.num_splits(m.num_seqs, self.spec.num_kv_heads, self.num_sms)
         block_h = self._row_tile(splits)
         self._decode = _DecodePlan(m.num_seqs, m.block_table, m.kv_seq_lens, m.slot_mapping, splits, block_h)
