@@ -63,7 +63,6 @@ def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
     src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     ms = time_cuda(lambda: dst.copy_(src), iters=20)
-    del src, dst
     return 2 * num_bytes / (ms * 1e-3)
 
 

@@ -4,9 +4,7 @@ on each rank."""
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 import torch

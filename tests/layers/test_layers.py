@@ -6,7 +6,6 @@ from tests.support.paths import REPO
 
 import ast
 from collections.abc import Hashable, Sequence
-from pathlib import Path
 
 import pytest
 import torch

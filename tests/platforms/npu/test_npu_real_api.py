@@ -12,7 +12,6 @@ from __future__ import annotations
 from tests.support.paths import REPO
 
 import re
-from pathlib import Path
 
 import pytest
 import torch

@@ -8,7 +8,6 @@ from tests.support.paths import REPO
 
 import logging
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest

@@ -8,7 +8,6 @@ from tests.support.paths import REPO
 
 import ast
 import random
-from pathlib import Path
 
 import pytest
 from tests.support.fake_model import next_token, reference_output
