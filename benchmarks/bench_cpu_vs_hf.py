@@ -57,6 +57,7 @@ def xhal_side(model_dir: Path, args: argparse.Namespace):
     """``timed(prompts, n) -> (seconds, ids of the first prompt)`` on xhal's engine, and its close."""
     from serve_cli.engine.config import EngineConfig
     from serve_cli.engine.core import EngineCore
+    from serve_cli.engine.offline import generate
     from serve_cli.engine.sampling import SamplingParams
 
     engine = EngineCore(EngineConfig(
@@ -68,7 +69,7 @@ def xhal_side(model_dir: Path, args: argparse.Namespace):
     def timed(prompts: list[list[int]], n: int) -> tuple[float, list[int]]:
         params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
         start = time.perf_counter()
-        out = engine.generate(prompts, params)
+        out = generate(engine, prompts, params)
         return time.perf_counter() - start, out[0]
 
     return timed, engine.close

@@ -11,7 +11,8 @@ from fastapi import APIRouter, Request, Response
 from serve_cli.api.common import server_state
 from serve_cli.api.defaults import with_defaults
 from serve_cli.api.errors import invalid
-from serve_cli.api.generation import Choice, Generation, new_id
+from serve_cli.api.choice import Choice
+from serve_cli.api.generation import Generation, new_id
 from serve_cli.api.logprobs import completion_logprobs
 from serve_cli.api.params import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
 from serve_cli.api.prompts import check_context_length, check_fits, completion_prompts

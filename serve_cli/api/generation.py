@@ -13,9 +13,9 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
+from serve_cli.api.choice import Choice
 from serve_cli.api.errors import APIError
 from serve_cli.api.request_log import log_request
 from serve_cli.api.responses import PromptTokensDetails, Usage
@@ -33,26 +33,6 @@ async def client_left(request: Any) -> None:
     ``is_disconnected`` would notice only at its next poll."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-@dataclass
-class Choice:
-    """What one engine request has produced so far."""
-
-    index: int
-    request_id: str
-    prompt_token_ids: list[int]
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Any] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    arrival: float = 0.0  # time.monotonic() values: the HTTP request parsed,
-    started: float = 0.0  # sent to the engine,
-    scheduled_at: float | None = None  # first scheduled there (the engine's clock, the same one),
-    first_token: float | None = None  # its first token back here,
-    last_token: float | None = None  # its latest token back here
 
 
 class Generation:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from serve_cli.histogram import Histogram, one_two_five
 
 if TYPE_CHECKING:
-    from serve_cli.api.generation import Choice
+    from serve_cli.api.choice import Choice
 
 PREFIX = "xhal"
 FINISH_REASONS = ("stop", "length", "abort", "error")  # every one is shown, 0 until it happens

@@ -6,16 +6,27 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from serve_cli.api.generation import Generation
+from serve_cli.api.choice import Choice
+
+
+class Finished(Protocol):
+    """What the line reads of a finished HTTP request (``generation.Generation`` is one)."""
+
+    request_id: str
+    arrival: float
+    num_prompt_tokens: int
+    n: int
+    choices: Sequence[Choice]
+    state: Any  # the ServerState: its log_prompts flag and tokenizer
 
 logger = logging.getLogger("xhal.serve.requests")
 MAX_LOGGED_PROMPT_CHARS = 2000
 
 
-def log_request(gen: Generation) -> None:
+def log_request(gen: Finished) -> None:
     if not logger.isEnabledFor(logging.INFO):
         return
     now = time.monotonic()

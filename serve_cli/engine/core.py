@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 from serve_cli.engine import kv_budget
@@ -157,11 +156,3 @@ class EngineCore:
             "generation_tokens_total": self.postprocessor.generation_tokens_total,
             "num_preemptions_total": self.pipeline.num_preemptions,
         }
-
-    def generate(
-        self, prompts: list[list[int]], params: SamplingParams | Sequence[SamplingParams]
-    ) -> list[list[int]]:
-        """Run ``prompts`` to completion; their output token ids, in order (``offline``)."""
-        from serve_cli.engine.offline import generate
-
-        return generate(self, prompts, params)

@@ -65,6 +65,7 @@ def test_prefill_decode_chunked_and_mixed_match_transformers(harness: Harness) -
 def test_engine_greedy_equals_transformers_generate(name: str, tmp_path: Path) -> None:
     from serve_cli.engine.config import EngineConfig
     from serve_cli.engine.core import EngineCore
+    from serve_cli.engine.offline import generate
     from serve_cli.engine.sampling import SamplingParams
 
     path = MOE_BUILDERS[name](tmp_path / name, tokenizer=True)  # the engine detokenizes
@@ -79,7 +80,7 @@ def test_engine_greedy_equals_transformers_generate(name: str, tmp_path: Path) -
         ]
     engine = EngineCore(EngineConfig(model_dir=path, max_model_len=128, num_kv_blocks=32))
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    assert engine.generate(seqs, params) == expected
+    assert generate(engine, seqs, params) == expected
 
 
 def test_xhal_serve_greedy_equals_transformers_generate(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from serve_cli.default_model import NAME, TEXT, ensure_default_model
+from serve_cli.engine.offline import generate
 
 transformers = pytest.importorskip("transformers")
 
@@ -72,8 +73,8 @@ def test_loads_and_generates_deterministically(model_dir: Path) -> None:
     engine = EngineCore(config)
     prompt = engine.tokenizer("What time is it?")["input_ids"]
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    first = engine.generate([prompt], greedy)
-    assert engine.generate([prompt], greedy) == first
+    first = generate(engine, [prompt], greedy)
+    assert generate(engine, [prompt], greedy) == first
     assert EngineCore(config).generate([prompt], greedy) == first
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -14,6 +14,7 @@ import pytest
 from tests.support.checkpoints import llama_gqa
 from tests.support.processes import GENEROUS_S, spawned_children, wait_for, wait_gone
 
+from serve_cli.engine.offline import generate
 from tests.support.launcher import ServerProcess
 
 openai = pytest.importorskip("openai", reason="the server tests drive it with the openai client")
@@ -129,7 +130,7 @@ def test_greedy_equals_the_offline_engine(server: ServerProcess, model_dir: Path
     engine = EngineCore(
         EngineConfig(model_dir=model_dir, max_model_len=MAX_MODEL_LEN, num_kv_blocks=64)
     )
-    offline = engine.generate(ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    offline = generate(engine, ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert served == offline
     assert streamed == offline[0]
 

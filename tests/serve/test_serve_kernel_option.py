@@ -21,7 +21,7 @@ def test_kernel_options_become_settings() -> None:
 @pytest.mark.parametrize("value,message", [
     ("rms_norm", "give OP=SOLUTION"),
     ("rms_nrom=torch", "unknown op 'rms_nrom'; ops: linear, rms_norm"),
-    ("rms_norm=nope", "rms_norm has no solution 'nope'; known: flashinfer, reference, torch, vendor"),
+    ("rms_norm=nope", "rms_norm has no solution 'nope'; known: fast, flashinfer, reference, torch, vendor"),
 ])
 def test_bad_kernel_options_are_refused_before_serving(value, message) -> None:
     pytest.importorskip("fastapi")

@@ -16,6 +16,7 @@ from tests.support.processes import alive, spawned_children, wait_gone
 
 from serve_cli.engine.config import EngineConfig
 from serve_cli.engine.core import EngineCore
+from serve_cli.engine.offline import generate
 from serve_cli.engine.sampling import SamplingParams
 from xhal import platforms
 from xhal.platforms.cpu_ref.collective import GlooCollective
@@ -80,7 +81,7 @@ def _kv_bytes_per_block(model_dir: Path, tp: int, block_size: int = 16) -> int:
 def test_tp2_engine_matches_tp1_with_chunked_prefill_and_preemption(llama_gqa_dir: Path) -> None:
     prompts = _prompts([5, 70, 17, 90, 3, 44])
     single = EngineCore(EngineConfig(model_dir=llama_gqa_dir, num_kv_blocks=64, **BASE))
-    expected = single.generate(prompts, GREEDY)
+    expected = generate(single, prompts, GREEDY)
     assert single.stats()["num_preemptions_total"] == 0
 
     # room for 16 blocks per rank: less than the six requests need together (6 * 7 blocks)
@@ -95,12 +96,12 @@ def test_tp2_engine_matches_tp1_with_chunked_prefill_and_preemption(llama_gqa_di
         assert engine.stats()["kv_blocks_total"] == 16
         workers = engine.runner.workers.pids
         assert len(workers) == 1 and all(map(alive, workers))
-        assert engine.generate(prompts, GREEDY) == expected
+        assert generate(engine, prompts, GREEDY) == expected
         stats = engine.stats()
         assert stats["num_preemptions_total"] > 0
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
         # a second round over the same engine (prefix-cache hits included) still agrees
-        assert engine.generate(prompts[:3], GREEDY) == expected[:3]
+        assert generate(engine, prompts[:3], GREEDY) == expected[:3]
     finally:
         engine.close()
     _wait_gone(workers)
@@ -111,7 +112,7 @@ def test_tp2_with_async_scheduling_matches_tp1(llama_gqa_dir: Path) -> None:
     rank 0's broadcast of the tokens in flight, under chunked prefill and preemption."""
     prompts = _prompts([5, 70, 17, 90, 3, 44], seed=4)
     single = EngineCore(EngineConfig(model_dir=llama_gqa_dir, num_kv_blocks=64, **BASE))
-    expected = single.generate(prompts, GREEDY)
+    expected = generate(single, prompts, GREEDY)
     config = EngineConfig(
         model_dir=llama_gqa_dir, tensor_parallel_size=2, num_kv_blocks=16, async_scheduling=True, **BASE
     )
@@ -126,7 +127,7 @@ def test_tp2_with_async_scheduling_matches_tp1(llama_gqa_dir: Path) -> None:
     engine.runner.input_builder.describe = counting
     workers = engine.runner.workers.pids
     try:
-        assert engine.generate(prompts, GREEDY) == expected
+        assert generate(engine, prompts, GREEDY) == expected
         assert sum(with_placeholders) > 10, "the steps did not overlap"
         assert engine.stats()["num_preemptions_total"] > 0
         assert engine.stats()["kv_blocks_used"] == 0

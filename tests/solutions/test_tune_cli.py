@@ -18,7 +18,7 @@ CONFIG = {  # five distinct linear shapes: qkv 64x32, o 32x32, gate_up 96x32, do
 
 
 def tune(model: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "xhal.solutions.tune_cli", str(model), "--device", "cpu", "--dtype", "float32",
+    cmd = [sys.executable, "-m", "xhal.tools.tune_cli", str(model), "--device", "cpu", "--dtype", "float32",
            "--max-batch", "4", "--plugin", "tests.support.toy_tunable_cpu_plugin", *extra]
     return subprocess.run(cmd, check=False, cwd=REPO, env=suite_env(XHAL_CACHE_DIR=str(cache)),
                           capture_output=True, text=True, timeout=300)
@@ -47,7 +47,7 @@ def test_tune_warms_the_cache_and_a_second_run_times_nothing(tmp_path: Path) -> 
 
 def test_tune_without_a_config_space_says_so(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
-    cmd = [sys.executable, "-m", "xhal.solutions.tune_cli", str(tmp_path), "--device", "cpu", "--load-format", "dummy"]
+    cmd = [sys.executable, "-m", "xhal.tools.tune_cli", str(tmp_path), "--device", "cpu", "--load-format", "dummy"]
     proc = subprocess.run(cmd, check=False, cwd=REPO, env=suite_env(XHAL_CACHE_DIR=str(tmp_path / "c")),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "nothing to tune" in proc.stdout and "linear=reference" in proc.stdout, explain(proc)

@@ -110,11 +110,11 @@ def toy_solutions(*, tunable: bool = False, configs: tuple[Config, ...] = FAKE_C
     out = [Solution(op, "reference", "xhal.platforms.cpu_ref.solutions:reference_ops", TOY) for op in DEVICE_OPS]
     out += [Solution(op, "reference", "xhal.platforms.cpu_ref.solutions:ReferenceAttention", TOY) for op in ATTENTION_OPS]
     out += [
-        Solution("rms_norm", "needs-pkg", "xhal.solutions.torch_ops:TorchOps",
+        Solution("rms_norm", "needs-pkg", "xhal.platforms.common.torch_ops:TorchOps",
                  Requirement(device_type="toy", packages=(MISSING,)), priority=30),
-        Solution("rms_norm", "newer-device", "xhal.solutions.torch_ops:TorchOps",
+        Solution("rms_norm", "newer-device", "xhal.platforms.common.torch_ops:TorchOps",
                  Requirement(device_type="toy", min_compute_capability=(9, 0)), priority=20),
-        Solution("rms_norm", "torch", "xhal.solutions.torch_ops:TorchOps", TOY, priority=10),
+        Solution("rms_norm", "torch", "xhal.platforms.common.torch_ops:TorchOps", TOY, priority=10),
         Solution("paged_decode_attention", "fast-decode", "tests.support.toy_solutions:DecodeAttention", TOY, 10),
         Solution("paged_prefill_attention", "fast-prefill", "tests.support.toy_solutions:PrefillAttention", TOY, 10),
     ]

@@ -8,12 +8,11 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from xhal import env
-from xhal.platforms.registry import lazy
 from xhal.solutions import registry
-from xhal.solutions.op_names import ATTENTION_OPS, DEVICE_OPS, OPS
+from xhal.solutions.op_names import ATTENTION_OPS, DEVICE_OPS, OPS, env_name
 from xhal.solutions.row_limit import RowLimited
 from xhal.solutions.selection import SolutionUnavailable, select, unmet
-from xhal.solutions.solution import DeviceInfo, Solution
+from xhal.solutions.solution import DeviceInfo, Solution, load_target
 from xhal.solutions.solved_ops import REQUIRED, SolvedOps
 from xhal.solutions.timing import Timer
 from xhal.solutions.tuned_op import TunedOp
@@ -51,7 +50,7 @@ class Kernels:
         self._is_capturing = is_capturing
         self._timer = timer or Timer(platform.synchronize)
         self.tuning_cache = tuning_cache or TuningCache(device)
-        self._overrides = self._applicable({**(defaults or {}), **env.kernel_overrides()})
+        self._overrides = self._applicable({**(defaults or {}), **forced_by_environment()})
         self._providers: dict[str, object] = {}
         self._attention_logged: set[tuple] = set()
         self.chosen: dict[str, Solution] = {
@@ -89,10 +88,10 @@ class Kernels:
         configs. Raises ``SolutionUnavailable`` for a solution this machine cannot run."""
         select(solution.op, self.device, forced=solution.name)  # its requirement, checked
         if solution.target not in self._providers:
-            self._providers[solution.target] = lazy(solution.target)()(self.platform)
+            self._providers[solution.target] = load_target(solution.target)(self.platform)
         impl = getattr(self._providers[solution.target], OPS[solution.op])
         if solution.configs:
-            bucket = lazy(solution.bucket)()  # type: ignore[arg-type]
+            bucket = load_target(solution.bucket)  # type: ignore[arg-type]
             impl = TunedOp(solution, impl, bucket, self.tuning_cache, self._timer, self._is_capturing)
         limit = solution.requires.max_rows
         if limit is not None:  # larger calls: the best solution that takes more rows
@@ -157,3 +156,15 @@ class Kernels:
                 del self._overrides[op]
             else:
                 self._overrides[op] = previous
+
+
+def forced_by_environment() -> dict[str, str]:
+    """op -> solution from the ``XHAL_KERNEL_<OP>`` settings; a setting that names no op raises,
+    listing the settings there are."""
+    by_env = {env_name(op): op for op in OPS}
+    forced = {}
+    for key, value in env.kernel_overrides().items():
+        if key not in by_env:
+            raise ValueError(f"{key}: no such op; settings: {', '.join(sorted(by_env))}")
+        forced[by_env[key]] = value
+    return forced

@@ -94,3 +94,12 @@ class DeviceInfo:
     name: str = ""  # "NVIDIA H200": part of the autotuning cache key
     compute_capability: tuple[int, int] | None = None
     library_versions: tuple[tuple[str, str], ...] = ()  # ("torch", "2.11.0"), ("triton", "3.6.0")
+
+
+def load_target(target: str) -> object:
+    """The object a ``"package.module:attr"`` target names, imported now (a solution's module
+    is imported only when the solution is chosen or tested)."""
+    import importlib
+
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)

@@ -13,7 +13,7 @@ from serve_cli.engine.block_manager import BlockManager
 from serve_cli.engine.config import EngineConfig
 from serve_cli.engine.core import EngineCore
 from serve_cli.engine.errors import ParamError
-from serve_cli.engine.offline import TextSession
+from serve_cli.engine.offline import TextSession, generate
 from serve_cli.engine.request import Request
 from serve_cli.engine.runner.input_builder import InputBuilder
 from serve_cli.engine.sampling import SamplingParams
@@ -99,7 +99,7 @@ def _drain(engine: EngineCore | TextSession) -> dict[str, list]:
 def test_greedy_matches_offline_executor_loop(engine: EngineCore, reference) -> None:
     # 70 and 90 tokens exceed the 64-token step budget: chunked prefill next to decodes
     prompts = _prompts([5, 17, 33, 70, 1, 90])
-    assert engine.generate(prompts, GREEDY) == [reference(p) for p in prompts]
+    assert generate(engine, prompts, GREEDY) == [reference(p) for p in prompts]
     assert engine.stats()["kv_blocks_used"] == 0
 
 
@@ -121,14 +121,14 @@ def test_greedy_matches_transformers(llama_gqa_dir: Path, engine: EngineCore) ->
         for _ in range(8):  # greedy by hand: the whole sequence each time, no cache
             ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    assert engine.generate([prompt], params) == [ids[len(prompt) :]]
+    assert generate(engine, [prompt], params) == [ids[len(prompt) :]]
 
 
 def test_small_kv_budget_preempts_and_completes_everything(llama_gqa_dir: Path, reference) -> None:
     engine = _engine(llama_gqa_dir, num_kv_blocks=8)  # 128 token slots for ~300 tokens of work
     prompts = _prompts([30, 28, 25, 33, 20, 31], seed=1)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    assert engine.generate(prompts, params) == [reference(p, 20) for p in prompts]
+    assert generate(engine, prompts, params) == [reference(p, 20) for p in prompts]
     stats = engine.stats()
     assert stats["num_preemptions_total"] > 0
     assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_free"] == 8
@@ -209,13 +209,13 @@ def test_seeded_sampling_is_reproducible_in_any_batch(engine: EngineCore) -> Non
     seeded = SamplingParams(
         max_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=1234, ignore_eos=True
     )
-    alone = engine.generate([prompt], seeded)[0]
+    alone = generate(engine, [prompt], seeded)[0]
     others = _prompts([9, 40], seed=5)
     unseeded = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
-    mixed = engine.generate([*others, prompt], [unseeded, unseeded, seeded])
+    mixed = generate(engine, [*others, prompt], [unseeded, unseeded, seeded])
     assert mixed[2] == alone
-    assert engine.generate([prompt], replace(seeded, seed=99))[0] != alone
-    assert engine.generate([prompt], seeded)[0] == alone
+    assert generate(engine, [prompt], replace(seeded, seed=99))[0] != alone
+    assert generate(engine, [prompt], seeded)[0] == alone
 
 
 def test_logprobs_are_log_softmax_of_the_logits(engine: EngineCore, llama_gqa_dir: Path) -> None:
@@ -251,7 +251,7 @@ def test_failing_step_fails_only_its_batch(llama_gqa_dir: Path, reference, fail_
     assert engine.stats()["kv_blocks_used"] == 0 and engine.stats()["num_waiting"] == 1
     rest = _drain(engine)
     assert list(rest) == ["c"] and sum((o.new_token_ids for o in rest["c"]), []) == reference(c)
-    assert engine.generate([a], GREEDY) == [reference(a)]  # and the next request works
+    assert generate(engine, [a], GREEDY) == [reference(a)]  # and the next request works
 
 
 def test_abort_frees_blocks(engine: EngineCore) -> None:

@@ -109,7 +109,7 @@ _GEMV_CONFIGS = (
 )
 _OPS = "xhal.platforms.cuda.solutions:cuda_ops"
 _FI_OPS = "xhal.platforms.cuda.solutions:flashinfer_ops"
-_TORCH = "xhal.solutions.torch_ops:TorchOps"
+_TORCH = "xhal.platforms.common.torch_ops:TorchOps"
 
 SOLUTIONS = (
     Solution("linear", "triton", _OPS, _req(TRITON), 20,

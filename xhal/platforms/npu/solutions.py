@@ -7,7 +7,7 @@ from xhal.solutions.solution import Requirement, Solution
 
 _NPU = Requirement(device_type="npu")
 _VENDOR = "xhal.platforms.npu.solutions:npu_ops"
-_TORCH = "xhal.solutions.torch_ops:TorchOps"
+_TORCH = "xhal.platforms.common.torch_ops:TorchOps"
 
 
 def npu_ops(platform):
