@@ -45,7 +45,7 @@ for stage in $stages; do
     tune)  # xhal-tune twice on the 8B shape with linear=triton-tuned: the second run times nothing
       dir=$(python3 -m benchmarks.make_dummy_model /tmp/dummy-llama3-8b llama3-8b | tail -1)
       for run in 1 2; do
-        XHAL_KERNEL_LINEAR=triton-tuned XHAL_CACHE_DIR=/tmp/xhal-tune-cache py -m xhal.solutions.tune_cli "$dir" \
+        XHAL_KERNEL_LINEAR=triton-tuned XHAL_CACHE_DIR=/tmp/xhal-tune-cache py -m xhal.tools.tune_cli "$dir" \
           --device cuda --load-format dummy --max-batch ${TUNE_MAX_BATCH:-4} 2>&1 | tee -a "$out/tune.txt" || status=1
       done ;;
     conformance-*)  # CONF_ARGS narrows it, e.g. "--family attention" (FlashInfer's JIT is slow)
