@@ -66,8 +66,8 @@ def decode_case(
     spec = AttentionSpec(HEADS, KV_HEADS, HEAD_DIM, dtype, block)
     backend = platform.attention_backend(spec)
     if block_h is not None:
-        from xhal.platforms.cuda.triton_attention import TritonAttention
         from xhal.platforms.cuda.tilelang_attention import TileLangAttention
+        from xhal.platforms.cuda.triton_attention import TritonAttention
 
         backend = TileLangAttention(spec, TritonAttention(spec), backend.num_sms, block_h=block_h)
     lens = torch.randint(1, ctx + 1, (batch,)).tolist() if ragged else [ctx] * batch

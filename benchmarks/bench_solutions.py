@@ -119,8 +119,8 @@ def bench_silu_down(m, n, k, ceil, pdl_ok, fi) -> list[dict]:
 
 def bench_rotary_kv(config, m, ceil) -> list[dict]:
     """Rotary then the KV write (two launches, as before) against the fused kernel."""
-    from xhal.platforms.cuda.kernels import kv_write, rotary, rotary_kv
     from xhal.layers.rotary import RotaryEmbedding
+    from xhal.platforms.cuda.kernels import kv_write, rotary, rotary_kv
 
     dtype, d = torch.bfloat16, head_dim(config)
     hq, hk = config["num_attention_heads"], config["num_key_value_heads"]
@@ -153,8 +153,8 @@ def bench_rotary_kv(config, m, ceil) -> list[dict]:
 def bench_attention(config, m, ceil, platform) -> list[dict]:
     """Paged decode attention at context 2K: FlashInfer (the default backend) and the Triton fallback."""
     from benchmarks.bench_model import BLOCK, CTX, decode_metadata
-    from xhal.platforms.cuda.triton_attention import TritonAttention
     from xhal.interfaces import AttentionSpec, LayerCache
+    from xhal.platforms.cuda.triton_attention import TritonAttention
 
     d, hq, hk = head_dim(config), config["num_attention_heads"], config["num_key_value_heads"]
     spec = AttentionSpec(num_heads=hq, num_kv_heads=hk, head_dim=d, dtype=torch.bfloat16, block_size=BLOCK)

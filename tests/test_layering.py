@@ -8,8 +8,6 @@
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
-
 import ast
 import os
 import subprocess
@@ -18,6 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.support.paths import REPO
 
 NEUTRAL_DIRS = ("models", "xhal/layers", "xhal/executor", "xhal/interfaces")
 BACKEND_DIRS = (

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
 from tests.support.conformance_run import explain, run_conformance
 
 PLUGIN = "tests.support.broken_moe_platforms"

@@ -9,6 +9,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
 from tests.support.conformance_run import explain, run_conformance
 
 PLUGIN = "examples.skeleton.skeleton_backend"

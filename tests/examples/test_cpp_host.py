@@ -8,8 +8,6 @@ cmake, a C++ compiler or pybind11 (``pip install -e '.[cpp-host]'``) is missing.
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
-
 import importlib.util
 import os
 import re
@@ -22,6 +20,7 @@ import pytest
 import torch
 
 from tests.support.checkpoints import llama_gqa
+from tests.support.paths import REPO
 
 ROOT = REPO
 SOURCE = ROOT / "examples" / "cpp_host"

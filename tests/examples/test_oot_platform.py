@@ -9,8 +9,6 @@ venv install would make ``oot-cpu`` appear in every concurrent test run and outl
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
-
 import importlib.util
 import json
 import os
@@ -21,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.support.paths import REPO
 
 EXAMPLE = REPO / "examples" / "oot_platform"
 NAME = "oot-cpu"

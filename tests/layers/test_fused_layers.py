@@ -12,11 +12,11 @@ import torch
 from benchmarks.bench_model import decode_metadata
 from models.llama import LlamaForCausalLM
 from xhal import ops, platforms
-from xhal.platforms.cpu_ref.ops import CpuOps
 from xhal.executor import ExecutorConfig, ModelExecutor
-from xhal.interfaces.forward_context import ForwardContext, forward_context
 from xhal.interfaces.attention import AttentionBackend
+from xhal.interfaces.forward_context import ForwardContext, forward_context
 from xhal.layers import Attention, RotaryEmbedding
+from xhal.platforms.cpu_ref.ops import CpuOps
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.support.checkpoints import MOE_BUILDERS, qwen3_moe
 from safetensors.torch import load_file, save_file
-from tests.executor.test_executor import Harness, prompts, rel_err
-from tests.executor.test_tensor_parallel import tp2_matches_tp1
 
 from models import WeightsMismatchError, load_model
+from tests.executor.test_executor import Harness, prompts, rel_err
+from tests.executor.test_tensor_parallel import tp2_matches_tp1
+from tests.support.checkpoints import MOE_BUILDERS, qwen3_moe
 from xhal.interfaces import BatchKind
 
 transformers = pytest.importorskip("transformers")

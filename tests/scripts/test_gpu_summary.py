@@ -3,14 +3,13 @@ conformance reports: a change to either format must not silently empty the summa
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
-
 import importlib.util
 import json
 import sys
 from pathlib import Path
 
 from benchmarks.common import table
+from tests.support.paths import REPO
 
 # scripts/ is a folder of scripts, not a package: load gpu_summary.py by its path
 _spec = importlib.util.spec_from_file_location("gpu_summary", REPO / "scripts" / "gpu_summary.py")

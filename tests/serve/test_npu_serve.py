@@ -5,18 +5,17 @@ with greedy output equal to ``xhal-serve --device cpu`` on the same checkpoint."
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
-
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from tests.support.checkpoints import build_checkpoint
+from tests.support.launcher import ServerProcess
 from tests.support.npu_emulation.registry import read_counts
 from tests.support.npu_emulation_helpers import assert_calls_bound_and_checked
-
-from tests.support.launcher import ServerProcess
+from tests.support.paths import REPO
 
 openai = pytest.importorskip("openai", reason="the server tests drive it with the openai client")
 pytest.importorskip("fastapi")

@@ -11,10 +11,10 @@ import signal
 from pathlib import Path
 
 import pytest
-from tests.support.checkpoints import llama_gqa
-from tests.support.processes import GENEROUS_S, spawned_children, wait_for, wait_gone
 
+from tests.support.checkpoints import llama_gqa
 from tests.support.launcher import ServerProcess
+from tests.support.processes import GENEROUS_S, spawned_children, wait_for, wait_gone
 
 openai = pytest.importorskip("openai", reason="the server tests drive it with the openai client")
 httpx = pytest.importorskip("httpx")

@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from tests.support.conformance_run import REPO, explain, suite_env
 
+from tests.support.conformance_run import REPO, explain, suite_env
 from xhal.solutions.options import apply_kernel_options
 
 

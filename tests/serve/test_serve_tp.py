@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.support.processes import alive, spawned_children, wait_gone
 
 from serve_cli.engine.config import EngineConfig
 from serve_cli.engine.core import EngineCore
 from serve_cli.engine.sampling import SamplingParams
+from tests.support.processes import alive, spawned_children, wait_gone
 from xhal import platforms
 from xhal.platforms.cpu_ref.collective import GlooCollective
 from xhal.platforms.cpu_ref.platform import CpuPlatform

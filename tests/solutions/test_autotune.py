@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.support import toy_solutions as toy
 
+from tests.support import toy_solutions as toy
 from xhal.solutions.kernels import Kernels
 from xhal.solutions.solution import Config
 from xhal.solutions.timing import Timer

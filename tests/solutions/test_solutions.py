@@ -11,10 +11,10 @@ import sys
 
 import pytest
 import torch
-from tests.support import toy_solutions as toy
 
 import xhal
 from conformance_tests.batches import random_batch, random_caches, random_qkv
+from tests.support import toy_solutions as toy
 from xhal import solutions
 from xhal.interfaces import AttentionSpec, BatchKind
 from xhal.solutions import registry

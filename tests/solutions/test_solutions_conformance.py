@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tests.support.conformance_run import REPO, explain, run_conformance, suite_env
 
 

@@ -228,4 +228,4 @@ for _cls in BROKEN_PLATFORMS:
     platforms.register(_cls.name, _cls)
 
 # the bugs that show only the way serving calls a backend live next door; register them too
-from tests.support import broken_serving  # noqa: F401
+from tests.support import broken_serving  # noqa: E402, F401  (imported for its registrations, after ours)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
-
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.support.paths import REPO
 
 
 def suite_env(**overrides: str) -> dict[str, str]:

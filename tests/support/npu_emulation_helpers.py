@@ -14,10 +14,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tests.support.npu_emulation import install, is_installed, reset_state, uninstall
-from tests.support.npu_emulation.wheel import WheelUnavailable, wheel_files
 
 import xhal
+from tests.support.npu_emulation import install, is_installed, reset_state, uninstall
+from tests.support.npu_emulation.wheel import WheelUnavailable, wheel_files
 
 
 def require_wheel() -> None:

@@ -21,10 +21,10 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 from xhal import platforms
-from xhal.platforms.cpu_ref.ops import CpuOps
-from xhal.platforms.cpu_ref.platform import CpuPlatform
 from xhal.interfaces.attention import AttentionSpec
 from xhal.interfaces.metadata import BatchKind
+from xhal.platforms.cpu_ref.ops import CpuOps
+from xhal.platforms.cpu_ref.platform import CpuPlatform
 
 
 def _config(m: int, k: int) -> tuple[int, int, int, int, int]:

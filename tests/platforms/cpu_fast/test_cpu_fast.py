@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.support.paged_host import PagedHost
 
 from serve_cli.engine.runner.platform_choice import serving_platform
+from tests.support.paged_host import PagedHost
+from tests.support.paths import REPO
 from xhal import platforms
 from xhal.interfaces.attention import AttentionSpec
 from xhal.interfaces.cache import LayerCache
 
-from tests.support.paths import REPO
 NUM_BLOCKS, NUM_LAYERS = 64, 2
 
 

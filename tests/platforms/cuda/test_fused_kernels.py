@@ -11,8 +11,8 @@ import torch
 
 from conformance_tests.test_fused import check_gemv, gemv_bound, norm_reference, silu_reference
 from tests.support.triton_env import DEVICE
-from xhal.platforms.cuda.kernels import fused_gemv, rotary_kv
 from xhal.layers.rotary import RotaryEmbedding
+from xhal.platforms.cuda.kernels import fused_gemv, rotary_kv
 
 F64 = torch.float64
 

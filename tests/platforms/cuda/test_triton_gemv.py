@@ -10,8 +10,11 @@ import math
 
 import pytest
 import torch
-# sets TRITON_INTERPRET before triton is imported
+
 from tests.support.triton_env import DEVICE, INTERPRETED, assert_matches
+
+# triton_env sets TRITON_INTERPRET before any triton kernel is imported: keep it first
+# isort: split
 from xhal.platforms.cuda.kernels.gemv import MAX_CORE_M, MAX_M, gemv, gemv_config, supports_gemv
 
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+
 from tests.support.conformance_run import REPO, suite_env
 from tests.support.triton_env import NO_RUNTIME_LOOPS, RUNTIME_LOOPS
 

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.triton_env import DEVICE, NO_RUNTIME_LOOPS, RUNTIME_LOOPS, assert_matches  # sets TRITON_INTERPRET first
+from tests.support.triton_env import DEVICE, NO_RUNTIME_LOOPS, RUNTIME_LOOPS, assert_matches
 
-from xhal.platforms.cuda.kernels.kv_write import write_kv  # noqa: E402
-from xhal.platforms.cuda.kernels.paged_attention import paged_attention  # noqa: E402
-
+# triton_env sets TRITON_INTERPRET before any triton kernel is imported: keep it first
+# isort: split
+from xhal.platforms.cuda.kernels.kv_write import write_kv
+from xhal.platforms.cuda.kernels.paged_attention import paged_attention
 
 # kv write --------------------------------------------------------------------------------------
 
@@ -118,9 +119,9 @@ def test_paged_attention_prefill() -> None:
 
 # fused add + RMSNorm, rotary -------------------------------------------------------------------
 
-from conformance_tests import ops_reference as ops_ref  # noqa: E402
-from xhal.platforms.cuda.kernels.norm import fused_add_rms_norm  # noqa: E402
-from xhal.platforms.cuda.kernels.rotary import rotary_embedding  # noqa: E402
+from conformance_tests import ops_reference as ops_ref  # noqa: E402  (section-local imports)
+from xhal.platforms.cuda.kernels.norm import fused_add_rms_norm  # noqa: E402  (section-local)
+from xhal.platforms.cuda.kernels.rotary import rotary_embedding  # noqa: E402  (section-local)
 
 
 def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -175,8 +176,8 @@ def test_paged_index_builder(host_pages: bool) -> None:
     """CSR page table of a mixed batch: indptr, last-page lengths, page ids per row and the flat
     block-table positions they are gathered from."""
     from conformance_tests.batches import Seq, build_batch
-    from xhal.platforms.cuda.flashinfer_page_table import PagedIndexBuilder
     from xhal.interfaces import BatchKind
+    from xhal.platforms.cuda.flashinfer_page_table import PagedIndexBuilder
 
     bs = 16
     seqs = [Seq(1, 17), Seq(5, 5), Seq(3, 35), Seq(1, 1, padding=True)]
@@ -205,8 +206,8 @@ def test_paged_index_builder_stages_the_hosts_csr_arrays() -> None:
     import dataclasses
 
     from conformance_tests.batches import Seq, build_batch
-    from xhal.platforms.cuda.flashinfer_page_table import PagedIndexBuilder
     from xhal.interfaces import BatchKind
+    from xhal.platforms.cuda.flashinfer_page_table import PagedIndexBuilder
 
     bs = 16
     batch = build_batch(BatchKind.DECODE, [Seq(1, 17), Seq(1, 40)], [[7, 2], [4, 0, 11]], bs, torch.device("cpu"), paged_kv=True)
@@ -287,8 +288,8 @@ def test_triton_graph_plan_reads_the_persistent_metadata() -> None:
     query lengths change, and refuses other tensors."""
     from benchmarks.host_timing import DeviceCalls
     from conformance_tests.batches import Seq, build_batch
-    from xhal.platforms.cuda.triton_attention import TritonAttention
     from xhal.interfaces import AttentionSpec, BatchKind
+    from xhal.platforms.cuda.triton_attention import TritonAttention
 
     def step(kv_lens: list[int]):
         seqs = [Seq(1, n) for n in kv_lens] + [Seq(1, 1, padding=True)]

@@ -8,11 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.triton_env import DEVICE, INTERPRETED  # sets TRITON_INTERPRET first
+from tests.support.triton_env import DEVICE, INTERPRETED
 
-from conformance_tests import moe_reference as ref  # noqa: E402
-from conformance_tests.test_moe import expert_weights, separated_logits, tokens  # noqa: E402
-from xhal.platforms.cuda.kernels import moe, moe_small  # noqa: E402
+# triton_env sets TRITON_INTERPRET before any triton kernel is imported: keep it first
+# isort: split
+from conformance_tests import moe_reference as ref
+from conformance_tests.test_moe import expert_weights, separated_logits, tokens
+from xhal.platforms.cuda.kernels import moe, moe_small
 
 TOL = ref.EXPERTS_TOLERANCE
 

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.support.triton_env import DEVICE, assert_matches  # sets TRITON_INTERPRET before triton is imported
 
+from tests.support.triton_env import DEVICE, assert_matches
+
+# triton_env sets TRITON_INTERPRET before any triton kernel is imported: keep it first
+# isort: split
 from xhal import solutions
 from xhal.platforms.cuda.tuned_gemv import TunedGemv, bucket
 from xhal.solutions.timing import Timer

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+
 from tests.support.npu_emulation import install, is_installed, uninstall
 from tests.support.npu_emulation_helpers import (
     BF16,

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
+import xhal
 from tests.support.npu_emulation_helpers import (
     emulated_npu_platform,
     require_wheel,  # noqa: F401  (skips without the torch-npu wheel)
 )
 from tests.support.paged_host import PagedHost
-
-import xhal
 
 BLOCK_SIZE = 128
 

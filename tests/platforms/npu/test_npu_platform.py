@@ -15,11 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tests.support.conformance_run import REPO, explain, run_conformance
 from tests.support.npu_emulation.registry import read_counts
-from tests.support.npu_emulation_helpers import assert_calls_bound_and_checked, emulated_npu_platform
+from tests.support.npu_emulation_helpers import (
+    assert_calls_bound_and_checked,
+    emulated_npu_platform,
+)
 from tests.support.paged_host import PagedHost
-
 from xhal.interfaces import AttentionSpec, BatchKind, LayerCache
 
 PLUGIN = "tests.support.npu_emulation.plugin"

@@ -9,12 +9,11 @@ official documentation; ``tests/support/npu_emulation/wheel.py`` pins and fetche
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
-
 import re
 
 import pytest
 import torch
+
 from tests.support.npu_emulation import registry
 from tests.support.npu_emulation.real_meta import meta_functions
 from tests.support.npu_emulation.real_schema import real_schema
@@ -29,7 +28,7 @@ from tests.support.npu_emulation_helpers import (
     max_err,
     reference,
 )
-
+from tests.support.paths import REPO
 from xhal.interfaces.cache import LayerCache
 from xhal.platforms.npu.kernels import kv_write
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tests.support.npu_emulation import registry, wheel
 from tests.support.npu_emulation_helpers import emulated_npu  # noqa: F401  (fixture)
 

@@ -12,10 +12,10 @@ import shutil
 from typing import Any
 
 import pytest
-from tests.support.readme_examples import run_curl_example
-from tests.support.tiny_server import TINY_MODEL_NAME, tiny_server_args
 
 from tests.support.launcher import ServerProcess
+from tests.support.readme_examples import run_curl_example
+from tests.support.tiny_server import TINY_MODEL_NAME, tiny_server_args
 
 openai = pytest.importorskip("openai", reason="the server tests drive it with the openai client")
 httpx = pytest.importorskip("httpx")

@@ -53,9 +53,8 @@ def default_engine(tmp_path_factory: pytest.TempPathFactory) -> EngineCore:
 def reference(llama_gqa_dir: Path):
     """``reference(prompt, n)``: greedy tokens of a plain offline loop over the executor, one
     sequence at a time (prefill, then decodes picking the argmax), eager, own KV cache."""
-    from tests.support.paged_host import PagedHost
-
     from models import load_model
+    from tests.support.paged_host import PagedHost
     from xhal import platforms
     from xhal.executor import ExecutorConfig, ModelExecutor
 

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from xhal.platforms.cuda.kernels import tilelang_decode
-from xhal.platforms.cuda.kernels.kv_write import write_kv
 from xhal.interfaces.attention import AttentionBackend, AttentionSpec
 from xhal.interfaces.cache import LayerCache, normalize_layer_caches
 from xhal.interfaces.metadata import AttentionMetadata, BatchKind
 from xhal.platforms.common.persistent import PersistentInputs
+from xhal.platforms.cuda.kernels import tilelang_decode
+from xhal.platforms.cuda.kernels.kv_write import write_kv
 
 HEAD_DIMS = (128,)
 DTYPES = (torch.float16, torch.bfloat16)

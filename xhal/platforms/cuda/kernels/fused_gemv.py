@@ -29,7 +29,14 @@ import torch
 import triton
 import triton.language as tl
 
-from xhal.platforms.cuda.kernels.gemv import _DTYPES, _TILES, MAX_CORE_M, GemvConfig, _num_sms, gemv_split_k
+from xhal.platforms.cuda.kernels.gemv import (
+    _DTYPES,
+    _TILES,
+    MAX_CORE_M,
+    GemvConfig,
+    _num_sms,
+    gemv_split_k,
+)
 
 _PLAIN, _NORM, _SILU = 0, 1, 2
 _REDUCE_BLOCK = 1024
