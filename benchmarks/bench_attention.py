@@ -50,7 +50,9 @@ def run(platform_name: str, batch: int, q_len: int, ctx: int, tensor_cores: bool
     q = torch.randn(t, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
     k = torch.randn(t, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
     v = torch.randn_like(k)
-    fn = lambda: backend.forward(0, q, k, v)
+    def fn():
+        return backend.forward(0, q, k, v)
+
     # decode runs inside CUDA graphs when served, so time it there: launch overhead excluded
     return time_graph(fn) if q_len == 1 else time_cuda(fn)
 

@@ -129,10 +129,14 @@ def run_case(
     weight_bytes = weights[0].numel() * weights[0].element_size()
     x = torch.randn(M, K, dtype=weights[0].dtype, device=setup.device)
     ref = F.linear(x.float(), weights[0].float())
-    err = lambda out: (out.float() - ref).abs().max().item()
+    def err(out):
+        return (out.float() - ref).abs().max().item()
+
     err_cublas = err(F.linear(x, weights[0]))
     tol = max(2 * err_cublas, 2**-7 * ref.abs().max().item())  # a bf16 ulp at the largest output
-    rate = lambda us: weight_bytes / (us * 1e-6)
+    def rate(us):
+        return weight_bytes / (us * 1e-6)
+
     config = gemv_config(M, N, K, setup.num_sms)
     err_gemv = err(gemv(x, weights[0], config=config))  # also compiles, outside any capture
 

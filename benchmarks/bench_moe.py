@@ -212,7 +212,9 @@ def main() -> None:
         row = {"batch": batch, "experts/layer": sum(per_layer) / len(per_layer),
                "floor_GB": sum(parts.values()) / 1e9, "floor_ms": floor_ms}
         for eager, ex in executors.items():
-            step = lambda ex=ex: ex.compute_logits(ex.execute(ids, pos, meta))
+            def step(ex=ex):
+                return ex.compute_logits(ex.execute(ids, pos, meta))
+
             ms = time_cuda(step, iters=10 if eager else 30, warmup=2)
             key = "eager" if eager else "graph"
             row[f"{key}_ms"], row[f"{key}_x_floor"] = ms, ms / floor_ms

@@ -225,9 +225,11 @@ def tune_fused(shape: str, proj: dict, ceil) -> list[dict]:
         floor_us = n * k * 2 / ceil["read_bandwidth"] * 1e6
         for cfg in ((8, 512, 1, 4, 3), (16, 256, 1, 4, 3), (16, 512, 1, 4, 3), (32, 256, 1, 4, 3), (8, 512, 2, 4, 3)):
             if op == "silu+down":
-                fn = lambda w, c=cfg, x=x: fused_gemv.silu_and_mul_gemv(x, w, config=c)
+                def fn(w, c=cfg, x=x):
+                    return fused_gemv.silu_and_mul_gemv(x, w, config=c)
             else:
-                fn = lambda w, c=cfg, x=x, res=res, g=g: fused_gemv.add_rms_norm_gemv(x, res, g, 1e-5, w, config=c)
+                def fn(w, c=cfg, x=x, res=res, g=g):
+                    return fused_gemv.add_rms_norm_gemv(x, res, g, 1e-5, w, config=c)
             us = graph_us(lambda i, fn=fn, ws=ws: fn(ws[i % len(ws)]), CALLS, 10)
             rows.append({"shape": shape, "op": op, "config": cfg, "us": us, "of_ceiling": floor_us / us})
     best = {}

@@ -43,7 +43,7 @@ def _paged_attention_kernel(
     ).to(tl.float32)
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([GROUP_PAD], tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)  # noqa: E741  (m, l: the online-softmax max and sum)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     lo = 0
     if window > 0:
@@ -66,7 +66,7 @@ def _paged_attention_kernel(
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, axis=1)
+        l = l * alpha + tl.sum(p, axis=1)  # noqa: E741  (the online-softmax sum)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
     out = acc / l[:, None]
