@@ -115,7 +115,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = [measure(b, args.ctx) for b in args.batches]
-    print(table(rows, "graph decode step, host side (CPU, FlashInfer emulated, replay stubbed; 64 steps each)"))
+    print(
+        table(
+            rows,
+            "graph decode step, host side (CPU, FlashInfer emulated, replay stubbed; 64 steps each)",
+        )
+    )
 
 
 if __name__ == "__main__":

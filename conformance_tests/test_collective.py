@@ -178,7 +178,9 @@ def _spawn(platform, device_name, tmp_path_factory, world_size, program) -> list
         pytest.skip(f"platform {device_name!r} declares capabilities.collective=False")
     count = visible_devices(platform.device_type)
     if count is not None and count < world_size:  # one device per rank, as NCCL / HCCL need
-        return f"{world_size} ranks need {world_size} {platform.device_type} devices, {count} visible"
+        return (
+            f"{world_size} ranks need {world_size} {platform.device_type} devices, {count} visible"
+        )
     return _run_ranks(device_name, tmp_path_factory.mktemp(program), world_size, program)
 
 

@@ -271,7 +271,8 @@ def test_no_arrow_runs_back_up() -> None:
         if any(path.is_relative_to(REPO / d) for d in UNDER_MODELS_DIRS):
             upper = ABOVE_MODELS
         problems += [
-            f"{path.relative_to(REPO)}:{v}" for v in upward_imports(path.read_text(), package, upper)
+            f"{path.relative_to(REPO)}:{v}"
+            for v in upward_imports(path.read_text(), package, upper)
         ]
     assert checked, f"xhal/ holds no Python files: is REPO={REPO} right?"
     assert not problems, "imports from a lower floor to a higher one:\n" + "\n".join(problems)

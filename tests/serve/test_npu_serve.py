@@ -142,8 +142,9 @@ def test_chat_equals_the_cpu_server(servers: dict[str, ServerProcess], stream: b
     assert npu == _chat(servers["cpu"], stream=False)
 
 
-def test_every_npu_call_bound_and_checked(servers: dict[str, ServerProcess],
-                                           counts_dir: Path) -> None:
+def test_every_npu_call_bound_and_checked(
+    servers: dict[str, ServerProcess], counts_dir: Path
+) -> None:
     """Last in this file: after the requests above, the NPU server stops (its processes save their
     counts) and every emulated torch_npu call it made was bound to the wheel's schema."""
     servers["npu"].stop()

@@ -113,7 +113,11 @@ def test_tp2_with_async_scheduling_matches_tp1(llama_gqa_dir: Path) -> None:
     single = EngineCore(EngineConfig(model_dir=llama_gqa_dir, num_kv_blocks=64, **BASE))
     expected = single.generate(prompts, GREEDY)
     config = EngineConfig(
-        model_dir=llama_gqa_dir, tensor_parallel_size=2, num_kv_blocks=16, async_scheduling=True, **BASE
+        model_dir=llama_gqa_dir,
+        tensor_parallel_size=2,
+        num_kv_blocks=16,
+        async_scheduling=True,
+        **BASE,
     )
     engine = EngineCore(config)
     describe, with_placeholders = engine.runner.input_builder.describe, []

@@ -35,7 +35,9 @@ class PagedHost:
             while len(seq.blocks) * self.block_size < end:
                 seq.blocks.append(self.free.pop())
             for pos in range(start, end):
-                slots.append(seq.blocks[pos // self.block_size] * self.block_size + pos % self.block_size)
+                slots.append(
+                    seq.blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+                )
             ids += tokens
             positions += range(start, end)
             q_lens.append(len(tokens))
@@ -60,4 +62,8 @@ class PagedHost:
             kind, q, kv, table, torch.tensor(slots, dtype=torch.int32)
         )
         metadata.validate()
-        return torch.tensor(ids, dtype=torch.int32), torch.tensor(positions, dtype=torch.int32), metadata
+        return (
+            torch.tensor(ids, dtype=torch.int32),
+            torch.tensor(positions, dtype=torch.int32),
+            metadata,
+        )

@@ -22,17 +22,24 @@ class PlantedOps:
 
 solutions.register(
     solutions.Solution(
-        "rms_norm", "planted", "tests.support.planted_solution_plugin:PlantedOps",
-        solutions.Requirement(device_type="cpu"), priority=-50,
+        "rms_norm",
+        "planted",
+        "tests.support.planted_solution_plugin:PlantedOps",
+        solutions.Requirement(device_type="cpu"),
+        priority=-50,
     )
 )
 # a solution this machine cannot run: listed as not exercised, with the reason
 solutions.register(
     solutions.Solution(
-        "rms_norm", "needs-missing", "tests.support.planted_solution_plugin:PlantedOps",
+        "rms_norm",
+        "needs-missing",
+        "tests.support.planted_solution_plugin:PlantedOps",
         solutions.Requirement(
             device_type="cpu",
-            packages=(solutions.Package("xhal_no_such_package", "pip install xhal-no-such-package"),),
+            packages=(
+                solutions.Package("xhal_no_such_package", "pip install xhal-no-such-package"),
+            ),
         ),
         priority=-60,
     )

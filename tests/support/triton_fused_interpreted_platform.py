@@ -49,12 +49,15 @@ class FusedInterpretedOps(CpuOps):
 
         if x.dim() != 2 or not fused_gemv.supports(x, weight, gated=True):
             return super().silu_and_mul_linear(x, weight, bias)
-        return fused_gemv.silu_and_mul_gemv(x, weight, bias, config=_config(x.shape[0], x.shape[1] // 2))
+        return fused_gemv.silu_and_mul_gemv(
+            x, weight, bias, config=_config(x.shape[0], x.shape[1] // 2)
+        )
 
 
 # XHAL_FUSED_TEST_DTYPES narrows the dtypes (the interpreter takes minutes for all three)
 _DTYPES = tuple(
-    getattr(torch, name) for name in os.environ.get("XHAL_FUSED_TEST_DTYPES", "float32,bfloat16,float16").split(",")
+    getattr(torch, name)
+    for name in os.environ.get("XHAL_FUSED_TEST_DTYPES", "float32,bfloat16,float16").split(",")
 )
 
 

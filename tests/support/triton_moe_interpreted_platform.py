@@ -54,7 +54,9 @@ class InterpretedTritonMoePlatform(CpuPlatform):
     capabilities = dataclasses.replace(
         CpuPlatform.capabilities,
         ops_dtypes=(torch.float32,),
-        notes=("xhal.platforms.cuda's Triton mixture of experts in Triton's interpreter (tests only)",),
+        notes=(
+            "xhal.platforms.cuda's Triton mixture of experts in Triton's interpreter (tests only)",
+        ),
     )
 
     def __init__(self) -> None:

@@ -77,7 +77,9 @@ class AttentionMetadata:
         q, kv = q_seq_lens_host, kv_seq_lens_host
         b = q.numel()
         zero = torch.zeros(1, dtype=torch.int32)
-        packed = torch.cat([zero, q.cumsum(0, dtype=torch.int32), zero, kv.cumsum(0, dtype=torch.int32), q, kv])
+        packed = torch.cat(
+            [zero, q.cumsum(0, dtype=torch.int32), zero, kv.cumsum(0, dtype=torch.int32), q, kv]
+        )
         q_cu, kv_cu, q_dev, kv_dev = packed.to(slot_mapping.device).split([b + 1, b + 1, b, b])
         return cls(
             kind=BatchKind(kind),
@@ -133,9 +135,13 @@ class AttentionMetadata:
         for name, shape in expected.items():
             t = getattr(self, name)
             if tuple(t.shape) != shape:
-                raise ValueError(f"AttentionMetadata.{name} has shape {tuple(t.shape)}, expected {shape}")
+                raise ValueError(
+                    f"AttentionMetadata.{name} has shape {tuple(t.shape)}, expected {shape}"
+                )
             if t.dtype != torch.int32:
-                raise ValueError(f"AttentionMetadata.{name} has dtype {t.dtype}, expected torch.int32")
+                raise ValueError(
+                    f"AttentionMetadata.{name} has dtype {t.dtype}, expected torch.int32"
+                )
         for name in ("q_seq_lens_host", "kv_seq_lens_host"):
             if getattr(self, name).device.type != "cpu":
                 raise ValueError(f"AttentionMetadata.{name} must be a CPU tensor")

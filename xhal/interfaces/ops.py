@@ -24,7 +24,9 @@ class DeviceOps(ABC):
     then on, or ``with xhal.ops.using(device_type, ops):`` for a block.
     """
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``x @ weight.T (+ bias)``, weight ``[out, in]`` as in ``nn.Linear``. The default is
         torch's GEMM; a platform overrides it where the vendor library is weak (the skinny
         matrices of small decode batches on a GPU) and falls back to it elsewhere."""

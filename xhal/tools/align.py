@@ -63,7 +63,9 @@ def xhal_prefill(
     executor.bind_kv_caches(executor.allocate_kv_caches(num_blocks=-(-num_tokens // block_size)))
     input_ids = input_ids.to(device=param.device, dtype=torch.int32)
     positions = torch.arange(num_tokens, dtype=torch.int32, device=param.device)
-    hidden = executor.execute(input_ids, positions, prefill_metadata(num_tokens, block_size, param.device))
+    hidden = executor.execute(
+        input_ids, positions, prefill_metadata(num_tokens, block_size, param.device)
+    )
     return hidden, executor.compute_logits(hidden)
 
 

@@ -136,6 +136,8 @@ def test_ops_are_the_references_bit_for_bit(dtype: torch.dtype) -> None:
     for rotary_dim in (32, 16):  # full and partial rotary
         cache = torch.randn(16, rotary_dim, generator=g)
         for neox in (True, False):
-            for got, want in zip(fast.rotary_embedding(positions, q, k, cache, neox),
-                                 ref.rotary_embedding(positions, q, k, cache, neox)):
+            for got, want in zip(
+                fast.rotary_embedding(positions, q, k, cache, neox),
+                ref.rotary_embedding(positions, q, k, cache, neox),
+            ):
                 assert torch.equal(got, want)

@@ -111,7 +111,11 @@ def test_gemv_config_splits_only_narrow_weights() -> None:
             block_n, block_k, split_k, num_warps, num_stages = gemv_config(M, N, K, sms)
             assert block_n & (block_n - 1) == 0 and block_k & (block_k - 1) == 0
             k_steps = math.ceil(K / block_k)
-            assert 1 <= split_k <= k_steps and 1 <= num_stages <= (3 if M <= MAX_CORE_M else 4) and num_warps >= 1
+            assert (
+                1 <= split_k <= k_steps
+                and 1 <= num_stages <= (3 if M <= MAX_CORE_M else 4)
+                and num_warps >= 1
+            )
             n_blocks = math.ceil(N / block_n)
             if n_blocks >= 2 * sms:
                 assert split_k == 1, (M, N, K)
@@ -119,8 +123,6 @@ def test_gemv_config_splits_only_narrow_weights() -> None:
                 assert split_k > 1, (M, N, K)
     with pytest.raises(ValueError):
         gemv_config(MAX_M + 1, 64, 64)
-
-
 
 
 # tensor-core path (17..64 rows) ----------------------------------------------------------------
@@ -131,7 +133,9 @@ def test_gemv_config_splits_only_narrow_weights() -> None:
 def test_gemv_tensor_core_rows(M: int, dtype: torch.dtype) -> None:
     """Padded to 32 or 64 rows on tensor cores: the padding rows load zeros and store nothing."""
     if INTERPRETED and dtype == torch.bfloat16:
-        pytest.skip("Triton 3.6's interpreter runs tl.dot on bfloat16's raw bits; compiled on CUDA it is checked")
+        pytest.skip(
+            "Triton 3.6's interpreter runs tl.dot on bfloat16's raw bits; compiled on CUDA it is checked"
+        )
     x, w, b, ref = _gemv_case(M, 100, 72, dtype, True)
     assert_matches(gemv(x, w, b), ref, dtype)
 

@@ -37,8 +37,9 @@ BLOCK_SIZE = 128
 
 def test_conformance_passes_every_family(tmp_path: Path) -> None:
     counts = tmp_path / "counts"
-    proc, report = run_conformance("npu", PLUGIN, tmp_path / "npu.json",
-                                   XHAL_NPU_EMULATION_COUNTS=str(counts))
+    proc, report = run_conformance(
+        "npu", PLUGIN, tmp_path / "npu.json", XHAL_NPU_EMULATION_COUNTS=str(counts)
+    )
     assert proc.returncode == 0, explain(proc)
     assert sorted(report["families"]) == FAMILIES, explain(proc)
     for name, fam in report["families"].items():

@@ -52,8 +52,13 @@ def backend_ops() -> set[str]:
 
 def test_every_backend_op_is_in_the_wheel_and_emulated_under_its_schema(npu):
     ops = backend_ops()
-    assert {"npu_fused_infer_attention_score", "npu_scatter_pa_kv_cache", "npu_mrope",
-            "_npu_reshape_and_cache", "_npu_rotary_embedding"} <= ops, ops
+    assert {
+        "npu_fused_infer_attention_score",
+        "npu_scatter_pa_kv_cache",
+        "npu_mrope",
+        "_npu_reshape_and_cache",
+        "_npu_rotary_embedding",
+    } <= ops, ops
     for name in sorted(ops):
         schema = real_schema(name)  # KeyError names an op the wheel does not have
         emulated = getattr(npu, name)
@@ -61,11 +66,15 @@ def test_every_backend_op_is_in_the_wheel_and_emulated_under_its_schema(npu):
         assert str(emulated.schema) == str(torch._C.parse_schema(schema)), name
         assert emulated.op._schema.name == f"{registry.NAMESPACE}::{name}"
     assert real_schema("npu_fused_infer_attention_score.out").startswith(
-        "npu_fused_infer_attention_score.out(")
+        "npu_fused_infer_attention_score.out("
+    )
     # the aten-style ops have a meta function in the wheel; the two ATB ops have none
     with_meta = {n for n in ops if n in meta_functions()}
-    assert ops - with_meta == {"_npu_reshape_and_cache", "_npu_rotary_embedding",
-                               "_npu_fused_infer_attention_score_get_max_workspace"}
+    assert ops - with_meta == {
+        "_npu_reshape_and_cache",
+        "_npu_rotary_embedding",
+        "_npu_fused_infer_attention_score_get_max_workspace",
+    }
 
 
 def test_every_torch_npu_name_the_backend_uses_is_exported_by_the_wheel(npu):
@@ -78,7 +87,8 @@ def test_every_torch_npu_name_the_backend_uses_is_exported_by_the_wheel(npu):
     tree = ast.parse(wheel_files().npu_init.read_text(encoding="utf-8"))
     exported = {
         elt.value
-        for node in ast.walk(tree) if isinstance(node, ast.Assign)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
         and any(getattr(t, "id", None) == "__all__" for t in node.targets)
         for elt in node.value.elts
     }
@@ -99,8 +109,11 @@ def test_wrong_keyword_name_is_refused(npu):
 
 def test_tensor_for_symint_list_is_refused(npu):
     b = make_batch([3, 1], [3, 9])
-    with pytest.raises(TypeError, match=r"'actual_seq_lengths_kv' must be tuple of ints, not "
-                                        r"Tensor.*SymInt\[\]"):
+    with pytest.raises(
+        TypeError,
+        match=r"'actual_seq_lengths_kv' must be tuple of ints, not "
+        r"Tensor.*SymInt\[\]",
+    ):
         call_fia(npu, b, actual_seq_lengths_kv=torch.tensor(b.kv_lens, dtype=torch.int32))
     with pytest.raises(TypeError, match="tuple of ints, not a list holding Tensor"):
         call_fia(npu, b, actual_seq_lengths=[torch.tensor(3), torch.tensor(4)])
@@ -180,8 +193,9 @@ def test_padding_slots_never_reach_scatter_pa(npu):
     """'slot_mapping的值范围[0,num_blocks*block_size-1]': the op is not given -1; the backend's
     writer repeats a real write in their place, and the -1 rows stay unwritten."""
     k, v = torch.randn(4, 2, 128).to(BF16), torch.randn(4, 2, 128).to(BF16)
-    cache = LayerCache(torch.zeros(3, 128, 2, 128, dtype=BF16), torch.zeros(3, 128, 2, 128,
-                                                                           dtype=BF16))
+    cache = LayerCache(
+        torch.zeros(3, 128, 2, 128, dtype=BF16), torch.zeros(3, 128, 2, 128, dtype=BF16)
+    )
     for writer in ("scatter_pa", "reshape_and_cache", "scatter_nd"):
         cache.key.zero_(), cache.value.zero_()
         slots = torch.tensor([-1, 5, -1, 300], dtype=torch.int32)
@@ -251,6 +265,7 @@ def test_out_overload_takes_the_documented_lse_buffer(npu):
     assert max_err(out, reference(b)) < TOL and lse.item() == 0
     with pytest.raises(RuntimeError, match="float32"):
         npu.npu_fused_infer_attention_score.out(
-            b.q, flat(b.k), flat(b.v), out=[out, torch.empty(1, dtype=BF16)], **kw)
+            b.q, flat(b.k), flat(b.v), out=[out, torch.empty(1, dtype=BF16)], **kw
+        )
     with pytest.raises(TypeError, match="'out' must be a list of 2 tensors"):
         npu.npu_fused_infer_attention_score.out(b.q, flat(b.k), flat(b.v), out=out, **kw)

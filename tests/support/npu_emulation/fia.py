@@ -63,9 +63,11 @@ def _check_out(query, kw, attention_out, softmax_lse) -> None:
     flag = kw.get("softmax_lse_flag", False)
     shape = (*query.shape[:2], 1) if flag else (1,)
     if tuple(softmax_lse.shape) != shape or softmax_lse.dtype != torch.float32:
-        raise fail(f"softmax_lse is {softmax_lse.dtype} {tuple(softmax_lse.shape)}, expected "
-                   f"float32 {shape} with softmax_lse_flag={flag}: the doc gives softmax_lse "
-                   "float32, (T, Q_N, 1) with the flag and [1] without")
+        raise fail(
+            f"softmax_lse is {softmax_lse.dtype} {tuple(softmax_lse.shape)}, expected "
+            f"float32 {shape} with softmax_lse_flag={flag}: the doc gives softmax_lse "
+            "float32, (T, Q_N, 1) with the flag and [1] without"
+        )
 
 
 def _fia_out(query, key, value, *, workspace=None, attention_out, softmax_lse, **kwargs):
@@ -103,7 +105,8 @@ npu_fused_infer_attention_score = real_op(
     "npu_fused_infer_attention_score", _fia, overloads={"out": _fia_out}, dispatch=_dispatch
 )
 _npu_fused_infer_attention_score_get_max_workspace = real_op(
-    "_npu_fused_infer_attention_score_get_max_workspace", _get_max_workspace,
+    "_npu_fused_infer_attention_score_get_max_workspace",
+    _get_max_workspace,
     meta_from="npu_fused_infer_attention_score",
 )
 

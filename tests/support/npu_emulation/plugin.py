@@ -32,7 +32,9 @@ class EmulatedNpuPlatform(NpuPlatform):
 
         install()
         super().__init__()
-        if activate_ops:  # ARCHITECTURE.md ("DeviceOps"): the emulated platform serves "cpu" while it runs
+        if (
+            activate_ops
+        ):  # ARCHITECTURE.md ("DeviceOps"): the emulated platform serves "cpu" while it runs
             ops.activate("cpu", self.ops)
 
     @classmethod

@@ -82,7 +82,10 @@ class NpuPlatform(Platform):
         from xhal.solutions.kernels import Kernels
         from xhal.solutions.solution import DeviceInfo
 
-        versions = (("torch", torch.__version__), ("torch_npu", str(getattr(self.torch_npu, "__version__", ""))))
+        versions = (
+            ("torch", torch.__version__),
+            ("torch_npu", str(getattr(self.torch_npu, "__version__", ""))),
+        )
         self._kernels = Kernels(self, DeviceInfo("npu", name="npu", library_versions=versions))
         self._ops = self._kernels.ops
 

@@ -22,7 +22,12 @@ def gather_sequence(cache: torch.Tensor, block_row: torch.Tensor, kv_len: int) -
 
 
 def attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, sliding_window: int, soft_cap: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+    soft_cap: float,
 ) -> torch.Tensor:
     """float32 attention of ``q`` ``[Lq, H, D]``, the sequence's last ``Lq`` positions, over its
     ``keys`` / ``values`` ``[L, Hkv, D]``: causal (bottom-right aligned), the last
@@ -61,5 +66,7 @@ def paged_attention(
 
 
 @torch.library.register_fake("xhal_cpu_ref::paged_attention")
-def _(q, k_cache, v_cache, q_cu_seq_lens, kv_seq_lens, block_table, scale, sliding_window, soft_cap):
+def _(
+    q, k_cache, v_cache, q_cu_seq_lens, kv_seq_lens, block_table, scale, sliding_window, soft_cap
+):
     return torch.empty_like(q)

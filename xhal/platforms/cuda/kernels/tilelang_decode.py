@@ -141,13 +141,17 @@ def _program(head_dim: int, page_size: int, dtype: str, block_h: int = 64):
                 lse_max = T.max(lse_max, part_lse[b, h, s])
             for s in T.serial(num_splits):
                 weight = T.if_then_else(
-                    part_lse[b, h, s] == neg_inf, T.cast(0, acc_t), T.exp2(part_lse[b, h, s] - lse_max)
+                    part_lse[b, h, s] == neg_inf,
+                    T.cast(0, acc_t),
+                    T.exp2(part_lse[b, h, s] - lse_max),
                 )
                 total += weight
                 for d in T.Parallel(head_dim):
                     merged[d] += weight * part_out[b, h, s, d]
             for d in T.Parallel(head_dim):
-                Out[b, h, d] = T.cast(T.if_then_else(total > 0, merged[d] / total, T.cast(0, acc_t)), dtype)
+                Out[b, h, d] = T.cast(
+                    T.if_then_else(total > 0, merged[d] / total, T.cast(0, acc_t)), dtype
+                )
 
     return decode
 
@@ -199,7 +203,9 @@ def paged_decode(
     if block_h is None:
         block_h = block_rows(num_heads // k_cache.shape[2])
     kernel = compiled(head_dim, k_cache.shape[1], q.dtype, block_h)
-    part_out = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+    part_out = torch.empty(
+        (batch, num_heads, splits, head_dim), dtype=torch.float32, device=q.device
+    )
     part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=q.device)
     kernel(q, k_cache, v_cache, block_table, kv_lens, scale * _LOG2E, part_out, part_lse, out)
     return out
