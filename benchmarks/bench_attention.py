@@ -100,7 +100,8 @@ def main() -> None:
     print(
         table(
             rows,
-            "decode attention in a CUDA graph (bf16, 32q/8kv heads, D=128, page 16; tc = tensor-core kernel, cc = CUDA cores): KV bytes read / time",
+            "decode attention in a CUDA graph (bf16, 32q/8kv heads, D=128, page 16; tc = "
+            "tensor-core kernel, cc = CUDA cores): KV bytes read / time",
         )
     )
     if args.decode_only:

@@ -169,7 +169,8 @@ def main() -> None:
     print(
         table(
             rows,
-            "decode attention layer (KV write + attention) in a CUDA graph, bf16 32q/8kv D128 ctx 2048: KV bytes / time",
+            "decode attention layer (KV write + attention) in a CUDA graph, bf16 32q/8kv D128 ctx "
+            "2048: KV bytes / time",
         )
     )
     rows = []

@@ -172,7 +172,8 @@ def main() -> None:
             print(f"{'  per round, xhal / hf':<34}" + " ".join(f"{r:.2f}x" for r in ratios))
     scaling = [r["xhal"]["concurrent_tok_s"] / r["xhal"]["decode_tok_s"] for r in rounds]
     print(
-        f"xhal {args.concurrency}-request aggregate / batch-1 rate: {statistics.median(scaling):.2f}x"
+        f"xhal {args.concurrency}-request aggregate / batch-1 rate: "
+        f"{statistics.median(scaling):.2f}x"
     )
     same = all(r["xhal"]["ids"] == r["hf"]["ids"] for r in rounds)
     print(f"greedy ids identical (batch 1, {args.decode_tokens} tokens): {same}")

@@ -313,7 +313,8 @@ def main() -> None:
     print(
         table(
             rows,
-            f"decode step (execute + logits), {args.shape} shape, bf16, {weight_bytes / 1e9:.2f} GB weights; "
+            f"decode step (execute + logits), {args.shape} shape, bf16, {weight_bytes / 1e9:.2f} "
+            f"GB weights; "
             "floor = (weights + KV) / copy rate, read_floor = (bytes really read) / read rate",
         )
     )
@@ -361,7 +362,8 @@ def main() -> None:
                     ms = hf_decode_ms(r["batch"], CTX, device, compiled, config)
                 except Exception as exc:  # a compile failure is a result to report, not a crash
                     print(
-                        f"transformers {name} at batch {r['batch']} failed: {type(exc).__name__}: {exc}"
+                        f"transformers {name} at batch {r['batch']} failed: {type(exc).__name__}: "
+                        f"{exc}"
                     )
                     continue
                 row.update(

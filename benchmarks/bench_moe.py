@@ -324,7 +324,8 @@ def main() -> None:
                 )
             hf_rows.append(row)
     title = (
-        f"decode step (execute + logits), Qwen3-30B-A3B shape ({args.layers} layers), bf16, ctx {CTX}; "
+        f"decode step (execute + logits), Qwen3-30B-A3B shape ({args.layers} layers), bf16, ctx "
+        f"{CTX}; "
         f"floor = (routed experts + attention/router + LM head + KV bytes) / streaming read "
         f"{rate / 1e12:.2f} TB/s"
     )
@@ -332,9 +333,11 @@ def main() -> None:
         print(
             table(
                 sweep,
-                f"routed experts per layer (fused_experts graph-captured over {SWEEP_LAYERS} layers), "
+                f"routed experts per layer (fused_experts graph-captured over {SWEEP_LAYERS} "
+                f"layers), "
                 "us: grouped GEMM (best tile M x N x K) against the pair-GEMV path (best config); "
-                "chosen = fused_experts' own pick; floor = bytes of the experts routed to / streaming read",
+                "chosen = fused_experts' own pick; floor = bytes of the experts routed to / "
+                "streaming read",
             )
         )
     if hf_rows:

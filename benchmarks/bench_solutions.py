@@ -406,8 +406,10 @@ def main() -> None:
             print(
                 table(
                     rows,
-                    f"--- {shape}, batch {m}: us per call in a CUDA graph; of_ceiling = floor / time "
-                    f"(floor: bytes / read {ceil['read_bandwidth'] / 1e12:.2f} TB/s or FLOPs / matmul)",
+                    f"--- {shape}, batch {m}: us per call in a CUDA graph; of_ceiling = floor / "
+                    f"time "
+                    f"(floor: bytes / read {ceil['read_bandwidth'] / 1e12:.2f} TB/s or FLOPs / "
+                    f"matmul)",
                 )
             )
 

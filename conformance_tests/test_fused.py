@@ -74,7 +74,8 @@ def check_gemv(out, a, w, y_ref, dtype, record_error) -> None:
     bound = gemv_bound(a, w, y_ref, dtype)
     worst = float((err / bound).nan_to_num(float("inf")).max())
     assert worst <= 1.0, (
-        f"{worst:.2f}x the fused-GEMV bound (max error {float(err.max()):.3e}): a fused kernel must "
+        f"{worst:.2f}x the fused-GEMV bound (max error {float(err.max()):.3e}): a fused kernel "
+        f"must "
         "match the unfused sequence up to one skipped rounding of the projection's input"
     )
 

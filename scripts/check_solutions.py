@@ -113,7 +113,8 @@ def main() -> int:
     impl = platform.kernels.ops.impls["fused_add_rms_norm"]
     via, direct = call_overhead_us(platform, impl)
     print(
-        f"fused_add_rms_norm host time per call: {via:.2f} us through solutions, {direct:.2f} us direct "
+        f"fused_add_rms_norm host time per call: {via:.2f} us through solutions, {direct:.2f} us "
+        f"direct "
         f"(+{via - direct:.2f} us)"
     )
     if bad:

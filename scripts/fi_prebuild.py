@@ -104,11 +104,13 @@ def main() -> None:
             job, seconds, status = future.result()
             failed += status != "ok"
             print(
-                f"  {time.perf_counter() - start:5.0f} s  {'/'.join(map(str, job)):<36} {seconds:6.1f} s  {status}",
+                f"  {time.perf_counter() - start:5.0f} s  {'/'.join(map(str, job)):<36} "
+                f"{seconds:6.1f} s  {status}",
                 flush=True,
             )
     print(
-        f"prebuilt {len(todo) - failed}/{len(todo)} configurations in {time.perf_counter() - start:.0f} s"
+        f"prebuilt {len(todo) - failed}/{len(todo)} configurations in "
+        f"{time.perf_counter() - start:.0f} s"
     )
 
 

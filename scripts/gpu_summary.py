@@ -44,7 +44,8 @@ def conformance(out: Path) -> list[str]:
             by_status.setdefault(sol["status"], []).append(key)
         for status, keys in sorted(by_status.items()):
             lines.append(
-                f"solutions   {data.get('device', report.stem):<12} {status:<13} {len(keys):>3}: {', '.join(keys)}"
+                f"solutions   {data.get('device', report.stem):<12} {status:<13} {len(keys):>3}: "
+                f"{', '.join(keys)}"
             )
     return lines
 
@@ -61,7 +62,8 @@ def benchmarks(out: Path) -> list[str]:
             )
             lines.append(
                 f"decode 8B batch {r['batch']:>3}: pipelined {r.get('pipelined_ms', '?')} ms = "
-                f"{r.get('pipelined_x_floor', '?')}x floor{honest}, graph/eager {r.get('graph_speedup', '?')}x, "
+                f"{r.get('pipelined_x_floor', '?')}x floor{honest}, graph/eager "
+                f"{r.get('graph_speedup', '?')}x, "
                 f"host {r.get('host_us', '?')} us"
             )
         for r in read_table(model.read_text(), "peer:"):
@@ -78,7 +80,8 @@ def benchmarks(out: Path) -> list[str]:
         for r in read_table(attention.read_text(), "decode attention"):
             if r["batch"] == "64" and r["ctx"] == "2048":
                 lines.append(
-                    f"decode attention {r['path']} 64 x 2K: {r['us']} us, {r['of_copy_ceiling']} of copy ceiling"
+                    f"decode attention {r['path']} 64 x 2K: {r['us']} us, {r['of_copy_ceiling']} "
+                    f"of copy ceiling"
                 )
     serve = out / "serve_bench.txt"
     if serve.exists():

@@ -73,7 +73,8 @@ def _require_packages() -> None:
     if missing:
         raise click.ClickException(
             f"xhal-serve needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
-            f"not installed; install with:  pip install 'xhal[serve]'  (or: pip install {' '.join(missing)})"
+            f"not installed; install with:  pip install 'xhal[serve]'  (or: pip install "
+            f"{' '.join(missing)})"
         )
 
 

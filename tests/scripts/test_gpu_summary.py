@@ -54,7 +54,8 @@ def test_summary_reads_reports_and_tables(tmp_path: Path) -> None:
         table(attention, "decode attention in a CUDA graph") + "\n"
     )
     (tmp_path / "serve_bench.txt").write_text(
-        "P50 TTFT (ms)   29.36\nMean TPOT (ms)   4.74\nP50 TTFT (ms)   489.45\nMean TPOT (ms)   15.06\n"
+        "P50 TTFT (ms)   29.36\nMean TPOT (ms)   4.74\nP50 TTFT (ms)   489.45\nMean TPOT (ms)   "
+        "15.06\n"
     )
     lines = gpu_summary.conformance(tmp_path) + gpu_summary.benchmarks(tmp_path)
     text = "\n".join(lines)

@@ -37,7 +37,8 @@ def test_every_op_has_a_cpu_reference_and_declarations_import_no_kernel_library(
     probe = (
         "import sys\nfrom xhal import solutions\n"
         "assert sum(len(solutions.solutions(op)) for op in solutions.OPS) > 30\n"
-        "print(sorted({'triton', 'flashinfer', 'tilelang', 'xhal.platforms.cuda.ops', 'xhal.platforms.npu.ops'} & set(sys.modules)))\n"
+        "print(sorted({'triton', 'flashinfer', 'tilelang', 'xhal.platforms.cuda.ops', "
+        "'xhal.platforms.npu.ops'} & set(sys.modules)))\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", probe], check=False, capture_output=True, text=True, timeout=300

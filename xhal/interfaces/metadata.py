@@ -155,5 +155,6 @@ class AttentionMetadata:
             raise ValueError("AttentionMetadata: a sequence has q_seq_len > kv_seq_len")
         if b and int(q.sum()) > self.num_tokens:
             raise ValueError(
-                f"AttentionMetadata: q_seq_lens sum to {int(q.sum())} > num_tokens={self.num_tokens}"
+                f"AttentionMetadata: q_seq_lens sum to {int(q.sum())} > "
+                f"num_tokens={self.num_tokens}"
             )

@@ -161,7 +161,8 @@ class RowParallelLinear(nn.Module):
         input: x ``[T, 2 I / tp]`` is this rank's gate | up halves (always parallel)."""
         if not self.input_is_parallel:
             raise ValueError(
-                "forward_silu_and_mul takes this rank's gate | up shard; build the layer with input_is_parallel=True"
+                "forward_silu_and_mul takes this rank's gate | up shard; build the layer with "
+                "input_is_parallel=True"
             )
         if self.tp.size == 1:
             return ops.silu_and_mul_linear(x, self.weight, self.bias)

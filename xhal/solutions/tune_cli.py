@@ -22,7 +22,8 @@ def _config(model: str, load_format: str) -> dict:
         )
     if load_format == "auto" and not any(config_file.parent.glob("*.safetensors")):
         raise click.BadParameter(
-            f"{config_file.parent} holds no *.safetensors: pass --load-format dummy to tune for its "
+            f"{config_file.parent} holds no *.safetensors: pass --load-format dummy to tune for "
+            f"its "
             "config.json's shapes alone",
             param_hint="MODEL",
         )
@@ -42,7 +43,8 @@ def _config(model: str, load_format: str) -> dict:
     type=click.Choice(["auto", "dummy"]),
     default="auto",
     show_default=True,
-    help="auto: MODEL is a checkpoint; dummy: only its config.json is needed. Weights are never read.",
+    help="auto: MODEL is a checkpoint; dummy: only its config.json is needed. Weights are never "
+         "read.",
 )
 @click.option(
     "--dtype",

@@ -134,7 +134,8 @@ def test_gemv_tensor_core_rows(M: int, dtype: torch.dtype) -> None:
     """Padded to 32 or 64 rows on tensor cores: the padding rows load zeros and store nothing."""
     if INTERPRETED and dtype == torch.bfloat16:
         pytest.skip(
-            "Triton 3.6's interpreter runs tl.dot on bfloat16's raw bits; compiled on CUDA it is checked"
+            "Triton 3.6's interpreter runs tl.dot on bfloat16's raw bits; compiled on CUDA it is "
+            "checked"
         )
     x, w, b, ref = _gemv_case(M, 100, 72, dtype, True)
     assert_matches(gemv(x, w, b), ref, dtype)

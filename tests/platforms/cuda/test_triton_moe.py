@@ -91,7 +91,8 @@ CASES = {
 def test_fused_experts_match_reference(case, dtype, config) -> None:
     if INTERPRETED and dtype == torch.bfloat16:
         pytest.skip(
-            "Triton 3.6's interpreter runs tl.dot on bfloat16's raw bits; compiled on CUDA it is checked"
+            "Triton 3.6's interpreter runs tl.dot on bfloat16's raw bits; compiled on CUDA it is "
+            "checked"
         )
     num_tokens, num_experts, top_k, hidden, inter, allowed = CASES[case]
     weights, ids = ref.route(

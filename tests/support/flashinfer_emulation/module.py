@@ -113,7 +113,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if self._use_cuda_graph:  # 0.5.3 copies into the caller's buffers
             if batch != self._fixed_batch_size:
                 raise ValueError(
-                    f"The batch size should be fixed in cudagraph mode: {batch} vs {self._fixed_batch_size}"
+                    f"The batch size should be fixed in cudagraph mode: {batch} vs "
+                    f"{self._fixed_batch_size}"
                 )
             if len(indices) > len(self._paged_kv_indices_buf):
                 raise ValueError(
@@ -172,7 +173,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         k_cache, v_cache = _kv_pair(paged_kv_cache)
         if (q.dtype, k_cache.dtype) != (self._q_dtype, self._kv_dtype):
             raise ValueError(
-                f"q / kv dtypes {q.dtype} / {k_cache.dtype}: planned {self._q_dtype} / {self._kv_dtype}"
+                f"q / kv dtypes {q.dtype} / {k_cache.dtype}: planned {self._q_dtype} / "
+                f"{self._kv_dtype}"
             )
         check(
             tuple(q.shape) == (batch, num_qo_heads, head_dim),

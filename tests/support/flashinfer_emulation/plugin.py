@@ -34,7 +34,8 @@ class EmulatedFlashInferPlatform(CpuPlatform):
         ),
         ops_dtypes=(torch.float32, torch.bfloat16, torch.float16),
         notes=(
-            "xhal.platforms.cuda's FlashInferAttention on a CPU emulation of FlashInfer 0.5.3 (tests only)",
+            "xhal.platforms.cuda's FlashInferAttention on a CPU emulation of FlashInfer 0.5.3 "
+            "(tests only)",
         ),
     )
 

@@ -18,7 +18,8 @@ from . import fia, graph, moe_ops, ops, registry, runtime, task_update
 
 BANNER = (
     "EMULATED torch_npu -- xhal TEST EMULATION, NOT the real Ascend torch_npu. Plain torch on CPU "
-    "tensors behind the real torch-npu wheel's schemas and meta functions; never ship or install it "
+    "tensors behind the real torch-npu wheel's schemas and meta functions; never ship or install "
+    "it "
     "as torch_npu."
 )
 

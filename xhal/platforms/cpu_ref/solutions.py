@@ -43,6 +43,7 @@ SOLUTIONS = (
         "xhal.solutions.torch_ops:TorchOps",
         _CPU,
         priority=-10,
-        description="the vectorized, sync-free sampler the GPU and NPU use (xhal.platforms.common.sampling)",
+        description="the vectorized, sync-free sampler the GPU and NPU use "
+                    "(xhal.platforms.common.sampling)",
     ),
 )

@@ -13,7 +13,8 @@ TRITON = Package("triton", "pip install 'xhal[cuda]' (triton)")
 FLASHINFER = Package("flashinfer", "pip install 'xhal[cuda]' (flashinfer-python==0.5.3)")
 TILELANG = Package(
     "tilelang",
-    "pip install tilelang==0.1.15 (with z3-solver, apache-tvm-ffi 0.1.12, ml-dtypes, torch-c-dlpack-ext;"
+    "pip install tilelang==0.1.15 (with z3-solver, apache-tvm-ffi 0.1.12, ml-dtypes, "
+    "torch-c-dlpack-ext;"
     " scripts/fetch_tilelang_wheels.sh for a machine without network)",
 )
 _HALF = (torch.float16, torch.bfloat16)

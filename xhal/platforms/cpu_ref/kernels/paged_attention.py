@@ -10,7 +10,8 @@ import torch
 _lib = torch.library.Library("xhal_cpu_ref", "FRAGMENT")
 _lib.define(
     "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor q_cu_seq_lens, "
-    "Tensor kv_seq_lens, Tensor block_table, float scale, int sliding_window, float soft_cap) -> Tensor"
+    "Tensor kv_seq_lens, Tensor block_table, float scale, int sliding_window, float soft_cap) -> "
+    "Tensor"
 )
 
 

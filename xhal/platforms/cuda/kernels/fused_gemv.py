@@ -217,7 +217,8 @@ def _check(name: str, x: torch.Tensor, weight: torch.Tensor, k: int) -> None:
         )
     if not 1 <= x.shape[0] <= MAX_CORE_M:
         raise ValueError(
-            f"{name}: x has {x.shape[0]} rows; this kernel takes 1..{MAX_CORE_M} (use the unfused ops)"
+            f"{name}: x has {x.shape[0]} rows; this kernel takes 1..{MAX_CORE_M} (use the unfused "
+            f"ops)"
         )
     if weight.shape[1] != k or weight.shape[0] == 0 or k == 0:
         raise ValueError(f"{name}: weight {tuple(weight.shape)} does not take inputs of width {k}")
@@ -252,7 +253,8 @@ def _launch(
         x = x.contiguous()
     if bias is not None and (bias.shape != (N,) or bias.device != x.device):
         raise ValueError(
-            f"fused_gemv: bias must be [{N}] on {x.device}, got {tuple(bias.shape)} on {bias.device}"
+            f"fused_gemv: bias must be [{N}] on {x.device}, got {tuple(bias.shape)} on "
+            f"{bias.device}"
         )
     cfg = (
         GemvConfig(*config)
@@ -345,7 +347,8 @@ def add_rms_norm_gemv(
     _check("add_rms_norm_gemv", x, weight, x.shape[-1])
     if residual.shape != x.shape or norm_weight.shape != (x.shape[-1],):
         raise ValueError(
-            f"add_rms_norm_gemv: residual {tuple(residual.shape)} and norm weight {tuple(norm_weight.shape)} "
+            f"add_rms_norm_gemv: residual {tuple(residual.shape)} and norm weight "
+            f"{tuple(norm_weight.shape)} "
             f"must be {tuple(x.shape)} and ({x.shape[-1]},)"
         )
     out, summed = _launch(_NORM, x, weight, bias, residual, norm_weight, eps, config, use_pdl)

@@ -79,7 +79,8 @@ def rotary_write_kv(
     hk = k.shape[1]
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape[-2:] != (hk, d):
         raise ValueError(
-            f"rotary_write_kv: caches must be contiguous [..., {hk}, {d}], got {tuple(k_cache.shape)}"
+            f"rotary_write_kv: caches must be contiguous [..., {hk}, {d}], got "
+            f"{tuple(k_cache.shape)}"
         )
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.stride(-1) != 1:
