@@ -54,7 +54,8 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 def xhal_side(model_dir: Path, args: argparse.Namespace):
-    """``timed(prompts, n) -> (seconds, ids of the first prompt)`` on xhal's engine, and its close."""
+    """``timed(prompts, n) -> (seconds, ids of the first prompt)`` on xhal's engine, and its
+    close."""
     from serve_cli.engine.config import EngineConfig
     from serve_cli.engine.core import EngineCore
     from serve_cli.engine.sampling import SamplingParams

@@ -55,7 +55,8 @@ def graph_us(run: Callable[[int], object], calls: int, iters: int) -> float:
 
 
 def wall_us(run: Callable[[int], object], calls: int, iters: int) -> float:
-    """The interpreter smoke run's stand-in for ``graph_us``: exercises the path, measures nothing."""
+    """The interpreter smoke run's stand-in for ``graph_us``: exercises the path, measures
+    nothing."""
     start = time.perf_counter()
     for i in range(calls):
         run(i)

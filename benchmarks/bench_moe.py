@@ -90,7 +90,8 @@ def floor_bytes(config: dict, batch: int, experts_per_layer: list[int]) -> dict[
 
 
 SWEEP = [(16, 32, 128), (16, 64, 64), (16, 64, 128), (32, 64, 64), (64, 64, 64)]  # (M, N, K) tiles
-# the small path's alternatives to its heuristic: (up rows, up K, down rows, down K, warps, up / down stages)
+# the small path's alternatives to its heuristic: (up rows, up K, down rows, down K, warps, up /
+# down stages)
 SMALL_SWEEP = [
     (8, 512, 8, 256, 4, 3, 5),
     (16, 256, 16, 256, 4, 3, 5),

@@ -3,7 +3,8 @@ shapes at batch 1, 16 and 64 (context 2K): torch / cuBLAS, FlashInfer, our Trito
 against unfused, each against its floor in the same run (bytes read / the read ceiling, or FLOPs /
 the matmul ceiling, whichever is larger).
 
-    python -m benchmarks.bench_solutions [--shapes llama3-8b llama3.2-1b] [--batches 1 16 64] [--tune]
+    python -m benchmarks.bench_solutions [--shapes llama3-8b llama3.2-1b] [--batches 1 16 64]
+    [--tune]
 
 Every row is timed as one CUDA graph of ``CALLS`` back-to-back calls cycling through enough
 weight copies to overflow L2 (``bench_gemv.graph_us``), as successive layers of a decode step run.
@@ -207,7 +208,8 @@ def bench_rotary_kv(config, m, ceil) -> list[dict]:
 
 
 def bench_attention(config, m, ceil, platform) -> list[dict]:
-    """Paged decode attention at context 2K: FlashInfer (the default backend) and the Triton fallback."""
+    """Paged decode attention at context 2K: FlashInfer (the default backend) and the Triton
+    fallback."""
     from benchmarks.bench_model import BLOCK, CTX, decode_metadata
     from xhal.interfaces import AttentionSpec, LayerCache
     from xhal.platforms.cuda.triton_attention import TritonAttention
@@ -273,7 +275,8 @@ def bench_attention(config, m, ceil, platform) -> list[dict]:
 
 
 def tune_stream_gemv(name, n, k, ceil, pdl_ok) -> list[dict]:
-    """Launch shapes of the streaming GEMV at batch 1: (block_n, block_k, split_k, warps, stages)."""
+    """Launch shapes of the streaming GEMV at batch 1: (block_n, block_k, split_k, warps,
+    stages)."""
     from xhal.platforms.cuda.kernels import fused_gemv
 
     dtype = torch.bfloat16

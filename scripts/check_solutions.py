@@ -12,7 +12,8 @@ import time
 
 import torch
 
-# what xhal/platforms/cuda/ops.py and platform.py picked by hand before solutions (FlashInfer installed)
+# what xhal/platforms/cuda/ops.py and platform.py picked by hand before solutions (FlashInfer
+# installed)
 LEGACY = {
     "cuda": {
         "linear": "triton",

@@ -55,7 +55,8 @@ def _check_device(value: str) -> None:
 
 
 def _apply_kernels(kernels: tuple[str, ...]) -> None:
-    """``--kernel OP=SOLUTION`` as ``XHAL_KERNEL_<OP>``, which the engine and worker processes inherit."""
+    """``--kernel OP=SOLUTION`` as ``XHAL_KERNEL_<OP>``, which the engine and worker processes
+    inherit."""
     if not kernels:
         return
     import os

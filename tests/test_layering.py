@@ -2,7 +2,8 @@
 
 1. Hardware-neutral code (models/, xhal/layers, xhal/executor, xhal/interfaces) imports nothing
    device-specific and names no device graph type.
-2. Backends (xhal/platforms/cpu_ref, xhal/platforms/cuda, xhal/platforms/npu) never import the layers above them.
+2. Backends (xhal/platforms/cpu_ref, xhal/platforms/cuda, xhal/platforms/npu) never import the
+layers above them.
 3. ``import xhal`` and the CPU path work where no device library can be imported.
 """
 

@@ -1,8 +1,8 @@
 """A complete xhal platform written from scratch in plain torch: the skeleton of a new backend.
 
-Nothing here comes from ``xhal.platforms.cpu_ref``; every piece is written against ``xhal.interfaces``
-alone, as a backend for new hardware would be, with the device kernels replaced by torch calls.
-Register it as a plugin and run the suite on it::
+Nothing here comes from ``xhal.platforms.cpu_ref``; every piece is written against
+``xhal.interfaces`` alone, as a backend for new hardware would be, with the device kernels replaced
+by torch calls. Register it as a plugin and run the suite on it::
 
     xhal-conformance --device skeleton --plugin examples.skeleton.skeleton_backend
 

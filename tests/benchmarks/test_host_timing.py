@@ -1,4 +1,5 @@
-"""benchmarks/host_timing.py's call wrappers: exclusive times add up, and the originals come back."""
+"""benchmarks/host_timing.py's call wrappers: exclusive times add up, and the originals come
+back."""
 
 from __future__ import annotations
 

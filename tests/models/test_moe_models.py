@@ -118,7 +118,8 @@ def test_xhal_serve_greedy_equals_transformers_generate(tmp_path: Path) -> None:
                          ids=["mixtral-graphs", "qwen2_moe-eager"])
 def test_tp2_matches_tp1(checkpoint_factory, name: str, enforce_eager: bool) -> None:
     """Each rank holds half of every expert's intermediate dimension; one all-reduce per MoE
-    block (after the experts' and the shared expert's partial sums are added) gives TP=1's logits."""
+    block (after the experts' and the shared expert's partial sums are added) gives TP=1's
+    logits."""
     full, results = tp2_matches_tp1(str(checkpoint_factory(name)), enforce_eager)
     for r in results:
         w13, w2 = (

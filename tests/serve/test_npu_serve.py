@@ -1,7 +1,7 @@
 """``xhal-serve --device npu`` end to end on the torch_npu emulation (``XHAL_PLUGINS`` loads
-``tests.support.npu_emulation.plugin`` into the server and its engine process), driven by the ``openai``
-client as tests/serve/test_serve_e2e.py drives the CPU server: chat and completions, streamed and not,
-with greedy output equal to ``xhal-serve --device cpu`` on the same checkpoint."""
+``tests.support.npu_emulation.plugin`` into the server and its engine process), driven by the
+``openai`` client as tests/serve/test_serve_e2e.py drives the CPU server: chat and completions,
+streamed and not, with greedy output equal to ``xhal-serve --device cpu`` on the same checkpoint."""
 
 from __future__ import annotations
 

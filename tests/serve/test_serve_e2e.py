@@ -31,7 +31,8 @@ WORDS = "the quick brown fox jumps over a lazy dog hello world one two three fou
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The GQA Llama of tests/support/checkpoints.py with its word-level tokenizer and a chat template."""
+    """The GQA Llama of tests/support/checkpoints.py with its word-level tokenizer and a chat
+    template."""
     from transformers import AutoTokenizer
 
     path = llama_gqa(tmp_path_factory.mktemp("serve-llama"), tokenizer=True)

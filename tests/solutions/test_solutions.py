@@ -213,7 +213,8 @@ def test_a_row_limited_solution_hands_larger_calls_to_the_next_best(toys) -> Non
             assert toy.CountingActivation.calls == expected_calls, shape
 
 
-# what xhal/platforms/cuda/ops.py and platform.py chose by hand before solutions, FlashInfer installed
+# what xhal/platforms/cuda/ops.py and platform.py chose by hand before solutions, FlashInfer
+# installed
 LEGACY_CUDA = {
     "linear": "triton",
     "rms_norm": "flashinfer",

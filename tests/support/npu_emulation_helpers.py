@@ -1,5 +1,6 @@
-"""Shared by the tests of the torch_npu emulation: the per-test ``emulated_npu`` and ``emulated_npu_platform`` fixtures, random
-paged batches, the FIA call as vllm-ascend makes it, and the float64 reference to check it against.
+"""Shared by the tests of the torch_npu emulation: the per-test ``emulated_npu`` and
+``emulated_npu_platform`` fixtures, random paged batches, the FIA call as vllm-ascend makes it, and
+the float64 reference to check it against.
 
 The reference is independent of the emulation: dense attention over K/V gathered per sequence by its
 block table.

@@ -27,7 +27,8 @@ class PagedHost:
     def step(
         self, chunks: list[tuple[int, list[int]]], pad_tokens: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """``chunks``: (seq_id, new token ids) per sequence; ``pad_tokens`` extra rows get slot -1."""
+        """``chunks``: (seq_id, new token ids) per sequence; ``pad_tokens`` extra rows get slot
+        -1."""
         ids, positions, slots, q_lens, kv_lens, rows = [], [], [], [], [], []
         for seq_id, tokens in chunks:
             seq = self.seqs.setdefault(seq_id, _Seq())

@@ -1,7 +1,7 @@
 """TEST-ONLY plugin: a wrong secondary CPU solution of ``rms_norm`` ("planted", below the
 reference, so never chosen: it leaves eps out). The conformance suite runs every registered
-solution, so ``xhal-conformance --device cpu --family ops --plugin tests.support.planted_solution_plugin``
-must fail on it although the chosen reference is right."""
+solution, so ``xhal-conformance --device cpu --family ops --plugin
+tests.support.planted_solution_plugin`` must fail on it although the chosen reference is right."""
 
 from __future__ import annotations
 

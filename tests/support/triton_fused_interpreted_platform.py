@@ -1,14 +1,14 @@
 """TEST-ONLY plugin: "cuda-fused-interpreted", the CUDA platform's fused decode kernels
-(``xhal.platforms.cuda.kernels.fused_gemv``: RMSNorm / SiLU gate fused into the GEMV; ``rotary_kv``: rotary
-fused into the KV write, through ``TritonAttention.forward_rotary``) run by Triton's interpreter on
-CPU tensors; everything else is the CPU reference.
+(``xhal.platforms.cuda.kernels.fused_gemv``: RMSNorm / SiLU gate fused into the GEMV; ``rotary_kv``:
+rotary fused into the KV write, through ``TritonAttention.forward_rotary``) run by Triton's
+interpreter on CPU tensors; everything else is the CPU reference.
 
-``xhal-conformance --device cuda-fused-interpreted --plugin tests.support.triton_fused_interpreted_platform
---family fused`` proves the kernels against the fused family's float64 references on any CPU.
-Each fused op runs with a forced K split of 2 where K allows it, so the split-K reduce (the
-sum of squares carried to it) is exercised at these small shapes too. Graphs are declared off,
-as in ``triton_interpreted_platform``: an interpreted kernel is not a torch op the CPU graph
-runner can record.
+``xhal-conformance --device cuda-fused-interpreted --plugin
+tests.support.triton_fused_interpreted_platform --family fused`` proves the kernels against the
+fused family's float64 references on any CPU. Each fused op runs with a forced K split of 2 where K
+allows it, so the split-K reduce (the sum of squares carried to it) is exercised at these small
+shapes too. Graphs are declared off, as in ``triton_interpreted_platform``: an interpreted kernel is
+not a torch op the CPU graph runner can record.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """``xhal-align``: run a checkpoint on xhal and on transformers with the same prompt and print,
 layer by layer, how far the hidden states are apart, then the logits.
 
-The xhal side prefills one sequence through an eager ``ModelExecutor`` over fresh paged caches. Hidden states are captured by forward hooks on both sides at the same points:
-the embeddings, each mixture-of-experts layer's router logits (``mlp.gate``, before the layer's
-output), each decoder layer's output (the residual stream after it) and the final norm.
+The xhal side prefills one sequence through an eager ``ModelExecutor`` over fresh paged caches.
+Hidden states are captured by forward hooks on both sides at the same points: the embeddings, each
+mixture-of-experts layer's router logits (``mlp.gate``, before the layer's output), each decoder
+layer's output (the residual stream after it) and the final norm.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The CUDA platform's FlashInfer attention (``xhal.platforms.cuda.attention``) on the FlashInfer emulation
-(``tests/support/flashinfer_emulation``, CPU tensors), so its bookkeeping is tested on every CI run and not
-only on a GPU:
+"""The CUDA platform's FlashInfer attention (``xhal.platforms.cuda.attention``) on the FlashInfer
+emulation (``tests/support/flashinfer_emulation``, CPU tensors), so its bookkeeping is tested on
+every CI run and not only on a GPU:
 
 - the conformance families that drive attention (attention, graph) pass through
   ``xhal-conformance --device flashinfer-emulated --plugin ...``;

@@ -1,5 +1,5 @@
-"""The Triton ``gemv`` (xhal/platforms/cuda/kernels/gemv.py) against float64 references: split K or not,
-bias, fp16 / bf16 / fp32, M up to 64 (CUDA cores to 16, tensor cores above), ragged N and K,
+"""The Triton ``gemv`` (xhal/platforms/cuda/kernels/gemv.py) against float64 references: split K or
+not, bias, fp16 / bf16 / fp32, M up to 64 (CUDA cores to 16, tensor cores above), ragged N and K,
 strided x, and its config heuristic. Interpreted on CPU when there is no CUDA device
 (tests/support/triton_env.py).
 """

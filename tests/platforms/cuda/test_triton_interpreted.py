@@ -1,7 +1,7 @@
 """The CUDA platform's Triton fallback attention (``TritonAttention``: plan, KV write, paged
 attention) through the conformance attention family, its kernels in Triton's interpreter on the
-CPU (``tests/support/triton_interpreted_platform.py``). Interpreted kernels are slow, so one dtype and
-block size of the non-prefill cases run here (the kernels' own tests cover prefill); the whole
+CPU (``tests/support/triton_interpreted_platform.py``). Interpreted kernels are slow, so one dtype
+and block size of the non-prefill cases run here (the kernels' own tests cover prefill); the whole
 family runs compiled on the GPU."""
 
 from __future__ import annotations

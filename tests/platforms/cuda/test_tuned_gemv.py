@@ -1,5 +1,5 @@
-"""linear=triton-tuned (xhal/platforms/cuda/tuned_gemv.py): every config of its space computes the float64
-result, the autotuner picks one per bucket, and it is registered below the plain GEMV so the
+"""linear=triton-tuned (xhal/platforms/cuda/tuned_gemv.py): every config of its space computes the
+float64 result, the autotuner picks one per bucket, and it is registered below the plain GEMV so the
 default choice does not change. Interpreted on CPU without a CUDA device (tests/triton_env.py)."""
 
 from __future__ import annotations

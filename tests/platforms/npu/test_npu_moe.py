@@ -33,8 +33,8 @@ def test_init_routing_follows_the_documented_example(npu) -> None:
     expanded_x, expanded_row_idx, expanded_expert_idx = torch_npu.npu_moe_init_routing(
         x, row_idx, expert_idx, 3
     )
-    # by hand: pairs sorted by expert are (row 1, e0) (row 2, e0) (row 0, e1) (row 1, e1) (row 0, e2)
-    # (row 2, e2), with original positions 1, 2, 0, 4, 3, 5
+    # by hand: pairs sorted by expert are (row 1, e0) (row 2, e0) (row 0, e1) (row 1, e1) (row 0,
+    # e2) (row 2, e2), with original positions 1, 2, 0, 4, 3, 5
     assert expanded_expert_idx.tolist() == [0, 0, 1, 1, 2, 2]
     assert torch.equal(expanded_x, x[[1, 2, 0, 1, 0, 2]])
     assert expanded_row_idx.tolist() == [2, 0, 1, 4, 3, 5]

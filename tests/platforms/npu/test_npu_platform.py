@@ -1,5 +1,5 @@
-"""The NPU platform (``xhal/platforms/npu``) on the torch_npu emulation (``tests/support/npu_emulation``, CPU
-tensors):
+"""The NPU platform (``xhal/platforms/npu``) on the torch_npu emulation
+(``tests/support/npu_emulation``, CPU tensors):
 
 - the whole conformance suite, through ``xhal-conformance --device npu --plugin ...``, passes
   every family;

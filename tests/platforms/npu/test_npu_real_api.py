@@ -41,7 +41,8 @@ def npu(emulated_npu):  # noqa: F811
 
 
 def backend_ops() -> set[str]:
-    """Every ``torch_npu`` op named in ``xhal/platforms/npu`` (called as ``npu.<op>`` or listed by name)."""
+    """Every ``torch_npu`` op named in ``xhal/platforms/npu`` (called as ``npu.<op>`` or listed by
+    name)."""
     names: set[str] = set()
     for path in NPU_SRC.rglob("*.py"):
         text = path.read_text()
@@ -78,8 +79,8 @@ def test_every_backend_op_is_in_the_wheel_and_emulated_under_its_schema(npu):
 
 
 def test_every_torch_npu_name_the_backend_uses_is_exported_by_the_wheel(npu):
-    """``torch.npu.<name>`` in xhal/platforms/npu is in the ``__all__`` of the wheel's torch_npu/npu, and the
-    emulated namespace has it."""
+    """``torch.npu.<name>`` in xhal/platforms/npu is in the ``__all__`` of the wheel's
+    torch_npu/npu, and the emulated namespace has it."""
     import ast
 
     from tests.support.npu_emulation.wheel import wheel_files
@@ -100,7 +101,8 @@ def test_every_torch_npu_name_the_backend_uses_is_exported_by_the_wheel(npu):
     assert all(hasattr(torch.npu, name) for name in used)
 
 
-# teeth: planted calls refused with the official rule ------------------------------------------------
+# teeth: planted calls refused with the official rule
+# ------------------------------------------------
 def test_wrong_keyword_name_is_refused(npu):
     b = make_batch([3], [3])
     with pytest.raises(TypeError, match="unexpected keyword argument 'scale_value'"):
@@ -149,7 +151,8 @@ def test_meta_function_refusals_surface(npu):
         call_fia(npu, b, num_heads=0)
 
 
-# the open questions, settled by the documentation ----------------------------------------------------
+# the open questions, settled by the documentation
+# ----------------------------------------------------
 @pytest.mark.parametrize("window", [1, 16, 33])
 def test_band_pre_tokens_counts_the_keys_before_the_query(npu, window):
     """pre_tokens '表示attention需要和前几个Token计算关联': W keys including the query itself are

@@ -12,7 +12,8 @@ import torch
 from xhal.platforms.cpu_ref.kernels.paged_attention import attend
 
 # The positional arguments of each module's plan in 0.5.3, as decode.py passes them
-# (csrc/batch_prefill.cu BatchPrefillWithKVCachePlan, csrc/batch_decode.cu BatchDecodeWithPagedKVCachePlan).
+# (csrc/batch_prefill.cu BatchPrefillWithKVCachePlan, csrc/batch_decode.cu
+# BatchDecodeWithPagedKVCachePlan).
 TENSOR_CORE_PLAN = (
     "float_ws", "int_ws", "pinned_ws", "qo_indptr", "indptr", "kv_lens", "total_num_rows", "batch",
     "num_qo_heads", "num_kv_heads", "page_size", "cuda_graph", "head_dim_qk", "head_dim_vo",
@@ -161,7 +162,8 @@ _modules: dict[tuple, CompiledModule] = {}
 
 
 def compiled_module(*key) -> CompiledModule:
-    """The module for ``CompiledModule(*key)``, built once (as FlashInfer loads a JIT module once)."""
+    """The module for ``CompiledModule(*key)``, built once (as FlashInfer loads a JIT module
+    once)."""
     if key not in _modules:
         _modules[key] = CompiledModule(*key)
     return _modules[key]

@@ -3,15 +3,17 @@ protocols, ``ExternalEvent`` (``torch_npu/npu/graphs.py`` of the wheel).
 
 Capture runs the work once under a ``TorchDispatchMode`` that records every op with the very
 tensors it touched; replay re-runs exactly those ops on those tensors (as
-``xhal/platforms/cpu_ref/graph.py``): in-place ops mutate again, out-of-place results are copied into the
-captured outputs. So everything Python-side is baked at capture, and in particular FIA's host int
-lists (``actual_seq_lengths*``): they are arguments of the one recorded FIA entry and change only
-through
+``xhal/platforms/cpu_ref/graph.py``): in-place ops mutate again, out-of-place results are copied
+into the captured outputs. So everything Python-side is baked at capture, and in particular FIA's
+host int lists (``actual_seq_lengths*``): they are arguments of the one recorded FIA entry and
+change only through
 
-* the manual protocol (vllm-ascend's ``update_graph_params``): ``graph_task_group_begin(s)`` / FIA / ``h = graph_task_group_end(s)``
-  under capture; later ``graph_task_update_begin(update_stream, h)``, FIA re-issued with new
-  arguments on ``update_stream``, ``graph_task_update_end(update_stream)``;
-* the automatic one (``NPUGraph.update`` of ``graphs.py``): capture with ``auto_dispatch_capture=True``, then
+* the manual protocol (vllm-ascend's ``update_graph_params``): ``graph_task_group_begin(s)`` / FIA /
+  ``h = graph_task_group_end(s)`` under capture; later ``graph_task_update_begin(update_stream,
+  h)``, FIA re-issued with new arguments on ``update_stream``,
+  ``graph_task_update_end(update_stream)``;
+* the automatic one (``NPUGraph.update`` of ``graphs.py``): capture with
+``auto_dispatch_capture=True``, then
   ``g.update(cpu_update_input=[{...}])`` before replay.
 
 A captured ``ExternalEvent.wait`` blocks a replay until the event is recorded outside the graph:
@@ -314,7 +316,8 @@ class NPUGraph:
             event.record(NPUGraph._update_stream)
 
 
-# task groups (graphs.py: graph_task_group_begin/end); their manual update is in task_update.py --------------------------
+# task groups (graphs.py: graph_task_group_begin/end); their manual update is in task_update.py
+# --------------------------
 def graph_task_group_begin(stream: Stream) -> None:
     g = runtime.capturing.get(stream)
     if g is None:

@@ -15,9 +15,10 @@ gives a callable for the emulated ``torch_npu`` module that, on every call,
 
 Overloads: ``real_op(name, kernel, overloads={"out": out_kernel})`` exposes ``op.out(...)``; an
 overload without a meta function of its own (FIA's ``.out``) is checked with the base op's meta
-on its inputs (``meta_from=`` names another op whose meta takes the same inputs). ATB ops come with no meta function in the wheel; they are bound to the schema of
-their C++ declaration and counted as "no meta". ``dispatch=`` replaces the plain ``torch.ops``
-call (FIA uses it to queue re-issued calls of a graph update).
+on its inputs (``meta_from=`` names another op whose meta takes the same inputs). ATB ops come with
+no meta function in the wheel; they are bound to the schema of their C++ declaration and counted as
+"no meta". ``dispatch=`` replaces the plain ``torch.ops`` call (FIA uses it to queue re-issued calls
+of a graph update).
 
 Ops are defined lazily, by ``define_all()`` (``install()`` calls it), so that importing the
 emulation needs no wheel. Every bind and every meta check is counted in ``COUNTS``; with

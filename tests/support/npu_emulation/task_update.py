@@ -1,6 +1,6 @@
-"""The manual task-group update protocol (``graphs.py`` of the wheel, as vllm-ascend uses it): ``graph_task_update_begin(stream,
-handle)``, ops re-issued on ``stream`` (queued, not run), ``graph_task_update_end(stream)`` replaces
-the arguments of the group's recorded entries."""
+"""The manual task-group update protocol (``graphs.py`` of the wheel, as vllm-ascend uses it):
+``graph_task_update_begin(stream, handle)``, ops re-issued on ``stream`` (queued, not run),
+``graph_task_update_end(stream)`` replaces the arguments of the group's recorded entries."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The torch-npu wheel the emulation reads its API from: pinned here, fetched once, never installed.
 
-The wheel is downloaded with pip (``pip download --no-deps``; importing torch_npu without CANN breaks
+The wheel is downloaded with pip (``pip download --no-deps``; importing torch_npu without CANN
+breaks
 ``import torch``, so it is only unzipped) into ``$XHAL_CACHE_DIR/torch-npu-<version>/`` (default
 ``~/.cache/xhal``), and the few text files the emulation reads are extracted next to it. Later runs,
 and the subprocesses of a run (conformance, the server), find them there and download nothing.

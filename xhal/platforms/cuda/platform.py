@@ -1,6 +1,6 @@
-"""The CUDA platform. Its kernels are solutions (``xhal/platforms/cuda/solutions.py``): ``cuda`` picks
-FlashInfer attention when it is installed (Triton otherwise); ``cuda-triton`` forces the Triton
-attention, so both paths can be proven by the suite."""
+"""The CUDA platform. Its kernels are solutions (``xhal/platforms/cuda/solutions.py``): ``cuda``
+picks FlashInfer attention when it is installed (Triton otherwise); ``cuda-triton`` forces the
+Triton attention, so both paths can be proven by the suite."""
 
 from __future__ import annotations
 

@@ -100,8 +100,8 @@ def _req(*packages: Package, dtypes: tuple[torch.dtype, ...] | None = None) -> R
     return Requirement(device_type="cuda", dtypes=dtypes, packages=packages)
 
 
-# the config space of linear=triton-tuned (xhal/platforms/cuda/tuned_gemv.py), spelled here so that the
-# declaration imports nothing
+# the config space of linear=triton-tuned (xhal/platforms/cuda/tuned_gemv.py), spelled here so that
+# the declaration imports nothing
 _GEMV_CONFIGS = (
     Config("heuristic", {}),
     Config("wide-rows", {"block_n_scale": 2}),

@@ -31,7 +31,8 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    # k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D] (contiguous: slot * Hkv * D is a row)
+    # k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D] (contiguous: slot * Hkv * D is a
+    # row)
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return

@@ -6,7 +6,8 @@ the sort and on a tile shape made for many rows; here the work is a weight strea
 decode GEMV. Two launches:
 
 - gate-up: one program per (pair, ``BLOCK_N`` intermediate rows) streams those gate and up rows of
-  the pair's expert against the token's hidden state and stores ``silu(gate) * up`` (``act [P, I]``);
+  the pair's expert against the token's hidden state and stores ``silu(gate) * up`` (``act [P,
+  I]``);
 - down + combine: one program per (token, ``BLOCK_N`` hidden rows) loops over the token's k
   experts, accumulating each down-projection slice times ``routing weight * act`` in float32, and
   stores the token's output row in the input dtype. The combine is part of the loop: no atomics,

@@ -74,7 +74,8 @@ def rotary_write_kv(
     """Rotated q ``[T, H, D]`` (new, contiguous); rotated k and v written into the contiguous
     caches ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping`` (-1 skipped). q, k, v may be
     strided (last dim contiguous or copied); positions int32 / int64 ``[T]``; cos_sin_cache
-    float32 ``[max_position, rotary_dim]``. Any CUDA GPU Triton runs on; graph-safe once compiled."""
+    float32 ``[max_position, rotary_dim]``. Any CUDA GPU Triton runs on; graph-safe once
+    compiled."""
     num_tokens, hq, d = q.shape
     hk = k.shape[1]
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape[-2:] != (hk, d):
