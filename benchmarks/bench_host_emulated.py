@@ -102,7 +102,8 @@ def measure(batch: int, ctx: int, steps: int = 64, shape: dict = CONFIG) -> dict
         ops.append(len(calls.ops))
     return {
         "batch": batch, "ctx": ctx, "stage_us": statistics.median(stage),
-        "attention_plan_us": statistics.median(plan), "plan_p95_us": sorted(plan)[int(0.95 * steps)],
+        "attention_plan_us": statistics.median(plan),
+        "plan_p95_us": sorted(plan)[int(0.95 * steps)],
         "execute_us": statistics.median(whole), "execute_p95_us": sorted(whole)[int(0.95 * steps)],
         "ops_per_step": statistics.median(ops), "ops_max": max(ops),
     }  # fmt: skip
@@ -118,7 +119,8 @@ def main() -> None:
     print(
         table(
             rows,
-            "graph decode step, host side (CPU, FlashInfer emulated, replay stubbed; 64 steps each)",
+            "graph decode step, host side (CPU, FlashInfer emulated, replay stubbed; "
+            "64 steps each)",
         )
     )
 

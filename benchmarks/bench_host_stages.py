@@ -85,8 +85,11 @@ def measure(model_dir: Path, batch: int, steps: int, prompt_len: int = 32) -> di
         )
         tokens, logprobs = pending.resolve()
         t6 = time.perf_counter()
-        done = DeviceStep(batch_, {s.request_id: states[s.request_id] for s in batch_.requests},
-                          sampled=[SampledToken(*row) for row in zip(rids, tokens, logprobs)])  # fmt: skip
+        done = DeviceStep(
+            batch_,
+            {s.request_id: states[s.request_id] for s in batch_.requests},
+            sampled=[SampledToken(*row) for row in zip(rids, tokens, logprobs)],
+        )
         outputs = engine.postprocessor.outputs(done, states)
         t7 = time.perf_counter()
         blob = pickle.dumps(StepOutputs(outputs), pickle.HIGHEST_PROTOCOL)

@@ -99,7 +99,8 @@ SMALL_SWEEP = [
     (4, 512, 4, 256, 4, 4, 8),
     (16, 512, 16, 256, 8, 3, 5),
 ]
-SWEEP_LAYERS = 4  # distinct layers per timed graph: their routed experts (300+ MB) overflow L2 as in a real step
+# distinct layers per timed graph: their routed experts (300+ MB) overflow L2 as in a real step
+SWEEP_LAYERS = 4
 
 
 def sweep_layers(model, batches: list[int], rate: float) -> list[dict]:

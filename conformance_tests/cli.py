@@ -119,7 +119,9 @@ def missing_coverage(device: str, families: tuple[str, ...], collector: _Collect
     )
 
 
-def run(device: str, families: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> tuple[int, _Collector]:
+def run(
+    device: str, families: tuple[str, ...] = (), extra: tuple[str, ...] = ()
+) -> tuple[int, _Collector]:
     paths = [str(p) for f in families for p in family_files(f)] or [str(SUITE_DIR)]
     collector = _Collector()
     args = [

@@ -124,7 +124,9 @@ def _rank_main(
             dist.destroy_process_group()
 
 
-def _run_ranks(device_name: str, tmp: Path, world_size: int = WORLD_SIZE, program: str = "world") -> list[dict]:
+def _run_ranks(
+    device_name: str, tmp: Path, world_size: int = WORLD_SIZE, program: str = "world"
+) -> list[dict]:
     ctx = mp.get_context("spawn")
     init_method = f"file://{tmp / 'rendezvous'}"
     procs = [

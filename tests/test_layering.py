@@ -217,7 +217,8 @@ BAD_BACKEND = [
     "from models import LlamaForCausalLM",
     "import serve_cli.worker",
     "from xhal import executor",
-    "from ...executor.executor import ModelExecutor",  # in package xhal.platforms.cuda -> xhal.executor
+    # in package xhal.platforms.cuda -> xhal.executor
+    "from ...executor.executor import ModelExecutor",
 ]
 
 

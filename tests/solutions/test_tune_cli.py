@@ -11,7 +11,8 @@ from pathlib import Path
 
 from tests.support.conformance_run import REPO, explain, suite_env
 
-CONFIG = {  # five distinct linear shapes: qkv 64x32, o 32x32, gate_up 96x32, down 32x48, lm_head 100x32
+# five distinct linear shapes: qkv 64x32, o 32x32, gate_up 96x32, down 32x48, lm_head 100x32
+CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "hidden_size": 32,
     "num_attention_heads": 4,

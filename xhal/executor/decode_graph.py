@@ -105,7 +105,8 @@ class DecodeGraphs:
         rows = self._rows.get(b)
         if rows is None:
             rows = self._rows[b] = [
-                self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], self.kv_seq_lens[:b], self.block_table[:b]
+                self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], self.kv_seq_lens[:b],
+                self.block_table[:b],
             ]  # fmt: skip
         dst, src = rows[:4], [input_ids, positions, m.slot_mapping, m.kv_seq_lens]
         # the multi-tensor kernel takes dense pairs of equal strides only; a narrower table is not

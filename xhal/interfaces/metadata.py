@@ -50,7 +50,8 @@ class AttentionMetadata:
     kv_seq_lens: torch.Tensor  # int32 [B], device
     q_seq_lens_host: torch.Tensor  # int32 [B], cpu
     kv_seq_lens_host: torch.Tensor  # int32 [B], cpu
-    block_table: torch.Tensor  # int32 [B, max_blocks], device; entries past a row's pages unspecified
+    # int32 [B, max_blocks], device; entries past a row's pages unspecified
+    block_table: torch.Tensor
     slot_mapping: torch.Tensor  # int32 [T], device
     paged_kv_indptr: torch.Tensor | None = None  # int32 [B+1], device
     paged_kv_indices: torch.Tensor | None = None  # int32 [nnz_pages], device

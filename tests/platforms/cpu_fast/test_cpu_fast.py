@@ -131,7 +131,8 @@ def test_ops_are_the_references_bit_for_bit(dtype: torch.dtype) -> None:
     for got, want in zip(fast.fused_add_rms_norm(x, residual, weight, 1e-6),
                          ref.fused_add_rms_norm(x, residual, weight, 1e-6)):
         assert torch.equal(got, want)
-    q, k = torch.randn(5, 4, 32, generator=g).to(dtype), torch.randn(5, 2, 32, generator=g).to(dtype)
+    q = torch.randn(5, 4, 32, generator=g).to(dtype)
+    k = torch.randn(5, 2, 32, generator=g).to(dtype)
     positions = torch.tensor([0, 3, 7, 1, 2])
     for rotary_dim in (32, 16):  # full and partial rotary
         cache = torch.randn(16, rotary_dim, generator=g)

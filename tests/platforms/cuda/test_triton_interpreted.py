@@ -21,8 +21,9 @@ CASES = "bfloat16 and bs16 and not prefill and not d256 and not long_context"
 
 def _suite(*extra: str) -> subprocess.CompletedProcess[str]:
     env = suite_env(XHAL_PLUGINS="tests.support.triton_interpreted_platform", TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning",
-           "conformance_tests/test_attention.py", "--device", "cuda-triton-interpreted", "-k", CASES, *extra]  # fmt: skip
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "-W", "ignore::DeprecationWarning", "conformance_tests/test_attention.py",
+           "--device", "cuda-triton-interpreted", "-k", CASES, *extra]  # fmt: skip
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 

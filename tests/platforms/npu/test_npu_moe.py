@@ -95,7 +95,8 @@ def test_grouped_matmul_refuses_what_is_not_emulated(npu) -> None:
 
 
 def test_grouped_matmul_takes_transposed_weight_views_and_group_sizes(npu) -> None:
-    """'支持weight转置. x不支持转置'; group_list_type 1 'group_list_type中数值为分组轴上每组大小'."""
+    """'支持weight转置. x不支持转置'; group_list_type 1
+    'group_list_type中数值为分组轴上每组大小'."""
     import torch_npu
 
     g = torch.Generator().manual_seed(1)

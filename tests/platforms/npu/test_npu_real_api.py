@@ -166,8 +166,9 @@ def test_band_pre_tokens_counts_the_keys_before_the_query(npu, window):
 
 
 def test_decode_batch_ignores_the_band_so_the_dummy_sequence_is_needed(npu):
-    """'Q_S为1且不带rope输入时该参数无效' (sparse_mode) and 'Q_S为1时该参数无效' (pre_tokens): with every
-    query of length 1 the band is not applied; one 2-token sequence more brings it back."""
+    """'Q_S为1且不带rope输入时该参数无效' (sparse_mode) and 'Q_S为1时该参数无效' (pre_tokens):
+    with every query of length 1 the band is not applied; one 2-token sequence more brings it
+    back."""
     d = make_batch([1, 1], [90, 200])
     full = call_fia(npu, d, sparse_mode=4, pre_tokens=15, next_tokens=0)
     assert max_err(full, reference(d)) < TOL and max_err(full, reference(d, window=16)) > 5 * TOL
@@ -260,7 +261,8 @@ def test_counts_bound_calls_and_meta_checks(npu):
 
 
 def test_out_overload_takes_the_documented_lse_buffer(npu):
-    """softmaxLse '数据类型支持float32' and, without softmax_lse_flag, '输出shape为[1]的值为0的Tensor'."""
+    """softmaxLse '数据类型支持float32' and, without softmax_lse_flag,
+    '输出shape为[1]的值为0的Tensor'."""
     b = make_batch([3, 1], [3, 9])
     kw = fia_kwargs(b)
     out, lse = torch.empty_like(b.q), torch.full((1,), 7.0)

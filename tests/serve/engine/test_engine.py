@@ -189,7 +189,9 @@ def test_eos_finishes_with_stop_unless_ignored(llama_gqa_dir: Path, reference) -
     assert outputs["ignore"][-1].finish_reason == "length"
 
 
-def test_stop_token_ids_finish_after_the_token_even_ignoring_eos(llama_gqa_dir: Path, reference) -> None:
+def test_stop_token_ids_finish_after_the_token_even_ignoring_eos(
+    llama_gqa_dir: Path, reference
+) -> None:
     engine = _engine(llama_gqa_dir)
     prompt = _prompts([12], seed=3)[0]
     expected = reference(prompt)

@@ -45,7 +45,8 @@ if not _registered():
 
     @torch.library.impl(_lib, "paged_decode", "CPU")
     def _paged_decode(
-        schedule, q, k_cache, v_cache, indptr, indices, last_page_len, out, window_left, soft_cap, sm_scale
+        schedule, q, k_cache, v_cache, indptr, indices, last_page_len, out, window_left, soft_cap,
+        sm_scale,
     ):  # fmt: skip
         """One query token per sequence. A sequence's page count comes from the plan's schedule
         (the work split), its first page, page ids and last-page length from the live buffers."""

@@ -187,7 +187,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         out = torch.empty_like(q) if out is None else out
         scale = self._sm_scale if self._sm_scale is not None else head_dim**-0.5
         torch.ops.xhal_fi_emu.paged_decode(
-            schedule_view(self._int_workspace_buffer, batch), q, k_cache, v_cache, self._paged_kv_indptr_buf,
+            schedule_view(self._int_workspace_buffer, batch), q, k_cache, v_cache,
+            self._paged_kv_indptr_buf,
             self._paged_kv_indices_buf, self._paged_kv_last_page_len_buf, out, self._window_left,
             self._soft_cap, float(scale),
         )  # fmt: skip

@@ -58,7 +58,8 @@ def _check_out(query, kw, attention_out, softmax_lse) -> None:
     if attention_out.shape != query.shape or attention_out.dtype != query.dtype:
         raise fail(f"attention_out is {attention_out.dtype} {tuple(attention_out.shape)}; the doc: "
                    "its shape is query's (TND), dtype query's")
-    # the doc: softmaxLse '数据类型支持float32', '当input_layout为TND时, 输出shape为(T,Q_N,1)的Tensor;
+    # the doc: softmaxLse '数据类型支持float32',
+    # '当input_layout为TND时, 输出shape为(T,Q_N,1)的Tensor;
     # softmax_lse_flag为False时, 则输出shape为[1]的值为0的Tensor'
     flag = kw.get("softmax_lse_flag", False)
     shape = (*query.shape[:2], 1) if flag else (1,)

@@ -48,8 +48,9 @@ def check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kw: dict[
     if query.dtype not in _DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
         raise fail(
             f"query/key/value dtypes {query.dtype}/{key.dtype}/{value.dtype}: page "
-            "attention takes float16 or bfloat16 (the doc: '支持key、value数据类型为float16、bfloat16、"
-            "int8'; int8 is not emulated), the same for all three"
+            "attention takes float16 or bfloat16 (the doc: "
+            "'支持key、value数据类型为float16、bfloat16、int8'; int8 is not emulated), "
+            "the same for all three"
         )
     if query.dim() != 3:
         raise fail(f"TND query must be [T, N, D], got shape {tuple(query.shape)}")
@@ -176,8 +177,8 @@ def _check_paged(key, value, kw, kv_lens, num_kv_heads, head_dim, max_q_len) -> 
             f"paged key/value {tuple(key.shape)}: expected (blocknum, {block_size}, "
             f"{num_kv_heads * head_dim}) [BnBsH] or (blocknum, {num_kv_heads}, {block_size}, "
             f"{head_dim}) [BnNBsD] (the doc: '当query的input_layout为BNSD、TND时, kv cache排布支持"
-            "(blocknum, blocksize, H)和(blocknum, KV_N, blocksize, D)两种格式'); a [nb, bs, Hkv, D] "
-            "cache is passed as cache.view(nb, bs, -1)"
+            "(blocknum, blocksize, H)和(blocknum, KV_N, blocksize, D)两种格式'); "
+            "a [nb, bs, Hkv, D] cache is passed as cache.view(nb, bs, -1)"
         )
     if min(kv_lens) < 0:
         raise fail(f"actual_seq_lengths_kv={kv_lens} has a negative length")

@@ -49,7 +49,9 @@ _NPU_NAMES = {
 }
 _OPS = {
     "npu_fused_infer_attention_score": fia.npu_fused_infer_attention_score,
-    "_npu_fused_infer_attention_score_get_max_workspace": fia._npu_fused_infer_attention_score_get_max_workspace,
+    "_npu_fused_infer_attention_score_get_max_workspace": (
+        fia._npu_fused_infer_attention_score_get_max_workspace
+    ),
     "npu_scatter_pa_kv_cache": ops.npu_scatter_pa_kv_cache,
     "_npu_reshape_and_cache": ops._npu_reshape_and_cache,
     "npu_scatter_nd_update_": ops.npu_scatter_nd_update_,

@@ -67,7 +67,8 @@ def _gemv_kernel(
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     ms = tl.arange(0, BLOCK_M)
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * K  # int64: N * K passes 2^31 for large vocabularies
+    # int64: N * K passes 2^31 for large vocabularies
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
     x_rows = x_ptr + ms[:, None] * x_stride_m
     # products stay unreduced until after the loop: summing over K every step, x row by x row,
     # costs cross-lane shuffles and an x re-layout per row (sm_90 SASS: ~4 instructions per

@@ -104,7 +104,9 @@ def _program(head_dim: int, page_size: int, dtype: str, block_h: int = 64):
                 T.clear(scores)
                 T.gemm(q_s, k_s, scores, transpose_B=True, policy=policy)
                 for i, j in T.Parallel(block_h, _BLOCK_N):
-                    scores[i, j] = T.if_then_else(base + j < kv_len, scores[i, j] * scale_log2, neg_inf)
+                    scores[i, j] = T.if_then_else(
+                        base + j < kv_len, scores[i, j] * scale_log2, neg_inf
+                    )
                 T.copy(row_max, prev_max)
                 T.reduce_max(scores, row_max, dim=1, clear=False)
                 for i in T.Parallel(block_h):
