@@ -7,8 +7,8 @@ earlier runs reported, kept comparable), and ``read_floor_ms``, the bytes a step
 embedding row per sequence instead of the whole table, unless it is tied to the LM head; every
 other weight; the KV) at the read-only streaming rate measured in the same run.
 
-    python -m benchmarks.bench_model [--shape llama3-8b|llama3.2-1b] [--quick] [--no-hf |
-    --hf-eager-only] [--profile]
+    python -m benchmarks.bench_model \\
+        [--shape llama3-8b|llama3.2-1b] [--quick] [--no-hf | --hf-eager-only] [--profile]
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ shapes at batch 1, 16 and 64 (context 2K): torch / cuBLAS, FlashInfer, our Trito
 against unfused, each against its floor in the same run (bytes read / the read ceiling, or FLOPs /
 the matmul ceiling, whichever is larger).
 
-    python -m benchmarks.bench_solutions [--shapes llama3-8b llama3.2-1b] [--batches 1 16 64]
-    [--tune]
+    python -m benchmarks.bench_solutions \\
+        [--shapes llama3-8b llama3.2-1b] [--batches 1 16 64] [--tune]
 
 Every row is timed as one CUDA graph of ``CALLS`` back-to-back calls cycling through enough
 weight copies to overflow L2 (``bench_gemv.graph_us``), as successive layers of a decode step run.
