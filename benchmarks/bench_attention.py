@@ -26,11 +26,17 @@ def make_step(batch: int, q_len: int, ctx: int, num_blocks: int, device) -> Atte
     q = torch.full((batch,), q_len, dtype=torch.int32)
     pos = torch.arange(ctx - q_len, ctx)
     slots = (blocks[:, pos // BLOCK].long() * BLOCK + pos % BLOCK).flatten().int()
-    kind = BatchKind.DECODE if q_len == 1 else (BatchKind.PREFILL if q_len == ctx else BatchKind.CHUNKED_PREFILL)
+    kind = (
+        BatchKind.DECODE
+        if q_len == 1
+        else (BatchKind.PREFILL if q_len == ctx else BatchKind.CHUNKED_PREFILL)
+    )
     return AttentionMetadata.from_host_lengths(kind, q, kv, blocks.to(device), slots.to(device))
 
 
-def run(platform_name: str, batch: int, q_len: int, ctx: int, tensor_cores: bool | None = None) -> float:
+def run(
+    platform_name: str, batch: int, q_len: int, ctx: int, tensor_cores: bool | None = None
+) -> float:
     """Median ms of one attention forward (KV write + attention) over one layer."""
     platform = xhal.platforms.get(platform_name)
     device = platform.device()
@@ -42,7 +48,10 @@ def run(platform_name: str, batch: int, q_len: int, ctx: int, tensor_cores: bool
         backend = FlashInferAttention(spec, backend.workspace, use_tensor_cores=tensor_cores)
     num_blocks = batch * -(-ctx // BLOCK) + 8
     shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    cache = LayerCache(torch.randn(shape, dtype=torch.bfloat16, device=device), torch.randn(shape, dtype=torch.bfloat16, device=device))
+    cache = LayerCache(
+        torch.randn(shape, dtype=torch.bfloat16, device=device),
+        torch.randn(shape, dtype=torch.bfloat16, device=device),
+    )
     backend.bind_kv_caches([cache])
     meta = make_step(batch, q_len, ctx, num_blocks, device)
     backend.plan(meta)
@@ -50,7 +59,10 @@ def run(platform_name: str, batch: int, q_len: int, ctx: int, tensor_cores: bool
     q = torch.randn(t, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
     k = torch.randn(t, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
     v = torch.randn_like(k)
-    fn = lambda: backend.forward(0, q, k, v)
+
+    def fn():
+        return backend.forward(0, q, k, v)
+
     # decode runs inside CUDA graphs when served, so time it there: launch overhead excluded
     return time_graph(fn) if q_len == 1 else time_cuda(fn)
 
@@ -63,7 +75,11 @@ def main() -> None:
     ceil = ceilings()
     rows = []
     batches, ctxs = ([1, 64], [2048]) if args.quick else ([1, 16, 64, 256], [512, 2048, 8192])
-    paths = {"flashinfer-tc": ("cuda", None), "flashinfer-cc": ("cuda", False), "triton": ("cuda-triton", None)}
+    paths = {
+        "flashinfer-tc": ("cuda", None),
+        "flashinfer-cc": ("cuda", False),
+        "triton": ("cuda-triton", None),
+    }
     if args.decode_only:
         paths = {"flashinfer-tc": paths["flashinfer-tc"], "flashinfer-cc": paths["flashinfer-cc"]}
     for path, (name, tc) in paths.items():
@@ -71,23 +87,39 @@ def main() -> None:
             for ctx in ctxs:
                 ms = run(name, batch, 1, ctx, tc)
                 kv_bytes = batch * ctx * KV_HEADS * HEAD_DIM * 2 * 2
-                rows.append({
-                    "path": path, "batch": batch, "ctx": ctx,
-                    "us": ms * 1e3, "TB/s": kv_bytes / (ms * 1e-3) / 1e12,
-                    "of_copy_ceiling": kv_bytes / (ms * 1e-3) / ceil["bandwidth"],
-                })
-    print(table(rows, "decode attention in a CUDA graph (bf16, 32q/8kv heads, D=128, page 16; tc = tensor-core kernel, cc = CUDA cores): KV bytes read / time"))
+                rows.append(
+                    {
+                        "path": path,
+                        "batch": batch,
+                        "ctx": ctx,
+                        "us": ms * 1e3,
+                        "TB/s": kv_bytes / (ms * 1e-3) / 1e12,
+                        "of_copy_ceiling": kv_bytes / (ms * 1e-3) / ceil["bandwidth"],
+                    }
+                )
+    print(
+        table(
+            rows,
+            "decode attention in a CUDA graph (bf16, 32q/8kv heads, D=128, page 16; tc = "
+            "tensor-core kernel, cc = CUDA cores): KV bytes read / time",
+        )
+    )
     if args.decode_only:
         return
     rows = []
     for name in ("cuda", "cuda-triton"):
-        for length in ([2048] if args.quick else [1024, 4096]):
+        for length in [2048] if args.quick else [1024, 4096]:
             ms = run(name, 1, length, length)
             flops = 2 * length * length * HEAD_DIM * HEADS  # causal: half of 4 * L^2 * D * H
-            rows.append({
-                "path": "flashinfer" if name == "cuda" else "triton", "tokens": length, "ms": ms,
-                "TFLOP/s": flops / (ms * 1e-3) / 1e12, "of_matmul_ceiling": flops / (ms * 1e-3) / ceil["flops"],
-            })
+            rows.append(
+                {
+                    "path": "flashinfer" if name == "cuda" else "triton",
+                    "tokens": length,
+                    "ms": ms,
+                    "TFLOP/s": flops / (ms * 1e-3) / 1e12,
+                    "of_matmul_ceiling": flops / (ms * 1e-3) / ceil["flops"],
+                }
+            )
     print(table(rows, "prefill attention (bf16, causal, one sequence)"))
 
 

@@ -39,7 +39,9 @@ def make_decode(kv_lens: list[int], block: int, num_blocks: int, device) -> Atte
     pos = kv.long() - 1
     slots = (table_[torch.arange(len(kv_lens)), pos // block].long() * block + pos % block).int()
     q = torch.ones(len(kv_lens), dtype=torch.int32)
-    return AttentionMetadata.from_host_lengths(BatchKind.DECODE, q, kv, table_.to(device), slots.to(device))
+    return AttentionMetadata.from_host_lengths(
+        BatchKind.DECODE, q, kv, table_.to(device), slots.to(device)
+    )
 
 
 def reference(q, cache: LayerCache, m: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -57,7 +59,13 @@ def reference(q, cache: LayerCache, m: AttentionMetadata, scale: float) -> torch
 
 
 def decode_case(
-    name: str, batch: int, ctx: int, block: int, dtype=torch.bfloat16, ragged: bool = False, block_h: int | None = None
+    name: str,
+    batch: int,
+    ctx: int,
+    block: int,
+    dtype=torch.bfloat16,
+    ragged: bool = False,
+    block_h: int | None = None,
 ):
     """(error vs float64, median us in a graph) of one KV write + decode attention layer;
     ``block_h`` forces TileLang's row tile (query heads per CTA)."""
@@ -66,19 +74,24 @@ def decode_case(
     spec = AttentionSpec(HEADS, KV_HEADS, HEAD_DIM, dtype, block)
     backend = platform.attention_backend(spec)
     if block_h is not None:
-        from xhal.platforms.cuda.triton_attention import TritonAttention
         from xhal.platforms.cuda.tilelang_attention import TileLangAttention
+        from xhal.platforms.cuda.triton_attention import TritonAttention
 
         backend = TileLangAttention(spec, TritonAttention(spec), backend.num_sms, block_h=block_h)
     lens = torch.randint(1, ctx + 1, (batch,)).tolist() if ragged else [ctx] * batch
     num_blocks = sum(-(-n // block) for n in lens) + 8
     shape = (num_blocks, block, KV_HEADS, HEAD_DIM)
-    cache = LayerCache(torch.randn(shape, dtype=dtype, device=device), torch.randn(shape, dtype=dtype, device=device))
+    cache = LayerCache(
+        torch.randn(shape, dtype=dtype, device=device),
+        torch.randn(shape, dtype=dtype, device=device),
+    )
     backend.bind_kv_caches([cache])
     m = make_decode(lens, block, num_blocks, device)
     backend.plan(m)
     qkv = torch.randn(batch, HEADS + 2 * KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
-    q, k, v = qkv.split([HEADS, KV_HEADS, KV_HEADS], dim=1)  # strided views, as the models pass them
+    q, k, v = qkv.split(
+        [HEADS, KV_HEADS, KV_HEADS], dim=1
+    )  # strided views, as the models pass them
     out = backend.forward(0, q, k, v)
     err = (out.double().cpu() - reference(q, cache, m, spec.softmax_scale)).abs().max().item()
     us = time_graph(lambda: backend.forward(0, q, k, v)) * 1e3
@@ -100,15 +113,19 @@ def norm_case(name: str, rows: int, hidden: int = 4096):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="page 16 only, no fp16 / ragged checks")
+    parser.add_argument(
+        "--quick", action="store_true", help="page 16 only, no fp16 / ragged checks"
+    )
     args = parser.parse_args()
     read = read_bandwidth()["read"]
     print(f"read ceiling {read / 1e12:.2f} TB/s (read-only streaming kernel, this run)")
     # tilelang: the row tile chosen per step (16 query-head rows per CTA for split batches, 64 for
     # unsplit ones); -h16 / -h64 force one
     names = {
-        "tilelang": ("cuda-tilelang", None), "tilelang-h16": ("cuda-tilelang", 16),
-        "tilelang-h64": ("cuda-tilelang", 64), "triton": ("cuda-triton", None),
+        "tilelang": ("cuda-tilelang", None),
+        "tilelang-h16": ("cuda-tilelang", 16),
+        "tilelang-h64": ("cuda-tilelang", 64),
+        "triton": ("cuda-triton", None),
     }
     if "cuda" in xhal.platforms.available() and xhal.platforms.get("cuda").has_flashinfer:
         names["flashinfer"] = ("cuda", None)
@@ -116,30 +133,60 @@ def main() -> None:
     # are proven by the conformance suite)
     checks = []
     for block in (16, 128):
-        for dtype in ((torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float16)):
+        for dtype in (torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float16):
             for batch in (1, 7, 64):
                 t0 = time.perf_counter()
                 err, _ = decode_case("cuda-tilelang", batch, 3000, block, dtype, ragged=True)
-                checks.append({"block": block, "dtype": str(dtype)[6:], "batch": batch, "max_err": err,
-                               "s": time.perf_counter() - t0})
+                checks.append(
+                    {
+                        "block": block,
+                        "dtype": str(dtype)[6:],
+                        "batch": batch,
+                        "max_err": err,
+                        "s": time.perf_counter() - t0,
+                    }
+                )
     print(table(checks, "TileLang decode vs float64 (ragged contexts up to 3000, strided q)"))
     rows = []
-    for block in ((16,) if args.quick else (16, 128)):
+    for block in (16,) if args.quick else (16, 128):
         for batch in (1, 16, 64):
             kv_bytes = batch * 2048 * KV_HEADS * HEAD_DIM * 2 * 2
             for sol, (name, block_h) in names.items():
                 if sol == "flashinfer" and block != 16:
                     continue  # FlashInfer's page-128 kernels are another JIT build
                 err, us = decode_case(name, batch, 2048, block, block_h=block_h)
-                rows.append({"solution": sol, "page": block, "batch": batch, "us": us, "err": err,
-                             "TB/s": kv_bytes / (us * 1e-6) / 1e12, "of_read": kv_bytes / (us * 1e-6) / read})
-    print(table(rows, "decode attention layer (KV write + attention) in a CUDA graph, bf16 32q/8kv D128 ctx 2048: KV bytes / time"))
+                rows.append(
+                    {
+                        "solution": sol,
+                        "page": block,
+                        "batch": batch,
+                        "us": us,
+                        "err": err,
+                        "TB/s": kv_bytes / (us * 1e-6) / 1e12,
+                        "of_read": kv_bytes / (us * 1e-6) / read,
+                    }
+                )
+    print(
+        table(
+            rows,
+            "decode attention layer (KV write + attention) in a CUDA graph, bf16 32q/8kv D128 ctx "
+            "2048: KV bytes / time",
+        )
+    )
     rows = []
     for batch in (1, 16, 64):
         moved = batch * 4096 * 2 * 4 + 4096 * 2  # x, residual read; normed, summed written; weight
         for sol, name in (("tilelang", "cuda-tilelang"), ("triton", "cuda-triton")):
             err, us = norm_case(name, batch)
-            rows.append({"solution": sol, "rows": batch, "us": us, "err": err, "GB/s": moved / (us * 1e-6) / 1e9})
+            rows.append(
+                {
+                    "solution": sol,
+                    "rows": batch,
+                    "us": us,
+                    "err": err,
+                    "GB/s": moved / (us * 1e-6) / 1e9,
+                }
+            )
     print(table(rows, "fused add + RMSNorm in a CUDA graph, bf16 hidden 4096"))
 
 

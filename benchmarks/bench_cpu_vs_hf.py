@@ -54,17 +54,26 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 def xhal_side(model_dir: Path, args: argparse.Namespace):
-    """``timed(prompts, n) -> (seconds, ids of the first prompt)`` on xhal's engine, and its close."""
+    """``timed(prompts, n) -> (seconds, ids of the first prompt)`` on xhal's engine, and its
+    close."""
     from serve_cli.engine.config import EngineConfig
     from serve_cli.engine.core import EngineCore
     from serve_cli.engine.offline import generate
     from serve_cli.engine.sampling import SamplingParams
 
-    engine = EngineCore(EngineConfig(
-        model_dir=model_dir, device="cpu", dtype="float32", max_model_len=2048,
-        max_num_batched_tokens=2048, max_num_seqs=max(args.concurrency, 1), num_kv_blocks=1024,
-        enable_prefix_caching=False, enforce_eager=args.enforce_eager,
-    ))
+    engine = EngineCore(
+        EngineConfig(
+            model_dir=model_dir,
+            device="cpu",
+            dtype="float32",
+            max_model_len=2048,
+            max_num_batched_tokens=2048,
+            max_num_seqs=max(args.concurrency, 1),
+            num_kv_blocks=1024,
+            enable_prefix_caching=False,
+            enforce_eager=args.enforce_eager,
+        )
+    )
 
     def timed(prompts: list[list[int]], n: int) -> tuple[float, list[int]]:
         params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
@@ -85,9 +94,15 @@ def hf_side(model_dir: Path, args: argparse.Namespace):
     def timed(prompts: list[list[int]], n: int) -> tuple[float, list[int]]:
         ids = torch.tensor(prompts)  # prompts of one length: no padding
         start = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                             min_new_tokens=n, do_sample=False, pad_token_id=0)
-        return time.perf_counter() - start, out[0, ids.shape[1]:].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        return time.perf_counter() - start, out[0, ids.shape[1] :].tolist()
 
     return timed, lambda: None
 
@@ -115,8 +130,12 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--prefill-tokens", type=int, default=1300)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="rounds, xhal then transformers in each; medians are printed")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds, xhal then transformers in each; medians are printed",
+    )
     parser.add_argument("--enforce-eager", action="store_true", help="xhal without CPU 'graphs'")
     parser.add_argument("--dir", type=Path, default=None, help="checkpoint dir (made once, reused)")
     args = parser.parse_args()
@@ -127,12 +146,16 @@ def main() -> None:
         for timed, _ in sides.values():
             timed([_prompt(32, 0)], 2)  # warm-up
         # alternate the two within each round, so a change in the machine's load hits both
-        rounds = [{name: measure(timed, args) for name, (timed, _) in sides.items()}
-                  for _ in range(args.rounds)]
+        rounds = [
+            {name: measure(timed, args) for name, (timed, _) in sides.items()}
+            for _ in range(args.rounds)
+        ]
         for _, close in sides.values():
             close()
-    print(f"CPU, {args.threads} threads, SmolLM2-135M shape (random float32 weights), greedy, "
-          f"median of {args.rounds} round(s)")
+    print(
+        f"CPU, {args.threads} threads, SmolLM2-135M shape (random float32 weights), greedy, "
+        f"median of {args.rounds} round(s)"
+    )
     print(f"{'':<34}{'xhal':>12}{'transformers':>14}{'xhal / hf':>11}")
     rows = (
         ("decode, batch 1 (tok/s)", "decode_tok_s", True),
@@ -143,12 +166,17 @@ def main() -> None:
         xs = [r["xhal"][key] for r in rounds]
         hs = [r["hf"][key] for r in rounds]
         ratios = [x / h if higher else h / x for x, h in zip(xs, hs)]
-        print(f"{title:<34}{statistics.median(xs):>12.2f}{statistics.median(hs):>14.2f}"
-              f"{statistics.median(ratios):>10.2f}x")
+        print(
+            f"{title:<34}{statistics.median(xs):>12.2f}{statistics.median(hs):>14.2f}"
+            f"{statistics.median(ratios):>10.2f}x"
+        )
         if args.rounds > 1:
             print(f"{'  per round, xhal / hf':<34}" + " ".join(f"{r:.2f}x" for r in ratios))
     scaling = [r["xhal"]["concurrent_tok_s"] / r["xhal"]["decode_tok_s"] for r in rounds]
-    print(f"xhal {args.concurrency}-request aggregate / batch-1 rate: {statistics.median(scaling):.2f}x")
+    print(
+        f"xhal {args.concurrency}-request aggregate / batch-1 rate: "
+        f"{statistics.median(scaling):.2f}x"
+    )
     same = all(r["xhal"]["ids"] == r["hf"]["ids"] for r in rounds)
     print(f"greedy ids identical (batch 1, {args.decode_tokens} tokens): {same}")
 

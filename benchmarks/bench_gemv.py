@@ -55,7 +55,8 @@ def graph_us(run: Callable[[int], object], calls: int, iters: int) -> float:
 
 
 def wall_us(run: Callable[[int], object], calls: int, iters: int) -> float:
-    """The interpreter smoke run's stand-in for ``graph_us``: exercises the path, measures nothing."""
+    """The interpreter smoke run's stand-in for ``graph_us``: exercises the path, measures
+    nothing."""
     start = time.perf_counter()
     for i in range(calls):
         run(i)
@@ -82,14 +83,24 @@ def candidates(M: int, N: int, K: int, num_sms: int) -> list[tuple[int, int, int
     heuristic = gemv_config(M, N, K, num_sms)
     if M > MAX_CORE_M:  # tensor cores: weight tiles of 32-128 rows x 64-256, split or not
         grid = {heuristic, heuristic._replace(num_stages=3)}
-        for block_n, block_k, warps in [(32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 256, 4), (128, 128, 8)]:
+        for block_n, block_k, warps in [
+            (32, 128, 4),
+            (64, 64, 4),
+            (64, 128, 4),
+            (64, 256, 4),
+            (128, 128, 8),
+        ]:
             block_k = min(block_k, max(16, triton.next_power_of_2(K)))
             for split_k in {1, 2, gemv_split_k(N, K, block_n, block_k, num_sms)}:
                 grid.add(GemvConfig(block_n, block_k, split_k, warps, 4))
         return sorted(grid)
     grid = {heuristic._replace(num_stages=s) for s in (2, 3, 4)}
     wide = 2 * heuristic.block_n  # the same weights per thread over 8 warps
-    grid.add(GemvConfig(wide, heuristic.block_k, gemv_split_k(N, K, wide, heuristic.block_k, num_sms), 8, 3))
+    grid.add(
+        GemvConfig(
+            wide, heuristic.block_k, gemv_split_k(N, K, wide, heuristic.block_k, num_sms), 8, 3
+        )
+    )
     most = min(64, 128 // triton.next_power_of_2(M))  # weights per thread per step, 4 warps
     for block_n in (4, 8, 16, 32):
         for per_thread in (most, most // 2):
@@ -129,10 +140,16 @@ def run_case(
     weight_bytes = weights[0].numel() * weights[0].element_size()
     x = torch.randn(M, K, dtype=weights[0].dtype, device=setup.device)
     ref = F.linear(x.float(), weights[0].float())
-    err = lambda out: (out.float() - ref).abs().max().item()
+
+    def err(out):
+        return (out.float() - ref).abs().max().item()
+
     err_cublas = err(F.linear(x, weights[0]))
     tol = max(2 * err_cublas, 2**-7 * ref.abs().max().item())  # a bf16 ulp at the largest output
-    rate = lambda us: weight_bytes / (us * 1e-6)
+
+    def rate(us):
+        return weight_bytes / (us * 1e-6)
+
     config = gemv_config(M, N, K, setup.num_sms)
     err_gemv = err(gemv(x, weights[0], config=config))  # also compiles, outside any capture
 
@@ -142,11 +159,20 @@ def run_case(
 
     us_cublas, us_gemv = timed(F.linear), timed(gemv, config)
     row = {
-        "shape": name, "M": M, "N": N, "K": K, "config": fmt_config(config),
-        "cublas_us": us_cublas, "gemv_us": us_gemv,
-        "cublas_TB/s": rate(us_cublas) / 1e12, "gemv_TB/s": rate(us_gemv) / 1e12,
-        "gemv_of_copy": rate(us_gemv) / setup.bandwidth, "speedup": us_cublas / us_gemv,
-        "err_gemv": err_gemv, "err_cublas": err_cublas, "ok": err_gemv <= tol,
+        "shape": name,
+        "M": M,
+        "N": N,
+        "K": K,
+        "config": fmt_config(config),
+        "cublas_us": us_cublas,
+        "gemv_us": us_gemv,
+        "cublas_TB/s": rate(us_cublas) / 1e12,
+        "gemv_TB/s": rate(us_gemv) / 1e12,
+        "gemv_of_copy": rate(us_gemv) / setup.bandwidth,
+        "speedup": us_cublas / us_gemv,
+        "err_gemv": err_gemv,
+        "err_cublas": err_cublas,
+        "ok": err_gemv <= tol,
     }
     swept, skipped = [], []
     for cfg in candidates(M, N, K, setup.num_sms) if sweep else []:
@@ -158,11 +184,20 @@ def run_case(
         except OutOfResources:  # too much shared memory for this tile and stage count
             skipped.append(f"{fmt_config(cfg)} (out of resources)")
             continue
-        swept.append({
-            "shape": name, "M": M, "N": N, "K": K, "config": fmt_config(cfg), "us": us,
-            "TB/s": rate(us) / 1e12, "of_copy": rate(us) / setup.bandwidth,
-            "vs_heuristic": us_gemv / us, "vs_cublas": us_cublas / us,
-        })
+        swept.append(
+            {
+                "shape": name,
+                "M": M,
+                "N": N,
+                "K": K,
+                "config": fmt_config(cfg),
+                "us": us,
+                "TB/s": rate(us) / 1e12,
+                "of_copy": rate(us) / setup.bandwidth,
+                "vs_heuristic": us_gemv / us,
+                "vs_cublas": us_cublas / us,
+            }
+        )
     if skipped:
         print(f"{name} M={M}: skipped {', '.join(skipped)}")
     return row, sorted(swept, key=lambda r: r["us"])
@@ -170,13 +205,19 @@ def run_case(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sweep", action="store_true", help="also time a grid of configs per shape")
-    parser.add_argument("--all-configs", action="store_true", help="with --sweep, print every config's time")
+    parser.add_argument(
+        "--sweep", action="store_true", help="also time a grid of configs per shape"
+    )
+    parser.add_argument(
+        "--all-configs", action="store_true", help="with --sweep, print every config's time"
+    )
     parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8], help="rows of x")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--interpret-smoke", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.interpret_smoke:  # CPU dry run of every code path, tiny shapes, under Triton's interpreter
+    if (
+        args.interpret_smoke
+    ):  # CPU dry run of every code path, tiny shapes, under Triton's interpreter
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
         setup = Setup(torch.device("cpu"), wall_us, 2, 1, 1e9, 132)
         shapes, ms_rows = SMOKE_SHAPES, [1, 3]
@@ -193,7 +234,8 @@ def main() -> None:
     for name, (N, K) in shapes.items():
         copies = weight_copies(N * K * 2, setup.device)
         weights = [
-            torch.randn(N, K, dtype=torch.bfloat16, device=setup.device).mul_(K**-0.5) for _ in range(copies)
+            torch.randn(N, K, dtype=torch.bfloat16, device=setup.device).mul_(K**-0.5)
+            for _ in range(copies)
         ]
         for M in ms_rows:
             row, swept = run_case(setup, name, weights, M, args.sweep)
@@ -203,14 +245,20 @@ def main() -> None:
                 best_rows.append({**swept[0], "heuristic": row["config"], "tried": len(swept)})
                 every_row += swept
                 speedups[(name, M)] = max(row["speedup"], swept[0]["vs_cublas"])
-    print(table(rows, f"decode GEMV, bf16, {setup.calls} calls per CUDA graph: weight bytes / time; "
-                      "err = max |out - fp32 reference|"))
+    print(
+        table(
+            rows,
+            f"decode GEMV, bf16, {setup.calls} calls per CUDA graph: weight bytes / time; "
+            "err = max |out - fp32 reference|",
+        )
+    )
     if args.all_configs and every_row:
         print(table(every_row, "sweep: every config, fastest first per (M, N, K)"))
     if best_rows:
         print(table(best_rows, "sweep: best config per (M, N, K); vs_* = its speedup"))
     summary = [
-        {"shape": name, **{f"M={M}": f"{speedups[(name, M)]:.2f}x" for M in ms_rows}} for name in shapes
+        {"shape": name, **{f"M={M}": f"{speedups[(name, M)]:.2f}x" for M in ms_rows}}
+        for name in shapes
     ]
     label = "the best swept config" if args.sweep else "gemv_config"
     print(table(summary, f"speedup of gemv ({label}) over cuBLAS"))

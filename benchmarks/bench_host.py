@@ -62,7 +62,9 @@ def op_costs() -> list[dict]:
     ops: dict[str, Callable[[], object]] = {
         "python call (no device op)": lambda: None,
         "copy_ D2D, 64 int32": lambda: small[0].copy_(small[1], non_blocking=True),
-        "_foreach_copy_ D2D, 4 tensors": lambda: torch._foreach_copy_(small[:4], small[4:], non_blocking=True),
+        "_foreach_copy_ D2D, 4 tensors": lambda: torch._foreach_copy_(
+            small[:4], small[4:], non_blocking=True
+        ),
         "copy_ H2D pinned, 256 int32": lambda: small[2].copy_(pinned[:64], non_blocking=True),
         "index_select out=": lambda: torch.index_select(table_.view(-1), 0, positions, out=out),
         "cumsum out=": lambda: torch.cumsum(small[3], 0, dtype=torch.int32, out=small[5]),
@@ -71,8 +73,14 @@ def op_costs() -> list[dict]:
         "graph replay, 1 kernel": one_kernel.replay,
         "graph replay, 400 kernels": many_kernels.replay,
     }
-    return [{"operation": name, "us, device idle at entry (median)": round(idle_us(op), 1),
-             "us, device busy (mean)": round(busy_us(op), 1)} for name, op in ops.items()]
+    return [
+        {
+            "operation": name,
+            "us, device idle at entry (median)": round(idle_us(op), 1),
+            "us, device busy (mean)": round(busy_us(op), 1),
+        }
+        for name, op in ops.items()
+    ]
 
 
 def main() -> None:

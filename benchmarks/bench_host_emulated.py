@@ -102,7 +102,8 @@ def measure(batch: int, ctx: int, steps: int = 64, shape: dict = CONFIG) -> dict
         ops.append(len(calls.ops))
     return {
         "batch": batch, "ctx": ctx, "stage_us": statistics.median(stage),
-        "attention_plan_us": statistics.median(plan), "plan_p95_us": sorted(plan)[int(0.95 * steps)],
+        "attention_plan_us": statistics.median(plan),
+        "plan_p95_us": sorted(plan)[int(0.95 * steps)],
         "execute_us": statistics.median(whole), "execute_p95_us": sorted(whole)[int(0.95 * steps)],
         "ops_per_step": statistics.median(ops), "ops_max": max(ops),
     }  # fmt: skip
@@ -115,7 +116,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = [measure(b, args.ctx) for b in args.batches]
-    print(table(rows, "graph decode step, host side (CPU, FlashInfer emulated, replay stubbed; 64 steps each)"))
+    print(
+        table(
+            rows,
+            "graph decode step, host side (CPU, FlashInfer emulated, replay stubbed; "
+            "64 steps each)",
+        )
+    )
 
 
 if __name__ == "__main__":

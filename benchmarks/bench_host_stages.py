@@ -80,11 +80,16 @@ def measure(model_dir: Path, batch: int, steps: int, prompt_len: int = 32) -> di
         logits = runner.executor.compute_logits(hidden, inputs.selected_idxes)
         t5 = time.perf_counter()
         rids = inputs.sampled_request_ids
-        pending = runner.sampler.launch(logits, [states[r].params for r in rids], [None] * len(rids))
+        pending = runner.sampler.launch(
+            logits, [states[r].params for r in rids], [None] * len(rids)
+        )
         tokens, logprobs = pending.resolve()
         t6 = time.perf_counter()
-        done = DeviceStep(batch_, {s.request_id: states[s.request_id] for s in batch_.requests},
-                          sampled=[SampledToken(*row) for row in zip(rids, tokens, logprobs)])  # fmt: skip
+        done = DeviceStep(
+            batch_,
+            {s.request_id: states[s.request_id] for s in batch_.requests},
+            sampled=[SampledToken(*row) for row in zip(rids, tokens, logprobs)],
+        )
         outputs = engine.postprocessor.outputs(done, states)
         t7 = time.perf_counter()
         blob = pickle.dumps(StepOutputs(outputs), pickle.HIGHEST_PROTOCOL)
@@ -104,10 +109,14 @@ def measure(model_dir: Path, batch: int, steps: int, prompt_len: int = 32) -> di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: the built-in model)")
+    parser.add_argument(
+        "--model", type=Path, default=None, help="checkpoint dir (default: the built-in model)"
+    )
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--label", default="", help="printed in the table's title (e.g. main, branch)")
+    parser.add_argument(
+        "--label", default="", help="printed in the table's title (e.g. main, branch)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)  # shared CI machines: comparable numbers, not peak ones
     model_dir = args.model
@@ -116,13 +125,21 @@ def main() -> None:
 
         model_dir = ensure_default_model()
     results = {b: measure(model_dir, b, args.steps) for b in args.batch}
-    print(f"host time per decode step, median us ({args.label or 'this checkout'}, {model_dir.name})")
+    print(
+        f"host time per decode step, median us ({args.label or 'this checkout'}, {model_dir.name})"
+    )
     print(f"{'stage':<14}" + "".join(f"{'batch ' + str(b):>12}" for b in args.batch))
     for name in STAGES:
         print(f"{name:<14}" + "".join(f"{results[b][name]:>12.0f}" for b in args.batch))
     host = [s for s in ENGINE_STAGES if s not in ("execute", "logits")]
-    print(f"{'engine host':<14}" + "".join(f"{sum(results[b][s] for s in host):>12.0f}" for b in args.batch))
-    print(f"{'api process':<14}" + "".join(f"{sum(results[b][s] for s in API_STAGES):>12.0f}" for b in args.batch))
+    print(
+        f"{'engine host':<14}"
+        + "".join(f"{sum(results[b][s] for s in host):>12.0f}" for b in args.batch)
+    )
+    print(
+        f"{'api process':<14}"
+        + "".join(f"{sum(results[b][s] for s in API_STAGES):>12.0f}" for b in args.batch)
+    )
     print("(execute and logits include the CPU's compute; engine host leaves them out; the API")
     print(" process's stages run there, off the engine's step loop)")
 

@@ -7,7 +7,8 @@ earlier runs reported, kept comparable), and ``read_floor_ms``, the bytes a step
 embedding row per sequence instead of the whole table, unless it is tied to the LM head; every
 other weight; the KV) at the read-only streaming rate measured in the same run.
 
-    python -m benchmarks.bench_model [--shape llama3-8b|llama3.2-1b] [--quick] [--no-hf | --hf-eager-only] [--profile]
+    python -m benchmarks.bench_model \\
+        [--shape llama3-8b|llama3.2-1b] [--quick] [--no-hf | --hf-eager-only] [--profile]
 """
 
 from __future__ import annotations
@@ -24,15 +25,30 @@ from xhal.executor import ExecutorConfig, ModelExecutor
 from xhal.interfaces import AttentionMetadata, BatchKind
 
 CONFIG = dict(
-    architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-    num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5,
-    rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False, hidden_act="silu",
+    architectures=["LlamaForCausalLM"],
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+    tie_word_embeddings=False,
+    hidden_act="silu",
 )
 SHAPES = {
     "llama3-8b": CONFIG,
     # Llama-3.2-1B: head dim 64, tied embeddings (the LM head reads the whole table every step)
-    "llama3.2-1b": {**CONFIG, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-                    "head_dim": 64, "tie_word_embeddings": True},
+    "llama3.2-1b": {
+        **CONFIG,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "head_dim": 64,
+        "tie_word_embeddings": True,
+    },
 }
 
 
@@ -40,15 +56,27 @@ def head_dim(config: dict) -> int:
     return config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
 
 
-def decode_read_bytes(config: dict, weight_bytes: int, batch: int, ctx: int, elt: int = 2) -> dict[str, int]:
+def decode_read_bytes(
+    config: dict, weight_bytes: int, batch: int, ctx: int, elt: int = 2
+) -> dict[str, int]:
     """Bytes one decode step reads: ``all`` (every weight + KV, the old floor's count) and
     ``honest`` (one embedding row per sequence rather than the table, unless the table is also the
     LM head, which reads all of it; K and V of ``ctx`` tokens per sequence)."""
-    kv = batch * ctx * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim(config) * 2 * elt
+    kv = (
+        batch
+        * ctx
+        * config["num_hidden_layers"]
+        * config["num_key_value_heads"]
+        * head_dim(config)
+        * 2
+        * elt
+    )
     table = config["vocab_size"] * config["hidden_size"] * elt
     rows = batch * config["hidden_size"] * elt
     embedding = 0 if config["tie_word_embeddings"] else table - rows
     return {"all": weight_bytes + kv, "honest": weight_bytes - embedding + kv}
+
+
 BLOCK, CTX = 16, 2048
 
 
@@ -62,23 +90,32 @@ def random_model(device: torch.device, config: dict = CONFIG) -> LlamaForCausalL
     return model.eval()
 
 
-def decode_metadata(batch: int, ctx: int, device, vocab_size: int = CONFIG["vocab_size"]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+def decode_metadata(
+    batch: int, ctx: int, device, vocab_size: int = CONFIG["vocab_size"]
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """``batch`` sequences with ``ctx - 1`` cached tokens each, decoding token ``ctx - 1``."""
     per_seq = ctx // BLOCK
-    table_ = (torch.arange(batch * per_seq, dtype=torch.int32).view(batch, per_seq))
+    table_ = torch.arange(batch * per_seq, dtype=torch.int32).view(batch, per_seq)
     kv = torch.full((batch,), ctx, dtype=torch.int32)
     q = torch.ones(batch, dtype=torch.int32)
     slots = (table_[:, -1] * BLOCK + (ctx - 1) % BLOCK).int()
-    meta = AttentionMetadata.from_host_lengths(BatchKind.DECODE, q, kv, table_.to(device), slots.to(device))
+    meta = AttentionMetadata.from_host_lengths(
+        BatchKind.DECODE, q, kv, table_.to(device), slots.to(device)
+    )
     ids = torch.randint(0, vocab_size, (batch,), dtype=torch.int32, device=device)
     return ids, torch.full((batch,), ctx - 1, dtype=torch.int32, device=device), meta
 
 
-def prefill_metadata(tokens: int, device, vocab_size: int = CONFIG["vocab_size"]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+def prefill_metadata(
+    tokens: int, device, vocab_size: int = CONFIG["vocab_size"]
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     blocks = -(-tokens // BLOCK)
     n = torch.tensor([tokens], dtype=torch.int32)
     meta = AttentionMetadata.from_host_lengths(
-        BatchKind.PREFILL, n, n.clone(), torch.arange(blocks, dtype=torch.int32, device=device)[None],
+        BatchKind.PREFILL,
+        n,
+        n.clone(),
+        torch.arange(blocks, dtype=torch.int32, device=device)[None],
         torch.arange(tokens, dtype=torch.int32, device=device),
     )
     ids = torch.randint(0, vocab_size, (tokens,), dtype=torch.int32, device=device)
@@ -100,11 +137,15 @@ def profile_kernels(step, title: str, iters: int = 5, num_layers: int | None = N
     total = sum(e.self_device_time_total for e in events) / iters
     launches = sum(e.count for e in events) / iters
     print(f"--- kernels per step, {title}: {launches:.0f} launches, {total:.0f} us of device time")
-    if num_layers:  # the step's launches and device time per decoder layer (LM head and embedding included)
+    if (
+        num_layers
+    ):  # the step's launches and device time per decoder layer (LM head and embedding included)
         print(f"    per layer: {launches / num_layers:.1f} launches, {total / num_layers:.1f} us")
     for e in events[:20]:
-        print(f"  {e.count / iters:6.0f} x {e.self_device_time_total / e.count:8.2f} us = "
-              f"{e.self_device_time_total / iters:8.1f} us  {e.key[:90]}")
+        print(
+            f"  {e.count / iters:6.0f} x {e.self_device_time_total / e.count:8.2f} us = "
+            f"{e.self_device_time_total / iters:8.1f} us  {e.key[:90]}"
+        )
 
 
 def hf_decode_step(batch: int, ctx: int, device, config: dict = CONFIG, compiled: bool = False):
@@ -122,16 +163,30 @@ def hf_decode_step(batch: int, ctx: int, device, config: dict = CONFIG, compiled
     cache = transformers.StaticCache(config=cfg, max_cache_len=ctx + 64)
     ids = torch.randint(0, cfg.vocab_size, (batch, ctx - 1), device=device)
     with torch.no_grad():
-        hf(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(ctx - 1, device=device))
+        hf(
+            ids,
+            past_key_values=cache,
+            use_cache=True,
+            cache_position=torch.arange(ctx - 1, device=device),
+        )
     nxt = torch.randint(0, cfg.vocab_size, (batch, 1), device=device)
     position = torch.full((batch, 1), ctx - 1, device=device)
     cache_position = torch.tensor([ctx - 1], device=device)
-    forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True) if compiled else hf.forward
+    forward = (
+        torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+        if compiled
+        else hf.forward
+    )
 
     @torch.no_grad()
     def step() -> torch.Tensor:
-        return forward(nxt, position_ids=position, past_key_values=cache, cache_position=cache_position,
-                       use_cache=True).logits
+        return forward(
+            nxt,
+            position_ids=position,
+            past_key_values=cache,
+            cache_position=cache_position,
+            use_cache=True,
+        ).logits
 
     return step
 
@@ -150,13 +205,24 @@ def hf_decode_ms(batch: int, ctx: int, device, compiled: bool, config: dict = CO
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b", help="model shape (default llama3-8b)")
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="llama3-8b",
+        help="model shape (default llama3-8b)",
+    )
     parser.add_argument("--quick", action="store_true", help="batches 1 and 64 only")
-    parser.add_argument("--batches", type=int, nargs="+", help="decode batch sizes (default 1 16 64)")
+    parser.add_argument(
+        "--batches", type=int, nargs="+", help="decode batch sizes (default 1 16 64)"
+    )
     parser.add_argument("--no-hf", action="store_true")
-    parser.add_argument("--hf-eager-only", action="store_true", help="skip torch.compile for transformers")
+    parser.add_argument(
+        "--hf-eager-only", action="store_true", help="skip torch.compile for transformers"
+    )
     parser.add_argument("--profile", action="store_true", help="cProfile the host side of execute")
-    parser.add_argument("--kernels", action="store_true", help="only the per-step kernel profile of --profile")
+    parser.add_argument(
+        "--kernels", action="store_true", help="only the per-step kernel profile of --profile"
+    )
     args = parser.parse_args()
     ceil = ceilings()
     platform = xhal.platforms.get("cuda")
@@ -169,16 +235,26 @@ def main() -> None:
     num_blocks = max(batches) * CTX // BLOCK + 64
     executors = {}
     for eager in (False, True):
-        cfg = ExecutorConfig(dtype=torch.bfloat16, block_size=BLOCK, max_num_seqs=max(batches),
-                             max_model_len=CTX + 64, enforce_eager=eager, decode_graph_sizes=tuple(batches))
+        cfg = ExecutorConfig(
+            dtype=torch.bfloat16,
+            block_size=BLOCK,
+            max_num_seqs=max(batches),
+            max_model_len=CTX + 64,
+            enforce_eager=eager,
+            decode_graph_sizes=tuple(batches),
+        )
         executors[eager] = ModelExecutor(model, platform, cfg)
     caches = executors[False].allocate_kv_caches(num_blocks=num_blocks)
     for ex in executors.values():
         ex.bind_kv_caches(caches)
     capture = executors[False].capture_graphs()
-    print(f"decode graph capture: {capture['graphs']} buckets in {capture['seconds']:.1f} s, "
-          f"{capture.get('memory_bytes', 0) / 2**20:.0f} MiB")
-    if args.profile:  # the same operations as bench_host, in this process (model, caches, graphs loaded)
+    print(
+        f"decode graph capture: {capture['graphs']} buckets in {capture['seconds']:.1f} s, "
+        f"{capture.get('memory_bytes', 0) / 2**20:.0f} MiB"
+    )
+    if (
+        args.profile
+    ):  # the same operations as bench_host, in this process (model, caches, graphs loaded)
         from benchmarks.bench_host import op_costs
 
         print(table(op_costs(), "--- host cost per operation, in the model's process"))
@@ -186,8 +262,12 @@ def main() -> None:
     for batch in batches:
         ids, pos, meta = decode_metadata(batch, CTX, device, vocab)
         read = decode_read_bytes(config, weight_bytes, batch, CTX)
-        floor_ms = read["all"] / ceil["bandwidth"] * 1e3  # the old floor: all bytes at the copy rate
-        read_floor_ms = read["honest"] / ceil["read_bandwidth"] * 1e3  # bytes really read / read rate
+        floor_ms = (
+            read["all"] / ceil["bandwidth"] * 1e3
+        )  # the old floor: all bytes at the copy rate
+        read_floor_ms = (
+            read["honest"] / ceil["read_bandwidth"] * 1e3
+        )  # bytes really read / read rate
         row = {"batch": batch, "ctx": CTX, "floor_ms": floor_ms, "read_floor_ms": read_floor_ms}
         for eager, ex in executors.items():
             step = lambda ex=ex: ex.compute_logits(ex.execute(ids, pos, meta))  # noqa: E731
@@ -216,26 +296,59 @@ def main() -> None:
             for mode in ("idle", "busy", "spun"):
                 parts = host_breakdown(ex, ids, pos, meta, mode=mode)
                 print(f"--- host parts, graph decode, batch {batch}, entered {mode}: {parts}")
-            print(table(call_breakdown(ex, ids, pos, meta), f"--- host us per step by call, graph decode, batch {batch}"))
+            print(
+                table(
+                    call_breakdown(ex, ids, pos, meta),
+                    f"--- host us per step by call, graph decode, batch {batch}",
+                )
+            )
     if args.profile or args.kernels:
         ex = executors[False]
         for batch in batches:
             ids, pos, meta = decode_metadata(batch, CTX, device, vocab)
-            profile_kernels(lambda: ex.compute_logits(ex.execute(ids, pos, meta)), f"graph decode, batch {batch}",
-                            num_layers=config["num_hidden_layers"])
-    print(table(rows, f"decode step (execute + logits), {args.shape} shape, bf16, {weight_bytes / 1e9:.2f} GB weights; "
-                      "floor = (weights + KV) / copy rate, read_floor = (bytes really read) / read rate"))
+            profile_kernels(
+                lambda: ex.compute_logits(ex.execute(ids, pos, meta)),
+                f"graph decode, batch {batch}",
+                num_layers=config["num_hidden_layers"],
+            )
+    print(
+        table(
+            rows,
+            f"decode step (execute + logits), {args.shape} shape, bf16, {weight_bytes / 1e9:.2f} "
+            f"GB weights; "
+            "floor = (weights + KV) / copy rate, read_floor = (bytes really read) / read rate",
+        )
+    )
     tokens = 4096
     ids, pos, meta = prefill_metadata(tokens, device, vocab)
     ex = executors[True]
-    ms = time_cuda(lambda: ex.compute_logits(ex.execute(ids, pos, meta), torch.tensor([tokens - 1], device=device)), iters=10, warmup=2)
+    ms = time_cuda(
+        lambda: ex.compute_logits(
+            ex.execute(ids, pos, meta), torch.tensor([tokens - 1], device=device)
+        ),
+        iters=10,
+        warmup=2,
+    )
     # every weight but the embedding (a tied table is the LM head: computed once, for the last row)
     linear_flops = 2 * tokens * (weight_bytes / 2 - vocab * config["hidden_size"])
     layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
-    attn_flops = layers * 2 * tokens * tokens * head_dim(config) * heads  # causal: half of 4 * L^2 * D * H per layer
+    attn_flops = (
+        layers * 2 * tokens * tokens * head_dim(config) * heads
+    )  # causal: half of 4 * L^2 * D * H per layer
     flops = linear_flops + attn_flops
-    print(table([{"tokens": tokens, "ms": ms, "TFLOP/s": flops / (ms * 1e-3) / 1e12,
-                  "x_floor": ms / (flops / ceil["flops"] * 1e3)}], "prefill, one 4K sequence (eager)"))
+    print(
+        table(
+            [
+                {
+                    "tokens": tokens,
+                    "ms": ms,
+                    "TFLOP/s": flops / (ms * 1e-3) / 1e12,
+                    "x_floor": ms / (flops / ceil["flops"] * 1e3),
+                }
+            ],
+            "prefill, one 4K sequence (eager)",
+        )
+    )
     if not args.no_hf:
         del executors, caches, model
         torch.cuda.empty_cache()
@@ -249,13 +362,26 @@ def main() -> None:
                 try:
                     ms = hf_decode_ms(r["batch"], CTX, device, compiled, config)
                 except Exception as exc:  # a compile failure is a result to report, not a crash
-                    print(f"transformers {name} at batch {r['batch']} failed: {type(exc).__name__}: {exc}")
+                    print(
+                        f"transformers {name} at batch {r['batch']} failed: {type(exc).__name__}: "
+                        f"{exc}"
+                    )
                     continue
-                row.update({f"{name}_ms": ms, f"{name}_x_floor": ms / r["floor_ms"],
-                            f"xhal_graph_speedup_vs_{name}": ms / r["pipelined_ms"]})
+                row.update(
+                    {
+                        f"{name}_ms": ms,
+                        f"{name}_x_floor": ms / r["floor_ms"],
+                        f"xhal_graph_speedup_vs_{name}": ms / r["pipelined_ms"],
+                    }
+                )
             hf_rows.append(row)
-        print(table(hf_rows, "peer: Hugging Face transformers (sdpa, StaticCache; eager and torch.compile "
-                             "reduce-overhead), same shape; speedup = its step / xhal's pipelined graph step"))
+        print(
+            table(
+                hf_rows,
+                "peer: Hugging Face transformers (sdpa, StaticCache; eager and torch.compile "
+                "reduce-overhead), same shape; speedup = its step / xhal's pipelined graph step",
+            )
+        )
 
 
 if __name__ == "__main__":

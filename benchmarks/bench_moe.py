@@ -40,7 +40,9 @@ BF16 = 2  # bytes
 def build_model(config: dict, device: torch.device):
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config))
-        return load_model(tmp, dtype=torch.bfloat16, device=device, load_format="dummy", progress=False)
+        return load_model(
+            tmp, dtype=torch.bfloat16, device=device, load_format="dummy", progress=False
+        )
 
 
 def routed_experts(model, executor: ModelExecutor, ids, pos, meta) -> list[int]:
@@ -64,24 +66,41 @@ def routed_experts(model, executor: ModelExecutor, ids, pos, meta) -> list[int]:
 
 
 def floor_bytes(config: dict, batch: int, experts_per_layer: list[int]) -> dict[str, int]:
-    hidden, heads, kv_heads, dim = (config[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
-    layers, inter, num_experts = config["num_hidden_layers"], config["moe_intermediate_size"], config["num_experts"]
+    hidden, heads, kv_heads, dim = (
+        config[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    )
+    layers, inter, num_experts = (
+        config["num_hidden_layers"],
+        config["moe_intermediate_size"],
+        config["num_experts"],
+    )
     expert = 3 * hidden * inter * BF16
-    attention = (hidden * (heads + 2 * kv_heads) * dim + heads * dim * hidden + 2 * dim + 2 * hidden) * BF16
+    attention = (
+        hidden * (heads + 2 * kv_heads) * dim + heads * dim * hidden + 2 * dim + 2 * hidden
+    ) * BF16
     router = num_experts * hidden * BF16
     return {
         "experts": expert * sum(experts_per_layer),
         "attention+router": layers * (attention + router),
-        "lm_head+embed": config["vocab_size"] * hidden * BF16 + batch * hidden * BF16 + hidden * BF16,
+        "lm_head+embed": config["vocab_size"] * hidden * BF16
+        + batch * hidden * BF16
+        + hidden * BF16,
         "kv": batch * CTX * layers * kv_heads * dim * 2 * BF16,
     }
 
 
 SWEEP = [(16, 32, 128), (16, 64, 64), (16, 64, 128), (32, 64, 64), (64, 64, 64)]  # (M, N, K) tiles
-# the small path's alternatives to its heuristic: (up rows, up K, down rows, down K, warps, up / down stages)
-SMALL_SWEEP = [(8, 512, 8, 256, 4, 3, 5), (16, 256, 16, 256, 4, 3, 5), (8, 512, 8, 512, 4, 3, 3),
-               (4, 512, 4, 256, 4, 4, 8), (16, 512, 16, 256, 8, 3, 5)]
-SWEEP_LAYERS = 4  # distinct layers per timed graph: their routed experts (300+ MB) overflow L2 as in a real step
+# the small path's alternatives to its heuristic: (up rows, up K, down rows, down K, warps, up /
+# down stages)
+SMALL_SWEEP = [
+    (8, 512, 8, 256, 4, 3, 5),
+    (16, 256, 16, 256, 4, 3, 5),
+    (8, 512, 8, 512, 4, 3, 3),
+    (4, 512, 4, 256, 4, 4, 8),
+    (16, 512, 16, 256, 8, 3, 5),
+]
+# distinct layers per timed graph: their routed experts (300+ MB) overflow L2 as in a real step
+SWEEP_LAYERS = 4
 
 
 def sweep_layers(model, batches: list[int], rate: float) -> list[dict]:
@@ -100,38 +119,61 @@ def sweep_layers(model, batches: list[int], rate: float) -> list[dict]:
     for batch in batches:
         g = torch.Generator(device=w13.device).manual_seed(batch)
         x = torch.randn(batch, w13.shape[2], device=w13.device, dtype=w13.dtype, generator=g)
-        routed = [kernels.route(mlp.gate(x), mlp.experts.top_k, mlp.experts.renormalize) for mlp in layers]
+        routed = [
+            kernels.route(mlp.gate(x), mlp.experts.top_k, mlp.experts.renormalize) for mlp in layers
+        ]
         distinct = sum(int(torch.unique(ids).numel()) for _, ids in routed) / len(layers)
         floor_us = distinct * per_expert / rate * 1e6
 
         def per_layer_us(config) -> float:
             def step() -> None:
                 for mlp, (weights, ids) in zip(layers, routed):
-                    kernels.fused_experts(x, mlp.experts.w13_weight, mlp.experts.w2_weight, weights, ids, config)
+                    kernels.fused_experts(
+                        x, mlp.experts.w13_weight, mlp.experts.w2_weight, weights, ids, config
+                    )
 
             try:
                 return time_graph(step) * 1e3 / len(layers)
-            except OutOfResources as exc:  # a config too big for this GPU is a result, not the end of the run
+            except (
+                OutOfResources
+            ) as exc:  # a config too big for this GPU is a result, not the end of the run
                 print(f"batch {batch}: {config} does not fit: {exc}")
                 return float("inf")
 
         grouped = {f"{m}x{n}x{k}": per_layer_us(kernels.MoeConfig(m, n, k)) for m, n, k in SWEEP}
         small = {"heuristic": per_layer_us(moe_small.small_config(batch, w13.shape[2]))}
-        small |= {"/".join(map(str, c)): per_layer_us(moe_small.SmallMoeConfig(*c)) for c in SMALL_SWEEP}
+        small |= {
+            "/".join(map(str, c)): per_layer_us(moe_small.SmallMoeConfig(*c)) for c in SMALL_SWEEP
+        }
         default_us = per_layer_us(None)
         best_g, best_s = min(grouped, key=grouped.get), min(small, key=small.get)
         top_k = layers[0].experts.top_k
         pairs = batch * top_k
-        rows.append({
-            "batch": batch, "experts": distinct, "floor_us": floor_us,
-            "grouped_default_us": per_layer_us(kernels.default_config(pairs, w13.shape[0])),
-            "grouped_best_us": grouped[best_g], "grouped_best": best_g,
-            "small_heuristic_us": small["heuristic"], "small_best_us": small[best_s], "small_best": best_s,
-            "chosen": "small" if moe_small.use_small_path(batch, top_k, w13.shape[0]) else "grouped",
-            "chosen_us": default_us, "chosen_x_floor": default_us / floor_us,
-        })
-        print(f"batch {batch}: grouped " + ", ".join(f"{k} {v:.1f}" for k, v in grouped.items())
-              + " us; small " + ", ".join(f"{k} {v:.1f}" for k, v in small.items()) + " us")
+        rows.append(
+            {
+                "batch": batch,
+                "experts": distinct,
+                "floor_us": floor_us,
+                "grouped_default_us": per_layer_us(kernels.default_config(pairs, w13.shape[0])),
+                "grouped_best_us": grouped[best_g],
+                "grouped_best": best_g,
+                "small_heuristic_us": small["heuristic"],
+                "small_best_us": small[best_s],
+                "small_best": best_s,
+                "chosen": "small"
+                if moe_small.use_small_path(batch, top_k, w13.shape[0])
+                else "grouped",
+                "chosen_us": default_us,
+                "chosen_x_floor": default_us / floor_us,
+            }
+        )
+        print(
+            f"batch {batch}: grouped "
+            + ", ".join(f"{k} {v:.1f}" for k, v in grouped.items())
+            + " us; small "
+            + ", ".join(f"{k} {v:.1f}" for k, v in small.items())
+            + " us"
+        )
     return rows
 
 
@@ -140,7 +182,9 @@ def hf_decode_ms(config: dict, batch: int, device) -> float:
     eager decode step issued back to back (its experts loop syncs with the host, so no graphs)."""
     import transformers
 
-    cfg = transformers.Qwen3MoeConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    cfg = transformers.Qwen3MoeConfig(
+        **{k: v for k, v in config.items() if k not in ("architectures", "model_type")}
+    )
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -154,18 +198,29 @@ def hf_decode_ms(config: dict, batch: int, device) -> float:
     cache = transformers.StaticCache(config=cfg, max_cache_len=CTX + 64)
     ids = torch.randint(0, cfg.vocab_size, (batch, CTX - 1), device=device)
     with torch.no_grad():
-        for start in range(0, CTX - 1, 512):  # prefill in chunks: the eager experts loop is memory-hungry
+        for start in range(
+            0, CTX - 1, 512
+        ):  # prefill in chunks: the eager experts loop is memory-hungry
             chunk = ids[:, start : start + 512]
-            hf(chunk, past_key_values=cache, use_cache=True,
-               cache_position=torch.arange(start, start + chunk.shape[1], device=device))
+            hf(
+                chunk,
+                past_key_values=cache,
+                use_cache=True,
+                cache_position=torch.arange(start, start + chunk.shape[1], device=device),
+            )
     nxt = torch.randint(0, cfg.vocab_size, (batch, 1), device=device)
     position = torch.full((batch, 1), CTX - 1, device=device)
     cache_position = torch.tensor([CTX - 1], device=device)
 
     @torch.no_grad()
     def step() -> torch.Tensor:
-        return hf(nxt, position_ids=position, past_key_values=cache, cache_position=cache_position,
-                  use_cache=True).logits
+        return hf(
+            nxt,
+            position_ids=position,
+            past_key_values=cache,
+            cache_position=cache_position,
+            use_cache=True,
+        ).logits
 
     ms = time_cuda_pipelined(step, steps=5, reps=3)
     hf = cache = None  # rebinds the closure's cells: the model and its cache are freed here
@@ -177,11 +232,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--layers", type=int, default=48, help="fewer layers to fit a time budget")
-    parser.add_argument("--hf-batches", type=int, nargs="*", default=[1], help="transformers' batches")
+    parser.add_argument(
+        "--hf-batches", type=int, nargs="*", default=[1], help="transformers' batches"
+    )
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--no-sweep", action="store_true", help="skip the expert path / tile sweep")
-    parser.add_argument("--sweep-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16],
-                        help="batches of the expert sweep (grouped GEMM tiles against the pair-GEMV path)")
+    parser.add_argument(
+        "--sweep-batches",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4, 8, 16],
+        help="batches of the expert sweep (grouped GEMM tiles against the pair-GEMV path)",
+    )
     parser.add_argument("--profile", action="store_true", help="kernels per graph step, per batch")
     args = parser.parse_args()
     config = {**CONFIG, "num_hidden_layers": args.layers}
@@ -195,8 +257,14 @@ def main() -> None:
     batches = sorted(args.batches)
     executors = {}
     for eager in (False, True):
-        cfg = ExecutorConfig(dtype=torch.bfloat16, block_size=BLOCK, max_num_seqs=max(batches),
-                             max_model_len=CTX + 64, enforce_eager=eager, decode_graph_sizes=tuple(batches))
+        cfg = ExecutorConfig(
+            dtype=torch.bfloat16,
+            block_size=BLOCK,
+            max_num_seqs=max(batches),
+            max_model_len=CTX + 64,
+            enforce_eager=eager,
+            decode_graph_sizes=tuple(batches),
+        )
         executors[eager] = ModelExecutor(model, platform, cfg)
     caches = executors[False].allocate_kv_caches(num_blocks=max(batches) * CTX // BLOCK + 64)
     for ex in executors.values():
@@ -209,10 +277,17 @@ def main() -> None:
         per_layer = routed_experts(model, executors[True], ids, pos, meta)
         parts = floor_bytes(config, batch, per_layer)
         floor_ms = sum(parts.values()) / rate * 1e3
-        row = {"batch": batch, "experts/layer": sum(per_layer) / len(per_layer),
-               "floor_GB": sum(parts.values()) / 1e9, "floor_ms": floor_ms}
+        row = {
+            "batch": batch,
+            "experts/layer": sum(per_layer) / len(per_layer),
+            "floor_GB": sum(parts.values()) / 1e9,
+            "floor_ms": floor_ms,
+        }
         for eager, ex in executors.items():
-            step = lambda ex=ex: ex.compute_logits(ex.execute(ids, pos, meta))
+
+            def step(ex=ex):
+                return ex.compute_logits(ex.execute(ids, pos, meta))
+
             ms = time_cuda(step, iters=10 if eager else 30, warmup=2)
             key = "eager" if eager else "graph"
             row[f"{key}_ms"], row[f"{key}_x_floor"] = ms, ms / floor_ms
@@ -224,9 +299,14 @@ def main() -> None:
             from benchmarks.bench_model import profile_kernels
 
             graph = executors[False]
-            profile_kernels(lambda: graph.compute_logits(graph.execute(ids, pos, meta)), f"batch {batch}")
+            profile_kernels(
+                lambda: graph.compute_logits(graph.execute(ids, pos, meta)), f"batch {batch}"
+            )
         rows.append(row)
-        print(f"batch {batch}: floor parts (GB) " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in parts.items()))
+        print(
+            f"batch {batch}: floor parts (GB) "
+            + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in parts.items())
+        )
     sweep = [] if args.no_sweep else sweep_layers(model, sorted(args.sweep_batches), rate)
     hf_rows = []
     if not args.no_hf and args.hf_batches:
@@ -241,18 +321,35 @@ def main() -> None:
                 continue
             row = {"batch": batch, "hf_eager_ms": ms}
             if mine:
-                row.update({"hf_x_floor": ms / mine["floor_ms"], "xhal_speedup": ms / mine["pipelined_ms"]})
+                row.update(
+                    {"hf_x_floor": ms / mine["floor_ms"], "xhal_speedup": ms / mine["pipelined_ms"]}
+                )
             hf_rows.append(row)
-    title = (f"decode step (execute + logits), Qwen3-30B-A3B shape ({args.layers} layers), bf16, ctx {CTX}; "
-             f"floor = (routed experts + attention/router + LM head + KV bytes) / streaming read "
-             f"{rate / 1e12:.2f} TB/s")
+    title = (
+        f"decode step (execute + logits), Qwen3-30B-A3B shape ({args.layers} layers), bf16, ctx "
+        f"{CTX}; "
+        f"floor = (routed experts + attention/router + LM head + KV bytes) / streaming read "
+        f"{rate / 1e12:.2f} TB/s"
+    )
     if sweep:
-        print(table(sweep, f"routed experts per layer (fused_experts graph-captured over {SWEEP_LAYERS} layers), "
-                           "us: grouped GEMM (best tile M x N x K) against the pair-GEMV path (best config); "
-                           "chosen = fused_experts' own pick; floor = bytes of the experts routed to / streaming read"))
+        print(
+            table(
+                sweep,
+                f"routed experts per layer (fused_experts graph-captured over {SWEEP_LAYERS} "
+                f"layers), "
+                "us: grouped GEMM (best tile M x N x K) against the pair-GEMV path (best config); "
+                "chosen = fused_experts' own pick; floor = bytes of the experts routed to / "
+                "streaming read",
+            )
+        )
     if hf_rows:
-        print(table(hf_rows, "peer: transformers Qwen3MoeForCausalLM (sdpa, StaticCache, eager), same shape; "
-                             "xhal_speedup = its step / xhal's pipelined graph step"))
+        print(
+            table(
+                hf_rows,
+                "peer: transformers Qwen3MoeForCausalLM (sdpa, StaticCache, eager), same shape; "
+                "xhal_speedup = its step / xhal's pipelined graph step",
+            )
+        )
     print(table(rows, title))
 
 

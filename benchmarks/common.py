@@ -88,7 +88,15 @@ def _read_kernel():
     import triton.language as tl
 
     @triton.jit
-    def read_sum(x_ptr, out_ptr, num_chunks, n, BLOCK: tl.constexpr, UNROLL: tl.constexpr, TAIL_BLOCKS: tl.constexpr):
+    def read_sum(
+        x_ptr,
+        out_ptr,
+        num_chunks,
+        n,
+        BLOCK: tl.constexpr,
+        UNROLL: tl.constexpr,
+        TAIL_BLOCKS: tl.constexpr,
+    ):
         pid = tl.program_id(0)
         grid = tl.num_programs(0)
         offs = tl.arange(0, BLOCK)
@@ -121,13 +129,27 @@ def stream_read_sum(
     out = torch.empty(programs, dtype=torch.float32, device=x.device)
     tail_blocks = triton.cdiv(n - num_chunks * chunk, block)
     _read_kernel()[(programs,)](
-        x, out, num_chunks, n, BLOCK=block, UNROLL=unroll, TAIL_BLOCKS=tail_blocks, num_warps=num_warps
+        x,
+        out,
+        num_chunks,
+        n,
+        BLOCK=block,
+        UNROLL=unroll,
+        TAIL_BLOCKS=tail_blocks,
+        num_warps=num_warps,
     )
     return out
 
 
 # (programs per SM, BLOCK, UNROLL, warps): the read kernel's launch shapes read_bandwidth tries
-READ_CONFIGS = [(2, 4096, 4, 8), (4, 4096, 4, 8), (4, 2048, 8, 4), (8, 2048, 4, 4), (2, 8192, 2, 8), (1, 8192, 4, 16)]
+READ_CONFIGS = [
+    (2, 4096, 4, 8),
+    (4, 4096, 4, 8),
+    (4, 2048, 8, 4),
+    (8, 2048, 4, 4),
+    (2, 8192, 2, 8),
+    (1, 8192, 4, 16),
+]
 
 
 def read_bandwidth(num_bytes: int = 2 << 30) -> dict[str, float]:
@@ -145,7 +167,10 @@ def read_bandwidth(num_bytes: int = 2 << 30) -> dict[str, float]:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         best = 0.0
         for per_sm, block, unroll, warps in READ_CONFIGS:
-            ms = time_cuda(lambda p=per_sm * sms, b=block, u=unroll, w=warps: stream_read_sum(x, p, b, u, w), iters=20)
+            ms = time_cuda(
+                lambda p=per_sm * sms, b=block, u=unroll, w=warps: stream_read_sum(x, p, b, u, w),
+                iters=20,
+            )
             rate = num_bytes / (ms * 1e-3)
             if rate > best:
                 best, rates["triton_read_config"] = rate, float(per_sm * 1e6 + block * 10 + unroll)
@@ -164,8 +189,10 @@ def ceilings() -> dict[str, float]:
     if "triton_read_config" in read:  # programs per SM, BLOCK, UNROLL of the best read kernel
         c = int(read["triton_read_config"])
         parts += f"; triton shape {c // 10**6}/SM x {c % 10**6 // 10} x {c % 10}"
-    print(f"ceilings: copy {bw / 1e12:.2f} TB/s (read+write), read {read['read'] / 1e12:.2f} TB/s "
-          f"(read only; {parts}), bf16 matmul {fl / 1e12:.0f} TFLOP/s")
+    print(
+        f"ceilings: copy {bw / 1e12:.2f} TB/s (read+write), read {read['read'] / 1e12:.2f} TB/s "
+        f"(read only; {parts}), bf16 matmul {fl / 1e12:.0f} TFLOP/s"
+    )
     return {"bandwidth": bw, "read_bandwidth": read["read"], "flops": fl}
 
 

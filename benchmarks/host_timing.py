@@ -29,7 +29,9 @@ def enter(mode: str) -> None:
             pass
 
 
-def host_time_us(executor: ModelExecutor, steps: list[tuple], iters: int = 50, mode: str = "idle") -> float:
+def host_time_us(
+    executor: ModelExecutor, steps: list[tuple], iters: int = 50, mode: str = "idle"
+) -> float:
     """CPU time of one ``execute`` call (device work excluded), cycling over ``steps`` (ids,
     positions, metadata), entered as ``enter(mode)``."""
     samples = []
@@ -57,7 +59,9 @@ def profile_host(executor: ModelExecutor, ids, pos, meta, iters: int = 20) -> No
     pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
-def host_breakdown(executor: ModelExecutor, ids, pos, meta, iters: int = 50, mode: str = "idle") -> dict[str, float]:
+def host_breakdown(
+    executor: ModelExecutor, ids, pos, meta, iters: int = 50, mode: str = "idle"
+) -> dict[str, float]:
     """Median host microseconds of a graph decode step's parts: staging copies, attention plan,
     graph launch (entered as in ``host_time_us``)."""
     graphs = executor.decode_graphs
@@ -101,7 +105,9 @@ def _timed_calls() -> list[tuple[object, str, str]]:
 
 
 @contextmanager
-def timing(totals: dict[str, float], calls: list[tuple[object, str, str]] | None = None) -> Iterator[None]:
+def timing(
+    totals: dict[str, float], calls: list[tuple[object, str, str]] | None = None
+) -> Iterator[None]:
     """Wrap each (owner, attribute, label) of ``calls`` (default ``_timed_calls()``) so its
     exclusive wall time (less the timed calls it makes itself) adds to ``totals[label]``, in
     seconds; the originals are back on exit."""
@@ -149,7 +155,9 @@ def call_breakdown(executor: ModelExecutor, ids, pos, meta, iters: int = 50) -> 
         rows.append({"call": label, "us_per_step": round(values[len(values) // 2], 1)})
     whole = next(r["us_per_step"] for r in rows if r["call"] == "execute (whole call)")
     inner = sum(r["us_per_step"] for r in rows if r["call"] != "execute (whole call)")
-    rows.append({"call": "other (Python between the calls above)", "us_per_step": round(whole - inner, 1)})
+    rows.append(
+        {"call": "other (Python between the calls above)", "us_per_step": round(whole - inner, 1)}
+    )
     return rows
 
 

@@ -33,7 +33,9 @@ def main() -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
     source = ensure_default_model()
     for path in source.iterdir():
-        if path.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
+        if path.name.startswith(
+            ("tokenizer", "special_tokens", "chat_template", "generation_config")
+        ):
             shutil.copy(path, out / path.name)
     print(out)
 

@@ -73,9 +73,13 @@ def spec_or_skip(
     if dtype not in caps.dtypes:
         pytest.skip(f"{name} does not declare dtype {dtype} (declares {list(caps.dtypes)})")
     if not caps.supports_head_dim(head_dim):
-        pytest.skip(f"{name} does not declare head_dim {head_dim} (declares {list(caps.head_dims)})")
+        pytest.skip(
+            f"{name} does not declare head_dim {head_dim} (declares {list(caps.head_dims)})"
+        )
     if block_size not in caps.block_sizes:
-        pytest.skip(f"{name} does not declare block_size {block_size} (declares {list(caps.block_sizes)})")
+        pytest.skip(
+            f"{name} does not declare block_size {block_size} (declares {list(caps.block_sizes)})"
+        )
     for feature in ("sliding_window", "logits_soft_cap"):
         if features.get(feature) is not None and not getattr(caps, feature):
             pytest.skip(f"{name} does not declare {feature}")

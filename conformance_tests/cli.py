@@ -119,10 +119,19 @@ def missing_coverage(device: str, families: tuple[str, ...], collector: _Collect
     )
 
 
-def run(device: str, families: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> tuple[int, _Collector]:
+def run(
+    device: str, families: tuple[str, ...] = (), extra: tuple[str, ...] = ()
+) -> tuple[int, _Collector]:
     paths = [str(p) for f in families for p in family_files(f)] or [str(SUITE_DIR)]
     collector = _Collector()
-    args = [*paths, f"--device={device}", "-p", "no:cacheprovider", f"--rootdir={SUITE_DIR}", *extra]
+    args = [
+        *paths,
+        f"--device={device}",
+        "-p",
+        "no:cacheprovider",
+        f"--rootdir={SUITE_DIR}",
+        *extra,
+    ]
     code = pytest.main(args, plugins=[collector])
     return int(code), collector
 
@@ -147,22 +156,36 @@ def summary_line(name: str, fam: dict) -> str:
     help="Import this module first (it may register platforms); repeatable. Same as XHAL_PLUGINS.",
 )
 @click.option("-v", "--verbose", is_flag=True, help="Show pytest's per-test output.")
-def main(device: str, report: str | None, families: tuple[str, ...], plugins: tuple[str, ...], verbose: bool) -> None:
+def main(
+    device: str,
+    report: str | None,
+    families: tuple[str, ...],
+    plugins: tuple[str, ...],
+    verbose: bool,
+) -> None:
     """Run the xhal conformance suite against one platform."""
     if plugins:  # children (collective ranks) import them too
-        os.environ["XHAL_PLUGINS"] = ",".join([*filter(None, os.environ.get("XHAL_PLUGINS", "").split(",")), *plugins])
+        os.environ["XHAL_PLUGINS"] = ",".join(
+            [*filter(None, os.environ.get("XHAL_PLUGINS", "").split(",")), *plugins]
+        )
     import xhal
 
     known = xhal.platforms.names()
     if device not in known:
-        raise click.BadParameter(f"unknown device {device!r}; known: {', '.join(known)}", param_hint="--device")
+        raise click.BadParameter(
+            f"unknown device {device!r}; known: {', '.join(known)}", param_hint="--device"
+        )
     have = known_families()
     unknown = [f for f in families if f not in have]
     if unknown:
-        raise click.BadParameter(f"unknown family {unknown}; families: {', '.join(have)}", param_hint="--family")
+        raise click.BadParameter(
+            f"unknown family {unknown}; families: {', '.join(have)}", param_hint="--family"
+        )
 
     start = time.perf_counter()
-    code, collector = run(device, families, ("-v",) if verbose else ("-q", "--tb=line", "--no-header"))
+    code, collector = run(
+        device, families, ("-v",) if verbose else ("-q", "--tb=line", "--no-header")
+    )
     elapsed = time.perf_counter() - start
     fams = collector.families()
     print(f"\nxhal conformance: device={device}  ({elapsed:.1f} s)")

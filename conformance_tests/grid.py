@@ -37,7 +37,11 @@ class Case:
 
     @property
     def id(self) -> str:
-        parts = [str(self.dtype).removeprefix("torch."), f"d{self.head_dim}", f"bs{self.block_size}"]
+        parts = [
+            str(self.dtype).removeprefix("torch."),
+            f"d{self.head_dim}",
+            f"bs{self.block_size}",
+        ]
         parts += [f"gqa{self.group}", self.kind.name.lower()]
         return "-".join(parts + ([self.feature] if self.feature else []))
 
@@ -86,7 +90,9 @@ def feature_cases(caps: AttentionCapabilities) -> list[Case]:
     ]
 
 
-def per_dtype_block_cases(caps: AttentionCapabilities, kind: BatchKind = BatchKind.MIXED) -> list[Case]:
+def per_dtype_block_cases(
+    caps: AttentionCapabilities, kind: BatchKind = BatchKind.MIXED
+) -> list[Case]:
     """One case per declared dtype and block size at ``feature_head_dim``."""
     head_dim = feature_head_dim(caps)
     return [Case(d, head_dim, b, 4, kind) for d in caps.dtypes for b in caps.block_sizes]
@@ -94,6 +100,8 @@ def per_dtype_block_cases(caps: AttentionCapabilities, kind: BatchKind = BatchKi
 
 def parametrize_cases(metafunc: pytest.Metafunc, cases: list[Case]) -> None:
     if not cases:  # nothing declared: one skipped test says so instead of a silent empty family
-        metafunc.parametrize("case", [pytest.param(None, marks=pytest.mark.skip("nothing declared"))])
+        metafunc.parametrize(
+            "case", [pytest.param(None, marks=pytest.mark.skip("nothing declared"))]
+        )
         return
     metafunc.parametrize("case", cases, ids=[c.id for c in cases])

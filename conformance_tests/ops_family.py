@@ -23,6 +23,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _platform_ops_active(request: pytest.FixtureRequest, platform, kernel_solution) -> Iterator[None]:
+def _platform_ops_active(
+    request: pytest.FixtureRequest, platform, kernel_solution
+) -> Iterator[None]:
     with solution_variants.solution_active(request, platform, kernel_solution):
         yield

@@ -31,7 +31,8 @@ def solution_lines(solutions: dict[str, dict]) -> list[str]:
     lines = ["solutions (every registered one, chosen or not):"]
     for key, sol in solutions.items():
         line = (
-            f"  {key:<36} {sol['status']:<13} passed {sol['passed']:>3}  failed {sol['failed']:>3}  "
+            f"  {key:<36} {sol['status']:<13} passed {sol['passed']:>3}  failed {sol['failed']:>3} "
+            f" "
             f"skipped {sol['skipped']:>3}"
         )
         if sol["status"] == "not exercised":

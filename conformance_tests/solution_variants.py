@@ -63,13 +63,20 @@ def parametrize(metafunc: pytest.Metafunc) -> None:
 
     platform = xhal.platforms.get(metafunc.config.getoption("--device"))
     marker = metafunc.definition.get_closest_marker("kernel_ops")
-    wanted = tuple(marker.args) if marker else ops_of(metafunc.function.__name__, metafunc.module.__name__)
+    wanted = (
+        tuple(marker.args)
+        if marker
+        else ops_of(metafunc.function.__name__, metafunc.module.__name__)
+    )
     if not wanted or not _serves_its_solutions(platform):
         return
     kernels = platform.kernels
     if wanted == ATTENTION_OPS:
         names = list(dict.fromkeys(s.name for op in wanted for s in kernels.solutions(op)))
-        variants = [(n, tuple(op for op in wanted if any(s.name == n for s in kernels.solutions(op)))) for n in names]
+        variants = [
+            (n, tuple(op for op in wanted if any(s.name == n for s in kernels.solutions(op))))
+            for n in names
+        ]
         ids = names
     else:
         variants = [(s.name, (op,)) for op in wanted for s in kernels.solutions(op)]
@@ -108,6 +115,8 @@ def solution_active(request: pytest.FixtureRequest, platform: Platform, variant)
 
 
 @pytest.fixture(autouse=True)
-def _solution_under_test(request: pytest.FixtureRequest, platform: Platform, kernel_solution) -> Iterator[None]:
+def _solution_under_test(
+    request: pytest.FixtureRequest, platform: Platform, kernel_solution
+) -> Iterator[None]:
     with solution_active(request, platform, kernel_solution):
         yield

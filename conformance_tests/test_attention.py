@@ -40,7 +40,10 @@ NUM_PADDING = 3  # trailing padding rows (slot -1) in every batch
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     solution_variants.parametrize(metafunc)  # every attention solution, not only the chosen one
     # the grid is the platform's declaration (conformance_tests.grid)
-    if "case" not in metafunc.fixturenames or metafunc.function.__name__ == "test_undeclared_spec_raises":
+    if (
+        "case" not in metafunc.fixturenames
+        or metafunc.function.__name__ == "test_undeclared_spec_raises"
+    ):
         return
     caps = grid.platform_of(metafunc.config).capabilities.attention
     cases = {

@@ -124,7 +124,9 @@ def _rank_main(
             dist.destroy_process_group()
 
 
-def _run_ranks(device_name: str, tmp: Path, world_size: int = WORLD_SIZE, program: str = "world") -> list[dict]:
+def _run_ranks(
+    device_name: str, tmp: Path, world_size: int = WORLD_SIZE, program: str = "world"
+) -> list[dict]:
     ctx = mp.get_context("spawn")
     init_method = f"file://{tmp / 'rendezvous'}"
     procs = [
@@ -178,7 +180,9 @@ def _spawn(platform, device_name, tmp_path_factory, world_size, program) -> list
         pytest.skip(f"platform {device_name!r} declares capabilities.collective=False")
     count = visible_devices(platform.device_type)
     if count is not None and count < world_size:  # one device per rank, as NCCL / HCCL need
-        return f"{world_size} ranks need {world_size} {platform.device_type} devices, {count} visible"
+        return (
+            f"{world_size} ranks need {world_size} {platform.device_type} devices, {count} visible"
+        )
     return _run_ranks(device_name, tmp_path_factory.mktemp(program), world_size, program)
 
 

@@ -44,12 +44,16 @@ F64 = torch.float64
 _UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 
 
-def rand(*shape: int, dtype: torch.dtype, device, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
+def rand(
+    *shape: int, dtype: torch.dtype, device, scale: float = 1.0, seed: int = 0
+) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)  # drawn on the CPU so every device sees the same values
     return (torch.randn(*shape, generator=g, dtype=F64) * scale).to(device, dtype)
 
 
-def gemv_bound(a: torch.Tensor, w: torch.Tensor, y_ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def gemv_bound(
+    a: torch.Tensor, w: torch.Tensor, y_ref: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """The module docstring's per-element bound for ``y = a @ w.T (+ b)``; a, w float64."""
     k = a.shape[-1]
     terms_sq = (a * a) @ (w * w).T  # sum_k (W a)^2: [M, N]
@@ -70,7 +74,8 @@ def check_gemv(out, a, w, y_ref, dtype, record_error) -> None:
     bound = gemv_bound(a, w, y_ref, dtype)
     worst = float((err / bound).nan_to_num(float("inf")).max())
     assert worst <= 1.0, (
-        f"{worst:.2f}x the fused-GEMV bound (max error {float(err.max()):.3e}): a fused kernel must "
+        f"{worst:.2f}x the fused-GEMV bound (max error {float(err.max()):.3e}): a fused kernel "
+        f"must "
         "match the unfused sequence up to one skipped rounding of the projection's input"
     )
 
@@ -79,7 +84,9 @@ def check_residual(out, expected, dtype, record_error) -> None:
     record_error(ref.max_error(out, expected))
     if dtype in ref.ULP_BITS:
         ulps = ref.max_ulps(out, expected, dtype)
-        assert ulps <= ref.ULPS, f"new residual {ulps:.1f} ulp from x + residual rounded once to {dtype}"
+        assert ulps <= ref.ULPS, (
+            f"new residual {ulps:.1f} ulp from x + residual rounded once to {dtype}"
+        )
     else:
         assert ref.max_error(out, expected) <= tolerance("ops", dtype)
 
@@ -134,14 +141,16 @@ def test_silu_and_mul_linear(m, k, n, bias, dtype, device, record_error) -> None
     w = rand(n, k, dtype=dtype, device=device, scale=k**-0.5, seed=1)
     b = rand(n, dtype=dtype, device=device, seed=2) if bias else None
     a, y_ref = silu_reference(x, w, b, dtype)
-    check_gemv(ops.silu_and_mul_linear(x, w, b), a, w.detach().to("cpu", F64), y_ref, dtype, record_error)
+    check_gemv(
+        ops.silu_and_mul_linear(x, w, b), a, w.detach().to("cpu", F64), y_ref, dtype, record_error
+    )
 
 
 def test_fused_linears_take_strided_inputs(dtype, device, record_error) -> None:
     """x and residual as slices of wider rows, the gate | up input as a slice of a fused output."""
     k, n = 200, 48
     wide = rand(2, 3 * k, dtype=dtype, device=device)
-    x, res = wide[:, :k], wide[:, 2 * k:]  # rows 3k apart
+    x, res = wide[:, :k], wide[:, 2 * k :]  # rows 3k apart
     g = rand(k, dtype=dtype, device=device, seed=5)
     w = rand(n, k, dtype=dtype, device=device, scale=k**-0.5, seed=6)
     y, summed = ops.add_rms_norm_linear(x, res, g, 1e-6, w)
@@ -150,7 +159,14 @@ def test_fused_linears_take_strided_inputs(dtype, device, record_error) -> None:
     check_residual(summed, summed_ref, dtype, record_error)
     gate_up = wide[:, : 2 * k]  # rows 3k apart
     a, y_ref = silu_reference(gate_up, w, None, dtype)
-    check_gemv(ops.silu_and_mul_linear(gate_up, w), a, w.detach().to("cpu", F64), y_ref, dtype, record_error)
+    check_gemv(
+        ops.silu_and_mul_linear(gate_up, w),
+        a,
+        w.detach().to("cpu", F64),
+        y_ref,
+        dtype,
+        record_error,
+    )
 
 
 @pytest.mark.parametrize("m,k,n", [c for c in CASES if c[0] <= 2], ids=str)
@@ -187,7 +203,11 @@ def test_fused_ops_trace_with_fake_tensors(dtype) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
-        x, res, g = torch.empty(3, 64, dtype=dtype), torch.empty(3, 64, dtype=dtype), torch.empty(64, dtype=dtype)
+        x, res, g = (
+            torch.empty(3, 64, dtype=dtype),
+            torch.empty(3, 64, dtype=dtype),
+            torch.empty(64, dtype=dtype),
+        )
         w = torch.empty(40, 64, dtype=dtype)
         y, summed = torch.ops.xhal.add_rms_norm_linear(x, res, g, 1e-6, w, None)
         down = torch.ops.xhal.silu_and_mul_linear(torch.empty(3, 128, dtype=dtype), w, None)
@@ -196,7 +216,9 @@ def test_fused_ops_trace_with_fake_tensors(dtype) -> None:
 
 
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
-@pytest.mark.parametrize("kind", [BatchKind.DECODE, BatchKind.PREFILL], ids=lambda k: k.name.lower())
+@pytest.mark.parametrize(
+    "kind", [BatchKind.DECODE, BatchKind.PREFILL], ids=lambda k: k.name.lower()
+)
 def test_forward_rotary(kind, is_neox, platform, dtype, device, record_error) -> None:
     """A backend that fuses rotary into its KV write: the cache holds the rotated keys and the
     values, nothing else changes, and the output is attention over the rotated q and keys."""
@@ -245,4 +267,6 @@ def test_forward_rotary(kind, is_neox, platform, dtype, device, record_error) ->
     expected = attn_ref.attention(q_rot, caches[0].key, caches[0].value, batch, spec)
     err = attn_ref.max_error(out, expected, batch.real_rows)
     record_error(err)
-    assert err <= tolerance("attention", dtype), f"max error {err:.3e} > {tolerance('attention', dtype):.1e}"
+    assert err <= tolerance("attention", dtype), (
+        f"max error {err:.3e} > {tolerance('attention', dtype):.1e}"
+    )

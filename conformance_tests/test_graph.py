@@ -48,11 +48,17 @@ from xhal.interfaces import AttentionMetadata, BatchKind, GraphRunner, LayerCach
 
 BUCKET = 4  # decode sequences per captured graph
 # the metadata's device tensors: a graph bucket gets the same ones at capture and every replay
-PERSISTENT = ("q_cu_seq_lens", "kv_cu_seq_lens", "q_seq_lens", "kv_seq_lens", "block_table", "slot_mapping")
+PERSISTENT = (
+    "q_cu_seq_lens",
+    "kv_cu_seq_lens",
+    "q_seq_lens",
+    "kv_seq_lens",
+    "block_table",
+    "slot_mapping",
+)
 KEY = ("decode", BUCKET)
 NUM_LAYERS = 2
 UNKNOWN_KEY_ERRORS = (LookupError, RuntimeError, ValueError)
-
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -161,7 +167,9 @@ def test_piecewise_split_runs_eagerly_between_pieces(platform, device):
         live["offset"] = offset
         x.copy_(randn((16,), torch.float32, device, rng))
         out = runner.replay("split")
-        assert torch.allclose(out, (x * 2.0 + offset) * 3.0), "the split function did not run at replay"
+        assert torch.allclose(out, (x * 2.0 + offset) * 3.0), (
+            "the split function did not run at replay"
+        )
 
 
 def test_runner_keys_and_reset(platform, device):
@@ -220,7 +228,9 @@ class DecodeCase:
         seqs = [Seq(1, 1, padding=True)] * BUCKET
         rows = [[] for _ in seqs]
         bs = self.spec.block_size
-        return build_batch(BatchKind.DECODE, seqs, rows, bs, self.device, max_blocks=self.max_blocks)
+        return build_batch(
+            BatchKind.DECODE, seqs, rows, bs, self.device, max_blocks=self.max_blocks
+        )
 
     def bucket(self, num_real: int) -> tuple[Batch, Batch]:
         """A new decode step of ``num_real`` sequences: (padded to the bucket, unpadded)."""

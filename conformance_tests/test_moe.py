@@ -32,7 +32,9 @@ def separated_logits(
 def expert_weights(num_experts: int, hidden: int, inter: int, dtype, device, seed: int):
     """``w13 [E, 2I, H]``, ``w2 [E, H, I]`` scaled so that every output is O(1)."""
     g = torch.Generator().manual_seed(seed)
-    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g, dtype=torch.float64) * hidden**-0.5
+    w13 = (
+        torch.randn(num_experts, 2 * inter, hidden, generator=g, dtype=torch.float64) * hidden**-0.5
+    )
     w2 = torch.randn(num_experts, hidden, inter, generator=g, dtype=torch.float64) * inter**-0.5
     return w13.to(device, dtype), w2.to(device, dtype)
 
@@ -123,7 +125,9 @@ def test_experts_of_strided_tokens(dtype, device, record_error) -> None:
     x = wide[:, :64]
     weights, ids = ref.route(separated_logits(12, 8, seed=5), 2, True)
     w13, w2 = expert_weights(8, 64, 32, dtype, device, seed=6)
-    out = ops.moe_experts(x, w13, w2, weights.to(device, torch.float32), ids.to(device, torch.int32))
+    out = ops.moe_experts(
+        x, w13, w2, weights.to(device, torch.float32), ids.to(device, torch.int32)
+    )
     check_experts(out, ref.experts(x, w13, w2, weights.float(), ids), dtype, record_error)
 
 
@@ -135,7 +139,9 @@ def test_route_and_experts_in_a_graph(num_tokens, platform, dtype, device, recor
         pytest.skip(f"{platform.name} declares no graphs")
     num_experts, top_k, hidden, inter = 16, 4, 64, 32
     x = tokens(num_tokens, hidden, dtype, device, seed=7)
-    logits = separated_logits(num_tokens, num_experts, seed=8, allowed=[0, 1, 2, 3, 4]).to(device, dtype)
+    logits = separated_logits(num_tokens, num_experts, seed=8, allowed=[0, 1, 2, 3, 4]).to(
+        device, dtype
+    )
     w13, w2 = expert_weights(num_experts, hidden, inter, dtype, device, seed=9)
 
     def step() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -150,4 +156,6 @@ def test_route_and_experts_in_a_graph(num_tokens, platform, dtype, device, recor
     platform.synchronize()
     check_routing(weights, ids, logits, top_k, True, record_error)
     expected_w, expected_ids = ref.route(logits, top_k, True)
-    check_experts(out, ref.experts(x, w13, w2, expected_w.float(), expected_ids), dtype, record_error)
+    check_experts(
+        out, ref.experts(x, w13, w2, expected_w.float(), expected_ids), dtype, record_error
+    )

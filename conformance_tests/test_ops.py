@@ -39,7 +39,15 @@ def check(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, record_
 
 
 # small M is where a platform may swap in its own kernel (GEMV for decode); sizes off powers of 2
-LINEAR_CASES = [(1, 256, 96), (2, 200, 72), (3, 64, 1000), (4, 512, 520), (8, 136, 40), (16, 64, 64), (33, 128, 96)]
+LINEAR_CASES = [
+    (1, 256, 96),
+    (2, 200, 72),
+    (3, 64, 1000),
+    (4, 512, 520),
+    (8, 136, 40),
+    (16, 64, 64),
+    (33, 128, 96),
+]
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
@@ -261,7 +269,9 @@ def test_per_row_sampling_parameters(dtype, device) -> None:
     """Rows with different settings in one batch, interleaved: each setting's draws follow its
     own row's distribution (a kernel that applies row 0's settings to every row fails)."""
     draws, vocab, n = 1000, 8, len(PER_ROW_SETTINGS)
-    rows = torch.stack([rand(vocab, dtype=torch.float64, device="cpu", scale=1.5, seed=11 + i) for i in range(n)])
+    rows = torch.stack(
+        [rand(vocab, dtype=torch.float64, device="cpu", scale=1.5, seed=11 + i) for i in range(n)]
+    )
     logits = rows.repeat(draws, 1).to(device, dtype)  # row r has setting r % n
     temperature = [t for _ in range(draws) for t, _, _ in PER_ROW_SETTINGS]
     top_k = [k for _ in range(draws) for _, k, _ in PER_ROW_SETTINGS]

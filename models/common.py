@@ -150,7 +150,9 @@ class DecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden)
             qkv = self.self_attn.qkv_proj(hidden)
         else:
-            qkv, residual = self.self_attn.qkv_proj.forward_normed(hidden, residual, self.input_layernorm)
+            qkv, residual = self.self_attn.qkv_proj.forward_normed(
+                hidden, residual, self.input_layernorm
+            )
         hidden = self.self_attn.attend(positions, qkv)
         if isinstance(self.mlp, GatedMLP):
             gate_up, residual = self.mlp.gate_up_proj.forward_normed(

@@ -70,7 +70,9 @@ class SharedExpert(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size, intermediate_size], tp=tp
         )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, reduce_results=False, tp=tp)
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, reduce_results=False, tp=tp
+        )
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,7 +88,9 @@ class SparseMoeBlock(nn.Module):
         hidden_size, self.tp = cfg.get(config, "hidden_size"), tp
         act = cfg.get(config, "hidden_act", "silu")
         if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported by the MoE layer; supported: 'silu'")
+            raise ValueError(
+                f"hidden_act {act!r} is not supported by the MoE layer; supported: 'silu'"
+            )
         experts = num_experts(config)
         self.gate = ReplicatedLinear(hidden_size, experts)
         self.experts = FusedMoE(

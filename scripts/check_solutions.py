@@ -12,19 +12,36 @@ import time
 
 import torch
 
-# what xhal/platforms/cuda/ops.py and platform.py picked by hand before solutions (FlashInfer installed)
+# what xhal/platforms/cuda/ops.py and platform.py picked by hand before solutions (FlashInfer
+# installed)
 LEGACY = {
     "cuda": {
-        "linear": "triton", "rms_norm": "flashinfer", "fused_add_rms_norm": "triton",
-        "rotary_embedding": "triton", "silu_and_mul": "flashinfer", "gelu_and_mul": "flashinfer",
-        "moe_route": "triton", "moe_experts": "triton", "sampling": "torch",
-        "attention bfloat16": "flashinfer", "attention float16": "flashinfer", "attention float32": "triton",
+        "linear": "triton",
+        "rms_norm": "flashinfer",
+        "fused_add_rms_norm": "triton",
+        "rotary_embedding": "triton",
+        "silu_and_mul": "flashinfer",
+        "gelu_and_mul": "flashinfer",
+        "moe_route": "triton",
+        "moe_experts": "triton",
+        "sampling": "torch",
+        "attention bfloat16": "flashinfer",
+        "attention float16": "flashinfer",
+        "attention float32": "triton",
     },
     "cuda-triton": {
-        "linear": "triton", "rms_norm": "torch", "fused_add_rms_norm": "triton",
-        "rotary_embedding": "triton", "silu_and_mul": "torch", "gelu_and_mul": "torch",
-        "moe_route": "triton", "moe_experts": "triton", "sampling": "torch",
-        "attention bfloat16": "triton", "attention float16": "triton", "attention float32": "triton",
+        "linear": "triton",
+        "rms_norm": "torch",
+        "fused_add_rms_norm": "triton",
+        "rotary_embedding": "triton",
+        "silu_and_mul": "torch",
+        "gelu_and_mul": "torch",
+        "moe_route": "triton",
+        "moe_experts": "triton",
+        "sampling": "torch",
+        "attention bfloat16": "triton",
+        "attention float16": "triton",
+        "attention float32": "triton",
     },
 }
 
@@ -36,7 +53,10 @@ def chosen(platform) -> dict[str, str]:
     out = dict(kernels.ops.names)
     for dtype in platform.capabilities.attention.dtypes:
         spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype=dtype, block_size=16)
-        names = {kernels.attention_solution(op, spec).name for op in ("paged_decode_attention", "paged_prefill_attention")}
+        names = {
+            kernels.attention_solution(op, spec).name
+            for op in ("paged_decode_attention", "paged_prefill_attention")
+        }
         out[f"attention {str(dtype).removeprefix('torch.')}"] = "+".join(sorted(names))
     return out
 
@@ -46,7 +66,11 @@ def call_overhead_us(platform, direct, calls: int = 2000, rounds: int = 7) -> tu
     implementation called directly (the difference is what solutions add). The best of
     ``rounds`` interleaved rounds, so a busy host does not decide it."""
     dev = platform.device()
-    x, r, w = torch.randn(1, 64, device=dev), torch.randn(1, 64, device=dev), torch.ones(64, device=dev)
+    x, r, w = (
+        torch.randn(1, 64, device=dev),
+        torch.randn(1, 64, device=dev),
+        torch.ones(64, device=dev),
+    )
     best = [float("inf"), float("inf")]
     fns = (platform.ops.fused_add_rms_norm, direct)
     for fn in fns:
@@ -68,7 +92,11 @@ def call_overhead_us(platform, direct, calls: int = 2000, rounds: int = 7) -> tu
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--expect-legacy", action="store_true", help="fail unless the choices are the pre-solution ones")
+    parser.add_argument(
+        "--expect-legacy",
+        action="store_true",
+        help="fail unless the choices are the pre-solution ones",
+    )
     args = parser.parse_args()
     import xhal
 
@@ -85,8 +113,11 @@ def main() -> int:
         print(f"{op:<22} {name:<16} {want:<12}{mark}")
     impl = platform.kernels.ops.impls["fused_add_rms_norm"]
     via, direct = call_overhead_us(platform, impl)
-    print(f"fused_add_rms_norm host time per call: {via:.2f} us through solutions, {direct:.2f} us direct "
-          f"(+{via - direct:.2f} us)")
+    print(
+        f"fused_add_rms_norm host time per call: {via:.2f} us through solutions, {direct:.2f} us "
+        f"direct "
+        f"(+{via - direct:.2f} us)"
+    )
     if bad:
         print(f"FAILED: {', '.join(bad)} differ from the pre-solution choices")
     return 1 if bad else 0

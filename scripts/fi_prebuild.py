@@ -30,7 +30,10 @@ def jobs() -> list[tuple]:
     prefill, decode = [], []
     for dtype in ("bfloat16", "float16"):
         for head_dim in (64, 128):
-            decode += [(dtype, head_dim, 1, "plain", "DECODE"), (dtype, head_dim, 4, "plain", "DECODE")]
+            decode += [
+                (dtype, head_dim, 1, "plain", "DECODE"),
+                (dtype, head_dim, 4, "plain", "DECODE"),
+            ]
             prefill.append((dtype, head_dim, 4, "plain", "PREFILL"))
         for feature in ("window", "soft_cap", "window_soft_cap"):
             decode.append((dtype, 128, 4, feature, "DECODE"))
@@ -61,13 +64,21 @@ def run_job(job: tuple) -> tuple[tuple, float, str]:
                 platform.ops.gelu_and_mul(x, "tanh")
                 platform.ops.gelu_and_mul(x, "none")
                 q = x.view(4, 4, 64)
-                platform.ops.rotary_embedding(torch.arange(4, device=device), q, q, torch.randn(8, 64, device=device), True)
+                platform.ops.rotary_embedding(
+                    torch.arange(4, device=device), q, q, torch.randn(8, 64, device=device), True
+                )
         else:
             from conformance_tests.batches import random_batch, random_caches, random_qkv
 
             dtype, head_dim, group, feature, kind = job
-            spec = AttentionSpec(num_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
-                                 dtype=getattr(torch, dtype), block_size=16, **FEATURES[feature])
+            spec = AttentionSpec(
+                num_heads=2 * group,
+                num_kv_heads=2,
+                head_dim=head_dim,
+                dtype=getattr(torch, dtype),
+                block_size=16,
+                **FEATURES[feature],
+            )
             rng = random.Random(0)
             batch, num_blocks = random_batch(BatchKind[kind], 16, device, rng)
             backend = platform.attention_backend(spec)
@@ -92,9 +103,15 @@ def main() -> None:
         for future in concurrent.futures.as_completed([pool.submit(run_job, job) for job in todo]):
             job, seconds, status = future.result()
             failed += status != "ok"
-            print(f"  {time.perf_counter() - start:5.0f} s  {'/'.join(map(str, job)):<36} {seconds:6.1f} s  {status}",
-                  flush=True)
-    print(f"prebuilt {len(todo) - failed}/{len(todo)} configurations in {time.perf_counter() - start:.0f} s")
+            print(
+                f"  {time.perf_counter() - start:5.0f} s  {'/'.join(map(str, job)):<36} "
+                f"{seconds:6.1f} s  {status}",
+                flush=True,
+            )
+    print(
+        f"prebuilt {len(todo) - failed}/{len(todo)} configurations in "
+        f"{time.perf_counter() - start:.0f} s"
+    )
 
 
 if __name__ == "__main__":

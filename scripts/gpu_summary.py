@@ -35,13 +35,18 @@ def conformance(out: Path) -> list[str]:
         families = data.get("families", data)
         for name, r in sorted(families.items()):
             if isinstance(r, dict) and "passed" in r:
-                lines.append(f"conformance {data.get('device', report.stem):<12} {name:<11} "
-                             f"{r['passed']:>4} passed {r['failed']:>3} failed {r['skipped']:>3} skipped")
+                lines.append(
+                    f"conformance {data.get('device', report.stem):<12} {name:<11} "
+                    f"{r['passed']:>4} passed {r['failed']:>3} failed {r['skipped']:>3} skipped"
+                )
         by_status: dict[str, list[str]] = {}
         for key, sol in data.get("solutions", {}).items():  # every registered kernel solution
             by_status.setdefault(sol["status"], []).append(key)
         for status, keys in sorted(by_status.items()):
-            lines.append(f"solutions   {data.get('device', report.stem):<12} {status:<13} {len(keys):>3}: {', '.join(keys)}")
+            lines.append(
+                f"solutions   {data.get('device', report.stem):<12} {status:<13} {len(keys):>3}: "
+                f"{', '.join(keys)}"
+            )
     return lines
 
 
@@ -50,26 +55,43 @@ def benchmarks(out: Path) -> list[str]:
     model = out / "bench_model.txt"
     if model.exists():
         for r in read_table(model.read_text(), "decode step"):
-            honest = f" ({r['pipelined_x_read_floor']}x read floor)" if "pipelined_x_read_floor" in r else ""
-            lines.append(f"decode 8B batch {r['batch']:>3}: pipelined {r.get('pipelined_ms', '?')} ms = "
-                         f"{r.get('pipelined_x_floor', '?')}x floor{honest}, graph/eager {r.get('graph_speedup', '?')}x, "
-                         f"host {r.get('host_us', '?')} us")
+            honest = (
+                f" ({r['pipelined_x_read_floor']}x read floor)"
+                if "pipelined_x_read_floor" in r
+                else ""
+            )
+            lines.append(
+                f"decode 8B batch {r['batch']:>3}: pipelined {r.get('pipelined_ms', '?')} ms = "
+                f"{r.get('pipelined_x_floor', '?')}x floor{honest}, graph/eager "
+                f"{r.get('graph_speedup', '?')}x, "
+                f"host {r.get('host_us', '?')} us"
+            )
         for r in read_table(model.read_text(), "peer:"):
             speedups = {k: v for k, v in r.items() if k.startswith("xhal_graph_speedup")}
-            lines.append(f"transformers batch {r['batch']:>3}: xhal faster by " +
-                         ", ".join(f"{v}x ({k.removeprefix('xhal_graph_speedup_vs_')})" for k, v in speedups.items()))
+            lines.append(
+                f"transformers batch {r['batch']:>3}: xhal faster by "
+                + ", ".join(
+                    f"{v}x ({k.removeprefix('xhal_graph_speedup_vs_')})"
+                    for k, v in speedups.items()
+                )
+            )
     attention = out / "bench_attention.txt"
     if attention.exists():
         for r in read_table(attention.read_text(), "decode attention"):
             if r["batch"] == "64" and r["ctx"] == "2048":
-                lines.append(f"decode attention {r['path']} 64 x 2K: {r['us']} us, {r['of_copy_ceiling']} of copy ceiling")
+                lines.append(
+                    f"decode attention {r['path']} 64 x 2K: {r['us']} us, {r['of_copy_ceiling']} "
+                    f"of copy ceiling"
+                )
     serve = out / "serve_bench.txt"
     if serve.exists():
         text = serve.read_text()
         # gpu_run.sh heads each run "=== serve SHAPE concurrency C"; older files have two bare runs
         sections = re.split(r"^=== serve (\S+) concurrency (\d+)\n", text, flags=re.MULTILINE)
         if len(sections) > 1:
-            runs = [(f"{shape} ", int(c), body) for shape, c, body in zip(*[iter(sections[1:])] * 3)]
+            runs = [
+                (f"{shape} ", int(c), body) for shape, c, body in zip(*[iter(sections[1:])] * 3)
+            ]
         else:  # one run per "P50 TTFT" (each run prints TTFT before TPOT)
             runs = [("", c, body) for c, body in zip((1, 64), re.split(r"(?=P50 TTFT)", text)[1:])]
         for shape, c, body in runs:
@@ -78,8 +100,10 @@ def benchmarks(out: Path) -> list[str]:
             itl = re.search(r"P50 ITL \(ms\)\s+([\d.]+)", body)
             if tpot and ttft:
                 extra = f", ITL p50 {itl.group(1)} ms" if itl else ""
-                lines.append(f"xhal-serve {shape}concurrency {c:>2}: TPOT {tpot.group(1)} ms, "
-                             f"TTFT p50 {ttft.group(1)} ms{extra}")
+                lines.append(
+                    f"xhal-serve {shape}concurrency {c:>2}: TPOT {tpot.group(1)} ms, "
+                    f"TTFT p50 {ttft.group(1)} ms{extra}"
+                )
     return lines
 
 

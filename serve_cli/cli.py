@@ -55,7 +55,8 @@ def _check_device(value: str) -> None:
 
 
 def _apply_kernels(kernels: tuple[str, ...]) -> None:
-    """``--kernel OP=SOLUTION`` as ``XHAL_KERNEL_<OP>``, which the engine and worker processes inherit."""
+    """``--kernel OP=SOLUTION`` as ``XHAL_KERNEL_<OP>``, which the engine and worker processes
+    inherit."""
     if not kernels:
         return
     import os
@@ -73,7 +74,8 @@ def _require_packages() -> None:
     if missing:
         raise click.ClickException(
             f"xhal-serve needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
-            f"not installed; install with:  pip install 'xhal[serve]'  (or: pip install {' '.join(missing)})"
+            f"not installed; install with:  pip install 'xhal[serve]'  (or: pip install "
+            f"{' '.join(missing)})"
         )
 
 
@@ -85,8 +87,7 @@ def _served_model(model: str | None, model_option: str | None) -> ServedModel:
     """The model of ``xhal-serve MODEL`` or ``--model MODEL`` (one, or both the same)."""
     if model is not None and model_option is not None and model != model_option:
         raise click.UsageError(
-            f"two models given ({model!r} as the argument, {model_option!r} as --model); "
-            "give one"
+            f"two models given ({model!r} as the argument, {model_option!r} as --model); give one"
         )
     spec = model if model is not None else model_option
     if spec is None:
@@ -324,8 +325,15 @@ def main(
     # a built-in's generation_config.json sets no max_new_tokens: its cap comes first
     max_tokens = default_max_tokens or (BUILTIN_CHAT_MAX_TOKENS if served.builtin else None)
     options = ServerOptions(
-        host, port, Path(model_dir), model_name, api_key, log_level,
-        default_max_tokens=max_tokens, log_prompts=log_prompts, shutdown_timeout=shutdown_timeout,
+        host,
+        port,
+        Path(model_dir),
+        model_name,
+        api_key,
+        log_level,
+        default_max_tokens=max_tokens,
+        log_prompts=log_prompts,
+        shutdown_timeout=shutdown_timeout,
     )
     try:
         serve(options, config)

@@ -4,8 +4,9 @@ Shutdown: SIGINT or SIGTERM makes uvicorn stop accepting, lets open requests fin
 ``--shutdown-timeout`` seconds and then ends the rest in-band (``serve_cli.shutdown``), and runs
 the app's lifespan exit, which stops the engine process; the ``finally`` below stops it too when
 start-up fails half-way. The engine process also dies on its own if this process dies (see
-``process.engine_process``), so no process is left behind. If the engine process dies first, the server
-answers its requests with 503s, stops, and ``serve`` raises ``EngineDeadError`` (exit status 1).
+``process.engine_process``), so no process is left behind. If the engine process dies first, the
+server answers its requests with 503s, stops, and ``serve`` raises ``EngineDeadError`` (exit status
+1).
 """
 
 from __future__ import annotations

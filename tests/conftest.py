@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random checkpoints (built once per session; see tests/support/checkpoints.py)."""
+"""Shared fixtures: tiny random checkpoints (built once per session; see
+tests/support/checkpoints.py)."""
 
 from __future__ import annotations
 

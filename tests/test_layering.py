@@ -2,13 +2,12 @@
 
 1. Hardware-neutral code (models/, xhal/layers, xhal/executor, xhal/interfaces) imports nothing
    device-specific and names no device graph type.
-2. Backends (xhal/platforms/cpu_ref, xhal/platforms/cuda, xhal/platforms/npu) never import the layers above them.
+2. Backends (xhal/platforms/cpu_ref, xhal/platforms/cuda, xhal/platforms/npu) never import the
+layers above them.
 3. ``import xhal`` and the CPU path work where no device library can be imported.
 """
 
 from __future__ import annotations
-
-from tests.support.paths import REPO
 
 import ast
 import os
@@ -18,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.support.paths import REPO
 
 NEUTRAL_DIRS = ("models", "xhal/layers", "xhal/executor", "xhal/interfaces")
 BACKEND_DIRS = (
@@ -216,7 +217,8 @@ BAD_BACKEND = [
     "from models import LlamaForCausalLM",
     "import serve_cli.worker",
     "from xhal import executor",
-    "from ...executor.executor import ModelExecutor",  # in package xhal.platforms.cuda -> xhal.executor
+    # in package xhal.platforms.cuda -> xhal.executor
+    "from ...executor.executor import ModelExecutor",
 ]
 
 
@@ -271,7 +273,8 @@ def test_no_arrow_runs_back_up() -> None:
         if any(path.is_relative_to(REPO / d) for d in UNDER_MODELS_DIRS):
             upper = ABOVE_MODELS
         problems += [
-            f"{path.relative_to(REPO)}:{v}" for v in upward_imports(path.read_text(), package, upper)
+            f"{path.relative_to(REPO)}:{v}"
+            for v in upward_imports(path.read_text(), package, upper)
         ]
     assert checked, f"xhal/ holds no Python files: is REPO={REPO} right?"
     assert not problems, "imports from a lower floor to a higher one:\n" + "\n".join(problems)

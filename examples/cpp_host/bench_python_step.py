@@ -61,7 +61,9 @@ def main() -> None:
     if executor.decode_graphs is not None and platform.device_type != "cpu":
         executor.capture_graphs(progress=False)
         executor.warm_up()
-    vocab = int(model.config["vocab_size"] if isinstance(model.config, dict) else model.config.vocab_size)
+    vocab = int(
+        model.config["vocab_size"] if isinstance(model.config, dict) else model.config.vocab_size
+    )
     builder = InputBuilder(device, a.convention, bs)
 
     prompts = [synthetic_prompt(r, a.prompt_len, vocab) for r in range(a.batch)]
@@ -97,7 +99,9 @@ def main() -> None:
         first_tokens.append(last[0])
     steady = times[1:]  # as the C++ host's summary, the first decode step is left out
 
-    empty = to_xllm([], [], [], [], a.convention, device, block_size=bs if a.convention == "cuda" else None)
+    empty = to_xllm(
+        [], [], [], [], a.convention, device, block_size=bs if a.convention == "cuda" else None
+    )
     no_tokens = torch.zeros(0, dtype=torch.int32, device=device)
     empty_times = []
     for _ in range(a.crossing_iters):

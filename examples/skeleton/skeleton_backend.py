@@ -1,8 +1,8 @@
 """A complete xhal platform written from scratch in plain torch: the skeleton of a new backend.
 
-Nothing here comes from ``xhal.platforms.cpu_ref``; every piece is written against ``xhal.interfaces``
-alone, as a backend for new hardware would be, with the device kernels replaced by torch calls.
-Register it as a plugin and run the suite on it::
+Nothing here comes from ``xhal.platforms.cpu_ref``; every piece is written against
+``xhal.interfaces`` alone, as a backend for new hardware would be, with the device kernels replaced
+by torch calls. Register it as a plugin and run the suite on it::
 
     xhal-conformance --device skeleton --plugin examples.skeleton.skeleton_backend
 
@@ -49,7 +49,9 @@ class SkeletonAttention(AttentionBackend):
         for i, cache in enumerate(self.caches):
             expected = self.kv_cache_shape(cache.num_blocks)
             if tuple(cache.key.shape) != expected:
-                raise ValueError(f"layer {i} cache is {tuple(cache.key.shape)}, expected {expected}")
+                raise ValueError(
+                    f"layer {i} cache is {tuple(cache.key.shape)}, expected {expected}"
+                )
 
     def plan(self, metadata: AttentionMetadata, graph_key: Hashable | None = None) -> None:
         # host work only: the host twins give every length without a device sync
@@ -58,7 +60,9 @@ class SkeletonAttention(AttentionBackend):
         self.seqs = list(zip(starts, q_lens, kv_lens))
         self.metadata = metadata
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         if self.metadata is None:
             raise RuntimeError("forward called before plan(metadata)")
         cache, m, spec = self.caches[layer_id], self.metadata, self.spec
@@ -110,13 +114,18 @@ class SkeletonCollective(Collective):
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if self.group is None:
             return x
-        parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(self.world_size)]
+        parts = [
+            torch.empty_like(x, memory_format=torch.contiguous_format)
+            for _ in range(self.world_size)
+        ]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
     def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         if x.shape[dim] % self.world_size:
-            raise ValueError(f"dim {dim} of size {x.shape[dim]} does not divide by {self.world_size} ranks")
+            raise ValueError(
+                f"dim {dim} of size {x.shape[dim]} does not divide by {self.world_size} ranks"
+            )
         return self.all_reduce(x).chunk(self.world_size, dim=dim)[self.rank].contiguous()
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -163,7 +172,9 @@ class SkeletonOps(DeviceOps):
 
     def sample(self, logits, temperature, top_k, top_p, generator=None) -> torch.Tensor:
         picks = []
-        for row, t, k, p in zip(logits.float(), temperature.tolist(), top_k.tolist(), top_p.tolist()):
+        for row, t, k, p in zip(
+            logits.float(), temperature.tolist(), top_k.tolist(), top_p.tolist()
+        ):
             if t == 0.0:
                 picks.append(int(row.argmax()))
                 continue

@@ -8,10 +8,10 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
+from serve_cli.api.choice import Choice
 from serve_cli.api.common import server_state
 from serve_cli.api.defaults import with_defaults
 from serve_cli.api.errors import invalid
-from serve_cli.api.choice import Choice
 from serve_cli.api.generation import Generation, new_id
 from serve_cli.api.logprobs import completion_logprobs
 from serve_cli.api.params import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params

@@ -1,7 +1,8 @@
 """The engine: a torch-free core (requests, the paged KV block manager, the scheduler, sampling
 parameters, detokenization) and ``runner/``, its device side (input builder, sampler, model runner).
 
-Nothing in this package outside ``runner/`` imports torch; the scheduler's protocol is ``submit`` -> ``next_batch`` ->
+Nothing in this package outside ``runner/`` imports torch; the scheduler's protocol is ``submit`` ->
+``next_batch`` ->
 ``advance``, so it can be tested (and reasoned about) without a device.
 """
 

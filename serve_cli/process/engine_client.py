@@ -71,8 +71,8 @@ class EngineClient:
     """Runs on the API process's event loop; one per server.
 
     Invariants: a request's queue receives its ``RequestOutput``s (text filled in) in step order
-    and is dropped after the finished one (or on ``abort``); sends never block (a gone engine makes them fail at once);
-    after the engine process exits, ``dead_reason`` is set and every call raises
+    and is dropped after the finished one (or on ``abort``); sends never block (a gone engine makes
+    them fail at once); after the engine process exits, ``dead_reason`` is set and every call raises
     ``EngineDeadError``.
     """
 

@@ -3,7 +3,8 @@
 Loop: drain the requests and aborts that arrived, run one step, send that step's outputs (token
 ids, one ``StepOutputs`` message per step); answer stats queries between steps. HTTP,
 tokenization and detokenization (text deltas, stop strings: ``OutputProcessor``) live in the API
-process, so they never stall a step. The process ignores SIGINT (the API process coordinates shutdown), exits on SIGTERM or a
+process, so they never stall a step. The process ignores SIGINT (the API process coordinates
+shutdown), exits on SIGTERM or a
 ``Shutdown`` message, and dies with its parent (``PR_SET_PDEATHSIG`` plus a parent-pid check).
 """
 
@@ -83,9 +84,9 @@ def run_engine_process(
 class EngineLoop:
     """Drains input, steps the core and ships outputs until shut down or orphaned.
 
-    Invariant: every request the API added gets exactly one finished ``RequestOutput`` (or the API aborted
-    it), even when a step raises: then every live request fails with ``finish_reason="error"``, the
-    traceback is logged and the loop carries on.
+    Invariant: every request the API added gets exactly one finished ``RequestOutput`` (or the API
+    aborted it), even when a step raises: then every live request fails with
+    ``finish_reason="error"``, the traceback is logged and the loop carries on.
     """
 
     def __init__(self, core: Any, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:

@@ -36,10 +36,18 @@ def test_routed_experts_and_floor_bytes(monkeypatch) -> None:
 
     parts = bench_moe.floor_bytes(TINY, 3, counts)
     expert = 3 * 64 * 32 * 2  # gate, up, down of one expert in bf16
-    attention = (64 * (4 + 2 * 2) * 64 + 4 * 64 * 64 + 2 * 64 + 2 * 64) * 2  # qkv, o, q/k norm, 2 norms
+    attention = (
+        64 * (4 + 2 * 2) * 64 + 4 * 64 * 64 + 2 * 64 + 2 * 64
+    ) * 2  # qkv, o, q/k norm, 2 norms
     assert parts == {
         "experts": expert * sum(counts),
         "attention+router": 2 * (attention + 16 * 64 * 2),
         "lm_head+embed": (1000 * 64 + 3 * 64 + 64) * 2,  # LM head, 3 embedding rows, final norm
-        "kv": 3 * 64 * 2 * 2 * 64 * 2 * 2,  # batch x ctx x layers x kv heads x head dim x (k, v) x bf16
+        "kv": 3
+        * 64
+        * 2
+        * 2
+        * 64
+        * 2
+        * 2,  # batch x ctx x layers x kv heads x head dim x (k, v) x bf16
     }

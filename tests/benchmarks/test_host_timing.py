@@ -1,4 +1,5 @@
-"""benchmarks/host_timing.py's call wrappers: exclusive times add up, and the originals come back."""
+"""benchmarks/host_timing.py's call wrappers: exclusive times add up, and the originals come
+back."""
 
 from __future__ import annotations
 
@@ -68,8 +69,9 @@ def test_every_timed_call_of_a_graph_step_exists() -> None:
 def test_the_emulated_host_benchmark_runs_and_counts_one_op_per_steady_step() -> None:
     from benchmarks.bench_host_emulated import measure
 
-    tiny = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 1,
-            "head_dim": 64, "vocab_size": 256, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+    tiny = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+            "num_key_value_heads": 1, "head_dim": 64, "vocab_size": 256,
+            "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
             "architectures": ["LlamaForCausalLM"]}  # fmt: skip
     row = measure(2, 64, steps=20, shape=tiny)
     assert row["ops_per_step"] == 1 and row["ops_max"] > 1  # 20 steps from 65 tokens cross a page

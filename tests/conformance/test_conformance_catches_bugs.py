@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from tests.support.conformance_run import REPO, run_conformance
 
 SUITE = REPO / "conformance_tests"

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
 from tests.support.conformance_run import explain, run_conformance
 
 PLUGIN = "tests.support.broken_moe_platforms"
@@ -26,7 +27,9 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
     out: Path = tmp_path_factory.mktemp("moe_reports")
     devices = [d for d, _, _ in BROKEN] + ["cpu"]
     with ThreadPoolExecutor(max_workers=len(devices)) as pool:
-        futures = {d: pool.submit(run_conformance, d, PLUGIN, out / f"{d}.json", ("moe",)) for d in devices}
+        futures = {
+            d: pool.submit(run_conformance, d, PLUGIN, out / f"{d}.json", ("moe",)) for d in devices
+        }
     return {d: f.result() for d, f in futures.items()}
 
 

@@ -9,6 +9,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
 from tests.support.conformance_run import explain, run_conformance
 
 PLUGIN = "examples.skeleton.skeleton_backend"
@@ -30,7 +31,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     }
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         futures = {
-            name: pool.submit(run_conformance, "skeleton", PLUGIN, out / f"{name}.json", fams, **env)
+            name: pool.submit(
+                run_conformance, "skeleton", PLUGIN, out / f"{name}.json", fams, **env
+            )
             for name, (fams, env) in jobs.items()
         }
     return {name: f.result() for name, f in futures.items()}
@@ -43,14 +46,20 @@ def test_skeleton_backend_passes_what_it_declares(runs: dict) -> None:
         assert status(proc.stdout, family) == "passed", explain(proc)
     assert report["not_exercised"] == [], report["not_exercised"]
     # the derived grid ran the declared head dims and nothing else
-    attention = [n for n, t in report["tests"].items() if t["family"] == "attention" and t["outcome"] == "passed"]
+    attention = [
+        n
+        for n, t in report["tests"].items()
+        if t["family"] == "attention" and t["outcome"] == "passed"
+    ]
     assert any("-d32-" in n for n in attention) and any("-d64-" in n for n in attention)
     assert not any("-d128-" in n for n in attention), "a head dim the skeleton does not list ran"
 
 
 def test_unexercised_declared_capability_fails_the_run(runs: dict) -> None:
     proc, report = runs["unexercised"]
-    assert proc.returncode != 0, f"a declared head dim never ran, yet the run passed\n{explain(proc)}"
+    assert proc.returncode != 0, (
+        f"a declared head dim never ran, yet the run passed\n{explain(proc)}"
+    )
     assert "NOT EXERCISED: declared attention head_dim 64" in proc.stdout, explain(proc)
     assert report["not_exercised"] == ["attention head_dim 64"], report["not_exercised"]
 

@@ -8,8 +8,6 @@ cmake, a C++ compiler or pybind11 (``pip install -e '.[cpp-host]'``) is missing.
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
-
 import importlib.util
 import os
 import re
@@ -22,6 +20,7 @@ import pytest
 import torch
 
 from tests.support.checkpoints import llama_gqa
+from tests.support.paths import REPO
 
 ROOT = REPO
 SOURCE = ROOT / "examples" / "cpp_host"
@@ -75,7 +74,9 @@ def run_host(binary: Path, checkpoint: Path, *extra: str) -> subprocess.Complete
 def parse_steps(stdout: str) -> list[tuple[str, list[tuple[int, int, int, bool]]]]:
     """Each step's kind and chunks (request, start, num_tokens, samples)."""
     steps = []
-    for kind, chunks in re.findall(r"^step \d+ kind=(\w+) .*chunks=(\S*) sampled", stdout, re.MULTILINE):
+    for kind, chunks in re.findall(
+        r"^step \d+ kind=(\w+) .*chunks=(\S*) sampled", stdout, re.MULTILINE
+    ):
         parsed = [
             (int(r), int(start), int(n), star == "*")
             for r, start, n, star in re.findall(r"r(\d+):(\d+)\+(\d+)(\*?)", chunks)
@@ -103,9 +104,18 @@ def python_greedy(
 
     platform = platforms.get("cpu")
     model = load_model(checkpoint, "auto", platform.device(), progress=False)
-    executor = ModelExecutor(model, platform, ExecutorConfig(
-        dtype=torch.float32, block_size=BLOCK_SIZE, max_num_seqs=MAX_SEQS,
-        max_model_len=MAX_MODEL_LEN, enforce_eager=True, metadata_convention=convention))
+    executor = ModelExecutor(
+        model,
+        platform,
+        ExecutorConfig(
+            dtype=torch.float32,
+            block_size=BLOCK_SIZE,
+            max_num_seqs=MAX_SEQS,
+            max_model_len=MAX_MODEL_LEN,
+            enforce_eager=True,
+            metadata_convention=convention,
+        ),
+    )
     executor.bind_kv_caches(executor.allocate_kv_caches(NUM_BLOCKS))
     per_request = NUM_BLOCKS // len(REQUESTS)
     blocks = {r: list(range(r * per_request, (r + 1) * per_request)) for r in range(len(REQUESTS))}
@@ -116,16 +126,25 @@ def python_greedy(
             known = REQUESTS[r][2] + generated[r]
             ids += known[start : start + n]
             positions += range(start, start + n)
-            slots += [blocks[r][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
-                      for p in range(start, start + n)]
+            slots += [
+                blocks[r][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                for p in range(start, start + n)
+            ]
             q.append(n)
             kv.append(start + n)
             table.append(blocks[r][: -(-(start + n) // BLOCK_SIZE)])
             if samples:
                 selected.append(len(ids) - 1)
                 sampled.append(r)
-        view = to_xllm(q, kv, table, slots, convention, "cpu",
-                       block_size=BLOCK_SIZE if convention == "cuda" else None)
+        view = to_xllm(
+            q,
+            kv,
+            table,
+            slots,
+            convention,
+            "cpu",
+            block_size=BLOCK_SIZE if convention == "cuda" else None,
+        )
         i32 = {"dtype": torch.int32}
         hidden = executor.execute(torch.tensor(ids, **i32), torch.tensor(positions, **i32), view)
         logits = executor.compute_logits(hidden, torch.tensor(selected, **i32))
@@ -136,7 +155,9 @@ def python_greedy(
 
 # staged: device fields in their own buffers filled by one copy a step and logits copied into
 # C++'s buffer, the data path a GPU takes, run on the CPU
-@pytest.mark.parametrize(("convention", "staged"), [("cuda", False), ("npu", False), ("cuda", True)])
+@pytest.mark.parametrize(
+    ("convention", "staged"), [("cuda", False), ("npu", False), ("cuda", True)]
+)
 def test_cpp_host_matches_python_executor(host_binary, checkpoint, convention, staged):
     # the staged run also times the boundary (EMPTY steps, a no-op call) a few times
     extra = ["--staged", "--crossing-iters", "3"] if staged else []
@@ -147,8 +168,10 @@ def test_cpp_host_matches_python_executor(host_binary, checkpoint, convention, s
     kinds = {kind for kind, _ in steps}
     # prefill, chunked prefill and decode in one run, and batches that mix them
     assert {"PREFILL", "CHUNKED_PREFILL", "DECODE", "MIXED"} <= kinds, kinds
-    finished_at = {r: max(i for i, (_, ch) in enumerate(steps) for c in ch if c[0] == r)
-                   for r in range(len(REQUESTS))}
+    finished_at = {
+        r: max(i for i, (_, ch) in enumerate(steps) for c in ch if c[0] == r)
+        for r in range(len(REQUESTS))
+    }
     assert len(set(finished_at.values())) == len(REQUESTS), finished_at  # different steps
 
     tokens = parse_tokens(out)
@@ -156,21 +179,36 @@ def test_cpp_host_matches_python_executor(host_binary, checkpoint, convention, s
     assert tokens == python_greedy(checkpoint, steps, convention)
 
     sampling_steps = sum(any(c[3] for c in ch) for _, ch in steps)
-    summary = re.search(r"summary steps=(\d+) execute_calls=(\d+) compute_logits_calls=(\d+) "
-                        r"built_next_while_python_held_gil=(\d+)/\d+ zero_copy=(\w+)", out)
+    summary = re.search(
+        r"summary steps=(\d+) execute_calls=(\d+) compute_logits_calls=(\d+) "
+        r"built_next_while_python_held_gil=(\d+)/\d+ zero_copy=(\w+)",
+        out,
+    )
     assert summary, out
     assert int(summary[1]) == int(summary[2]) == len(steps)  # one execute per step
     assert int(summary[3]) == sampling_steps  # one compute_logits per sampling step
     assert summary[5] == "ok"
     # every tensor handed over on step 0 is the C++ buffer itself
-    checks = re.findall(r"^zero-copy (\w+) cpp=(0x[0-9a-f]+) python=(0x[0-9a-f]+) ok$", out, re.MULTILINE)
-    assert {"host_slot", "input_ids", "positions", "slot_mapping", "block_table",
-            "kv_seq_lens_host"} <= {name for name, _, _ in checks}
+    checks = re.findall(
+        r"^zero-copy (\w+) cpp=(0x[0-9a-f]+) python=(0x[0-9a-f]+) ok$", out, re.MULTILINE
+    )
+    assert {
+        "host_slot",
+        "input_ids",
+        "positions",
+        "slot_mapping",
+        "block_table",
+        "kv_seq_lens_host",
+    } <= {name for name, _, _ in checks}
     assert all(cpp == python for _, cpp, python in checks)
     assert "gil-probe ok" in out
     if staged:
-        assert re.search(r"^crossing iters=3 empty_execute_us_median=[0-9.]+ "
-                         r"empty_execute_prebuilt_views_us_median=[0-9.]+ ", out, re.MULTILINE), out
+        assert re.search(
+            r"^crossing iters=3 empty_execute_us_median=[0-9.]+ "
+            r"empty_execute_prebuilt_views_us_median=[0-9.]+ ",
+            out,
+            re.MULTILINE,
+        ), out
 
 
 def test_unknown_device_is_a_python_error(host_binary, checkpoint):
@@ -204,8 +242,17 @@ def test_cpp_argmax_matches_torch(host_binary, tmp_path, threads):
     path = tmp_path / "logits.bin"
     path.write_bytes(logits.numpy().tobytes())
     proc = subprocess.run(
-        [str(host_binary.with_name("argmax_check")), str(rows), str(vocab), str(path), str(threads)],
-        check=False, capture_output=True, text=True, timeout=120,
+        [
+            str(host_binary.with_name("argmax_check")),
+            str(rows),
+            str(vocab),
+            str(path),
+            str(threads),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert [int(t) for t in proc.stdout.split()] == logits.argmax(-1).tolist()

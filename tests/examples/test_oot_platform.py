@@ -9,8 +9,6 @@ venv install would make ``oot-cpu`` appear in every concurrent test run and outl
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
-
 import importlib.util
 import json
 import os
@@ -21,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.support.paths import REPO
 
 EXAMPLE = REPO / "examples" / "oot_platform"
 NAME = "oot-cpu"
@@ -35,7 +35,9 @@ def run(*cmd: str, site: Path) -> subprocess.CompletedProcess[str]:
     env.pop("XHAL_PLUGINS", None)  # the entry point alone must be enough
     env.pop("PYTEST_ADDOPTS", None)
     env["OMP_NUM_THREADS"] = "1"  # tiny tensors; other test processes share the machine
-    return subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +115,21 @@ def test_entry_point_adds_a_solution_that_conformance_runs(
     monkeypatch.setenv("XHAL_KERNEL_RMS_NORM", "oot-float64")  # run() copies this environment
     forced = run(sys.executable, "-c", probe, site=site)
     monkeypatch.delenv("XHAL_KERNEL_RMS_NORM")
-    assert forced.returncode == 0 and forced.stdout.strip().endswith("oot-float64 True"), forced.stdout + forced.stderr
+    assert forced.returncode == 0 and forced.stdout.strip().endswith("oot-float64 True"), (
+        forced.stdout + forced.stderr
+    )
     report = tmp_path / "cpu.json"
-    cmd = [sys.executable, "-m", "conformance_tests.cli", "--device", "cpu", "--family", "ops", "--report", str(report)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "conformance_tests.cli",
+        "--device",
+        "cpu",
+        "--family",
+        "ops",
+        "--report",
+        str(report),
+    ]
     proc = run(*cmd, site=site)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}"
     sol = json.loads(report.read_text())["solutions"]["rms_norm=oot-float64"]

@@ -28,11 +28,19 @@ class Harness:
     def __init__(self, model_dir, enforce_eager: bool = True, num_blocks: int = 64, seed: int = 0):
         self.platform = xhal.platforms.get("cpu")
         self.model = load_model(model_dir, dtype=torch.float32, progress=False)
-        config = ExecutorConfig(dtype=torch.float32, block_size=16, max_num_seqs=8, max_model_len=256, enforce_eager=enforce_eager)
+        config = ExecutorConfig(
+            dtype=torch.float32,
+            block_size=16,
+            max_num_seqs=8,
+            max_model_len=256,
+            enforce_eager=enforce_eager,
+        )
         self.executor = ModelExecutor(self.model, self.platform, config)
         self.executor.bind_kv_caches(self.executor.allocate_kv_caches(num_blocks=num_blocks))
         self.host = PagedHost(num_blocks, 16, seed=seed)
-        self.hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+        self.hf = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
         self.vocab = self.hf.config.vocab_size
 
     def step(self, chunks):
@@ -111,7 +119,9 @@ def test_greedy_32_steps_match_transformers(checkpoint_factory, checkpoint, enfo
     seqs = prompts(h.vocab, [6, 11, 17])
     with torch.no_grad():
         expected = [
-            h.hf.generate(torch.tensor([s]), max_new_tokens=32, do_sample=False, min_new_tokens=32)[0, len(s):].tolist()
+            h.hf.generate(torch.tensor([s]), max_new_tokens=32, do_sample=False, min_new_tokens=32)[
+                0, len(s) :
+            ].tolist()
             for s in seqs
         ]
     logits, meta = h.step([(i, s) for i, s in enumerate(seqs)])
@@ -127,7 +137,10 @@ def test_greedy_32_steps_match_transformers(checkpoint_factory, checkpoint, enfo
 def test_graph_decode_equals_eager_with_padding(checkpoint_factory):
     """Three sequences replay in the bucket of four: the padding row never changes real rows."""
     path = checkpoint_factory("qwen3")
-    eager, graph = Harness(path, enforce_eager=True, seed=3), Harness(path, enforce_eager=False, seed=3)
+    eager, graph = (
+        Harness(path, enforce_eager=True, seed=3),
+        Harness(path, enforce_eager=False, seed=3),
+    )
     seqs = prompts(eager.vocab, [9, 14, 21])
     for h in (eager, graph):
         h.step([(i, s) for i, s in enumerate(seqs)])
@@ -143,7 +156,10 @@ def test_graph_decode_batches_shrinking_in_a_bucket(checkpoint_factory):
     """Rows a larger step left in the persistent buffers go back to padding: a smaller batch in
     the same bucket writes no stale slot, and every cache equals the eager run's."""
     path = checkpoint_factory("qwen3")
-    eager, graph = Harness(path, enforce_eager=True, seed=3), Harness(path, enforce_eager=False, seed=3)
+    eager, graph = (
+        Harness(path, enforce_eager=True, seed=3),
+        Harness(path, enforce_eager=False, seed=3),
+    )
     seqs = prompts(eager.vocab, [9, 14, 21, 6])
     for h in (eager, graph):
         h.step([(i, s) for i, s in enumerate(seqs)])
@@ -186,7 +202,9 @@ def test_warm_up_prefill_writes_no_cache(checkpoint_factory, enforce_eager):
     caches = h.executor.backends[0]._caches
     before = [(c.key.clone(), c.value.clone()) for c in caches]
     assert h.executor.warm_up(40) > 0
-    assert all(torch.equal(k, c.key) and torch.equal(v, c.value) for (k, v), c in zip(before, caches))
+    assert all(
+        torch.equal(k, c.key) and torch.equal(v, c.value) for (k, v), c in zip(before, caches)
+    )
     seqs = prompts(h.vocab, [7])
     logits, _ = h.step([(0, seqs[0])])  # and the executor serves normally afterwards
     assert rel_err(logits[-1], h.reference(seqs[0])[-1]) < RTOL
@@ -210,7 +228,9 @@ def test_xllm_tuple_caches_synchronizer_and_empty(checkpoint_factory):
     assert rel_err(executor.compute_logits(hidden), h.reference([1, 2, 3])) < RTOL
     empty = PagedHost(64, 16).step([(0, [1])])[2]
     empty = type(empty)(**{**vars(empty), "kind": BatchKind.EMPTY})
-    out = executor.execute(torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int32), empty)
+    out = executor.execute(
+        torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int32), empty
+    )
     assert out.shape == (0, executor.hidden_size) and executor.hidden_size == 64
 
 
@@ -219,7 +239,10 @@ def test_capture_graphs_up_front_writes_no_cache(checkpoint_factory):
     before = [c.key.clone() for c in h.executor.backends[0]._caches]
     stats = h.executor.capture_graphs(progress=False)
     assert stats["graphs"] == len(h.executor.config.decode_capture_sizes)
-    assert all(("decode", s) in h.executor.decode_graphs.graphs for s in h.executor.config.decode_capture_sizes)
+    assert all(
+        ("decode", s) in h.executor.decode_graphs.graphs
+        for s in h.executor.config.decode_capture_sizes
+    )
     assert all(torch.equal(a, c.key) for a, c in zip(before, h.executor.backends[0]._caches))
     seqs = prompts(h.vocab, [5, 9])
     h.step([(i, s) for i, s in enumerate(seqs)])
@@ -232,7 +255,10 @@ def test_piecewise_prefill_and_mixed_match_eager(checkpoint_factory):
     """Prefill, chunked and mixed steps of different lengths replay the same token buckets, with
     attention planned per step between the captured pieces."""
     path = checkpoint_factory("qwen2")
-    eager, graph = Harness(path, enforce_eager=True, seed=4), Harness(path, enforce_eager=False, seed=4)
+    eager, graph = (
+        Harness(path, enforce_eager=True, seed=4),
+        Harness(path, enforce_eager=False, seed=4),
+    )
     a, b, c = prompts(eager.vocab, [7, 20, 31])
     steps = [
         [(0, a), (1, b[:9])],  # 16 tokens: bucket 16

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.support.paged_host import PagedHost
 
 import xhal
 from models.loader import load_model
+from tests.support.paged_host import PagedHost
 from xhal.executor import ExecutorConfig, ModelExecutor
 from xhal.interfaces import BatchKind
 

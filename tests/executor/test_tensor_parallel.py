@@ -16,29 +16,45 @@ from xhal.executor import ExecutorConfig, ModelExecutor
 from xhal.layers import TensorParallel
 
 PROMPTS = [[3, 17, 5, 9, 22, 1, 7], [11, 4, 19, 30, 2]]
-SHARDED = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight", "embed_tokens.weight")
+SHARDED = (
+    "qkv_proj.weight",
+    "o_proj.weight",
+    "gate_up_proj.weight",
+    "down_proj.weight",
+    "embed_tokens.weight",
+)
 
 
-def run_steps(model_dir: str, tp: TensorParallel, collective, enforce_eager: bool = True) -> tuple[torch.Tensor, dict[str, tuple]]:
+def run_steps(
+    model_dir: str, tp: TensorParallel, collective, enforce_eager: bool = True
+) -> tuple[torch.Tensor, dict[str, tuple]]:
     """Prefill both prompts, then two decode steps; returns every step's logits and param shapes."""
     from tests.support.paged_host import PagedHost
 
     model = load_model(model_dir, dtype=torch.float32, tp=tp, progress=False)
-    executor = ModelExecutor(model, xhal.platforms.get("cpu"), ExecutorConfig(enforce_eager=enforce_eager), collective)
+    executor = ModelExecutor(
+        model, xhal.platforms.get("cpu"), ExecutorConfig(enforce_eager=enforce_eager), collective
+    )
     executor.bind_kv_caches(executor.allocate_kv_caches(num_blocks=32))
     host, out = PagedHost(32, 16, seed=1), []
     steps = [[(i, p) for i, p in enumerate(PROMPTS)], [(0, [8]), (1, [6])], [(1, [25]), (0, [13])]]
     for chunks in steps:
         ids, pos, meta = host.step(chunks)
         out.append(executor.compute_logits(executor.execute(ids, pos, meta)))
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if n.startswith("model.layers.0.") or "embed" in n}
+    shapes = {
+        n: tuple(p.shape)
+        for n, p in model.named_parameters()
+        if n.startswith("model.layers.0.") or "embed" in n
+    }
     return torch.cat(out), shapes
 
 
 def _rank(rank: int, model_dir: str, init: str, result_dir: str, enforce_eager: bool) -> None:
     platform = xhal.platforms.get("cpu")
     group = platform.init_process_group(rank, 2, init)
-    logits, shapes = run_steps(model_dir, TensorParallel(rank, 2), platform.collective(group), enforce_eager)
+    logits, shapes = run_steps(
+        model_dir, TensorParallel(rank, 2), platform.collective(group), enforce_eager
+    )
     torch.save({"logits": logits, "shapes": shapes}, os.path.join(result_dir, f"rank{rank}.pt"))
     torch.distributed.barrier()  # both ranks are past their last collective
     # Exit without tearing the gloo group down: under load, its destructor has aborted the process
@@ -50,10 +66,18 @@ def tp2_matches_tp1(model_dir: str, enforce_eager: bool) -> tuple[dict[str, tupl
     """Run the steps at TP=1 in this process and at TP=2 over a real 2-process gloo group; assert
     each rank's logits equal TP=1's within 1e-5 relative. Returns TP=1's parameter shapes and
     each rank's results (its logits and parameter shapes)."""
-    single, full_shapes = run_steps(model_dir, TensorParallel(0, 1), xhal.platforms.get("cpu").collective(None))
+    single, full_shapes = run_steps(
+        model_dir, TensorParallel(0, 1), xhal.platforms.get("cpu").collective(None)
+    )
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{tmp}/rendezvous"
-        mp.start_processes(_rank, args=(model_dir, init, tmp, enforce_eager), nprocs=2, start_method="spawn", join=True)
+        mp.start_processes(
+            _rank,
+            args=(model_dir, init, tmp, enforce_eager),
+            nprocs=2,
+            start_method="spawn",
+            join=True,
+        )
         results = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
     for r in results:
         rel = float((r["logits"] - single).abs().max() / single.abs().max())
@@ -62,7 +86,8 @@ def tp2_matches_tp1(model_dir: str, enforce_eager: bool) -> tuple[dict[str, tupl
 
 
 @pytest.mark.parametrize(
-    ("name", "enforce_eager"), [("llama_gqa", True), ("qwen3", True), ("llama_gqa", False)],
+    ("name", "enforce_eager"),
+    [("llama_gqa", True), ("qwen3", True), ("llama_gqa", False)],
     ids=["llama-eager", "qwen3-eager", "llama-graphs"],
 )
 def test_tp2_matches_tp1(checkpoint_factory, name, enforce_eager):
@@ -71,4 +96,6 @@ def test_tp2_matches_tp1(checkpoint_factory, name, enforce_eager):
     for r in results:
         for name_, shape in r["shapes"].items():
             if name_.endswith(SHARDED):
-                assert shape[0] * 2 == full_shapes[name_][0] or shape[1] * 2 == full_shapes[name_][1], name_
+                assert (
+                    shape[0] * 2 == full_shapes[name_][0] or shape[1] * 2 == full_shapes[name_][1]
+                ), name_

@@ -12,16 +12,25 @@ import torch
 from benchmarks.bench_model import decode_metadata
 from models.llama import LlamaForCausalLM
 from xhal import ops, platforms
-from xhal.platforms.cpu_ref.ops import CpuOps
 from xhal.executor import ExecutorConfig, ModelExecutor
-from xhal.interfaces.forward_context import ForwardContext, forward_context
 from xhal.interfaces.attention import AttentionBackend
+from xhal.interfaces.forward_context import ForwardContext, forward_context
 from xhal.layers import Attention, RotaryEmbedding
+from xhal.platforms.cpu_ref.ops import CpuOps
 
 CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 101, "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0, "max_position_embeddings": 128, "tie_word_embeddings": False, "hidden_act": "silu",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 101,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
 }
 
 
@@ -40,7 +49,9 @@ class _CountingOps(CpuOps):
         return super().silu_and_mul_linear(x, weight, bias)
 
 
-def _unfused_forward(model, ids: torch.Tensor, positions: torch.Tensor, backends, collective) -> torch.Tensor:
+def _unfused_forward(
+    model, ids: torch.Tensor, positions: torch.Tensor, backends, collective
+) -> torch.Tensor:
     """The decoder written with the unfused ops only: the result the fused ops must reproduce."""
     inner, residual = model.model, None
     hidden = inner.embed_tokens(ids)
@@ -51,12 +62,16 @@ def _unfused_forward(model, ids: torch.Tensor, positions: torch.Tensor, backends
             else:
                 hidden, residual = layer.input_layernorm(hidden, residual)
             attn = layer.self_attn
-            q, k, v = ops.linear(hidden, attn.qkv_proj.weight).split([attn.q_size, attn.kv_size, attn.kv_size], -1)
+            q, k, v = ops.linear(hidden, attn.qkv_proj.weight).split(
+                [attn.q_size, attn.kv_size, attn.kv_size], -1
+            )
             q, k = attn.rotary_emb(positions, q, k)
             hidden = ops.linear(attn.attn(q, k, v), attn.o_proj.weight)
             hidden, residual = layer.post_attention_layernorm(hidden, residual)
             mlp = layer.mlp
-            hidden = ops.linear(ops.silu_and_mul(ops.linear(hidden, mlp.gate_up_proj.weight)), mlp.down_proj.weight)
+            hidden = ops.linear(
+                ops.silu_and_mul(ops.linear(hidden, mlp.gate_up_proj.weight)), mlp.down_proj.weight
+            )
         return inner.norm(hidden, residual)[0]
 
 
@@ -67,7 +82,9 @@ def test_llama_calls_the_fused_ops_and_matches_the_unfused_sequence() -> None:
         for p in model.parameters():
             p.normal_(0.0, 0.2)
     platform = platforms.get("cpu")
-    cfg = ExecutorConfig(dtype=torch.float32, block_size=16, max_num_seqs=2, max_model_len=64, enforce_eager=True)
+    cfg = ExecutorConfig(
+        dtype=torch.float32, block_size=16, max_num_seqs=2, max_model_len=64, enforce_eager=True
+    )
     executor = ModelExecutor(model, platform, cfg)
     caches = executor.allocate_kv_caches(num_blocks=8)
     for cache in caches:  # the cached prefix both runs read: zeros
@@ -85,7 +102,10 @@ def test_llama_calls_the_fused_ops_and_matches_the_unfused_sequence() -> None:
     for cache in caches:
         cache.key.zero_()
         cache.value.zero_()
-    backends = {i: platform.attention_backend(a.spec(torch.float32, 16)) for i, a in enumerate(_attention_layers(model))}
+    backends = {
+        i: platform.attention_backend(a.spec(torch.float32, 16))
+        for i, a in enumerate(_attention_layers(model))
+    }
     for b in backends.values():
         b.bind_kv_caches(caches)
         b.plan(meta)
@@ -94,7 +114,9 @@ def test_llama_calls_the_fused_ops_and_matches_the_unfused_sequence() -> None:
 
 
 def _attention_layers(model) -> list[Attention]:
-    return sorted((m for m in model.modules() if isinstance(m, Attention)), key=lambda m: m.layer_id)
+    return sorted(
+        (m for m in model.modules() if isinstance(m, Attention)), key=lambda m: m.layer_id
+    )
 
 
 class _Backend(AttentionBackend):
@@ -122,12 +144,23 @@ def test_attention_hands_rotary_to_a_backend_only_when_it_fuses_it() -> None:
     q, k, v = torch.randn(3, 32), torch.randn(3, 16), torch.randn(3, 16)
     positions = torch.tensor([0, 5, 9], dtype=torch.int32)
     single = platforms.get("cpu").collective(None)
-    fusing, plain = _Backend(attn.spec(torch.float32, 16), True), _Backend(attn.spec(torch.float32, 16), False)
+    fusing, plain = (
+        _Backend(attn.spec(torch.float32, 16), True),
+        _Backend(attn.spec(torch.float32, 16), False),
+    )
     for backend in (fusing, plain):
-        with forward_context(ForwardContext(metadata=None, attention={0: backend}, collective=single)):
+        with forward_context(
+            ForwardContext(metadata=None, attention={0: backend}, collective=single)
+        ):
             attn(q, k, v, positions, rotary)
     kind, pos, table, neox = fusing.calls[0]
-    assert (kind, neox) == ("forward_rotary", False) and pos is positions and table is rotary.cos_sin_cache
+    assert (
+        (kind, neox) == ("forward_rotary", False)
+        and pos is positions
+        and table is rotary.cos_sin_cache
+    )
     kind, q_seen, k_seen = plain.calls[0]
-    q_rot, k_rot = ops.rotary_embedding(positions, q.view(3, 4, 8), k.view(3, 2, 8), rotary.cos_sin_cache, False)
+    q_rot, k_rot = ops.rotary_embedding(
+        positions, q.view(3, 4, 8), k.view(3, 2, 8), rotary.cos_sin_cache, False
+    )
     assert kind == "forward" and torch.equal(q_seen, q_rot) and torch.equal(k_seen, k_rot)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
-
 import ast
 from collections.abc import Hashable, Sequence
 
@@ -12,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from models.config import rope_parameters
+from tests.support.paths import REPO
 from xhal import platforms
 from xhal.interfaces.attention import AttentionBackend
 from xhal.interfaces.forward_context import ForwardContext, forward_context

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from models import WeightsMismatchError, get_model_class, load_model, supported_architectures
 from models.loader import safetensors_files
-from xhal.tools.align import xhal_prefill
 from xhal.layers import attention_layers
+from xhal.tools.align import xhal_prefill
 
 transformers = pytest.importorskip("transformers")
 

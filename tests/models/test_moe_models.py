@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.support.checkpoints import MOE_BUILDERS, qwen3_moe
 from safetensors.torch import load_file, save_file
-from tests.executor.test_executor import Harness, prompts, rel_err
-from tests.executor.test_tensor_parallel import tp2_matches_tp1
 
 from models import WeightsMismatchError, load_model
+from tests.executor.test_executor import Harness, prompts, rel_err
+from tests.executor.test_tensor_parallel import tp2_matches_tp1
+from tests.support.checkpoints import MOE_BUILDERS, qwen3_moe
 from xhal.interfaces import BatchKind
 
 transformers = pytest.importorskip("transformers")
@@ -119,13 +119,19 @@ def test_xhal_serve_greedy_equals_transformers_generate(tmp_path: Path) -> None:
                          ids=["mixtral-graphs", "qwen2_moe-eager"])
 def test_tp2_matches_tp1(checkpoint_factory, name: str, enforce_eager: bool) -> None:
     """Each rank holds half of every expert's intermediate dimension; one all-reduce per MoE
-    block (after the experts' and the shared expert's partial sums are added) gives TP=1's logits."""
+    block (after the experts' and the shared expert's partial sums are added) gives TP=1's
+    logits."""
     full, results = tp2_matches_tp1(str(checkpoint_factory(name)), enforce_eager)
     for r in results:
-        w13, w2 = r["shapes"]["model.layers.0.mlp.experts.w13_weight"], r["shapes"]["model.layers.0.mlp.experts.w2_weight"]
+        w13, w2 = (
+            r["shapes"]["model.layers.0.mlp.experts.w13_weight"],
+            r["shapes"]["model.layers.0.mlp.experts.w2_weight"],
+        )
         assert w13[1] * 2 == full["model.layers.0.mlp.experts.w13_weight"][1]
         assert w2[2] * 2 == full["model.layers.0.mlp.experts.w2_weight"][2]
-        assert r["shapes"]["model.layers.0.mlp.gate.weight"] == full["model.layers.0.mlp.gate.weight"]
+        assert (
+            r["shapes"]["model.layers.0.mlp.gate.weight"] == full["model.layers.0.mlp.gate.weight"]
+        )
 
 
 # loader errors ---------------------------------------------------------------------------------
@@ -144,7 +150,9 @@ def _edited(src: Path, dst: Path, edit) -> Path:
 def test_missing_expert_tensor_is_named(checkpoint_factory, tmp_path: Path) -> None:
     name = "model.layers.1.mlp.experts.5.up_proj.weight"
     bad = _edited(checkpoint_factory("qwen3_moe"), tmp_path / "m", lambda t: t.pop(name))
-    with pytest.raises(WeightsMismatchError, match=r"missing 1 tensor\(s\): " + name.replace(".", r"\.")):
+    with pytest.raises(
+        WeightsMismatchError, match=r"missing 1 tensor\(s\): " + name.replace(".", r"\.")
+    ):
         load_model(bad, progress=False)
 
 
@@ -155,7 +163,9 @@ def test_unexpected_expert_tensor_is_named(checkpoint_factory, tmp_path: Path) -
         tensors[name] = tensors["model.layers.0.block_sparse_moe.experts.0.w1.weight"].clone()
 
     bad = _edited(checkpoint_factory("mixtral"), tmp_path / "m", add)
-    with pytest.raises(WeightsMismatchError, match=r"unexpected 1 tensor\(s\): " + name.replace(".", r"\.")):
+    with pytest.raises(
+        WeightsMismatchError, match=r"unexpected 1 tensor\(s\): " + name.replace(".", r"\.")
+    ):
         load_model(bad, progress=False)
 
 
@@ -166,5 +176,8 @@ def test_misshaped_expert_tensor_is_named(checkpoint_factory, tmp_path: Path) ->
         tensors[name] = tensors[name][:, :16].clone()
 
     bad = _edited(checkpoint_factory("qwen2_moe"), tmp_path / "m", shrink)
-    with pytest.raises(WeightsMismatchError, match=name.replace(".", r"\.") + r".*expert 3 w2.*\(64, 16\).*\(64, 32\)"):
+    with pytest.raises(
+        WeightsMismatchError,
+        match=name.replace(".", r"\.") + r".*expert 3 w2.*\(64, 16\).*\(64, 32\)",
+    ):
         load_model(bad, progress=False)

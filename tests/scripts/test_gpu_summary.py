@@ -3,14 +3,13 @@ conformance reports: a change to either format must not silently empty the summa
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
-
 import importlib.util
 import json
 import sys
 from pathlib import Path
 
 from benchmarks.common import table
+from tests.support.paths import REPO
 
 # scripts/ is a folder of scripts, not a package: load gpu_summary.py by its path
 _spec = importlib.util.spec_from_file_location("gpu_summary", REPO / "scripts" / "gpu_summary.py")
@@ -20,19 +19,43 @@ _spec.loader.exec_module(gpu_summary)
 
 def test_summary_reads_reports_and_tables(tmp_path: Path) -> None:
     families = {"graph": {"passed": 30, "failed": 0, "skipped": 0, "max_error": 0.005}}
-    (tmp_path / "conformance-cuda.json").write_text(json.dumps({"device": "cuda", "families": families}))
-    decode = [{"batch": 1, "floor_ms": 3.85, "pipelined_ms": 4.75, "pipelined_x_floor": 1.23,
-               "host_us": 245.0, "graph_speedup": 3.6}]
-    peer = [{"batch": 1, "hf_eager_ms": 25.6, "xhal_graph_speedup_vs_hf_eager": 5.4}]
-    attention = [{"path": "flashinfer-tc", "batch": 64, "ctx": 2048, "us": 143.0, "TB/s": 3.76,
-                  "of_copy_ceiling": 0.89}]
-    (tmp_path / "bench_model.txt").write_text(
-        "ceilings: ...\n" + table(decode, "decode step (execute + logits), 8B") + "\n"
-        + table(peer, "peer: Hugging Face transformers") + "\n"
+    (tmp_path / "conformance-cuda.json").write_text(
+        json.dumps({"device": "cuda", "families": families})
     )
-    (tmp_path / "bench_attention.txt").write_text(table(attention, "decode attention in a CUDA graph") + "\n")
+    decode = [
+        {
+            "batch": 1,
+            "floor_ms": 3.85,
+            "pipelined_ms": 4.75,
+            "pipelined_x_floor": 1.23,
+            "host_us": 245.0,
+            "graph_speedup": 3.6,
+        }
+    ]
+    peer = [{"batch": 1, "hf_eager_ms": 25.6, "xhal_graph_speedup_vs_hf_eager": 5.4}]
+    attention = [
+        {
+            "path": "flashinfer-tc",
+            "batch": 64,
+            "ctx": 2048,
+            "us": 143.0,
+            "TB/s": 3.76,
+            "of_copy_ceiling": 0.89,
+        }
+    ]
+    (tmp_path / "bench_model.txt").write_text(
+        "ceilings: ...\n"
+        + table(decode, "decode step (execute + logits), 8B")
+        + "\n"
+        + table(peer, "peer: Hugging Face transformers")
+        + "\n"
+    )
+    (tmp_path / "bench_attention.txt").write_text(
+        table(attention, "decode attention in a CUDA graph") + "\n"
+    )
     (tmp_path / "serve_bench.txt").write_text(
-        "P50 TTFT (ms)   29.36\nMean TPOT (ms)   4.74\nP50 TTFT (ms)   489.45\nMean TPOT (ms)   15.06\n"
+        "P50 TTFT (ms)   29.36\nMean TPOT (ms)   4.74\nP50 TTFT (ms)   489.45\nMean TPOT (ms)   "
+        "15.06\n"
     )
     lines = gpu_summary.conformance(tmp_path) + gpu_summary.benchmarks(tmp_path)
     text = "\n".join(lines)
@@ -45,14 +68,29 @@ def test_summary_reads_reports_and_tables(tmp_path: Path) -> None:
 
 
 def test_summary_reads_one_serve_run_per_shape_and_the_read_floor(tmp_path: Path) -> None:
-    decode = [{"batch": 1, "floor_ms": 3.85, "read_floor_ms": 3.33, "pipelined_ms": 4.75,
-               "pipelined_x_floor": 1.23, "pipelined_x_read_floor": 1.43, "host_us": 60.0, "graph_speedup": 3.6}]
-    (tmp_path / "bench_model.txt").write_text(table(decode, "decode step (execute + logits), 8B") + "\n")
+    decode = [
+        {
+            "batch": 1,
+            "floor_ms": 3.85,
+            "read_floor_ms": 3.33,
+            "pipelined_ms": 4.75,
+            "pipelined_x_floor": 1.23,
+            "pipelined_x_read_floor": 1.43,
+            "host_us": 60.0,
+            "graph_speedup": 3.6,
+        }
+    ]
+    (tmp_path / "bench_model.txt").write_text(
+        table(decode, "decode step (execute + logits), 8B") + "\n"
+    )
     run = "P50 TTFT (ms)   {ttft}\nMean TPOT (ms)   {tpot}\nP50 ITL (ms)   {itl}\n"
     (tmp_path / "serve_bench.txt").write_text(
-        "=== serve llama3.2-1b concurrency 1\n" + run.format(ttft=9.1, tpot=1.2, itl=1.1)
-        + "=== serve llama3.2-1b concurrency 64\n" + run.format(ttft=90.5, tpot=5.5, itl=5.0)
-        + "=== serve llama3-8b concurrency 1\n" + run.format(ttft=30.0, tpot=4.7, itl=4.6)
+        "=== serve llama3.2-1b concurrency 1\n"
+        + run.format(ttft=9.1, tpot=1.2, itl=1.1)
+        + "=== serve llama3.2-1b concurrency 64\n"
+        + run.format(ttft=90.5, tpot=5.5, itl=5.0)
+        + "=== serve llama3-8b concurrency 1\n"
+        + run.format(ttft=30.0, tpot=4.7, itl=4.6)
     )
     text = "\n".join(gpu_summary.benchmarks(tmp_path))
     assert "1.23x floor (1.43x read floor)" in text

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.support.readme_examples import readme_curl_commands, run_curl_example
 
 from serve_cli.builtin_models import SMOLLM2_INSTALL, ServedModel, resolve_model, smollm2_gguf
 from tests.support.launcher import ServerProcess
+from tests.support.readme_examples import readme_curl_commands, run_curl_example
 
 gguf = pytest.importorskip("gguf", reason="reading the GGUF file needs xhal[serve]'s gguf")
 pytest.importorskip("accelerate", reason="transformers reads GGUF files with accelerate")

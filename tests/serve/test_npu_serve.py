@@ -1,22 +1,21 @@
 """``xhal-serve --device npu`` end to end on the torch_npu emulation (``XHAL_PLUGINS`` loads
-``tests.support.npu_emulation.plugin`` into the server and its engine process), driven by the ``openai``
-client as tests/serve/test_serve_e2e.py drives the CPU server: chat and completions, streamed and not,
-with greedy output equal to ``xhal-serve --device cpu`` on the same checkpoint."""
+``tests.support.npu_emulation.plugin`` into the server and its engine process), driven by the
+``openai`` client as tests/serve/test_serve_e2e.py drives the CPU server: chat and completions,
+streamed and not, with greedy output equal to ``xhal-serve --device cpu`` on the same checkpoint."""
 
 from __future__ import annotations
-
-from tests.support.paths import REPO
 
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from tests.support.checkpoints import build_checkpoint
+from tests.support.launcher import ServerProcess
 from tests.support.npu_emulation.registry import read_counts
 from tests.support.npu_emulation_helpers import assert_calls_bound_and_checked
-
-from tests.support.launcher import ServerProcess
+from tests.support.paths import REPO
 
 openai = pytest.importorskip("openai", reason="the server tests drive it with the openai client")
 pytest.importorskip("fastapi")
@@ -143,8 +142,9 @@ def test_chat_equals_the_cpu_server(servers: dict[str, ServerProcess], stream: b
     assert npu == _chat(servers["cpu"], stream=False)
 
 
-def test_every_npu_call_bound_and_checked(servers: dict[str, ServerProcess],
-                                           counts_dir: Path) -> None:
+def test_every_npu_call_bound_and_checked(
+    servers: dict[str, ServerProcess], counts_dir: Path
+) -> None:
     """Last in this file: after the requests above, the NPU server stops (its processes save their
     counts) and every emulated torch_npu call it made was bound to the wheel's schema."""
     servers["npu"].stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tests.support.tiny_server import tiny_server_args
 
 pytest.importorskip("fastapi")

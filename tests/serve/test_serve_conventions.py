@@ -5,8 +5,6 @@ refused key in one line."""
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
-
 import asyncio
 import importlib
 import json
@@ -17,10 +15,12 @@ from typing import Any
 
 import pytest
 
+from tests.support.paths import REPO
+
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("zmq")
-from click.testing import CliRunner
+from click.testing import CliRunner  # noqa: E402  (after the skips: click comes with the serve extra)
 
 ROOT = REPO
 

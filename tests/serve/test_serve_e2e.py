@@ -11,11 +11,11 @@ import signal
 from pathlib import Path
 
 import pytest
-from tests.support.checkpoints import llama_gqa
-from tests.support.processes import GENEROUS_S, spawned_children, wait_for, wait_gone
 
 from serve_cli.engine.offline import generate
+from tests.support.checkpoints import llama_gqa
 from tests.support.launcher import ServerProcess
+from tests.support.processes import GENEROUS_S, spawned_children, wait_for, wait_gone
 
 openai = pytest.importorskip("openai", reason="the server tests drive it with the openai client")
 httpx = pytest.importorskip("httpx")
@@ -32,7 +32,8 @@ WORDS = "the quick brown fox jumps over a lazy dog hello world one two three fou
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The GQA Llama of tests/support/checkpoints.py with its word-level tokenizer and a chat template."""
+    """The GQA Llama of tests/support/checkpoints.py with its word-level tokenizer and a chat
+    template."""
     from transformers import AutoTokenizer
 
     path = llama_gqa(tmp_path_factory.mktemp("serve-llama"), tokenizer=True)

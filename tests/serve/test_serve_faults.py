@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import pytest
+
 from tests.support.scripted_engine import ScriptedEngine
 from tests.support.tiny_server import TINY_MODEL_NAME as MODEL
 from tests.support.tiny_server import tiny_tokenizer

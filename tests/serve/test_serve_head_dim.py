@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.support.checkpoints import llama_head_dim_16
 
+from tests.support.checkpoints import llama_head_dim_16
 from tests.support.launcher import ServerProcess
 
 openai = pytest.importorskip("openai", reason="the server tests drive it with the openai client")

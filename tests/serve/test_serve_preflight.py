@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from tests.support.tiny_server import tiny_model_dir
 
 pytest.importorskip("fastapi")

@@ -13,10 +13,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from tests.support.processes import spawned_children, wait_for
-from tests.support.tiny_server import TINY_MODEL_NAME, tiny_server_args
 
 from tests.support.launcher import ServerProcess
+from tests.support.processes import spawned_children, wait_for
+from tests.support.tiny_server import TINY_MODEL_NAME, tiny_server_args
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")

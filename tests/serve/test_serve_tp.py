@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.support.processes import alive, spawned_children, wait_gone
 
 from serve_cli.engine.config import EngineConfig
 from serve_cli.engine.core import EngineCore
 from serve_cli.engine.offline import generate
 from serve_cli.engine.sampling import SamplingParams
+from tests.support.processes import alive, spawned_children, wait_gone
 from xhal import platforms
 from xhal.platforms.cpu_ref.collective import GlooCollective
 from xhal.platforms.cpu_ref.platform import CpuPlatform
@@ -114,7 +114,11 @@ def test_tp2_with_async_scheduling_matches_tp1(llama_gqa_dir: Path) -> None:
     single = EngineCore(EngineConfig(model_dir=llama_gqa_dir, num_kv_blocks=64, **BASE))
     expected = generate(single, prompts, GREEDY)
     config = EngineConfig(
-        model_dir=llama_gqa_dir, tensor_parallel_size=2, num_kv_blocks=16, async_scheduling=True, **BASE
+        model_dir=llama_gqa_dir,
+        tensor_parallel_size=2,
+        num_kv_blocks=16,
+        async_scheduling=True,
+        **BASE,
     )
     engine = EngineCore(config)
     describe, with_placeholders = engine.runner.input_builder.describe, []

@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.support import toy_solutions as toy
 
+from tests.support import toy_solutions as toy
 from xhal.solutions.kernels import Kernels
 from xhal.solutions.solution import Config
 from xhal.solutions.timing import Timer
@@ -51,7 +51,10 @@ def test_first_sight_times_every_config_and_caches_the_fastest(tunable) -> None:
     assert tuned.chosen == {"m1-n8-k16": "fast"} and tuned.tuned == {"m1-n8-k16"}
     data = json.loads(cache_path(toy.DEVICE).read_text())
     assert data["winners"] == {"linear=tunable": {"m1-n8-k16": "fast"}}
-    assert data["device"] == "Toy Accelerator 9000" and data["library_versions"]["torch"] == torch.__version__
+    assert (
+        data["device"] == "Toy Accelerator 9000"
+        and data["library_versions"]["torch"] == torch.__version__
+    )
     # the same bucket again, in this process and in a fresh start: no timing
     before = toy.TunableLinear.calls
     k.ops.linear(x, w)
@@ -83,7 +86,9 @@ def test_autotune_off_takes_the_first_config(tunable, monkeypatch) -> None:
     k = kernels()
     before = toy.TunableLinear.calls
     k.ops.linear(*inputs(1))
-    assert toy.TunableLinear.calls - before == 1 and k.ops.impls["linear"].chosen == {"m1-n8-k16": "slow"}
+    assert toy.TunableLinear.calls - before == 1 and k.ops.impls["linear"].chosen == {
+        "m1-n8-k16": "slow"
+    }
 
 
 def test_a_failing_config_is_never_the_winner(tmp_path, monkeypatch) -> None:
@@ -107,7 +112,10 @@ def test_the_cache_is_per_device_and_library_versions(tmp_path) -> None:
 
 def test_real_timing_picks_the_config_that_does_less_work(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("XHAL_CACHE_DIR", str(tmp_path))
-    configs = (Config("heavy", {"cost": 0.0, "work": 200}), Config("light", {"cost": 0.0, "work": 1}))
+    configs = (
+        Config("heavy", {"cost": 0.0, "work": 200}),
+        Config("light", {"cost": 0.0, "work": 1}),
+    )
     for _ in toy.registered(toy.toy_solutions(tunable=True, configs=configs)):
         platform = toy.ToyPlatform()
         k = Kernels(platform, toy.DEVICE, timer=Timer(platform.synchronize, warmup=1, repeats=3))

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 import torch
-from tests.support import toy_solutions as toy
 
 import xhal
 from conformance_tests.batches import random_batch, random_caches, random_qkv
+from tests.support import toy_solutions as toy
 from xhal import solutions
 from xhal.interfaces import AttentionSpec, BatchKind
 from xhal.solutions import registry
@@ -37,9 +37,12 @@ def test_every_op_has_a_cpu_reference_and_declarations_import_no_kernel_library(
     probe = (
         "import sys\nfrom xhal import solutions\n"
         "assert sum(len(solutions.solutions(op)) for op in solutions.OPS) > 30\n"
-        "print(sorted({'triton', 'flashinfer', 'tilelang', 'xhal.platforms.cuda.ops', 'xhal.platforms.npu.ops'} & set(sys.modules)))\n"
+        "print(sorted({'triton', 'flashinfer', 'tilelang', 'xhal.platforms.cuda.ops', "
+        "'xhal.platforms.npu.ops'} & set(sys.modules)))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", probe], check=False, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], check=False, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
 
 
@@ -59,16 +62,22 @@ def test_best_met_solution_wins_and_a_missing_package_is_logged_once(toys, caplo
 
 
 def test_unmet_gives_the_reason() -> None:
-    triton_attention = next(s for s in solutions.solutions("paged_decode_attention", "cuda") if s.name == "flashinfer")
+    triton_attention = next(
+        s for s in solutions.solutions("paged_decode_attention", "cuda") if s.name == "flashinfer"
+    )
     h200 = solutions.DeviceInfo("cuda", "H200", (9, 0))
-    assert "takes float16, bfloat16, not float32" in solutions.unmet(triton_attention, h200, dtype=torch.float32)
+    assert "takes float16, bfloat16, not float32" in solutions.unmet(
+        triton_attention, h200, dtype=torch.float32
+    )
     cpu = solutions.DeviceInfo("cpu")
     assert solutions.unmet(triton_attention, cpu) == "needs a cuda device, this is cpu"
 
 
 def test_forced_solution_never_falls_back(toys) -> None:
     assert solutions.select("rms_norm", toy.DEVICE, forced="reference").name == "reference"
-    with pytest.raises(solutions.SolutionUnavailable, match="xhal_toy_missing_pkg is not installed"):
+    with pytest.raises(
+        solutions.SolutionUnavailable, match="xhal_toy_missing_pkg is not installed"
+    ):
         solutions.select("rms_norm", toy.DEVICE, forced="needs-pkg")
     with pytest.raises(KeyError, match="known: needs-pkg, newer-device, torch, reference"):
         solutions.select("rms_norm", toy.DEVICE, forced="nope")
@@ -78,23 +87,36 @@ def test_kernels_choose_once_log_one_line_and_serve_the_choice(toys, caplog, mon
     with caplog.at_level(logging.INFO, logger="xhal.solutions"):
         kernels = Kernels(toy.ToyPlatform(), toy.DEVICE)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels of toy")]
-    assert len(lines) == 1 and "rms_norm=torch" in lines[0] and "linear=reference" in lines[0], lines
+    assert len(lines) == 1 and "rms_norm=torch" in lines[0] and "linear=reference" in lines[0], (
+        lines
+    )
     assert kernels.ops.names["rms_norm"] == "torch"
     x, w = torch.randn(3, 16, dtype=torch.float64), torch.randn(16, dtype=torch.float64)
     expected = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 0.5) * w
-    torch.testing.assert_close(kernels.ops.rms_norm(x.float(), w.float(), 0.5).double(), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        kernels.ops.rms_norm(x.float(), w.float(), 0.5).double(), expected, rtol=1e-6, atol=1e-6
+    )
     # the environment forces another, and the platform's defaults yield to it
     monkeypatch.setenv("XHAL_KERNEL_RMS_NORM", "reference")
-    assert Kernels(toy.ToyPlatform(), toy.DEVICE, defaults={"rms_norm": "torch"}).ops.names["rms_norm"] == "reference"
+    assert (
+        Kernels(toy.ToyPlatform(), toy.DEVICE, defaults={"rms_norm": "torch"}).ops.names["rms_norm"]
+        == "reference"
+    )
 
 
-def test_overrides_bad_names_raise_and_other_devices_names_are_left_alone(toys, monkeypatch) -> None:
+def test_overrides_bad_names_raise_and_other_devices_names_are_left_alone(
+    toys, monkeypatch
+) -> None:
     monkeypatch.setenv("XHAL_KERNEL_RMS_NROM", "torch")
-    with pytest.raises(ValueError, match="XHAL_KERNEL_RMS_NROM: no such op; settings: .*XHAL_KERNEL_RMS_NORM"):
+    with pytest.raises(
+        ValueError, match="XHAL_KERNEL_RMS_NROM: no such op; settings: .*XHAL_KERNEL_RMS_NORM"
+    ):
         Kernels(toy.ToyPlatform(), toy.DEVICE)
     monkeypatch.delenv("XHAL_KERNEL_RMS_NROM")
     monkeypatch.setenv("XHAL_KERNEL_RMS_NORM", "no-such-solution")
-    with pytest.raises(ValueError, match="rms_norm has no solution 'no-such-solution'; known: .*flashinfer"):
+    with pytest.raises(
+        ValueError, match="rms_norm has no solution 'no-such-solution'; known: .*flashinfer"
+    ):
         Kernels(toy.ToyPlatform(), toy.DEVICE)
     # a CUDA-only name (a CUDA server also creates the CPU platform): left to the CUDA platform
     monkeypatch.setenv("XHAL_KERNEL_RMS_NORM", "flashinfer")
@@ -113,10 +135,15 @@ def test_ops_with_swaps_one_op_only(toys) -> None:
 
 def test_different_decode_and_prefill_solutions_split_attention_by_step_kind(toys) -> None:
     kernels = Kernels(toy.ToyPlatform(), toy.DEVICE)
-    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, block_size=16)
+    spec = AttentionSpec(
+        num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, block_size=16
+    )
     backend = kernels.attention_backend(spec)
     assert isinstance(backend, SplitAttention)
-    with kernels.forcing("paged_decode_attention", "reference"), kernels.forcing("paged_prefill_attention", "reference"):
+    with (
+        kernels.forcing("paged_decode_attention", "reference"),
+        kernels.forcing("paged_prefill_attention", "reference"),
+    ):
         reference = kernels.attention_backend(spec)
     assert not isinstance(reference, SplitAttention)
     cpu = torch.device("cpu")
@@ -130,7 +157,9 @@ def test_different_decode_and_prefill_solutions_split_attention_by_step_kind(toy
             q, k, v = random_qkv(batch.metadata.num_tokens, spec, cpu, random.Random(8))
             outs.append(b.forward(0, q, k, v))
             if b is backend:
-                assert toy.RecordingAttention.plans == ["decode" if kind == BatchKind.DECODE else "prefill"]
+                assert toy.RecordingAttention.plans == [
+                    "decode" if kind == BatchKind.DECODE else "prefill"
+                ]
         torch.testing.assert_close(outs[0], outs[1])
 
 
@@ -152,7 +181,9 @@ def test_entry_point_group_adds_solutions(monkeypatch) -> None:
     monkeypatch.setattr(registry, "_by_op", {op: [] for op in solutions.OPS})
     names = [s.name for s in solutions.solutions("rms_norm", "toy")]
     assert names == ["needs-pkg", "newer-device", "torch", "reference"]
-    assert any(s.name == "reference" for s in solutions.solutions("rms_norm", "cpu"))  # built-ins too
+    assert any(
+        s.name == "reference" for s in solutions.solutions("rms_norm", "cpu")
+    )  # built-ins too
 
 
 def test_cpu_platform_serves_its_chosen_solutions() -> None:
@@ -163,8 +194,11 @@ def test_cpu_platform_serves_its_chosen_solutions() -> None:
 
 def test_a_row_limited_solution_hands_larger_calls_to_the_next_best(toys) -> None:
     small = solutions.Solution(
-        "silu_and_mul", "two-rows", "tests.support.toy_solutions:CountingActivation",
-        solutions.Requirement(device_type="toy", max_rows=2), priority=50,
+        "silu_and_mul",
+        "two-rows",
+        "tests.support.toy_solutions:CountingActivation",
+        solutions.Requirement(device_type="toy", max_rows=2),
+        priority=50,
     )
     for _ in toy.registered([small]):
         kernels = Kernels(toy.ToyPlatform(), toy.DEVICE)
@@ -173,19 +207,30 @@ def test_a_row_limited_solution_hands_larger_calls_to_the_next_best(toys) -> Non
             x = torch.randn(*shape, dtype=torch.float64)
             toy.CountingActivation.calls = 0
             gate, up = x.chunk(2, dim=-1)
-            torch.testing.assert_close(kernels.ops.silu_and_mul(x), torch.nn.functional.silu(gate) * up)
+            torch.testing.assert_close(
+                kernels.ops.silu_and_mul(x), torch.nn.functional.silu(gate) * up
+            )
             assert toy.CountingActivation.calls == expected_calls, shape
 
 
-# what xhal/platforms/cuda/ops.py and platform.py chose by hand before solutions, FlashInfer installed
+# what xhal/platforms/cuda/ops.py and platform.py chose by hand before solutions, FlashInfer
+# installed
 LEGACY_CUDA = {
-    "linear": "triton", "rms_norm": "flashinfer", "fused_add_rms_norm": "triton",
-    "rotary_embedding": "triton", "silu_and_mul": "flashinfer", "gelu_and_mul": "flashinfer",
-    "moe_route": "triton", "moe_experts": "triton", "sampling": "torch",
+    "linear": "triton",
+    "rms_norm": "flashinfer",
+    "fused_add_rms_norm": "triton",
+    "rotary_embedding": "triton",
+    "silu_and_mul": "flashinfer",
+    "gelu_and_mul": "flashinfer",
+    "moe_route": "triton",
+    "moe_experts": "triton",
+    "sampling": "torch",
 }
 
 
-@pytest.mark.parametrize("installed", [{"triton", "flashinfer"}, {"triton"}], ids=["flashinfer", "no-flashinfer"])
+@pytest.mark.parametrize(
+    "installed", [{"triton", "flashinfer"}, {"triton"}], ids=["flashinfer", "no-flashinfer"]
+)
 def test_cuda_declarations_keep_the_choices_made_before_solutions(installed, monkeypatch) -> None:
     from xhal.platforms.cuda.platform import CudaTritonPlatform
     from xhal.solutions import selection
@@ -195,11 +240,21 @@ def test_cuda_declarations_keep_the_choices_made_before_solutions(installed, mon
     fallback = {"rms_norm": "torch", "silu_and_mul": "torch", "gelu_and_mul": "torch"}
     expected = LEGACY_CUDA if "flashinfer" in installed else {**LEGACY_CUDA, **fallback}
     assert {op: solutions.select(op, h200).name for op in LEGACY_CUDA} == expected
-    for dtype, name in ((torch.bfloat16, "flashinfer"), (torch.float16, "flashinfer"), (torch.float32, "triton")):
+    for dtype, name in (
+        (torch.bfloat16, "flashinfer"),
+        (torch.float16, "flashinfer"),
+        (torch.float32, "triton"),
+    ):
         for op in solutions.ATTENTION_OPS:
             got = solutions.select(op, h200, dtype=dtype, head_dim=128).name
             assert got == (name if "flashinfer" in installed else "triton"), (op, dtype)
     # cuda-triton: Triton attention and torch norms and activations, whatever is installed
     forced = CudaTritonPlatform.solution_defaults
-    assert {op: solutions.select(op, h200, forced=forced.get(op)).name for op in LEGACY_CUDA} == {**LEGACY_CUDA, **fallback}
-    assert {solutions.select(op, h200, forced=forced[op], dtype=torch.bfloat16).name for op in solutions.ATTENTION_OPS} == {"triton"}
+    assert {op: solutions.select(op, h200, forced=forced.get(op)).name for op in LEGACY_CUDA} == {
+        **LEGACY_CUDA,
+        **fallback,
+    }
+    assert {
+        solutions.select(op, h200, forced=forced[op], dtype=torch.bfloat16).name
+        for op in solutions.ATTENTION_OPS
+    } == {"triton"}

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tests.support.conformance_run import REPO, explain, run_conformance, suite_env
 
 
@@ -28,7 +29,11 @@ def test_a_wrong_secondary_solution_fails_the_run(planted) -> None:
     assert sols["rms_norm=planted"]["failed"] > 0
     # the chosen solution is right, and so is every other CPU solution
     assert sols["rms_norm=reference"]["status"] == "passed", sols["rms_norm=reference"]
-    others = {k: v["status"] for k, v in sols.items() if k.split("=")[1] not in ("planted", "needs-missing")}
+    others = {
+        k: v["status"]
+        for k, v in sols.items()
+        if k.split("=")[1] not in ("planted", "needs-missing")
+    }
     assert set(others.values()) == {"passed"}, others
     failed = [n for n, t in report["tests"].items() if t["outcome"] == "failed"]
     assert failed and all("rms_norm=planted" in n for n in failed), failed
@@ -39,18 +44,38 @@ def test_a_solution_the_machine_cannot_run_is_listed_not_exercised(planted) -> N
     proc, report = planted
     sol = report["solutions"]["rms_norm=needs-missing"]
     assert sol["status"] == "not exercised" and sol["passed"] == sol["failed"] == 0, sol
-    assert any("xhal_no_such_package is not installed (pip install xhal-no-such-package)" in r
-               for r in sol["not_exercised"]), sol
+    assert any(
+        "xhal_no_such_package is not installed (pip install xhal-no-such-package)" in r
+        for r in sol["not_exercised"]
+    ), sol
     line = next(ln for ln in proc.stdout.splitlines() if "rms_norm=needs-missing" in ln)
     assert "not exercised" in line and "xhal_no_such_package" in line, line
 
 
 def test_every_cpu_solution_passes_the_ops_and_moe_families(tmp_path: Path) -> None:
     report_path = tmp_path / "cpu.json"
-    cmd = [sys.executable, "-m", "conformance_tests.cli", "--device", "cpu", "--family", "ops",
-           "--family", "moe", "--report", str(report_path)]
-    proc = subprocess.run(cmd, check=False, cwd=REPO, env=suite_env(), capture_output=True, text=True, timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "conformance_tests.cli",
+        "--device",
+        "cpu",
+        "--family",
+        "ops",
+        "--family",
+        "moe",
+        "--report",
+        str(report_path),
+    ]
+    proc = subprocess.run(
+        cmd, check=False, cwd=REPO, env=suite_env(), capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, explain(proc)
     sols = json.loads(report_path.read_text())["solutions"]
-    assert {"sampling=reference", "sampling=torch", "moe_experts=reference", "linear=reference"} <= set(sols)
+    assert {
+        "sampling=reference",
+        "sampling=torch",
+        "moe_experts=reference",
+        "linear=reference",
+    } <= set(sols)
     assert {v["status"] for v in sols.values()} == {"passed"}, sols

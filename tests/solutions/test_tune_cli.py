@@ -11,17 +11,43 @@ from pathlib import Path
 
 from tests.support.conformance_run import REPO, explain, suite_env
 
-CONFIG = {  # five distinct linear shapes: qkv 64x32, o 32x32, gate_up 96x32, down 32x48, lm_head 100x32
-    "architectures": ["LlamaForCausalLM"], "hidden_size": 32, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 48, "vocab_size": 100,
+# five distinct linear shapes: qkv 64x32, o 32x32, gate_up 96x32, down 32x48, lm_head 100x32
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "intermediate_size": 48,
+    "vocab_size": 100,
 }
 
 
 def tune(model: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "xhal.tools.tune_cli", str(model), "--device", "cpu", "--dtype", "float32",
-           "--max-batch", "4", "--plugin", "tests.support.toy_tunable_cpu_plugin", *extra]
-    return subprocess.run(cmd, check=False, cwd=REPO, env=suite_env(XHAL_CACHE_DIR=str(cache)),
-                          capture_output=True, text=True, timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "xhal.tools.tune_cli",
+        str(model),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--max-batch",
+        "4",
+        "--plugin",
+        "tests.support.toy_tunable_cpu_plugin",
+        *extra,
+    ]
+    return subprocess.run(
+        cmd,
+        check=False,
+        cwd=REPO,
+        env=suite_env(XHAL_CACHE_DIR=str(cache)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_tune_warms_the_cache_and_a_second_run_times_nothing(tmp_path: Path) -> None:
@@ -37,7 +63,11 @@ def test_tune_warms_the_cache_and_a_second_run_times_nothing(tmp_path: Path) -> 
     files = list((cache / "tuning").glob("cpu-cpu-*.json"))
     assert len(files) == 1, files
     winners = json.loads(files[0].read_text())["winners"]["linear=tunable"]
-    expected = {f"m{m}-n{n}-k{k}" for m in (1, 2, 4) for n, k in ((64, 32), (32, 32), (96, 32), (32, 48), (100, 32))}
+    expected = {
+        f"m{m}-n{n}-k{k}"
+        for m in (1, 2, 4)
+        for n, k in ((64, 32), (32, 32), (96, 32), (32, 48), (100, 32))
+    }
     assert set(winners) == expected and set(winners.values()) <= {"heavy", "light"}, winners
 
     second = tune(model, cache, "--load-format", "dummy")
@@ -47,7 +77,27 @@ def test_tune_warms_the_cache_and_a_second_run_times_nothing(tmp_path: Path) -> 
 
 def test_tune_without_a_config_space_says_so(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
-    cmd = [sys.executable, "-m", "xhal.tools.tune_cli", str(tmp_path), "--device", "cpu", "--load-format", "dummy"]
-    proc = subprocess.run(cmd, check=False, cwd=REPO, env=suite_env(XHAL_CACHE_DIR=str(tmp_path / "c")),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "nothing to tune" in proc.stdout and "linear=reference" in proc.stdout, explain(proc)
+    cmd = [
+        sys.executable,
+        "-m",
+        "xhal.tools.tune_cli",
+        str(tmp_path),
+        "--device",
+        "cpu",
+        "--load-format",
+        "dummy",
+    ]
+    proc = subprocess.run(
+        cmd,
+        check=False,
+        cwd=REPO,
+        env=suite_env(XHAL_CACHE_DIR=str(tmp_path / "c")),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (
+        proc.returncode == 0
+        and "nothing to tune" in proc.stdout
+        and "linear=reference" in proc.stdout
+    ), explain(proc)

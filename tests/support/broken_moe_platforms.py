@@ -1,6 +1,6 @@
 """Deliberately broken mixture-of-experts platforms: the conformance suite's moe family must fail
-each of them. Import as a plugin (``xhal-conformance --plugin tests.support.broken_moe_platforms``). Each
-is the CPU reference with one MoE bug of the kind a kernel author really writes:
+each of them. Import as a plugin (``xhal-conformance --plugin tests.support.broken_moe_platforms``).
+Each is the CPU reference with one MoE bug of the kind a kernel author really writes:
 
 - ``broken-moe-renorm``: "renormalize" divides the top-k probabilities by the sum over every
   expert (always 1), so the weights are never renormalized.

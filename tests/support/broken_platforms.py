@@ -1,17 +1,17 @@
 """Deliberately broken platforms: the conformance suite must fail each of them.
 
 Import this module as a plugin (``XHAL_PLUGINS=tests.support.broken_platforms`` or
-``xhal-conformance --plugin tests.support.broken_platforms``). Each platform is the CPU reference with
-exactly one bug of the kind a backend author really writes; everything else is the reference, so
-the family that owns the broken contract is the one expected to fail:
+``xhal-conformance --plugin tests.support.broken_platforms``). Each platform is the CPU reference
+with exactly one bug of the kind a backend author really writes; everything else is the reference,
+so the family that owns the broken contract is the one expected to fail:
 
 - ``broken-causal`` (attention): no causal mask among a sequence's new tokens.
 - ``broken-kv-slot`` (attention): the KV write ignores the block table (contiguous varlen layout).
 - ``broken-collective`` (collective): ``all_reduce`` sums into a copy, returns the local tensor.
 - ``broken-graph`` (graph): replay drops the fresh results, so outputs keep capture-time values.
 
-The bugs that only the way serving calls a backend shows are in ``tests.support.broken_serving``, which
-this module imports so that one plugin registers every broken platform.
+The bugs that only the way serving calls a backend shows are in ``tests.support.broken_serving``,
+which this module imports so that one plugin registers every broken platform.
 
 The broken attention math lives in custom ops of a test namespace (``xhal_broken``), like the
 reference's kernels, so that a captured graph records each as one device call and no other
@@ -228,4 +228,4 @@ for _cls in BROKEN_PLATFORMS:
     platforms.register(_cls.name, _cls)
 
 # the bugs that show only the way serving calls a backend live next door; register them too
-from tests.support import broken_serving  # noqa: F401
+from tests.support import broken_serving  # noqa: E402, F401  (imported for its registrations, after ours)

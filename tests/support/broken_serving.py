@@ -151,7 +151,9 @@ class _AttentionWithKernel(CpuAttention):
 
     kernel = None
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         if self._plan is None:
             raise RuntimeError("forward called before plan(metadata)")
         cache = self._caches[layer_id]
@@ -168,7 +170,9 @@ class _SplitKvAttention(_AttentionWithKernel):
 
 
 class _ContiguousWriteAttention(CpuAttention):
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         if self._plan is None:
             raise RuntimeError("forward called before plan(metadata)")
         cache = self._caches[layer_id]

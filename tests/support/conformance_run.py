@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
-
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.support.paths import REPO
 
 
 def suite_env(**overrides: str) -> dict[str, str]:
@@ -34,7 +33,9 @@ def run_conformance(
     for family in families:
         cmd += ["--family", family]
     cmd += ["--report", str(report)]
-    proc = subprocess.run(cmd, cwd=REPO, env=suite_env(**env), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=suite_env(**env), capture_output=True, text=True, timeout=600
+    )
     return proc, json.loads(report.read_text()) if report.exists() else None
 
 

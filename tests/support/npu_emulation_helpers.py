@@ -1,5 +1,6 @@
-"""Shared by the tests of the torch_npu emulation: the per-test ``emulated_npu`` and ``emulated_npu_platform`` fixtures, random
-paged batches, the FIA call as vllm-ascend makes it, and the float64 reference to check it against.
+"""Shared by the tests of the torch_npu emulation: the per-test ``emulated_npu`` and
+``emulated_npu_platform`` fixtures, random paged batches, the FIA call as vllm-ascend makes it, and
+the float64 reference to check it against.
 
 The reference is independent of the emulation: dense attention over K/V gathered per sequence by its
 block table.
@@ -14,10 +15,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tests.support.npu_emulation import install, is_installed, reset_state, uninstall
-from tests.support.npu_emulation.wheel import WheelUnavailable, wheel_files
 
 import xhal
+from tests.support.npu_emulation import install, is_installed, reset_state, uninstall
+from tests.support.npu_emulation.wheel import WheelUnavailable, wheel_files
 
 
 def require_wheel() -> None:
@@ -26,8 +27,10 @@ def require_wheel() -> None:
     try:
         wheel_files()
     except WheelUnavailable as err:
-        pytest.skip(f"torch-npu wheel unavailable, NPU emulation tests skipped: {err}",
-                    allow_module_level=True)
+        pytest.skip(
+            f"torch-npu wheel unavailable, NPU emulation tests skipped: {err}",
+            allow_module_level=True,
+        )
 
 
 require_wheel()  # every module that imports these helpers runs on the emulation
@@ -41,14 +44,19 @@ def assert_calls_bound_and_checked(counts: dict, where: str) -> None:
     for op, c in sorted(counts.items()):
         runs = c.get("meta", 0) + c.get("no_meta", 0)
         assert c.get("bound", 0) > 0, f"{where}: {op} ran {runs} times without a bound call"
-        lines.append(f"{op}: bound {c.get('bound', 0)}, meta-checked {c.get('meta', 0)}, "
-                     f"no meta in the wheel {c.get('no_meta', 0)}")
+        lines.append(
+            f"{op}: bound {c.get('bound', 0)}, meta-checked {c.get('meta', 0)}, "
+            f"no meta in the wheel {c.get('no_meta', 0)}"
+        )
     bound = sum(c.get("bound", 0) for c in counts.values())
     meta = sum(c.get("meta", 0) for c in counts.values())
     no_meta = sum(c.get("no_meta", 0) for c in counts.values())
-    print(f"\n[{where}] emulated torch_npu calls: {bound} bound to the wheel's schemas; kernel "
-          f"runs {meta + no_meta}: {meta} passed the wheel's meta function, {no_meta} of ops "
-          "without one\n  " + "\n  ".join(lines))
+    print(
+        f"\n[{where}] emulated torch_npu calls: {bound} bound to the wheel's schemas; kernel "
+        f"runs {meta + no_meta}: {meta} passed the wheel's meta function, {no_meta} of ops "
+        "without one\n  " + "\n  ".join(lines)
+    )
+
 
 BF16 = torch.bfloat16
 MASK = torch.triu(torch.ones(2048, 2048), diagonal=1).to(torch.int8)
@@ -96,17 +104,28 @@ def make_batch(q_lens, kv_lens, *, heads=4, kv_heads=2, head_dim=128, block_size
         q=torch.randn(sum(q_lens), heads, head_dim, generator=g).to(BF16),
         k=torch.randn(*shape, generator=g).to(BF16),
         v=torch.randn(*shape, generator=g).to(BF16),
-        table=table, q_lens=list(q_lens), kv_lens=list(kv_lens), heads=heads,
-        kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+        table=table,
+        q_lens=list(q_lens),
+        kv_lens=list(kv_lens),
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
     )
 
 
 def fia_kwargs(b, **overrides):
     kw = dict(
-        num_heads=b.heads, num_key_value_heads=b.kv_heads, input_layout="TND",
-        scale=b.head_dim**-0.5, block_table=b.table, block_size=b.block_size,
+        num_heads=b.heads,
+        num_key_value_heads=b.kv_heads,
+        input_layout="TND",
+        scale=b.head_dim**-0.5,
+        block_table=b.table,
+        block_size=b.block_size,
         actual_seq_lengths=list(itertools.accumulate(b.q_lens)),
-        actual_seq_lengths_kv=list(b.kv_lens), sparse_mode=3, atten_mask=MASK,
+        actual_seq_lengths_kv=list(b.kv_lens),
+        sparse_mode=3,
+        atten_mask=MASK,
     )
     return kw | overrides
 

@@ -27,7 +27,8 @@ class PagedHost:
     def step(
         self, chunks: list[tuple[int, list[int]]], pad_tokens: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """``chunks``: (seq_id, new token ids) per sequence; ``pad_tokens`` extra rows get slot -1."""
+        """``chunks``: (seq_id, new token ids) per sequence; ``pad_tokens`` extra rows get slot
+        -1."""
         ids, positions, slots, q_lens, kv_lens, rows = [], [], [], [], [], []
         for seq_id, tokens in chunks:
             seq = self.seqs.setdefault(seq_id, _Seq())
@@ -35,7 +36,9 @@ class PagedHost:
             while len(seq.blocks) * self.block_size < end:
                 seq.blocks.append(self.free.pop())
             for pos in range(start, end):
-                slots.append(seq.blocks[pos // self.block_size] * self.block_size + pos % self.block_size)
+                slots.append(
+                    seq.blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+                )
             ids += tokens
             positions += range(start, end)
             q_lens.append(len(tokens))
@@ -60,4 +63,8 @@ class PagedHost:
             kind, q, kv, table, torch.tensor(slots, dtype=torch.int32)
         )
         metadata.validate()
-        return torch.tensor(ids, dtype=torch.int32), torch.tensor(positions, dtype=torch.int32), metadata
+        return (
+            torch.tensor(ids, dtype=torch.int32),
+            torch.tensor(positions, dtype=torch.int32),
+            metadata,
+        )

@@ -1,7 +1,7 @@
 """TEST-ONLY plugin: a wrong secondary CPU solution of ``rms_norm`` ("planted", below the
 reference, so never chosen: it leaves eps out). The conformance suite runs every registered
-solution, so ``xhal-conformance --device cpu --family ops --plugin tests.support.planted_solution_plugin``
-must fail on it although the chosen reference is right."""
+solution, so ``xhal-conformance --device cpu --family ops --plugin
+tests.support.planted_solution_plugin`` must fail on it although the chosen reference is right."""
 
 from __future__ import annotations
 
@@ -22,17 +22,24 @@ class PlantedOps:
 
 solutions.register(
     solutions.Solution(
-        "rms_norm", "planted", "tests.support.planted_solution_plugin:PlantedOps",
-        solutions.Requirement(device_type="cpu"), priority=-50,
+        "rms_norm",
+        "planted",
+        "tests.support.planted_solution_plugin:PlantedOps",
+        solutions.Requirement(device_type="cpu"),
+        priority=-50,
     )
 )
 # a solution this machine cannot run: listed as not exercised, with the reason
 solutions.register(
     solutions.Solution(
-        "rms_norm", "needs-missing", "tests.support.planted_solution_plugin:PlantedOps",
+        "rms_norm",
+        "needs-missing",
+        "tests.support.planted_solution_plugin:PlantedOps",
         solutions.Requirement(
             device_type="cpu",
-            packages=(solutions.Package("xhal_no_such_package", "pip install xhal-no-such-package"),),
+            packages=(
+                solutions.Package("xhal_no_such_package", "pip install xhal-no-such-package"),
+            ),
         ),
         priority=-60,
     )

@@ -43,7 +43,8 @@ def wait_for(condition: Callable[[], object], message: str, timeout: float = GEN
 
 
 def wait_gone(pids: list[int], message: str, timeout: float = GENEROUS_S) -> None:
-    """Wait up to ``timeout`` seconds for every process in ``pids`` to exit; else fail with ``message``."""
+    """Wait up to ``timeout`` seconds for every process in ``pids`` to exit; else fail with
+    ``message``."""
     deadline = time.monotonic() + timeout
     while any(map(alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
-
 import json
 import subprocess
 from pathlib import Path
 from typing import Any
+
+from tests.support.paths import REPO
 
 README = REPO / "README.md"
 

@@ -72,7 +72,8 @@ class ScriptedEngine:
 
 
 def call(app: Any, method: str, path: str, body: Any = None) -> Any:
-    """One request to the ASGI ``app`` in this process (no server, no port): its ``httpx`` response."""
+    """One request to the ASGI ``app`` in this process (no server, no port): its ``httpx``
+    response."""
     import httpx
 
     async def go() -> httpx.Response:

@@ -1,6 +1,7 @@
 """The one place tests name the model a fast server test serves: the built-in tiny random Llama
-(``builtin:tiny-random``; with no model ``xhal-serve`` serves SmolLM2, which takes longer). Tests call these helpers rather than spelling the
-arguments out, so pointing every fast server test at another model is an edit here."""
+(``builtin:tiny-random``; with no model ``xhal-serve`` serves SmolLM2, which takes longer). Tests
+call these helpers rather than spelling the arguments out, so pointing every fast server test at
+another model is an edit here."""
 
 from __future__ import annotations
 

@@ -16,7 +16,9 @@ from xhal.solutions.op_names import ATTENTION_OPS, DEVICE_OPS
 from xhal.solutions.solution import Config, DeviceInfo, Package, Requirement, Solution
 
 TOY = Requirement(device_type="toy")
-DEVICE = DeviceInfo("toy", name="Toy Accelerator 9000", library_versions=(("torch", torch.__version__),))
+DEVICE = DeviceInfo(
+    "toy", name="Toy Accelerator 9000", library_versions=(("torch", torch.__version__),)
+)
 MISSING = Package("xhal_toy_missing_pkg", "pip install xhal-toy-missing-pkg")
 
 
@@ -102,25 +104,66 @@ class PrefillAttention:
 
 
 FAKE_COST_CONFIGS = (
-    Config("slow", {"cost": 3.0}), Config("fast", {"cost": 1.0}), Config("medium", {"cost": 2.0}),
+    Config("slow", {"cost": 3.0}),
+    Config("fast", {"cost": 1.0}),
+    Config("medium", {"cost": 2.0}),
 )
 
 
-def toy_solutions(*, tunable: bool = False, configs: tuple[Config, ...] = FAKE_COST_CONFIGS) -> list[Solution]:
-    out = [Solution(op, "reference", "xhal.platforms.cpu_ref.solutions:reference_ops", TOY) for op in DEVICE_OPS]
-    out += [Solution(op, "reference", "xhal.platforms.cpu_ref.solutions:ReferenceAttention", TOY) for op in ATTENTION_OPS]
+def toy_solutions(
+    *, tunable: bool = False, configs: tuple[Config, ...] = FAKE_COST_CONFIGS
+) -> list[Solution]:
+    out = [
+        Solution(op, "reference", "xhal.platforms.cpu_ref.solutions:reference_ops", TOY)
+        for op in DEVICE_OPS
+    ]
     out += [
-        Solution("rms_norm", "needs-pkg", "xhal.platforms.common.torch_ops:TorchOps",
-                 Requirement(device_type="toy", packages=(MISSING,)), priority=30),
-        Solution("rms_norm", "newer-device", "xhal.platforms.common.torch_ops:TorchOps",
-                 Requirement(device_type="toy", min_compute_capability=(9, 0)), priority=20),
+        Solution(op, "reference", "xhal.platforms.cpu_ref.solutions:ReferenceAttention", TOY)
+        for op in ATTENTION_OPS
+    ]
+    out += [
+        Solution(
+            "rms_norm",
+            "needs-pkg",
+            "xhal.platforms.common.torch_ops:TorchOps",
+            Requirement(device_type="toy", packages=(MISSING,)),
+            priority=30,
+        ),
+        Solution(
+            "rms_norm",
+            "newer-device",
+            "xhal.platforms.common.torch_ops:TorchOps",
+            Requirement(device_type="toy", min_compute_capability=(9, 0)),
+            priority=20,
+        ),
         Solution("rms_norm", "torch", "xhal.platforms.common.torch_ops:TorchOps", TOY, priority=10),
-        Solution("paged_decode_attention", "fast-decode", "tests.support.toy_solutions:DecodeAttention", TOY, 10),
-        Solution("paged_prefill_attention", "fast-prefill", "tests.support.toy_solutions:PrefillAttention", TOY, 10),
+        Solution(
+            "paged_decode_attention",
+            "fast-decode",
+            "tests.support.toy_solutions:DecodeAttention",
+            TOY,
+            10,
+        ),
+        Solution(
+            "paged_prefill_attention",
+            "fast-prefill",
+            "tests.support.toy_solutions:PrefillAttention",
+            TOY,
+            10,
+        ),
     ]
     if tunable:
-        out.append(Solution("linear", "tunable", "tests.support.toy_solutions:TunableLinear", TOY, priority=10,
-                            configs=configs, bucket="tests.support.toy_solutions:rows_bucket"))
+        out.append(
+            Solution(
+                "linear",
+                "tunable",
+                "tests.support.toy_solutions:TunableLinear",
+                TOY,
+                priority=10,
+                configs=configs,
+                bucket="tests.support.toy_solutions:rows_bucket",
+            )
+        )
     return out
 
 

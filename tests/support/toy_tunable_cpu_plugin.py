@@ -8,8 +8,15 @@ from xhal.solutions.solution import Config
 
 solutions.register(
     solutions.Solution(
-        "linear", "tunable", "tests.support.toy_solutions:TunableLinear", solutions.Requirement(device_type="cpu"),
-        priority=10, bucket="tests.support.toy_solutions:rows_bucket",
-        configs=(Config("heavy", {"cost": 0.0, "work": 30}), Config("light", {"cost": 0.0, "work": 1})),
+        "linear",
+        "tunable",
+        "tests.support.toy_solutions:TunableLinear",
+        solutions.Requirement(device_type="cpu"),
+        priority=10,
+        bucket="tests.support.toy_solutions:rows_bucket",
+        configs=(
+            Config("heavy", {"cost": 0.0, "work": 30}),
+            Config("light", {"cost": 0.0, "work": 1}),
+        ),
     )
 )

@@ -1,6 +1,7 @@
-"""Set-up and the float64 comparison shared by the Triton kernel tests: without a CUDA device the kernels run in Triton's
-interpreter on CPU tensors (TRITON_INTERPRET=1, set here before triton is imported); with one they
-run compiled on the GPU. Importing this skips the importing test module when triton is missing."""
+"""Set-up and the float64 comparison shared by the Triton kernel tests: without a CUDA device the
+kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set here before triton is
+imported); with one they run compiled on the GPU. Importing this skips the importing test module
+when triton is missing."""
 
 from __future__ import annotations
 

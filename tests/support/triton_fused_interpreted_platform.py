@@ -1,14 +1,14 @@
 """TEST-ONLY plugin: "cuda-fused-interpreted", the CUDA platform's fused decode kernels
-(``xhal.platforms.cuda.kernels.fused_gemv``: RMSNorm / SiLU gate fused into the GEMV; ``rotary_kv``: rotary
-fused into the KV write, through ``TritonAttention.forward_rotary``) run by Triton's interpreter on
-CPU tensors; everything else is the CPU reference.
+(``xhal.platforms.cuda.kernels.fused_gemv``: RMSNorm / SiLU gate fused into the GEMV; ``rotary_kv``:
+rotary fused into the KV write, through ``TritonAttention.forward_rotary``) run by Triton's
+interpreter on CPU tensors; everything else is the CPU reference.
 
-``xhal-conformance --device cuda-fused-interpreted --plugin tests.support.triton_fused_interpreted_platform
---family fused`` proves the kernels against the fused family's float64 references on any CPU.
-Each fused op runs with a forced K split of 2 where K allows it, so the split-K reduce (the
-sum of squares carried to it) is exercised at these small shapes too. Graphs are declared off,
-as in ``triton_interpreted_platform``: an interpreted kernel is not a torch op the CPU graph
-runner can record.
+``xhal-conformance --device cuda-fused-interpreted --plugin
+tests.support.triton_fused_interpreted_platform --family fused`` proves the kernels against the
+fused family's float64 references on any CPU. Each fused op runs with a forced K split of 2 where K
+allows it, so the split-K reduce (the sum of squares carried to it) is exercised at these small
+shapes too. Graphs are declared off, as in ``triton_interpreted_platform``: an interpreted kernel is
+not a torch op the CPU graph runner can record.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 from xhal import platforms
-from xhal.platforms.cpu_ref.ops import CpuOps
-from xhal.platforms.cpu_ref.platform import CpuPlatform
 from xhal.interfaces.attention import AttentionSpec
 from xhal.interfaces.metadata import BatchKind
+from xhal.platforms.cpu_ref.ops import CpuOps
+from xhal.platforms.cpu_ref.platform import CpuPlatform
 
 
 def _config(m: int, k: int) -> tuple[int, int, int, int, int]:
@@ -49,12 +49,15 @@ class FusedInterpretedOps(CpuOps):
 
         if x.dim() != 2 or not fused_gemv.supports(x, weight, gated=True):
             return super().silu_and_mul_linear(x, weight, bias)
-        return fused_gemv.silu_and_mul_gemv(x, weight, bias, config=_config(x.shape[0], x.shape[1] // 2))
+        return fused_gemv.silu_and_mul_gemv(
+            x, weight, bias, config=_config(x.shape[0], x.shape[1] // 2)
+        )
 
 
 # XHAL_FUSED_TEST_DTYPES narrows the dtypes (the interpreter takes minutes for all three)
 _DTYPES = tuple(
-    getattr(torch, name) for name in os.environ.get("XHAL_FUSED_TEST_DTYPES", "float32,bfloat16,float16").split(",")
+    getattr(torch, name)
+    for name in os.environ.get("XHAL_FUSED_TEST_DTYPES", "float32,bfloat16,float16").split(",")
 )
 
 

@@ -2,9 +2,10 @@
 (``xhal.platforms.cuda.attention.TritonAttention``: our KV-write and paged-attention kernels) run by
 Triton's interpreter on CPU tensors; everything else is the CPU reference.
 
-``xhal-conformance --device cuda-triton-interpreted --plugin tests.support.triton_interpreted_platform``
-proves the fallback's eager attention on any CPU. Graphs are declared off: the CPU graph runner
-records torch ops, and an interpreted kernel is not one (the graph family runs on the GPU).
+``xhal-conformance --device cuda-triton-interpreted --plugin
+tests.support.triton_interpreted_platform`` proves the fallback's eager attention on any CPU. Graphs
+are declared off: the CPU graph runner records torch ops, and an interpreted kernel is not one (the
+graph family runs on the GPU).
 """
 
 from __future__ import annotations

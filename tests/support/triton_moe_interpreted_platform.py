@@ -1,16 +1,17 @@
 """TEST-ONLY plugin: "cuda-moe-interpreted", the CUDA platform's Triton mixture of experts
-(``xhal.platforms.cuda.kernels.moe``: routing kernel, expert-sorted pairs, grouped GEMMs) run by Triton's
-interpreter on CPU tensors; everything else is the CPU reference.
+(``xhal.platforms.cuda.kernels.moe``: routing kernel, expert-sorted pairs, grouped GEMMs) run by
+Triton's interpreter on CPU tensors; everything else is the CPU reference.
 
-``xhal-conformance --device cuda-moe-interpreted --plugin tests.support.triton_moe_interpreted_platform
---family moe`` proves the kernels on any CPU, graphs included: each MoE op is one ``xhal`` custom
-op, which the CPU graph runner records and re-runs on replay like a device graph's kernel. There
+``xhal-conformance --device cuda-moe-interpreted --plugin
+tests.support.triton_moe_interpreted_platform --family moe`` proves the kernels on any CPU, graphs
+included: each MoE op is one ``xhal`` custom op, which the CPU graph runner records and re-runs on
+replay like a device graph's kernel. There
 ``fused_experts`` picks its path by shape as on the GPU (the one-token case takes the pair GEMVs);
 "cuda-moe-small-interpreted" forces the pair GEMVs (``moe_small``) onto every case of up to 64
 tokens (the graphs included).
 Only float32 is declared: Triton 3.6's interpreter runs ``tl.dot`` on bfloat16's raw bits (the
-H200 run checks it compiled), and float16 is covered by tests/platforms/cuda/test_triton_moe.py's direct cases
-(interpreted kernels are slow; one dtype keeps this run near half a minute).
+H200 run checks it compiled), and float16 is covered by tests/platforms/cuda/test_triton_moe.py's
+direct cases (interpreted kernels are slow; one dtype keeps this run near half a minute).
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ class InterpretedTritonMoePlatform(CpuPlatform):
     capabilities = dataclasses.replace(
         CpuPlatform.capabilities,
         ops_dtypes=(torch.float32,),
-        notes=("xhal.platforms.cuda's Triton mixture of experts in Triton's interpreter (tests only)",),
+        notes=(
+            "xhal.platforms.cuda's Triton mixture of experts in Triton's interpreter (tests only)",
+        ),
     )
 
     def __init__(self) -> None:

@@ -87,13 +87,20 @@ def to_xllm_step(
     kind = derive_kind(q, kv) if kind is None else BatchKind(kind)
     q_cu, kv_cu = _cumulative(q), _cumulative(kv)
 
-    host: dict[str, np.ndarray] = {"slot_mapping": slots, "block_table": table, "q_cu": q_cu, "kv_cu": kv_cu}
+    host: dict[str, np.ndarray] = {
+        "slot_mapping": slots,
+        "block_table": table,
+        "q_cu": q_cu,
+        "kv_cu": kv_cu,
+    }
     if not is_cumulative(conv):
         host |= {"q": q, "kv": kv}
     paged = _paged_kv(kv, table, block_size) if block_size is not None else {}
     host |= paged
     extras = {name: _host_ints(name, values) for name, values in (extra or {}).items()}
-    dev = upload_packed({**host, **{f"extra:{k}": v for k, v in extras.items()}}, torch.device(device))
+    dev = upload_packed(
+        {**host, **{f"extra:{k}": v for k, v in extras.items()}}, torch.device(device)
+    )
 
     out: dict[str, Any] = {"slot_mapping": dev["slot_mapping"], "block_table": dev["block_table"]}
     if is_cumulative(conv):
@@ -136,7 +143,9 @@ def _host_ints(name: str, values: IntsLike) -> np.ndarray:
         return values.to(torch.int32).numpy()
     array = np.asarray(values, dtype=np.int32)
     if array.ndim != 1:
-        raise ValueError(f"{name} must be a 1-D list of ints (host values), got shape {array.shape}")
+        raise ValueError(
+            f"{name} must be a 1-D list of ints (host values), got shape {array.shape}"
+        )
     return array
 
 

@@ -55,7 +55,9 @@ class DecodeGraphs:
         self._kv_host = self.kv_seq_lens_host.numpy()
         self._bucket_of = [next(s for s in self.sizes if s >= b) for b in range(n + 1)]
         self._rows: dict[int, list[torch.Tensor]] = {}  # b -> views of the first b rows, table last
-        self._padded: dict[int, tuple[AttentionMetadata, torch.Tensor]] = {}  # bucket -> metadata, cu out
+        self._padded: dict[
+            int, tuple[AttentionMetadata, torch.Tensor]
+        ] = {}  # bucket -> metadata, cu out
 
     def bucket_for(self, metadata: AttentionMetadata) -> int | None:
         """The bucket that can run this batch, or None when it must run eagerly."""
@@ -91,7 +93,9 @@ class DecodeGraphs:
             self._padded[bucket] = metadata, self.kv_cu_seq_lens[1 : bucket + 1]
         return self._padded[bucket]
 
-    def _stage(self, input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata, bucket: int) -> AttentionMetadata:
+    def _stage(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata, bucket: int
+    ) -> AttentionMetadata:
         """Copy a step into the persistent buffers in one multi-tensor copy where it can (host
         time per device call is what a graph step spends): this step's rows, its block table
         when it is as wide as the persistent one (else the table's own copy), and the padding
@@ -101,7 +105,8 @@ class DecodeGraphs:
         rows = self._rows.get(b)
         if rows is None:
             rows = self._rows[b] = [
-                self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], self.kv_seq_lens[:b], self.block_table[:b]
+                self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], self.kv_seq_lens[:b],
+                self.block_table[:b],
             ]  # fmt: skip
         dst, src = rows[:4], [input_ids, positions, m.slot_mapping, m.kv_seq_lens]
         # the multi-tensor kernel takes dense pairs of equal strides only; a narrower table is not
@@ -121,7 +126,13 @@ class DecodeGraphs:
         self._kv_host[b:bucket] = 1
         return self._padded_metadata(bucket)[0]
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, bucket: int) -> torch.Tensor:
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        bucket: int,
+    ) -> torch.Tensor:
         """Hidden states of the real rows; a view of the graph's static output, valid until the
         next step."""
         padded = self._stage(input_ids, positions, metadata, bucket)
@@ -152,11 +163,16 @@ class DecodeGraphs:
         device, i32 = self.input_ids.device, dict(dtype=torch.int32)
         free_before = self._free_memory()
         start = time.perf_counter()
-        for bucket in tqdm(sorted(self.sizes, reverse=True), desc="capturing decode graphs", disable=not progress):
+        for bucket in tqdm(
+            sorted(self.sizes, reverse=True), desc="capturing decode graphs", disable=not progress
+        ):
             ones = torch.ones(bucket, **i32)
             dummy = AttentionMetadata.from_host_lengths(
-                BatchKind.DECODE, ones, ones.clone(),
-                torch.zeros(bucket, 1, **i32).to(device), torch.full((bucket,), -1, **i32).to(device),
+                BatchKind.DECODE,
+                ones,
+                ones.clone(),
+                torch.zeros(bucket, 1, **i32).to(device),
+                torch.full((bucket,), -1, **i32).to(device),
             )
             zeros = torch.zeros(bucket, **i32).to(device)
             self.run(zeros, zeros, dummy, bucket)
@@ -165,8 +181,12 @@ class DecodeGraphs:
         if free_before is not None:
             stats["memory_bytes"] = free_before - self._free_memory()
         logging.getLogger(__name__).info(
-            "captured %d decode graphs in %.1f s, %s", stats["graphs"], stats["seconds"],
-            f"{stats['memory_bytes'] / 2**20:.0f} MiB" if "memory_bytes" in stats else "memory not reported",
+            "captured %d decode graphs in %.1f s, %s",
+            stats["graphs"],
+            stats["seconds"],
+            f"{stats['memory_bytes'] / 2**20:.0f} MiB"
+            if "memory_bytes" in stats
+            else "memory not reported",
         )
         return stats
 

@@ -68,14 +68,20 @@ class ModelExecutor:
     @staticmethod
     def _hidden_size(model: nn.Module) -> int:
         config = getattr(model, "config", None)
-        size = config.get("hidden_size") if isinstance(config, dict) else getattr(config, "hidden_size", None)
+        size = (
+            config.get("hidden_size")
+            if isinstance(config, dict)
+            else getattr(config, "hidden_size", None)
+        )
         if size is None:
             raise ValueError("the model needs a .config with hidden_size")
         return int(size)
 
     # KV caches ---------------------------------------------------------------------------------
 
-    def allocate_kv_caches(self, num_blocks: int | None = None, memory_bytes: int | None = None) -> list[LayerCache]:
+    def allocate_kv_caches(
+        self, num_blocks: int | None = None, memory_bytes: int | None = None
+    ) -> list[LayerCache]:
         """Allocate zeroed caches for every layer, by block count or by a byte budget."""
         if (num_blocks is None) == (memory_bytes is None):
             raise ValueError("give exactly one of num_blocks or memory_bytes")
@@ -89,7 +95,9 @@ class ModelExecutor:
             raise RuntimeError("KV caches are bound once; build a new executor to rebind")
         caches = normalize_layer_caches(caches)
         if len(caches) != len(self.specs):
-            raise ValueError(f"got {len(caches)} layer caches, the model has {len(self.specs)} attention layers")
+            raise ValueError(
+                f"got {len(caches)} layer caches, the model has {len(self.specs)} attention layers"
+            )
         for layer_id, cache in enumerate(caches):
             spec = self.specs[layer_id]
             expected = self.backend_of[layer_id].kv_cache_shape(cache.num_blocks)
@@ -127,7 +135,9 @@ class ModelExecutor:
         device, i32 = self.platform.device(), dict(dtype=torch.int32)
         lens = torch.tensor([n], **i32)
         metadata = AttentionMetadata.from_host_lengths(
-            BatchKind.PREFILL, lens, lens.clone(),
+            BatchKind.PREFILL,
+            lens,
+            lens.clone(),
             (torch.arange(pages, **i32) % self._num_blocks)[None].to(device),  # read only
             torch.full((n,), -1, **i32).to(device),
         )
@@ -140,7 +150,13 @@ class ModelExecutor:
 
     # one step ----------------------------------------------------------------------------------
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, input_embedding: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        input_embedding: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         return self._forward_with(input_ids, positions, metadata, self.backend_of, input_embedding)
 
     def _forward_with(
@@ -177,7 +193,9 @@ class ModelExecutor:
 
             metadata = from_xllm(metadata, self.config.metadata_convention)
         if metadata.kind == BatchKind.EMPTY or metadata.num_tokens == 0:
-            return torch.empty(0, self.hidden_size, dtype=self.config.dtype, device=self.platform.device())
+            return torch.empty(
+                0, self.hidden_size, dtype=self.config.dtype, device=self.platform.device()
+            )
         hidden = self._run_graphs(input_ids, positions, metadata, input_embedding)
         if hidden is not None:
             if layer_synchronizer is not None:  # a graph finishes every layer at once
@@ -210,7 +228,9 @@ class ModelExecutor:
                 return self.piecewise.run(input_ids, positions, metadata, bucket)
         return None
 
-    def compute_logits(self, hidden: torch.Tensor, selected_idxes: torch.Tensor | None = None) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, selected_idxes: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """float32 logits ``[S, vocab]`` of the rows ``selected_idxes`` (all rows when None)."""
         if selected_idxes is not None:
             hidden = hidden.index_select(0, selected_idxes.to(hidden.device, torch.long))

@@ -24,7 +24,9 @@ class LayerSynchronizer(Protocol):
 
 
 @contextlib.contextmanager
-def recording_layers(layers: Sequence[nn.Module], synchronizer: LayerSynchronizer) -> Iterator[None]:
+def recording_layers(
+    layers: Sequence[nn.Module], synchronizer: LayerSynchronizer
+) -> Iterator[None]:
     """While open, each of ``layers`` (``Attention`` layers, by ``layer_id``) records its event
     right after its forward."""
     handles = [

@@ -26,16 +26,22 @@ class _SplitAttention:
     backend: AttentionBackend
     graphs: GraphRunner
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         return self.graphs.split(lambda: self.backend.forward(layer_id, q, k, v))
 
     @property
     def fuses_rotary(self) -> bool:
         return self.backend.fuses_rotary
 
-    def forward_rotary(self, layer_id: int, q, k, v, positions, cos_sin_cache, is_neox) -> torch.Tensor:
+    def forward_rotary(
+        self, layer_id: int, q, k, v, positions, cos_sin_cache, is_neox
+    ) -> torch.Tensor:
         return self.graphs.split(
-            lambda: self.backend.forward_rotary(layer_id, q, k, v, positions, cos_sin_cache, is_neox)
+            lambda: self.backend.forward_rotary(
+                layer_id, q, k, v, positions, cos_sin_cache, is_neox
+            )
         )
 
 
@@ -66,7 +72,13 @@ class PiecewiseGraphs:
             return None
         return next((s for s in self.sizes if s >= metadata.num_tokens), None)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, bucket: int) -> torch.Tensor:
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        bucket: int,
+    ) -> torch.Tensor:
         t = metadata.num_tokens
         self.input_ids[:t].copy_(input_ids, non_blocking=True)
         self.input_ids[t:bucket].zero_()

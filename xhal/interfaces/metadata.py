@@ -50,7 +50,8 @@ class AttentionMetadata:
     kv_seq_lens: torch.Tensor  # int32 [B], device
     q_seq_lens_host: torch.Tensor  # int32 [B], cpu
     kv_seq_lens_host: torch.Tensor  # int32 [B], cpu
-    block_table: torch.Tensor  # int32 [B, max_blocks], device; entries past a row's pages unspecified
+    # int32 [B, max_blocks], device; entries past a row's pages unspecified
+    block_table: torch.Tensor
     slot_mapping: torch.Tensor  # int32 [T], device
     paged_kv_indptr: torch.Tensor | None = None  # int32 [B+1], device
     paged_kv_indices: torch.Tensor | None = None  # int32 [nnz_pages], device
@@ -77,7 +78,9 @@ class AttentionMetadata:
         q, kv = q_seq_lens_host, kv_seq_lens_host
         b = q.numel()
         zero = torch.zeros(1, dtype=torch.int32)
-        packed = torch.cat([zero, q.cumsum(0, dtype=torch.int32), zero, kv.cumsum(0, dtype=torch.int32), q, kv])
+        packed = torch.cat(
+            [zero, q.cumsum(0, dtype=torch.int32), zero, kv.cumsum(0, dtype=torch.int32), q, kv]
+        )
         q_cu, kv_cu, q_dev, kv_dev = packed.to(slot_mapping.device).split([b + 1, b + 1, b, b])
         return cls(
             kind=BatchKind(kind),
@@ -133,9 +136,13 @@ class AttentionMetadata:
         for name, shape in expected.items():
             t = getattr(self, name)
             if tuple(t.shape) != shape:
-                raise ValueError(f"AttentionMetadata.{name} has shape {tuple(t.shape)}, expected {shape}")
+                raise ValueError(
+                    f"AttentionMetadata.{name} has shape {tuple(t.shape)}, expected {shape}"
+                )
             if t.dtype != torch.int32:
-                raise ValueError(f"AttentionMetadata.{name} has dtype {t.dtype}, expected torch.int32")
+                raise ValueError(
+                    f"AttentionMetadata.{name} has dtype {t.dtype}, expected torch.int32"
+                )
         for name in ("q_seq_lens_host", "kv_seq_lens_host"):
             if getattr(self, name).device.type != "cpu":
                 raise ValueError(f"AttentionMetadata.{name} must be a CPU tensor")
@@ -149,5 +156,6 @@ class AttentionMetadata:
             raise ValueError("AttentionMetadata: a sequence has q_seq_len > kv_seq_len")
         if b and int(q.sum()) > self.num_tokens:
             raise ValueError(
-                f"AttentionMetadata: q_seq_lens sum to {int(q.sum())} > num_tokens={self.num_tokens}"
+                f"AttentionMetadata: q_seq_lens sum to {int(q.sum())} > "
+                f"num_tokens={self.num_tokens}"
             )

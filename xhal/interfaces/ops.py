@@ -19,12 +19,15 @@ class DeviceOps(ABC):
 
     Registration: every platform ``xhal.platforms.get`` creates has its kernels registered for
     its ``device_type`` (``xhal.ops`` listens through ``xhal.platforms.on_create``), and the first
-    platform created for a device type becomes the active one there. A platform whose tensors live on another platform's device type (an emulation on
-    "cpu") must make its ops active while it runs: ``xhal.ops.activate(device_type, ops)`` from
-    then on, or ``with xhal.ops.using(device_type, ops):`` for a block.
+    platform created for a device type becomes the active one there. A platform whose tensors live
+    on another platform's device type (an emulation on "cpu") must make its ops active while it
+    runs: ``xhal.ops.activate(device_type, ops)`` from then on, or ``with
+    xhal.ops.using(device_type, ops):`` for a block.
     """
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``x @ weight.T (+ bias)``, weight ``[out, in]`` as in ``nn.Linear``. The default is
         torch's GEMM; a platform overrides it where the vendor library is weak (the skinny
         matrices of small decode batches on a GPU) and falls back to it elsewhere."""
@@ -105,7 +108,8 @@ class DeviceOps(ABC):
     def moe_route(
         self, router_logits: torch.Tensor, top_k: int, renormalize: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Softmax top-k routing: float ``[T, E]`` -> ``(weights float32 [T, k], ids int32 [T, k])``.
+        """Softmax top-k routing: float ``[T, E]`` -> ``(weights float32 [T, k], ids int32 [T,
+        k])``.
 
         Per token: ``p = softmax(logits)`` over the E experts in float32; the k experts of largest
         ``p`` in descending order, the lowest expert index first among equal probabilities; their
@@ -124,11 +128,13 @@ class DeviceOps(ABC):
     ) -> torch.Tensor:
         """The routed experts' SiLU-gated MLPs, summed with the routing weights: ``[T, H]``.
 
-        ``x [T, H]``; ``w13 [E, 2I, H]`` (each expert's gate rows then its up rows); ``w2 [E, H, I]``;
+        ``x [T, H]``; ``w13 [E, 2I, H]`` (each expert's gate rows then its up rows); ``w2 [E, H,
+        I]``;
         ``topk_weights`` float32 and ``topk_ids`` int32 ``[T, k]`` as ``moe_route`` returns them.
         ``out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u)`` with ``e = topk_ids[t, j]``
         and ``g, u = (w13[e] @ x[t]).chunk(2)``. Every (token, expert) pair counts, however many
-        tokens an expert gets; an expert no token picks contributes nothing. No host sync: graph-safe.
+        tokens an expert gets; an expert no token picks contributes nothing. No host sync:
+        graph-safe.
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement moe_experts")
 

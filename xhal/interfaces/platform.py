@@ -157,7 +157,8 @@ class Platform(ABC):
     # Runtime services -------------------------------------------------------------------------
 
     def device(self, index: int | None = None) -> torch.device:
-        """The torch device of this process (``index`` picks another one where there are several)."""
+        """The torch device of this process (``index`` picks another one where there are
+        several)."""
         if self.device_type == "cpu":
             return torch.device("cpu")
         return torch.device(self.device_type, 0 if index is None else index)

@@ -1,5 +1,6 @@
 """Device-neutral model layers: attention through the forward context, norms, rotary embedding,
-activations, the mixture-of-experts layer, and tensor-parallel linear / embedding / LM-head layers."""
+activations, the mixture-of-experts layer, and tensor-parallel linear / embedding / LM-head
+layers."""
 
 from xhal.layers.activation import SiluAndMul
 from xhal.layers.attention import Attention, attention_layers

@@ -70,7 +70,9 @@ class ColumnParallelLinear(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(self(norm(x, residual)[0]), x + residual)`` as one fused op: the residual add and
         RMSNorm that precede this projection (the norm is replicated on every rank)."""
-        y, residual = ops.add_rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
+        y, residual = ops.add_rms_norm_linear(
+            x, residual, norm.weight, norm.eps, self.weight, self.bias
+        )
         if self.gather_output and self.tp.size > 1:
             y = get_forward_context().collective.all_gather(y, dim=-1)  # [T, out]
         return y, residual
@@ -158,7 +160,10 @@ class RowParallelLinear(nn.Module):
         """``self(silu_and_mul(x))`` with the gated activation fused into this projection's
         input: x ``[T, 2 I / tp]`` is this rank's gate | up halves (always parallel)."""
         if not self.input_is_parallel:
-            raise ValueError("forward_silu_and_mul takes this rank's gate | up shard; build the layer with input_is_parallel=True")
+            raise ValueError(
+                "forward_silu_and_mul takes this rank's gate | up shard; build the layer with "
+                "input_is_parallel=True"
+            )
         if self.tp.size == 1:
             return ops.silu_and_mul_linear(x, self.weight, self.bias)
         y = ops.silu_and_mul_linear(x, self.weight)  # [T, out], this rank's partial sum
@@ -171,9 +176,7 @@ class ReplicatedLinear(nn.Module):
     """``y = x W^T (+ b)`` with the whole weight on every rank: small projections every rank
     needs in full, such as a mixture of experts' router."""
 
-    def __init__(
-        self, input_size: int, output_size: int, bias: bool = False
-    ) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.weight = _parameter(output_size, input_size)

@@ -35,7 +35,9 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rotary_dim={rotary_dim} must be even and <= head_size={head_size}")
         self.head_size, self.rotary_dim, self.is_neox_style = head_size, rotary_dim, is_neox_style
         with torch.device("cpu"):  # whatever device the model is being built under
-            inv_freq, attention_factor = compute_inv_freq(rope_scaling, base, rotary_dim, max_position)
+            inv_freq, attention_factor = compute_inv_freq(
+                rope_scaling, base, rotary_dim, max_position
+            )
         if (rope_scaling or {}).get("rope_type") == "yarn":
             max_position = yarn_max_position(rope_scaling, max_position)
         self.max_position = max_position

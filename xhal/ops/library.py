@@ -8,7 +8,8 @@ import torch
 _SCHEMAS = {
     "rms_norm": "rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
     "fused_add_rms_norm": (
-        "fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)"
+        "fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, "
+        "Tensor)"
     ),
     "rotary_embedding": (
         "rotary_embedding(Tensor positions, Tensor q, Tensor k, Tensor cos_sin_cache, bool is_neox)"
@@ -17,10 +18,12 @@ _SCHEMAS = {
     "silu_and_mul": "silu_and_mul(Tensor x) -> Tensor",
     "gelu_and_mul": "gelu_and_mul(Tensor x, str approximate='none') -> Tensor",
     "add_rms_norm_linear": (
-        "add_rms_norm_linear(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight,"
+        "add_rms_norm_linear(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor "
+        "weight,"
         " Tensor? bias=None) -> (Tensor, Tensor)"
     ),
-    "silu_and_mul_linear": "silu_and_mul_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor",
+    "silu_and_mul_linear": "silu_and_mul_linear(Tensor x, Tensor weight, Tensor? bias=None) -> "
+                           "Tensor",
     "moe_route": "moe_route(Tensor router_logits, int top_k, bool renormalize) -> (Tensor, Tensor)",
     "moe_experts": (
         "moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids)"

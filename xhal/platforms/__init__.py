@@ -49,7 +49,9 @@ def _load_plugins() -> None:
         importlib.import_module(module)
 
 
-def register(name: str, platform: type[Platform] | Callable[[], Platform] | str, *, replace: bool = False):
+def register(
+    name: str, platform: type[Platform] | Callable[[], Platform] | str, *, replace: bool = False
+):
     """Register a platform class, a factory, or a lazy ``"module:Class"`` target under ``name``."""
     loader = lazy(platform) if isinstance(platform, str) else (lambda: platform)
     _loaders.register(name, loader, replace=replace)

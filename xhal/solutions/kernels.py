@@ -71,7 +71,9 @@ class Kernels:
                 out[op] = name
             elif not any(s.name == name for s in registry.solutions(op)):
                 known = sorted({s.name for s in registry.solutions(op)})
-                raise ValueError(f"{op}={name}: {op} has no solution {name!r}; known: {', '.join(known)}")
+                raise ValueError(
+                    f"{op}={name}: {op} has no solution {name!r}; known: {', '.join(known)}"
+                )
         return out
 
     # device ops ---------------------------------------------------------------------------------
@@ -92,12 +94,16 @@ class Kernels:
         impl = getattr(self._providers[solution.target], OPS[solution.op])
         if solution.configs:
             bucket = load_target(solution.bucket)  # type: ignore[arg-type]
-            impl = TunedOp(solution, impl, bucket, self.tuning_cache, self._timer, self._is_capturing)
+            impl = TunedOp(
+                solution, impl, bucket, self.tuning_cache, self._timer, self._is_capturing
+            )
         limit = solution.requires.max_rows
         if limit is not None:  # larger calls: the best solution that takes more rows
             larger = [
-                s for s in self.solutions(solution.op)
-                if (s.requires.max_rows is None or s.requires.max_rows > limit) and self.unmet(s) is None
+                s
+                for s in self.solutions(solution.op)
+                if (s.requires.max_rows is None or s.requires.max_rows > limit)
+                and self.unmet(s) is None
             ]
             if not larger:
                 raise SolutionUnavailable(
@@ -123,7 +129,13 @@ class Kernels:
 
     def attention_solution(self, op: str, spec: AttentionSpec) -> Solution:
         assert op in ATTENTION_OPS, op
-        return select(op, self.device, forced=self._overrides.get(op), dtype=spec.dtype, head_dim=spec.head_dim)
+        return select(
+            op,
+            self.device,
+            forced=self._overrides.get(op),
+            dtype=spec.dtype,
+            head_dim=spec.head_dim,
+        )
 
     def attention_backend(self, spec: AttentionSpec) -> AttentionBackend:
         """The decode solution's backend for pure-decode steps, the prefill solution's for the
@@ -133,8 +145,13 @@ class Kernels:
             seen = (solution.key, spec.dtype, spec.head_dim)
             if seen not in self._attention_logged:
                 self._attention_logged.add(seen)
-                logger.info("kernels of %s: %s for %s head dim %d", self.platform.name, solution.key,
-                            str(spec.dtype).removeprefix("torch."), spec.head_dim)
+                logger.info(
+                    "kernels of %s: %s for %s head dim %d",
+                    self.platform.name,
+                    solution.key,
+                    str(spec.dtype).removeprefix("torch."),
+                    spec.head_dim,
+                )
         make_decode = self.implementation(decode)
         if decode.target == prefill.target:
             return make_decode(spec)

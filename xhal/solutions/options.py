@@ -23,12 +23,16 @@ def kernel_settings(values: Iterable[str]) -> dict[str, str]:
             raise ValueError(f"--kernel {value!r}: unknown op {op!r}; ops: {', '.join(OPS)}")
         known = sorted({s.name for s in registry.solutions(op)})
         if name not in known:
-            raise ValueError(f"--kernel {value!r}: {op} has no solution {name!r}; known: {', '.join(known)}")
+            raise ValueError(
+                f"--kernel {value!r}: {op} has no solution {name!r}; known: {', '.join(known)}"
+            )
         out[env_name(op)] = name
     return out
 
 
-def apply_kernel_options(values: Iterable[str], environ: MutableMapping[str, str]) -> dict[str, str]:
+def apply_kernel_options(
+    values: Iterable[str], environ: MutableMapping[str, str]
+) -> dict[str, str]:
     """Check ``values`` and set them in ``environ`` (child processes inherit them)."""
     settings = kernel_settings(values)
     environ.update(settings)

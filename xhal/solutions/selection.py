@@ -32,7 +32,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def unmet(
-    solution: Solution, device: DeviceInfo, *, dtype: torch.dtype | None = None, head_dim: int | None = None
+    solution: Solution,
+    device: DeviceInfo,
+    *,
+    dtype: torch.dtype | None = None,
+    head_dim: int | None = None,
 ) -> str | None:
     """Why ``solution`` cannot run here (for that dtype / head dim when given), or None."""
     req = solution.requires
@@ -60,7 +64,9 @@ def _log_missing_packages(solution: Solution) -> None:
             _missing_logged.add(package.module)
             logger.warning(
                 "%s is not installed: its solutions are skipped (first: %s); install: %s",
-                package.module, solution.key, package.install,
+                package.module,
+                solution.key,
+                package.install,
             )
 
 
@@ -82,7 +88,9 @@ def select(
         named = [s for s in candidates if s.name == forced]
         if not named:
             known = ", ".join(s.name for s in candidates) or "none"
-            raise KeyError(f"{op} has no solution {forced!r} on {device.device_type}; known: {known}")
+            raise KeyError(
+                f"{op} has no solution {forced!r} on {device.device_type}; known: {known}"
+            )
         reason = unmet(named[0], device, dtype=dtype, head_dim=head_dim)
         if reason is not None:
             raise SolutionUnavailable(f"{op}={forced} was forced but cannot run here: {reason}")

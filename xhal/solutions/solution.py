@@ -37,7 +37,7 @@ class Requirement:
     min_compute_capability: tuple[int, int] | None = None
     dtypes: tuple[torch.dtype, ...] | None = None
     head_dims: tuple[int, ...] | None = None
-    max_rows: int | None = None  # shape limit: rows per call; larger calls go to the best solution without it
+    max_rows: int | None = None
     packages: tuple[Package, ...] = ()
 
 
@@ -73,9 +73,13 @@ class Solution:
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
-            raise ValueError(f"solution {self.name!r}: unknown op {self.op!r}; ops: {', '.join(OPS)}")
+            raise ValueError(
+                f"solution {self.name!r}: unknown op {self.op!r}; ops: {', '.join(OPS)}"
+            )
         if ":" not in self.target:
-            raise ValueError(f"solution {self.op}/{self.name}: target {self.target!r} is not 'module:attr'")
+            raise ValueError(
+                f"solution {self.op}/{self.name}: target {self.target!r} is not 'module:attr'"
+            )
         if self.configs and self.bucket is None:
             raise ValueError(f"solution {self.op}/{self.name} has configs but no bucket function")
         if len({c.name for c in self.configs}) != len(self.configs):

@@ -23,7 +23,9 @@ class SolvedOps(DeviceOps):
     def __init__(self, impls: Mapping[str, Callable], names: Mapping[str, str]) -> None:
         missing = [op for op in REQUIRED if op not in impls]
         if missing:
-            raise ValueError(f"SolvedOps needs an implementation of every device op; missing: {missing}")
+            raise ValueError(
+                f"SolvedOps needs an implementation of every device op; missing: {missing}"
+            )
         self.names = dict(names)  # op -> solution name, for logs and reports
         self.impls = dict(impls)  # op -> implementation (a TunedOp for a solution with configs)
         self._linear = impls["linear"]

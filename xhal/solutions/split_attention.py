@@ -18,7 +18,9 @@ class SplitAttention(AttentionBackend):
     layer's ``forward`` uses that one; graph buckets remember the backend they were planned on,
     so ``before_replay`` reaches the right one."""
 
-    def __init__(self, spec: AttentionSpec, decode: AttentionBackend, prefill: AttentionBackend) -> None:
+    def __init__(
+        self, spec: AttentionSpec, decode: AttentionBackend, prefill: AttentionBackend
+    ) -> None:
         super().__init__(spec)
         self.decode, self.prefill = decode, prefill
         self._current: AttentionBackend = prefill
@@ -34,7 +36,9 @@ class SplitAttention(AttentionBackend):
             self._by_graph[graph_key] = self._current
         self._current.plan(metadata, graph_key)
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         return self._current.forward(layer_id, q, k, v)
 
     def before_replay(self, graph_key: Hashable) -> None:

@@ -52,7 +52,12 @@ class TunedOp:
         if name not in self._configs:  # unknown, or a config this version no longer has
             first = self.solution.configs[0].name
             if self._is_capturing():
-                logger.debug("%s: bucket %s first seen inside a graph capture: config %s, untuned", key, bucket, first)
+                logger.debug(
+                    "%s: bucket %s first seen inside a graph capture: config %s, untuned",
+                    key,
+                    bucket,
+                    first,
+                )
                 return self._configs[first]
             name = self.tune(bucket, args) if env.autotune() else first
         self.chosen[bucket] = name
@@ -64,20 +69,38 @@ class TunedOp:
         times: dict[str, float] = {}
         for config in self.solution.configs:
             try:
-                times[config.name] = self._timer.measure(lambda p=config.params: self._impl(*args, **p))
+                times[config.name] = self._timer.measure(
+                    lambda p=config.params: self._impl(*args, **p)
+                )
             except Exception as e:  # noqa: BLE001  (a config the device cannot run is not a winner)
-                logger.info("%s: config %s failed on bucket %s: %s", self.solution.key, config.name, bucket, e)
+                logger.info(
+                    "%s: config %s failed on bucket %s: %s",
+                    self.solution.key,
+                    config.name,
+                    bucket,
+                    e,
+                )
         if not times:
-            raise RuntimeError(f"{self.solution.key}: every config failed on bucket {bucket}; see the log above")
+            raise RuntimeError(
+                f"{self.solution.key}: every config failed on bucket {bucket}; see the log above"
+            )
         name = min(times, key=times.__getitem__)
         try:
             self._cache.put(self.solution.key, bucket, name)
         except OSError as e:  # a read-only cache directory costs a retune next start, not a step
-            logger.warning("%s: cannot write the tuning cache %s (%s); set XHAL_CACHE_DIR to a writable "
-                           "directory", self.solution.key, self._cache.path, e)
+            logger.warning(
+                "%s: cannot write the tuning cache %s (%s); set XHAL_CACHE_DIR to a writable "
+                "directory",
+                self.solution.key,
+                self._cache.path,
+                e,
+            )
         self.tuned.add(bucket)
         logger.info(
-            "%s: tuned bucket %s -> %s (%s)", self.solution.key, bucket, name,
+            "%s: tuned bucket %s -> %s (%s)",
+            self.solution.key,
+            bucket,
+            name,
             ", ".join(f"{n} {t * 1e6:.1f} us" for n, t in times.items()),
         )
         return name

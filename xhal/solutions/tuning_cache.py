@@ -17,7 +17,9 @@ from xhal.solutions.solution import DeviceInfo
 def cache_path(device: DeviceInfo, root: str | os.PathLike | None = None) -> Path:
     """Where this device's winners live: a new device or any library upgrade starts afresh."""
     versions = json.dumps(sorted(device.library_versions))
-    digest = hashlib.sha256(f"{device.device_type}|{device.name}|{versions}".encode()).hexdigest()[:12]
+    digest = hashlib.sha256(f"{device.device_type}|{device.name}|{versions}".encode()).hexdigest()[
+        :12
+    ]
     slug = re.sub(r"[^A-Za-z0-9]+", "-", f"{device.device_type}-{device.name}").strip("-")
     return Path(root or env.cache_dir()) / "tuning" / f"{slug}-{digest}.json"
 

@@ -43,7 +43,11 @@ def batch_sizes(max_batch: int) -> list[int]:
 
 
 def model_workloads(
-    config: dict, device: torch.device, dtype: torch.dtype, max_batch: int, tensor_parallel_size: int = 1
+    config: dict,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_batch: int,
+    tensor_parallel_size: int = 1,
 ) -> list[Workload]:
     """Per batch size: each projection's linear (column-parallel ones split their outputs over
     the ranks, row-parallel ones their inputs), the norms and the gated activation, and the
@@ -56,7 +60,9 @@ def model_workloads(
         inter = config["intermediate_size"]
         vocab = config["vocab_size"]
     except KeyError as e:
-        raise ValueError(f"config.json lacks {e.args[0]!r}: xhal-tune reads a decoder's shapes from it") from None
+        raise ValueError(
+            f"config.json lacks {e.args[0]!r}: xhal-tune reads a decoder's shapes from it"
+        ) from None
     tp = tensor_parallel_size
     experts = config.get("num_experts") or config.get("num_local_experts")
     moe_inter = config.get("moe_intermediate_size", inter)
@@ -72,16 +78,52 @@ def model_workloads(
     out: list[Workload] = []
     for m in batch_sizes(max_batch):
         for name, (n, k) in linears.items():
-            out.append(Workload("linear", f"{name} m={m}", lambda m=m, n=n, k=k, name=name: (
-                t.get(f"x{m}x{k}", m, k), t.get(name, n, k, scale=k**-0.5), None)))
-        out.append(Workload("rms_norm", f"norm m={m}", lambda m=m: (
-            t.get(f"x{m}x{hidden}", m, hidden), t.get("norm", hidden), 1e-6)))
-        out.append(Workload("fused_add_rms_norm", f"add+norm m={m}", lambda m=m: (
-            t.get(f"x{m}x{hidden}", m, hidden), t.get(f"r{m}x{hidden}", m, hidden), t.get("norm", hidden), 1e-6)))
+            out.append(
+                Workload(
+                    "linear",
+                    f"{name} m={m}",
+                    lambda m=m, n=n, k=k, name=name: (
+                        t.get(f"x{m}x{k}", m, k),
+                        t.get(name, n, k, scale=k**-0.5),
+                        None,
+                    ),
+                )
+            )
+        out.append(
+            Workload(
+                "rms_norm",
+                f"norm m={m}",
+                lambda m=m: (t.get(f"x{m}x{hidden}", m, hidden), t.get("norm", hidden), 1e-6),
+            )
+        )
+        out.append(
+            Workload(
+                "fused_add_rms_norm",
+                f"add+norm m={m}",
+                lambda m=m: (
+                    t.get(f"x{m}x{hidden}", m, hidden),
+                    t.get(f"r{m}x{hidden}", m, hidden),
+                    t.get("norm", hidden),
+                    1e-6,
+                ),
+            )
+        )
         act = 2 * (moe_inter if experts else inter) // tp
-        out.append(Workload("silu_and_mul", f"silu_and_mul m={m}", lambda m=m, act=act: (t.get(f"x{m}x{act}", m, act),)))
+        out.append(
+            Workload(
+                "silu_and_mul",
+                f"silu_and_mul m={m}",
+                lambda m=m, act=act: (t.get(f"x{m}x{act}", m, act),),
+            )
+        )
         if experts:
-            out.append(Workload("moe_experts", f"experts m={m}", lambda m=m: _moe_args(t, m, hidden, experts, moe_inter // tp, top_k)))
+            out.append(
+                Workload(
+                    "moe_experts",
+                    f"experts m={m}",
+                    lambda m=m: _moe_args(t, m, hidden, experts, moe_inter // tp, top_k),
+                )
+            )
     return out
 
 
@@ -92,5 +134,6 @@ def _moe_args(t: _Tensors, m: int, hidden: int, experts: int, inter: int, top_k:
         t.get(f"x{m}x{hidden}", m, hidden),
         t.get("w13", experts, 2 * inter, hidden, scale=hidden**-0.5),
         t.get("w2", experts, hidden, inter, scale=inter**-0.5),
-        weights.to(t.device), ids.to(t.device),
+        weights.to(t.device),
+        ids.to(t.device),
     )

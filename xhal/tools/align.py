@@ -1,9 +1,10 @@
 """``xhal-align``: run a checkpoint on xhal and on transformers with the same prompt and print,
 layer by layer, how far the hidden states are apart, then the logits.
 
-The xhal side prefills one sequence through an eager ``ModelExecutor`` over fresh paged caches. Hidden states are captured by forward hooks on both sides at the same points:
-the embeddings, each mixture-of-experts layer's router logits (``mlp.gate``, before the layer's
-output), each decoder layer's output (the residual stream after it) and the final norm.
+The xhal side prefills one sequence through an eager ``ModelExecutor`` over fresh paged caches.
+Hidden states are captured by forward hooks on both sides at the same points: the embeddings, each
+mixture-of-experts layer's router logits (``mlp.gate``, before the layer's output), each decoder
+layer's output (the residual stream after it) and the final norm.
 """
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ def xhal_prefill(
     executor.bind_kv_caches(executor.allocate_kv_caches(num_blocks=-(-num_tokens // block_size)))
     input_ids = input_ids.to(device=param.device, dtype=torch.int32)
     positions = torch.arange(num_tokens, dtype=torch.int32, device=param.device)
-    hidden = executor.execute(input_ids, positions, prefill_metadata(num_tokens, block_size, param.device))
+    hidden = executor.execute(
+        input_ids, positions, prefill_metadata(num_tokens, block_size, param.device)
+    )
     return hidden, executor.compute_logits(hidden)
 
 

@@ -19,13 +19,18 @@ class Float64Norm:
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         xd = x.double()
-        return (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * weight.double()).to(x.dtype)
+        return (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * weight.double()).to(
+            x.dtype
+        )
 
 
 SOLUTIONS = (
     Solution(
-        "rms_norm", "oot-float64", "xhal_oot_example.solutions:Float64Norm",
-        Requirement(device_type="cpu"), priority=-20,
+        "rms_norm",
+        "oot-float64",
+        "xhal_oot_example.solutions:Float64Norm",
+        Requirement(device_type="cpu"),
+        priority=-20,
         description="rms_norm in float64, rounded once",
     ),
 )

@@ -92,8 +92,12 @@ class InputBuilder:
         q_cu = np.zeros(b + 1, dtype=np.int32)
         np.cumsum(q, out=q_cu[1:])
         t = int(q_cu[-1])
-        input_ids = np.fromiter(chain.from_iterable(s.token_ids for s in seqs), dtype=np.int32, count=t)
-        slots = np.fromiter(chain.from_iterable(s.slot_mapping for s in seqs), dtype=np.int32, count=t)
+        input_ids = np.fromiter(
+            chain.from_iterable(s.token_ids for s in seqs), dtype=np.int32, count=t
+        )
+        slots = np.fromiter(
+            chain.from_iterable(s.slot_mapping for s in seqs), dtype=np.int32, count=t
+        )
         # token j of sequence i sits at kv_i - q_i + (j - q_cu_i)
         positions = np.arange(t, dtype=np.int32) - np.repeat(q_cu[:-1] - (kv - q), q)
         produces = np.fromiter((s.produces_token for s in seqs), dtype=bool, count=b)

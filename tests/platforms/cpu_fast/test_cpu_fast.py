@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.support.paged_host import PagedHost
 
 from serve_cli.engine.runner.platform_choice import serving_platform
+from tests.support.paged_host import PagedHost
+from tests.support.paths import REPO
 from xhal import platforms
 from xhal.interfaces.attention import AttentionSpec
 from xhal.interfaces.cache import LayerCache
 
-from tests.support.paths import REPO
 NUM_BLOCKS, NUM_LAYERS = 64, 2
 
 
@@ -131,11 +131,14 @@ def test_ops_are_the_references_bit_for_bit(dtype: torch.dtype) -> None:
     for got, want in zip(fast.fused_add_rms_norm(x, residual, weight, 1e-6),
                          ref.fused_add_rms_norm(x, residual, weight, 1e-6)):
         assert torch.equal(got, want)
-    q, k = torch.randn(5, 4, 32, generator=g).to(dtype), torch.randn(5, 2, 32, generator=g).to(dtype)
+    q = torch.randn(5, 4, 32, generator=g).to(dtype)
+    k = torch.randn(5, 2, 32, generator=g).to(dtype)
     positions = torch.tensor([0, 3, 7, 1, 2])
     for rotary_dim in (32, 16):  # full and partial rotary
         cache = torch.randn(16, rotary_dim, generator=g)
         for neox in (True, False):
-            for got, want in zip(fast.rotary_embedding(positions, q, k, cache, neox),
-                                 ref.rotary_embedding(positions, q, k, cache, neox)):
+            for got, want in zip(
+                fast.rotary_embedding(positions, q, k, cache, neox),
+                ref.rotary_embedding(positions, q, k, cache, neox),
+            ):
                 assert torch.equal(got, want)

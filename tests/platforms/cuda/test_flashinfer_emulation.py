@@ -1,6 +1,6 @@
-"""The CUDA platform's FlashInfer attention (``xhal.platforms.cuda.attention``) on the FlashInfer emulation
-(``tests/support/flashinfer_emulation``, CPU tensors), so its bookkeeping is tested on every CI run and not
-only on a GPU:
+"""The CUDA platform's FlashInfer attention (``xhal.platforms.cuda.attention``) on the FlashInfer
+emulation (``tests/support/flashinfer_emulation``, CPU tensors), so its bookkeeping is tested on
+every CI run and not only on a GPU:
 
 - the conformance families that drive attention (attention, graph) pass through
   ``xhal-conformance --device flashinfer-emulated --plugin ...``;
@@ -73,13 +73,19 @@ def model(model_dir: Path) -> torch.nn.Module:
     return load_model(model_dir, dtype=torch.bfloat16, progress=False)
 
 
-def executor_on(platform, model, seqs: int, max_model_len: int = 128, num_blocks: int = 24, **config):
+def executor_on(
+    platform, model, seqs: int, max_model_len: int = 128, num_blocks: int = 24, **config
+):
     """A bf16 executor on ``platform`` with one decode bucket of ``seqs`` and its KV cache bound."""
     from xhal.executor import ExecutorConfig, ModelExecutor
 
     config = {"decode_graph_sizes": (seqs,), "piecewise_token_sizes": (), **config}
     cfg = ExecutorConfig(
-        dtype=torch.bfloat16, block_size=BLOCK_SIZE, max_num_seqs=seqs, max_model_len=max_model_len, **config
+        dtype=torch.bfloat16,
+        block_size=BLOCK_SIZE,
+        max_num_seqs=seqs,
+        max_model_len=max_model_len,
+        **config,
     )
     executor = ModelExecutor(model, platform, cfg)
     executor.bind_kv_caches(executor.allocate_kv_caches(num_blocks=num_blocks))
@@ -118,7 +124,9 @@ def test_piecewise_prefill_and_mixed_steps_equal_eager(emulated, model) -> None:
     platform = emulated()
 
     def run(enforce_eager: bool) -> list[torch.Tensor]:
-        executor = executor_on(platform, model, 4, enforce_eager=enforce_eager, piecewise_token_sizes=(16, 32))
+        executor = executor_on(
+            platform, model, 4, enforce_eager=enforce_eager, piecewise_token_sizes=(16, 32)
+        )
         host, out = PagedHost(24, BLOCK_SIZE, seed=6), []
         a, b, c = ([(5 * n + j) % 200 + 3 for j in range(n)] for n in (7, 20, 31))
         for chunks in (
@@ -243,7 +251,9 @@ def test_a_steady_graph_step_queues_one_or_two_device_ops_besides_the_replay(
     """Host time per graph step is mostly its device calls. Within pages, ``execute`` queues the
     staging copy of the step's rows (plus the block table's own copy when the caller's table is
     narrower than the persistent one) and the replay, nothing else."""
-    executor = executor_on(emulated(use_tensor_cores=True), model, 2, max_model_len=64, num_blocks=8)
+    executor = executor_on(
+        emulated(use_tensor_cores=True), model, 2, max_model_len=64, num_blocks=8
+    )
     host = PagedHost(8, BLOCK_SIZE, seed=2)
     executor.execute(*host.step([(0, [5] * 3), (1, [6] * 4)]))
     runner = executor.decode_graphs.graphs

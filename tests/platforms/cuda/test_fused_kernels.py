@@ -11,8 +11,8 @@ import torch
 
 from conformance_tests.test_fused import check_gemv, gemv_bound, norm_reference, silu_reference
 from tests.support.triton_env import DEVICE
-from xhal.platforms.cuda.kernels import fused_gemv, rotary_kv
 from xhal.layers.rotary import RotaryEmbedding
+from xhal.platforms.cuda.kernels import fused_gemv, rotary_kv
 
 F64 = torch.float64
 
@@ -45,9 +45,23 @@ def test_fused_gemvs_match_the_unfused_sequence(m, k, n, config, dtype) -> None:
     assert (summed.cpu().double() - summed_ref).abs().max() <= ulp * summed_ref.abs().max()
     gate_up = _rand(m, 2 * k, dtype=dtype, seed=5)
     a, y_ref = silu_reference(gate_up, w, b, dtype)
-    check_gemv(fused_gemv.silu_and_mul_gemv(gate_up, w, b, config=config), a, w64, y_ref, dtype, _errors(errors))
+    check_gemv(
+        fused_gemv.silu_and_mul_gemv(gate_up, w, b, config=config),
+        a,
+        w64,
+        y_ref,
+        dtype,
+        _errors(errors),
+    )
     plain_ref = x.cpu().double() @ w64.T
-    check_gemv(fused_gemv.stream_gemv(x, w, config=config), x.cpu().double(), w64, plain_ref, dtype, _errors(errors))
+    check_gemv(
+        fused_gemv.stream_gemv(x, w, config=config),
+        x.cpu().double(),
+        w64,
+        plain_ref,
+        dtype,
+        _errors(errors),
+    )
 
 
 def test_the_fused_bound_rejects_a_gemv_that_drops_one_k_tile() -> None:
@@ -77,7 +91,9 @@ def test_rotary_write_kv_rotates_q_and_writes_rotated_k_and_v(is_neox, rotary_di
     q_out = rotary_kv.rotary_write_kv(positions, q, k, v, table, is_neox, k_cache, v_cache, slots)
     k_ref = ref.rotary_embedding(positions, k, table, is_neox)
     q_ref = ref.rotary_embedding(positions, q, table, is_neox)
-    assert ref.max_ulps(q_out, q_ref, dtype) <= 2  # 1 ulp, and 1 more for the interpreter's truncation
+    assert (
+        ref.max_ulps(q_out, q_ref, dtype) <= 2
+    )  # 1 ulp, and 1 more for the interpreter's truncation
     flat_k, flat_v = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
     assert ref.max_ulps(flat_k[[7, 2]], k_ref[[0, 2]], dtype) <= 2
     assert torch.equal(flat_v[[7, 2]], v[[0, 2]])
@@ -92,8 +108,11 @@ def test_fused_family_passes_on_the_interpreted_kernels(tmp_path) -> None:
     from tests.support.conformance_run import explain, run_conformance
 
     proc, report = run_conformance(
-        "cuda-fused-interpreted", "tests.support.triton_fused_interpreted_platform", tmp_path / "r.json",
-        ("fused",), XHAL_FUSED_TEST_DTYPES="float32",
+        "cuda-fused-interpreted",
+        "tests.support.triton_fused_interpreted_platform",
+        tmp_path / "r.json",
+        ("fused",),
+        XHAL_FUSED_TEST_DTYPES="float32",
     )
     assert proc.returncode == 0 and report is not None, explain(proc)
     fam = report["families"]["fused"]

@@ -32,9 +32,13 @@ def test_without_tilelang_runs_triton_and_says_so_once(monkeypatch, caplog):
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # construction only, no launches
-    monkeypatch.setattr(cuda_platform, "_device_info", lambda: DeviceInfo("cuda", "NVIDIA H200", (9, 0)))
     monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "tilelang" else real_find_spec(name, *a)
+        cuda_platform, "_device_info", lambda: DeviceInfo("cuda", "NVIDIA H200", (9, 0))
+    )
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "tilelang" else real_find_spec(name, *a),
     )
     monkeypatch.setattr(selection, "_importable", lambda module: module in ("triton", "flashinfer"))
     monkeypatch.setattr(tilelang_platform, "_warned", False)
@@ -42,7 +46,11 @@ def test_without_tilelang_runs_triton_and_says_so_once(monkeypatch, caplog):
         first = tilelang_platform.CudaTileLangPlatform()
         second = tilelang_platform.CudaTileLangPlatform()
     lines = [r.getMessage() for r in caplog.records if r.name == tilelang_platform.__name__]
-    assert len(lines) == 1 and "tilelang is not installed" in lines[0] and "pip install tilelang==0.1.15" in lines[0]
+    assert (
+        len(lines) == 1
+        and "tilelang is not installed" in lines[0]
+        and "pip install tilelang==0.1.15" in lines[0]
+    )
     spec = AttentionSpec(32, 8, 128, torch.bfloat16, 16)
     for platform in (first, second):
         assert platform.missing is not None
@@ -56,7 +64,9 @@ def test_with_tilelang_its_solutions_are_chosen(monkeypatch):
     from xhal.solutions import DeviceInfo, selection
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(cuda_platform, "_device_info", lambda: DeviceInfo("cuda", "NVIDIA H200", (9, 0)))
+    monkeypatch.setattr(
+        cuda_platform, "_device_info", lambda: DeviceInfo("cuda", "NVIDIA H200", (9, 0))
+    )
     monkeypatch.setattr(tilelang_platform, "tilelang_missing", lambda: None)
     monkeypatch.setattr(selection, "_importable", lambda module: module in ("triton", "tilelang"))
     platform = tilelang_platform.CudaTileLangPlatform()
@@ -65,8 +75,15 @@ def test_with_tilelang_its_solutions_are_chosen(monkeypatch):
     assert platform.kernels.attention_solution("paged_decode_attention", spec).name == "tilelang"
     assert platform.kernels.attention_solution("paged_prefill_attention", spec).name == "triton"
     # on plain cuda without FlashInfer, TileLang's decode outranks the Triton kernel
-    assert selection.select("paged_decode_attention", DeviceInfo("cuda", "H200", (9, 0)),
-                            dtype=torch.bfloat16, head_dim=128).name == "tilelang"
+    assert (
+        selection.select(
+            "paged_decode_attention",
+            DeviceInfo("cuda", "H200", (9, 0)),
+            dtype=torch.bfloat16,
+            head_dim=128,
+        ).name
+        == "tilelang"
+    )
 
 
 def test_declared_attention_is_what_the_kernel_takes():
@@ -75,7 +92,9 @@ def test_declared_attention_is_what_the_kernel_takes():
         for head_dim in caps.head_dims:
             for block in caps.block_sizes:
                 for heads, kv_heads in ((8, 8), (8, 2), (32, 4)):
-                    assert unsupported(AttentionSpec(heads, kv_heads, head_dim, dtype, block)) is None
+                    assert (
+                        unsupported(AttentionSpec(heads, kv_heads, head_dim, dtype, block)) is None
+                    )
     assert not caps.sliding_window and not caps.logits_soft_cap
 
 
@@ -103,9 +122,13 @@ def test_splits_fill_about_two_waves_from_shapes_alone():
 def test_norm_requirements():
     w = torch.ones(4096, dtype=torch.bfloat16)
     assert tilelang_norm.supports(torch.ones(3, 4096, dtype=torch.bfloat16), w)
-    assert not tilelang_norm.supports(torch.ones(3, 192, dtype=torch.bfloat16), torch.ones(192, dtype=torch.bfloat16))
+    assert not tilelang_norm.supports(
+        torch.ones(3, 192, dtype=torch.bfloat16), torch.ones(192, dtype=torch.bfloat16)
+    )
     assert not tilelang_norm.supports(torch.ones(3, 4096, dtype=torch.bfloat16), w.float())
-    assert not tilelang_norm.supports(torch.ones(3, 32768, dtype=torch.bfloat16), torch.ones(32768, dtype=torch.bfloat16))
+    assert not tilelang_norm.supports(
+        torch.ones(3, 32768, dtype=torch.bfloat16), torch.ones(32768, dtype=torch.bfloat16)
+    )
 
 
 def test_row_tile_is_the_smallest_that_holds_the_group():

@@ -1,5 +1,5 @@
-"""The Triton ``gemv`` (xhal/platforms/cuda/kernels/gemv.py) against float64 references: split K or not,
-bias, fp16 / bf16 / fp32, M up to 64 (CUDA cores to 16, tensor cores above), ragged N and K,
+"""The Triton ``gemv`` (xhal/platforms/cuda/kernels/gemv.py) against float64 references: split K or
+not, bias, fp16 / bf16 / fp32, M up to 64 (CUDA cores to 16, tensor cores above), ragged N and K,
 strided x, and its config heuristic. Interpreted on CPU when there is no CUDA device
 (tests/support/triton_env.py).
 """
@@ -10,8 +10,11 @@ import math
 
 import pytest
 import torch
-# sets TRITON_INTERPRET before triton is imported
+
 from tests.support.triton_env import DEVICE, INTERPRETED, assert_matches
+
+# triton_env sets TRITON_INTERPRET before any triton kernel is imported: keep it first
+# isort: split
 from xhal.platforms.cuda.kernels.gemv import MAX_CORE_M, MAX_M, gemv, gemv_config, supports_gemv
 
 
@@ -108,7 +111,11 @@ def test_gemv_config_splits_only_narrow_weights() -> None:
             block_n, block_k, split_k, num_warps, num_stages = gemv_config(M, N, K, sms)
             assert block_n & (block_n - 1) == 0 and block_k & (block_k - 1) == 0
             k_steps = math.ceil(K / block_k)
-            assert 1 <= split_k <= k_steps and 1 <= num_stages <= (3 if M <= MAX_CORE_M else 4) and num_warps >= 1
+            assert (
+                1 <= split_k <= k_steps
+                and 1 <= num_stages <= (3 if M <= MAX_CORE_M else 4)
+                and num_warps >= 1
+            )
             n_blocks = math.ceil(N / block_n)
             if n_blocks >= 2 * sms:
                 assert split_k == 1, (M, N, K)
@@ -116,8 +123,6 @@ def test_gemv_config_splits_only_narrow_weights() -> None:
                 assert split_k > 1, (M, N, K)
     with pytest.raises(ValueError):
         gemv_config(MAX_M + 1, 64, 64)
-
-
 
 
 # tensor-core path (17..64 rows) ----------------------------------------------------------------
@@ -128,7 +133,10 @@ def test_gemv_config_splits_only_narrow_weights() -> None:
 def test_gemv_tensor_core_rows(M: int, dtype: torch.dtype) -> None:
     """Padded to 32 or 64 rows on tensor cores: the padding rows load zeros and store nothing."""
     if INTERPRETED and dtype == torch.bfloat16:
-        pytest.skip("Triton 3.6's interpreter runs tl.dot on bfloat16's raw bits; compiled on CUDA it is checked")
+        pytest.skip(
+            "Triton 3.6's interpreter runs tl.dot on bfloat16's raw bits; compiled on CUDA it is "
+            "checked"
+        )
     x, w, b, ref = _gemv_case(M, 100, 72, dtype, True)
     assert_matches(gemv(x, w, b), ref, dtype)
 

@@ -1,7 +1,7 @@
 """The CUDA platform's Triton fallback attention (``TritonAttention``: plan, KV write, paged
 attention) through the conformance attention family, its kernels in Triton's interpreter on the
-CPU (``tests/support/triton_interpreted_platform.py``). Interpreted kernels are slow, so one dtype and
-block size of the non-prefill cases run here (the kernels' own tests cover prefill); the whole
+CPU (``tests/support/triton_interpreted_platform.py``). Interpreted kernels are slow, so one dtype
+and block size of the non-prefill cases run here (the kernels' own tests cover prefill); the whole
 family runs compiled on the GPU."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+
 from tests.support.conformance_run import REPO, suite_env
 from tests.support.triton_env import NO_RUNTIME_LOOPS, RUNTIME_LOOPS
 
@@ -20,8 +21,9 @@ CASES = "bfloat16 and bs16 and not prefill and not d256 and not long_context"
 
 def _suite(*extra: str) -> subprocess.CompletedProcess[str]:
     env = suite_env(XHAL_PLUGINS="tests.support.triton_interpreted_platform", TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning",
-           "conformance_tests/test_attention.py", "--device", "cuda-triton-interpreted", "-k", CASES, *extra]  # fmt: skip
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "-W", "ignore::DeprecationWarning", "conformance_tests/test_attention.py",
+           "--device", "cuda-triton-interpreted", "-k", CASES, *extra]  # fmt: skip
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 

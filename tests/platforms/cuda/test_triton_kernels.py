@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.triton_env import DEVICE, NO_RUNTIME_LOOPS, RUNTIME_LOOPS, assert_matches  # sets TRITON_INTERPRET first
+from tests.support.triton_env import DEVICE, NO_RUNTIME_LOOPS, RUNTIME_LOOPS, assert_matches
 
-from xhal.platforms.cuda.kernels.kv_write import write_kv  # noqa: E402
-from xhal.platforms.cuda.kernels.paged_attention import paged_attention  # noqa: E402
-
+# triton_env sets TRITON_INTERPRET before any triton kernel is imported: keep it first
+# isort: split
+from xhal.platforms.cuda.kernels.kv_write import write_kv
+from xhal.platforms.cuda.kernels.paged_attention import paged_attention
 
 # kv write --------------------------------------------------------------------------------------
 
@@ -44,7 +45,9 @@ def test_write_kv_skips_slot_minus_one() -> None:
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 4
 
-needs_runtime_loops = pytest.mark.skipif(not RUNTIME_LOOPS, reason=f"paged attention {NO_RUNTIME_LOOPS}")
+needs_runtime_loops = pytest.mark.skipif(
+    not RUNTIME_LOOPS, reason=f"paged attention {NO_RUNTIME_LOOPS}"
+)
 
 
 def _paged_case(q_lens: list[int], kv_lens: list[int], pad: int, seed: int = 0):
@@ -52,7 +55,9 @@ def _paged_case(q_lens: list[int], kv_lens: list[int], pad: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     per_seq = max(math.ceil(n / BLOCK) for n in kv_lens)
     num_blocks = per_seq * len(kv_lens) + 2
-    table = torch.randperm(num_blocks, generator=g)[: per_seq * len(kv_lens)].view(len(kv_lens), per_seq)
+    table = torch.randperm(num_blocks, generator=g)[: per_seq * len(kv_lens)].view(
+        len(kv_lens), per_seq
+    )
     cache_shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
     k_cache, v_cache = torch.randn(cache_shape, generator=g), torch.randn(cache_shape, generator=g)
     num_tokens = sum(q_lens) + pad
@@ -98,7 +103,9 @@ def _run_paged(case, scale: float, soft_cap: float, window: int) -> None:
     dev = [t.to(DEVICE) for t in case]
     out = torch.zeros_like(dev[0])
     paged_attention(*dev, scale, soft_cap, window, out)
-    ref = _attention_ref(q, k_cache, v_cache, token_seq, q_cu, kv_lens, table, scale, soft_cap, window)
+    ref = _attention_ref(
+        q, k_cache, v_cache, token_seq, q_cu, kv_lens, table, scale, soft_cap, window
+    )
     torch.testing.assert_close(out.cpu().double(), ref, rtol=1e-4, atol=1e-5)
 
 
@@ -118,9 +125,9 @@ def test_paged_attention_prefill() -> None:
 
 # fused add + RMSNorm, rotary -------------------------------------------------------------------
 
-from conformance_tests import ops_reference as ops_ref  # noqa: E402
-from xhal.platforms.cuda.kernels.norm import fused_add_rms_norm  # noqa: E402
-from xhal.platforms.cuda.kernels.rotary import rotary_embedding  # noqa: E402
+from conformance_tests import ops_reference as ops_ref  # noqa: E402  (section-local imports)
+from xhal.platforms.cuda.kernels.norm import fused_add_rms_norm  # noqa: E402  (section-local)
+from xhal.platforms.cuda.kernels.rotary import rotary_embedding  # noqa: E402  (section-local)
 
 
 def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -154,7 +161,9 @@ def test_fused_add_rms_norm_strided_rows() -> None:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
 @pytest.mark.parametrize("head_dim, rotary_dim", [(64, 64), (64, 32), (80, 48)])
-def test_rotary_embedding(head_dim: int, rotary_dim: int, is_neox: bool, dtype: torch.dtype) -> None:
+def test_rotary_embedding(
+    head_dim: int, rotary_dim: int, is_neox: bool, dtype: torch.dtype
+) -> None:
     heads, kv_heads, tokens = 4, 2, 5
     # q and k as slices of one fused qkv projection, as the model hands them over
     qkv = _randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=0)
@@ -163,20 +172,25 @@ def test_rotary_embedding(head_dim: int, rotary_dim: int, is_neox: bool, dtype: 
     positions = torch.tensor([0, 7, 300, 1, 4095], dtype=torch.int32, device=DEVICE)
     cache = ops_ref.rope_cache(4096, rotary_dim).to(DEVICE)
     q_out, k_out = rotary_embedding(positions, q, k, cache, is_neox)
-    assert_matches(q_out, ops_ref.rotary_embedding(positions.cpu(), q.cpu(), cache.cpu(), is_neox), dtype)
-    assert_matches(k_out, ops_ref.rotary_embedding(positions.cpu(), k.cpu(), cache.cpu(), is_neox), dtype)
+    assert_matches(
+        q_out, ops_ref.rotary_embedding(positions.cpu(), q.cpu(), cache.cpu(), is_neox), dtype
+    )
+    assert_matches(
+        k_out, ops_ref.rotary_embedding(positions.cpu(), k.cpu(), cache.cpu(), is_neox), dtype
+    )
     assert torch.equal(qkv, _randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=0))
 
 
 # FlashInfer's page table, built on the host -----------------------------------------------------
+
 
 @pytest.mark.parametrize("host_pages", [False, True], ids=["device_gather", "host_built"])
 def test_paged_index_builder(host_pages: bool) -> None:
     """CSR page table of a mixed batch: indptr, last-page lengths, page ids per row and the flat
     block-table positions they are gathered from."""
     from conformance_tests.batches import Seq, build_batch
-    from xhal.platforms.cuda.flashinfer_page_table import PagedIndexBuilder
     from xhal.interfaces import BatchKind
+    from xhal.platforms.cuda.flashinfer_page_table import PagedIndexBuilder
 
     bs = 16
     seqs = [Seq(1, 17), Seq(5, 5), Seq(3, 35), Seq(1, 1, padding=True)]
@@ -196,7 +210,15 @@ def test_paged_index_builder(host_pages: bool) -> None:
         assert idx.positions is None
     else:  # flat block-table positions: row * width + page
         width = m.block_table.shape[1]
-        assert idx.positions.tolist() == [0, 1, width, 2 * width, 2 * width + 1, 2 * width + 2, 3 * width]
+        assert idx.positions.tolist() == [
+            0,
+            1,
+            width,
+            2 * width,
+            2 * width + 1,
+            2 * width + 2,
+            3 * width,
+        ]
 
 
 def test_paged_index_builder_stages_the_hosts_csr_arrays() -> None:
@@ -205,15 +227,28 @@ def test_paged_index_builder_stages_the_hosts_csr_arrays() -> None:
     import dataclasses
 
     from conformance_tests.batches import Seq, build_batch
-    from xhal.platforms.cuda.flashinfer_page_table import PagedIndexBuilder
     from xhal.interfaces import BatchKind
+    from xhal.platforms.cuda.flashinfer_page_table import PagedIndexBuilder
 
     bs = 16
-    batch = build_batch(BatchKind.DECODE, [Seq(1, 17), Seq(1, 40)], [[7, 2], [4, 0, 11]], bs, torch.device("cpu"), paged_kv=True)
+    batch = build_batch(
+        BatchKind.DECODE,
+        [Seq(1, 17), Seq(1, 40)],
+        [[7, 2], [4, 0, 11]],
+        bs,
+        torch.device("cpu"),
+        paged_kv=True,
+    )
     m = batch.metadata
-    assert m.paged_kv_indptr_host.tolist() == [0, 2, 5] and m.paged_kv_last_page_len_host.tolist() == [1, 8]
+    assert m.paged_kv_indptr_host.tolist() == [
+        0,
+        2,
+        5,
+    ] and m.paged_kv_last_page_len_host.tolist() == [1, 8]
     # a host whose last pages are full (say it reserved them) says so, and is believed
-    m = dataclasses.replace(m, paged_kv_last_page_len_host=torch.tensor([16, 16], dtype=torch.int32))
+    m = dataclasses.replace(
+        m, paged_kv_last_page_len_host=torch.tensor([16, 16], dtype=torch.int32)
+    )
     idx = PagedIndexBuilder(bs, pin=False).build(m)
     assert idx.indptr.tolist() == [0, 2, 5] and idx.last_page_len.tolist() == [16, 16]
 
@@ -241,7 +276,9 @@ def test_flashinfer_activations_only_get_inputs_they_take() -> None:
     assert fits(torch.zeros(3, 2 * 4096, dtype=torch.bfloat16))
     assert not fits(torch.zeros(1, 22, dtype=torch.bfloat16))
     assert not fits(torch.zeros(3, 2 * 64, dtype=torch.float32))
-    assert not fits(torch.zeros(3, 2 * 4096 + 16, dtype=torch.float16)[:, 8:])  # strided, misaligned
+    assert not fits(
+        torch.zeros(3, 2 * 4096 + 16, dtype=torch.float16)[:, 8:]
+    )  # strided, misaligned
 
 
 def test_cuda_linear_uses_gemv_only_once_eagerly_then_in_captures(monkeypatch) -> None:
@@ -253,7 +290,11 @@ def test_cuda_linear_uses_gemv_only_once_eagerly_then_in_captures(monkeypatch) -
     capturing = [False]
     monkeypatch.setattr(cuda_ops.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     linear = cuda_ops.CudaOps().linear
-    x, w, w2 = _randn(1, 64, dtype=torch.float32, seed=0), _randn(32, 64, dtype=torch.float32, seed=1), _randn(16, 64, dtype=torch.float32, seed=2)
+    x, w, w2 = (
+        _randn(1, 64, dtype=torch.float32, seed=0),
+        _randn(32, 64, dtype=torch.float32, seed=1),
+        _randn(16, 64, dtype=torch.float32, seed=2),
+    )
     want = x.double() @ w.double().T
     capturing[0] = True
     assert_matches(linear(x, w), want, torch.float32)  # never launched: cuBLAS under capture
@@ -287,24 +328,38 @@ def test_triton_graph_plan_reads_the_persistent_metadata() -> None:
     query lengths change, and refuses other tensors."""
     from benchmarks.host_timing import DeviceCalls
     from conformance_tests.batches import Seq, build_batch
-    from xhal.platforms.cuda.triton_attention import TritonAttention
     from xhal.interfaces import AttentionSpec, BatchKind
+    from xhal.platforms.cuda.triton_attention import TritonAttention
 
     def step(kv_lens: list[int]):
         seqs = [Seq(1, n) for n in kv_lens] + [Seq(1, 1, padding=True)]
         rows = [[3, 5], [1], []]
-        return build_batch(BatchKind.DECODE, seqs, rows, 16, torch.device("cpu"), max_blocks=2).metadata
+        return build_batch(
+            BatchKind.DECODE, seqs, rows, 16, torch.device("cpu"), max_blocks=2
+        ).metadata
 
     backend = TritonAttention(AttentionSpec(4, 1, 64, torch.float32, 16))
     first = step([17, 4])
     backend.plan(first, graph_key="b")
-    assert backend._plan.token_seq.tolist() == [0, 1, 2] and backend._plan.slot_mapping is first.slot_mapping
+    assert (
+        backend._plan.token_seq.tolist() == [0, 1, 2]
+        and backend._plan.slot_mapping is first.slot_mapping
+    )
     nxt = step([18, 5])  # staged into the first step's tensors, as the executor does
-    fields = ("q_cu_seq_lens", "kv_cu_seq_lens", "q_seq_lens", "kv_seq_lens", "block_table", "slot_mapping")
+    fields = (
+        "q_cu_seq_lens",
+        "kv_cu_seq_lens",
+        "q_seq_lens",
+        "kv_seq_lens",
+        "block_table",
+        "slot_mapping",
+    )
     for name in fields:
         getattr(first, name).copy_(getattr(nxt, name))
     with DeviceCalls() as calls:
-        backend.plan(dataclasses.replace(nxt, **{n: getattr(first, n) for n in fields}), graph_key="b")
+        backend.plan(
+            dataclasses.replace(nxt, **{n: getattr(first, n) for n in fields}), graph_key="b"
+        )
     assert calls.ops == []  # nothing queued on the device
     with pytest.raises(ValueError, match="persistent"):
         backend.plan(nxt, graph_key="b")

@@ -8,11 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.triton_env import DEVICE, INTERPRETED  # sets TRITON_INTERPRET first
+from tests.support.triton_env import DEVICE, INTERPRETED
 
-from conformance_tests import moe_reference as ref  # noqa: E402
-from conformance_tests.test_moe import expert_weights, separated_logits, tokens  # noqa: E402
-from xhal.platforms.cuda.kernels import moe, moe_small  # noqa: E402
+# triton_env sets TRITON_INTERPRET before any triton kernel is imported: keep it first
+# isort: split
+from conformance_tests import moe_reference as ref
+from conformance_tests.test_moe import expert_weights, separated_logits, tokens
+from xhal.platforms.cuda.kernels import moe, moe_small
 
 TOL = ref.EXPERTS_TOLERANCE
 
@@ -57,7 +59,9 @@ def test_sorted_pairs_group_each_expert_in_whole_blocks(sort) -> None:
     assert experts[:4] == [0, 1, 2, 3] and set(experts[4:]) <= {5}
 
 
-@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [(37, 16, 4, 16), (64, 128, 8, 16), (5, 3, 2, 64)])
+@pytest.mark.parametrize(
+    "num_tokens,num_experts,top_k,block_m", [(37, 16, 4, 16), (64, 128, 8, 16), (5, 3, 2, 64)]
+)
 def test_fused_sort_equals_the_torch_sort(num_tokens, num_experts, top_k, block_m) -> None:
     """The one-launch sort and torch's stable sort give the same rows for every real block."""
     _, ids = ref.route(separated_logits(num_tokens, num_experts, seed=4), top_k, True)
@@ -77,14 +81,23 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("config", [moe.MoeConfig(16, 32, 32), moe.MoeConfig(64, 64, 64)], ids=["small", "large"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize(
+    "config", [moe.MoeConfig(16, 32, 32), moe.MoeConfig(64, 64, 64)], ids=["small", "large"]
+)
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
+)
 @pytest.mark.parametrize("case", list(CASES))
 def test_fused_experts_match_reference(case, dtype, config) -> None:
     if INTERPRETED and dtype == torch.bfloat16:
-        pytest.skip("Triton 3.6's interpreter runs tl.dot on bfloat16's raw bits; compiled on CUDA it is checked")
+        pytest.skip(
+            "Triton 3.6's interpreter runs tl.dot on bfloat16's raw bits; compiled on CUDA it is "
+            "checked"
+        )
     num_tokens, num_experts, top_k, hidden, inter, allowed = CASES[case]
-    weights, ids = ref.route(separated_logits(num_tokens, num_experts, seed=1, allowed=allowed), top_k, True)
+    weights, ids = ref.route(
+        separated_logits(num_tokens, num_experts, seed=1, allowed=allowed), top_k, True
+    )
     x = tokens(num_tokens, hidden, dtype, DEVICE, seed=2)
     w13, w2 = expert_weights(num_experts, hidden, inter, dtype, DEVICE, seed=3)
     out = moe.fused_experts(
@@ -103,13 +116,19 @@ SMALL_CASES = [(n, moe_small.SmallMoeConfig()) for n in range(1, 9)] + [
 ]
 
 
-@pytest.mark.parametrize("num_tokens,config", SMALL_CASES, ids=[f"{n}-{c.up_block_k}" for n, c in SMALL_CASES])
+@pytest.mark.parametrize(
+    "num_tokens,config", SMALL_CASES, ids=[f"{n}-{c.up_block_k}" for n, c in SMALL_CASES]
+)
 def test_small_experts_match_float64(num_tokens, config) -> None:
     num_experts, top_k, hidden, inter = 128, 8, 48, 24
-    weights, ids = ref.route(separated_logits(num_tokens, num_experts, seed=num_tokens), top_k, True)
+    weights, ids = ref.route(
+        separated_logits(num_tokens, num_experts, seed=num_tokens), top_k, True
+    )
     x = tokens(num_tokens, hidden, torch.float32, DEVICE, seed=5)
     w13, w2 = expert_weights(num_experts, hidden, inter, torch.float32, DEVICE, seed=6)
-    out = moe_small.small_experts(x, w13, w2, weights.float().to(DEVICE), ids.to(DEVICE, torch.int32), config)
+    out = moe_small.small_experts(
+        x, w13, w2, weights.float().to(DEVICE), ids.to(DEVICE, torch.int32), config
+    )
     expected = ref.experts(x, w13, w2, weights.float(), ids)
     assert out.dtype == torch.float32 and out.shape == (num_tokens, hidden)
     assert ref.max_error(out, expected) <= TOL[torch.float32]
@@ -125,7 +144,12 @@ def test_small_experts_share_experts_across_tokens(dtype) -> None:
     x = tokens(num_tokens, hidden, dtype, DEVICE, seed=8)
     w13, w2 = expert_weights(num_experts, hidden, inter, dtype, DEVICE, seed=9)
     out = moe.fused_experts(
-        x, w13, w2, weights.float().to(DEVICE), ids.to(DEVICE, torch.int32), moe_small.SmallMoeConfig()
+        x,
+        w13,
+        w2,
+        weights.float().to(DEVICE),
+        ids.to(DEVICE, torch.int32),
+        moe_small.SmallMoeConfig(),
     )
     assert out.dtype == dtype
     assert ref.max_error(out, ref.experts(x, w13, w2, weights.float(), ids)) <= TOL[dtype]
@@ -133,8 +157,16 @@ def test_small_experts_share_experts_across_tokens(dtype) -> None:
 
 @pytest.mark.parametrize(
     "num_tokens,top_k,num_experts,small",
-    [(1, 8, 128, True), (8, 8, 128, True), (9, 8, 128, False), (1, 2, 8, True), (2, 2, 8, True),
-     (4, 2, 8, False), (1, 6, 6, True), (2, 6, 6, False)],
+    [
+        (1, 8, 128, True),
+        (8, 8, 128, True),
+        (9, 8, 128, False),
+        (1, 2, 8, True),
+        (2, 2, 8, True),
+        (4, 2, 8, False),
+        (1, 6, 6, True),
+        (2, 6, 6, False),
+    ],
 )
 def test_small_path_only_where_experts_rarely_repeat(num_tokens, top_k, num_experts, small) -> None:
     """One token's experts are distinct; several tokens take the pair GEMVs only while their pairs
@@ -145,20 +177,29 @@ def test_small_path_only_where_experts_rarely_repeat(num_tokens, top_k, num_expe
 def test_small_experts_of_no_token() -> None:
     w13, w2 = expert_weights(4, 32, 16, torch.float32, DEVICE, seed=1)
     out = moe_small.small_experts(
-        torch.empty(0, 32, device=DEVICE), w13, w2,
-        torch.empty(0, 2, device=DEVICE), torch.empty(0, 2, dtype=torch.int32, device=DEVICE),
+        torch.empty(0, 32, device=DEVICE),
+        w13,
+        w2,
+        torch.empty(0, 2, device=DEVICE),
+        torch.empty(0, 2, dtype=torch.int32, device=DEVICE),
     )
     assert out.shape == (0, 32)
 
 
-@pytest.mark.parametrize("device", ["cuda-moe-interpreted", "cuda-moe-small-interpreted"], ids=["by-shape", "pair-gemv"])
+@pytest.mark.parametrize(
+    "device", ["cuda-moe-interpreted", "cuda-moe-small-interpreted"], ids=["by-shape", "pair-gemv"]
+)
 def test_triton_moe_passes_the_moe_family_interpreted(device, tmp_path) -> None:
     """The whole moe family (graphs with changing inputs included) on the Triton kernels: with
     the path chosen by shape, and with the pair GEMVs forced onto every case of up to 64 tokens."""
     from tests.support.conformance_run import explain, run_conformance
 
     proc, report = run_conformance(
-        device, "tests.support.triton_moe_interpreted_platform", tmp_path / "r.json", ("moe",), TRITON_INTERPRET="1",
+        device,
+        "tests.support.triton_moe_interpreted_platform",
+        tmp_path / "r.json",
+        ("moe",),
+        TRITON_INTERPRET="1",
     )
     assert proc.returncode == 0, explain(proc)
     fam = report["families"]["moe"]

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+
 from tests.support.npu_emulation import install, is_installed, uninstall
 from tests.support.npu_emulation_helpers import (
     BF16,
@@ -207,7 +208,8 @@ def test_reshape_and_cache_and_scatter_nd_update(npu):
     npu._npu_reshape_and_cache(k, v, kc, vc, torch.tensor([17, -1, 0], dtype=torch.int32))
     assert torch.equal(kc[1, 1], k[0]) and torch.equal(vc[0, 0], v[2])
     assert int(kc.ne(0).sum()) == 256
-    flat_cache = kc.view(32, 2, 64)  # the portable fallback: one slot per index row (its doc: indices of at least 2 dims)
+    # the portable fallback: one slot per index row (its doc: indices of at least 2 dims)
+    flat_cache = kc.view(32, 2, 64)
     npu.npu_scatter_nd_update_(flat_cache, torch.tensor([[31], [2]]), k[:2])
     assert torch.equal(kc[1, 15], k[0]) and torch.equal(kc[0, 2], k[1])
     with pytest.raises(RuntimeError, match="不支持越界"):

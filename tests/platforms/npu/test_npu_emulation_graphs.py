@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tests.support.npu_emulation_helpers import (
     BF16,
     TOL,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tests.support.npu_emulation_helpers import BF16, emulated_npu, max_err
 
 npu = emulated_npu  # the fixture, under the name the tests take

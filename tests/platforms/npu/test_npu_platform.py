@@ -1,5 +1,5 @@
-"""The NPU platform (``xhal/platforms/npu``) on the torch_npu emulation (``tests/support/npu_emulation``, CPU
-tensors):
+"""The NPU platform (``xhal/platforms/npu``) on the torch_npu emulation
+(``tests/support/npu_emulation``, CPU tensors):
 
 - the whole conformance suite, through ``xhal-conformance --device npu --plugin ...``, passes
   every family;
@@ -15,11 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tests.support.conformance_run import REPO, explain, run_conformance
 from tests.support.npu_emulation.registry import read_counts
-from tests.support.npu_emulation_helpers import assert_calls_bound_and_checked, emulated_npu_platform
+from tests.support.npu_emulation_helpers import (
+    assert_calls_bound_and_checked,
+    emulated_npu_platform,
+)
 from tests.support.paged_host import PagedHost
-
 from xhal.interfaces import AttentionSpec, BatchKind, LayerCache
 
 PLUGIN = "tests.support.npu_emulation.plugin"
@@ -34,8 +37,9 @@ BLOCK_SIZE = 128
 
 def test_conformance_passes_every_family(tmp_path: Path) -> None:
     counts = tmp_path / "counts"
-    proc, report = run_conformance("npu", PLUGIN, tmp_path / "npu.json",
-                                   XHAL_NPU_EMULATION_COUNTS=str(counts))
+    proc, report = run_conformance(
+        "npu", PLUGIN, tmp_path / "npu.json", XHAL_NPU_EMULATION_COUNTS=str(counts)
+    )
     assert proc.returncode == 0, explain(proc)
     assert sorted(report["families"]) == FAMILIES, explain(proc)
     for name, fam in report["families"].items():

@@ -9,12 +9,11 @@ official documentation; ``tests/support/npu_emulation/wheel.py`` pins and fetche
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
-
 import re
 
 import pytest
 import torch
+
 from tests.support.npu_emulation import registry
 from tests.support.npu_emulation.real_meta import meta_functions
 from tests.support.npu_emulation.real_schema import real_schema
@@ -29,7 +28,7 @@ from tests.support.npu_emulation_helpers import (
     max_err,
     reference,
 )
-
+from tests.support.paths import REPO
 from xhal.interfaces.cache import LayerCache
 from xhal.platforms.npu.kernels import kv_write
 
@@ -42,7 +41,8 @@ def npu(emulated_npu):  # noqa: F811
 
 
 def backend_ops() -> set[str]:
-    """Every ``torch_npu`` op named in ``xhal/platforms/npu`` (called as ``npu.<op>`` or listed by name)."""
+    """Every ``torch_npu`` op named in ``xhal/platforms/npu`` (called as ``npu.<op>`` or listed by
+    name)."""
     names: set[str] = set()
     for path in NPU_SRC.rglob("*.py"):
         text = path.read_text()
@@ -53,8 +53,13 @@ def backend_ops() -> set[str]:
 
 def test_every_backend_op_is_in_the_wheel_and_emulated_under_its_schema(npu):
     ops = backend_ops()
-    assert {"npu_fused_infer_attention_score", "npu_scatter_pa_kv_cache", "npu_mrope",
-            "_npu_reshape_and_cache", "_npu_rotary_embedding"} <= ops, ops
+    assert {
+        "npu_fused_infer_attention_score",
+        "npu_scatter_pa_kv_cache",
+        "npu_mrope",
+        "_npu_reshape_and_cache",
+        "_npu_rotary_embedding",
+    } <= ops, ops
     for name in sorted(ops):
         schema = real_schema(name)  # KeyError names an op the wheel does not have
         emulated = getattr(npu, name)
@@ -62,16 +67,20 @@ def test_every_backend_op_is_in_the_wheel_and_emulated_under_its_schema(npu):
         assert str(emulated.schema) == str(torch._C.parse_schema(schema)), name
         assert emulated.op._schema.name == f"{registry.NAMESPACE}::{name}"
     assert real_schema("npu_fused_infer_attention_score.out").startswith(
-        "npu_fused_infer_attention_score.out(")
+        "npu_fused_infer_attention_score.out("
+    )
     # the aten-style ops have a meta function in the wheel; the two ATB ops have none
     with_meta = {n for n in ops if n in meta_functions()}
-    assert ops - with_meta == {"_npu_reshape_and_cache", "_npu_rotary_embedding",
-                               "_npu_fused_infer_attention_score_get_max_workspace"}
+    assert ops - with_meta == {
+        "_npu_reshape_and_cache",
+        "_npu_rotary_embedding",
+        "_npu_fused_infer_attention_score_get_max_workspace",
+    }
 
 
 def test_every_torch_npu_name_the_backend_uses_is_exported_by_the_wheel(npu):
-    """``torch.npu.<name>`` in xhal/platforms/npu is in the ``__all__`` of the wheel's torch_npu/npu, and the
-    emulated namespace has it."""
+    """``torch.npu.<name>`` in xhal/platforms/npu is in the ``__all__`` of the wheel's
+    torch_npu/npu, and the emulated namespace has it."""
     import ast
 
     from tests.support.npu_emulation.wheel import wheel_files
@@ -79,7 +88,8 @@ def test_every_torch_npu_name_the_backend_uses_is_exported_by_the_wheel(npu):
     tree = ast.parse(wheel_files().npu_init.read_text(encoding="utf-8"))
     exported = {
         elt.value
-        for node in ast.walk(tree) if isinstance(node, ast.Assign)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
         and any(getattr(t, "id", None) == "__all__" for t in node.targets)
         for elt in node.value.elts
     }
@@ -91,7 +101,8 @@ def test_every_torch_npu_name_the_backend_uses_is_exported_by_the_wheel(npu):
     assert all(hasattr(torch.npu, name) for name in used)
 
 
-# teeth: planted calls refused with the official rule ------------------------------------------------
+# teeth: planted calls refused with the official rule
+# ------------------------------------------------
 def test_wrong_keyword_name_is_refused(npu):
     b = make_batch([3], [3])
     with pytest.raises(TypeError, match="unexpected keyword argument 'scale_value'"):
@@ -100,8 +111,11 @@ def test_wrong_keyword_name_is_refused(npu):
 
 def test_tensor_for_symint_list_is_refused(npu):
     b = make_batch([3, 1], [3, 9])
-    with pytest.raises(TypeError, match=r"'actual_seq_lengths_kv' must be tuple of ints, not "
-                                        r"Tensor.*SymInt\[\]"):
+    with pytest.raises(
+        TypeError,
+        match=r"'actual_seq_lengths_kv' must be tuple of ints, not "
+        r"Tensor.*SymInt\[\]",
+    ):
         call_fia(npu, b, actual_seq_lengths_kv=torch.tensor(b.kv_lens, dtype=torch.int32))
     with pytest.raises(TypeError, match="tuple of ints, not a list holding Tensor"):
         call_fia(npu, b, actual_seq_lengths=[torch.tensor(3), torch.tensor(4)])
@@ -137,7 +151,8 @@ def test_meta_function_refusals_surface(npu):
         call_fia(npu, b, num_heads=0)
 
 
-# the open questions, settled by the documentation ----------------------------------------------------
+# the open questions, settled by the documentation
+# ----------------------------------------------------
 @pytest.mark.parametrize("window", [1, 16, 33])
 def test_band_pre_tokens_counts_the_keys_before_the_query(npu, window):
     """pre_tokens '表示attention需要和前几个Token计算关联': W keys including the query itself are
@@ -151,8 +166,9 @@ def test_band_pre_tokens_counts_the_keys_before_the_query(npu, window):
 
 
 def test_decode_batch_ignores_the_band_so_the_dummy_sequence_is_needed(npu):
-    """'Q_S为1且不带rope输入时该参数无效' (sparse_mode) and 'Q_S为1时该参数无效' (pre_tokens): with every
-    query of length 1 the band is not applied; one 2-token sequence more brings it back."""
+    """'Q_S为1且不带rope输入时该参数无效' (sparse_mode) and 'Q_S为1时该参数无效' (pre_tokens):
+    with every query of length 1 the band is not applied; one 2-token sequence more brings it
+    back."""
     d = make_batch([1, 1], [90, 200])
     full = call_fia(npu, d, sparse_mode=4, pre_tokens=15, next_tokens=0)
     assert max_err(full, reference(d)) < TOL and max_err(full, reference(d, window=16)) > 5 * TOL
@@ -181,8 +197,9 @@ def test_padding_slots_never_reach_scatter_pa(npu):
     """'slot_mapping的值范围[0,num_blocks*block_size-1]': the op is not given -1; the backend's
     writer repeats a real write in their place, and the -1 rows stay unwritten."""
     k, v = torch.randn(4, 2, 128).to(BF16), torch.randn(4, 2, 128).to(BF16)
-    cache = LayerCache(torch.zeros(3, 128, 2, 128, dtype=BF16), torch.zeros(3, 128, 2, 128,
-                                                                           dtype=BF16))
+    cache = LayerCache(
+        torch.zeros(3, 128, 2, 128, dtype=BF16), torch.zeros(3, 128, 2, 128, dtype=BF16)
+    )
     for writer in ("scatter_pa", "reshape_and_cache", "scatter_nd"):
         cache.key.zero_(), cache.value.zero_()
         slots = torch.tensor([-1, 5, -1, 300], dtype=torch.int32)
@@ -244,7 +261,8 @@ def test_counts_bound_calls_and_meta_checks(npu):
 
 
 def test_out_overload_takes_the_documented_lse_buffer(npu):
-    """softmaxLse '数据类型支持float32' and, without softmax_lse_flag, '输出shape为[1]的值为0的Tensor'."""
+    """softmaxLse '数据类型支持float32' and, without softmax_lse_flag,
+    '输出shape为[1]的值为0的Tensor'."""
     b = make_batch([3, 1], [3, 9])
     kw = fia_kwargs(b)
     out, lse = torch.empty_like(b.q), torch.full((1,), 7.0)
@@ -252,6 +270,7 @@ def test_out_overload_takes_the_documented_lse_buffer(npu):
     assert max_err(out, reference(b)) < TOL and lse.item() == 0
     with pytest.raises(RuntimeError, match="float32"):
         npu.npu_fused_infer_attention_score.out(
-            b.q, flat(b.k), flat(b.v), out=[out, torch.empty(1, dtype=BF16)], **kw)
+            b.q, flat(b.k), flat(b.v), out=[out, torch.empty(1, dtype=BF16)], **kw
+        )
     with pytest.raises(TypeError, match="'out' must be a list of 2 tensors"):
         npu.npu_fused_infer_attention_score.out(b.q, flat(b.k), flat(b.v), out=out, **kw)

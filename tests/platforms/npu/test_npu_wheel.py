@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tests.support.npu_emulation import registry, wheel
 from tests.support.npu_emulation_helpers import emulated_npu  # noqa: F401  (fixture)
 
@@ -47,7 +48,9 @@ def test_real_op_in_one_line(emulated_npu) -> None:  # noqa: F811
     op = registry.real_op("npu_gelu", gelu)  # the one line
     registry.define_all()
     x = torch.randn(3, 8)
-    assert torch.allclose(op(x, approximate="tanh"), torch.nn.functional.gelu(x, approximate="tanh"))
+    assert torch.allclose(
+        op(x, approximate="tanh"), torch.nn.functional.gelu(x, approximate="tanh")
+    )
     with pytest.raises(TypeError, match="positional"):
         op(x, "tanh")  # keyword-only in the schema: `Tensor self, *, str approximate`
     with pytest.raises(TypeError, match="'approximate' must be str"):

@@ -12,10 +12,10 @@ import shutil
 from typing import Any
 
 import pytest
-from tests.support.readme_examples import run_curl_example
-from tests.support.tiny_server import TINY_MODEL_NAME, tiny_server_args
 
 from tests.support.launcher import ServerProcess
+from tests.support.readme_examples import run_curl_example
+from tests.support.tiny_server import TINY_MODEL_NAME, tiny_server_args
 
 openai = pytest.importorskip("openai", reason="the server tests drive it with the openai client")
 httpx = pytest.importorskip("httpx")
@@ -320,8 +320,9 @@ def test_unimplemented_sampling_fields_are_refused_not_ignored(
         assert error["param"] == field and error["code"] == "unsupported_parameter"
         assert "not supported" in error["message"]
     # at the value that leaves sampling alone, as clients send by default, they are accepted
-    neutral = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "logit_bias": {},
-               "min_tokens": 0, "response_format": {"type": "text"}}[field]  # fmt: skip
+    neutral = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1,
+               "logit_bias": {}, "min_tokens": 0,
+               "response_format": {"type": "text"}}[field]  # fmt: skip
     assert post(server, "/v1/completions", {**GOOD, field: neutral}).status_code == 200
 
 

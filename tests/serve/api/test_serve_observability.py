@@ -4,13 +4,13 @@ imply; one log line per request, without the prompt unless asked; the periodic s
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
-
 import logging
 import re
 from typing import Any
 
 import pytest
+
+from tests.support.paths import REPO
 from tests.support.scripted_engine import ScriptedEngine, call
 from tests.support.tiny_server import tiny_tokenizer
 

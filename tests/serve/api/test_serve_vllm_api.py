@@ -12,6 +12,7 @@ from importlib import metadata
 from typing import Any
 
 import pytest
+
 from tests.support.scripted_engine import ScriptedEngine, call
 from tests.support.tiny_server import TINY_MODEL_NAME as MODEL
 from tests.support.tiny_server import tiny_tokenizer

@@ -9,10 +9,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from tests.support.fake_model import next_token, reference
 
 from serve_cli.engine import BlockManager, Request, RequestStatus, ScheduledBatch, Scheduler
 from serve_cli.engine.batch import PLACEHOLDER_TOKEN_ID
+from tests.support.fake_model import next_token, reference
 
 
 class PipelinedFakeEngine:

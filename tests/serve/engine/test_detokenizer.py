@@ -20,8 +20,9 @@ def bpe():
 
 @pytest.fixture(scope="module")
 def word_level(tmp_path_factory):
-    from tests.support.checkpoints import build_tokenizer
     from transformers import AutoTokenizer
+
+    from tests.support.checkpoints import build_tokenizer
 
     path = build_tokenizer(tmp_path_factory.mktemp("wordlevel"), 256)
     return AutoTokenizer.from_pretrained(str(path))

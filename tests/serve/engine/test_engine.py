@@ -53,9 +53,8 @@ def default_engine(tmp_path_factory: pytest.TempPathFactory) -> EngineCore:
 def reference(llama_gqa_dir: Path):
     """``reference(prompt, n)``: greedy tokens of a plain offline loop over the executor, one
     sequence at a time (prefill, then decodes picking the argmax), eager, own KV cache."""
-    from tests.support.paged_host import PagedHost
-
     from models import load_model
+    from tests.support.paged_host import PagedHost
     from xhal import platforms
     from xhal.executor import ExecutorConfig, ModelExecutor
 
@@ -190,7 +189,9 @@ def test_eos_finishes_with_stop_unless_ignored(llama_gqa_dir: Path, reference) -
     assert outputs["ignore"][-1].finish_reason == "length"
 
 
-def test_stop_token_ids_finish_after_the_token_even_ignoring_eos(llama_gqa_dir: Path, reference) -> None:
+def test_stop_token_ids_finish_after_the_token_even_ignoring_eos(
+    llama_gqa_dir: Path, reference
+) -> None:
     engine = _engine(llama_gqa_dir)
     prompt = _prompts([12], seed=3)[0]
     expected = reference(prompt)

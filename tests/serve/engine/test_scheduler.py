@@ -4,15 +4,14 @@ changes the output."""
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
-
 import ast
 import random
 
 import pytest
-from tests.support.fake_model import next_token, reference_output
 
 from serve_cli.engine import BlockManager, Request, RequestStatus, ScheduledBatch, Scheduler
+from tests.support.fake_model import next_token, reference_output
+from tests.support.paths import REPO
 
 ENGINE_DIR = REPO / "serve_cli" / "engine"
 

@@ -1,4 +1,5 @@
-"""A CPU emulation of the FlashInfer 0.5.3 API that ``xhal.platforms.cuda.attention`` calls. TESTS ONLY.
+"""A CPU emulation of the FlashInfer 0.5.3 API that ``xhal.platforms.cuda.attention`` calls. TESTS
+ONLY.
 
 ``install()`` puts the emulated module (``flashinfer_emulation.module``) at
 ``sys.modules["flashinfer"]``; ``uninstall()`` takes it away again. The plugin

@@ -12,7 +12,8 @@ import torch
 from xhal.platforms.cpu_ref.kernels.paged_attention import attend
 
 # The positional arguments of each module's plan in 0.5.3, as decode.py passes them
-# (csrc/batch_prefill.cu BatchPrefillWithKVCachePlan, csrc/batch_decode.cu BatchDecodeWithPagedKVCachePlan).
+# (csrc/batch_prefill.cu BatchPrefillWithKVCachePlan, csrc/batch_decode.cu
+# BatchDecodeWithPagedKVCachePlan).
 TENSOR_CORE_PLAN = (
     "float_ws", "int_ws", "pinned_ws", "qo_indptr", "indptr", "kv_lens", "total_num_rows", "batch",
     "num_qo_heads", "num_kv_heads", "page_size", "cuda_graph", "head_dim_qk", "head_dim_vo",
@@ -44,7 +45,8 @@ if not _registered():
 
     @torch.library.impl(_lib, "paged_decode", "CPU")
     def _paged_decode(
-        schedule, q, k_cache, v_cache, indptr, indices, last_page_len, out, window_left, soft_cap, sm_scale
+        schedule, q, k_cache, v_cache, indptr, indices, last_page_len, out, window_left, soft_cap,
+        sm_scale,
     ):  # fmt: skip
         """One query token per sequence. A sequence's page count comes from the plan's schedule
         (the work split), its first page, page ids and last-page length from the live buffers."""
@@ -94,35 +96,64 @@ class CompiledModule:
     def plan(self, *args: object) -> list[int]:
         layout = TENSOR_CORE_PLAN if self.tensor_cores else CUDA_CORE_PLAN
         name = "FA2 prefill" if self.tensor_cores else "batch decode"
-        check(len(args) == len(layout), f"the {name} module's plan takes {len(layout)} arguments, got {len(args)}")
+        check(
+            len(args) == len(layout),
+            f"the {name} module's plan takes {len(layout)} arguments, got {len(args)}",
+        )
         a = SimpleNamespace(**dict(zip(layout, args)))
-        check(isinstance(a.batch, int) and a.batch > 0, f"batch_size must be a positive int, got {a.batch!r}")
+        check(
+            isinstance(a.batch, int) and a.batch > 0,
+            f"batch_size must be a positive int, got {a.batch!r}",
+        )
         _check_host_int32(a.indptr, a.batch + 1, "kv indptr")
-        check(int(a.indptr[0]) == 0 and bool((a.indptr.diff() >= 0).all()), "kv indptr must start at 0, never fall")
+        check(
+            int(a.indptr[0]) == 0 and bool((a.indptr.diff() >= 0).all()),
+            "kv indptr must start at 0, never fall",
+        )
         for ws in ("float_ws", "int_ws", "pinned_ws"):
             check(getattr(a, ws).dtype == torch.uint8, f"{ws} must be a uint8 workspace")
         check(a.pinned_ws.device.type == "cpu", "the pinned int workspace must be on the host")
         heads = (a.num_qo_heads, a.num_kv_heads, a.page_size)
         check(all(isinstance(x, int) and x > 0 for x in heads), f"heads and page size: {heads}")
         dims = (a.head_dim_qk, a.head_dim_vo)
-        check(dims == (self.head_dim, self.head_dim), f"head dims {dims}, compiled for {self.head_dim}")
+        check(
+            dims == (self.head_dim, self.head_dim),
+            f"head dims {dims}, compiled for {self.head_dim}",
+        )
         check(isinstance(a.cuda_graph, bool), "enable_cuda_graph must be a bool")
-        check(isinstance(a.window_left, int) and (a.window_left != -1) == self.use_window, "window_left")
+        check(
+            isinstance(a.window_left, int) and (a.window_left != -1) == self.use_window,
+            "window_left",
+        )
         if self.tensor_cores:
-            check(a.total_num_rows == a.batch, "tensor-core decode plans total_num_rows == batch_size")
+            check(
+                a.total_num_rows == a.batch, "tensor-core decode plans total_num_rows == batch_size"
+            )
             _check_host_int32(a.qo_indptr, a.batch + 1, "qo_indptr")
-            check(torch.equal(a.qo_indptr, torch.arange(a.batch + 1, dtype=torch.int32)), "qo_indptr: 0..batch")
+            check(
+                torch.equal(a.qo_indptr, torch.arange(a.batch + 1, dtype=torch.int32)),
+                "qo_indptr: 0..batch",
+            )
             _check_host_int32(a.kv_lens, a.batch, "kv_len_arr")
             check(a.causal is False, "decode plans causal=False")
             check(a.fixed_split_size == -1 or a.fixed_split_size > 0, "fixed_split_size: -1 or > 0")
             check(isinstance(a.disable_split_kv, bool), "disable_split_kv must be a bool")
             check(isinstance(a.num_colocated_ctas, int), "num_colocated_ctas must be an int")
         else:
-            check(isinstance(a.logits_soft_cap, float), f"logits_soft_cap must be a float: {a.logits_soft_cap!r}")
-            check((a.logits_soft_cap > 0) == self.use_soft_cap, "logits_soft_cap vs the compiled module")
+            check(
+                isinstance(a.logits_soft_cap, float),
+                f"logits_soft_cap must be a float: {a.logits_soft_cap!r}",
+            )
+            check(
+                (a.logits_soft_cap > 0) == self.use_soft_cap,
+                "logits_soft_cap vs the compiled module",
+            )
             for tag, dtype in (("q_dtype_tag", self.q_dtype), ("kv_dtype_tag", self.kv_dtype)):
                 t = getattr(a, tag)
-                check(isinstance(t, torch.Tensor) and t.numel() == 0 and t.dtype == dtype, f"{tag}: empty {dtype}")
+                check(
+                    isinstance(t, torch.Tensor) and t.numel() == 0 and t.dtype == dtype,
+                    f"{tag}: empty {dtype}",
+                )
         # 0.5.3's scheduler reads the page indptr alone (PrefillSplitQOKVIndptr), never kv_lens
         schedule_view(a.int_ws, a.batch).copy_(a.indptr)
         return [a.batch, a.page_size, a.num_qo_heads, a.num_kv_heads]
@@ -132,7 +163,8 @@ _modules: dict[tuple, CompiledModule] = {}
 
 
 def compiled_module(*key) -> CompiledModule:
-    """The module for ``CompiledModule(*key)``, built once (as FlashInfer loads a JIT module once)."""
+    """The module for ``CompiledModule(*key)``, built once (as FlashInfer loads a JIT module
+    once)."""
     if key not in _modules:
         _modules[key] = CompiledModule(*key)
     return _modules[key]

@@ -1,8 +1,9 @@
-"""TEST-ONLY plugin: the CUDA platform's FlashInfer attention (``xhal.platforms.cuda.attention``) on the
-FlashInfer emulation, everything else the CPU reference.
+"""TEST-ONLY plugin: the CUDA platform's FlashInfer attention (``xhal.platforms.cuda.attention``) on
+the FlashInfer emulation, everything else the CPU reference.
 
 ``XHAL_PLUGINS=tests.support.flashinfer_emulation.plugin`` (or ``xhal-conformance --plugin
-tests.support.flashinfer_emulation.plugin``) registers "flashinfer-emulated". Its attention backend is
+tests.support.flashinfer_emulation.plugin``) registers "flashinfer-emulated". Its attention backend
+is
 ``FlashInferAttention`` unchanged but for the KV write (the reference's, which the CPU graph
 runner records as one call, where it cannot record an interpreted Triton kernel). The emulation is
 installed when the platform is created, not when this module is imported.
@@ -34,7 +35,8 @@ class EmulatedFlashInferPlatform(CpuPlatform):
         ),
         ops_dtypes=(torch.float32, torch.bfloat16, torch.float16),
         notes=(
-            "xhal.platforms.cuda's FlashInferAttention on a CPU emulation of FlashInfer 0.5.3 (tests only)",
+            "xhal.platforms.cuda's FlashInferAttention on a CPU emulation of FlashInfer 0.5.3 "
+            "(tests only)",
         ),
     )
 

@@ -58,14 +58,17 @@ def _check_out(query, kw, attention_out, softmax_lse) -> None:
     if attention_out.shape != query.shape or attention_out.dtype != query.dtype:
         raise fail(f"attention_out is {attention_out.dtype} {tuple(attention_out.shape)}; the doc: "
                    "its shape is query's (TND), dtype query's")
-    # the doc: softmaxLse '数据类型支持float32', '当input_layout为TND时, 输出shape为(T,Q_N,1)的Tensor;
+    # the doc: softmaxLse '数据类型支持float32',
+    # '当input_layout为TND时, 输出shape为(T,Q_N,1)的Tensor;
     # softmax_lse_flag为False时, 则输出shape为[1]的值为0的Tensor'
     flag = kw.get("softmax_lse_flag", False)
     shape = (*query.shape[:2], 1) if flag else (1,)
     if tuple(softmax_lse.shape) != shape or softmax_lse.dtype != torch.float32:
-        raise fail(f"softmax_lse is {softmax_lse.dtype} {tuple(softmax_lse.shape)}, expected "
-                   f"float32 {shape} with softmax_lse_flag={flag}: the doc gives softmax_lse "
-                   "float32, (T, Q_N, 1) with the flag and [1] without")
+        raise fail(
+            f"softmax_lse is {softmax_lse.dtype} {tuple(softmax_lse.shape)}, expected "
+            f"float32 {shape} with softmax_lse_flag={flag}: the doc gives softmax_lse "
+            "float32, (T, Q_N, 1) with the flag and [1] without"
+        )
 
 
 def _fia_out(query, key, value, *, workspace=None, attention_out, softmax_lse, **kwargs):
@@ -103,7 +106,8 @@ npu_fused_infer_attention_score = real_op(
     "npu_fused_infer_attention_score", _fia, overloads={"out": _fia_out}, dispatch=_dispatch
 )
 _npu_fused_infer_attention_score_get_max_workspace = real_op(
-    "_npu_fused_infer_attention_score_get_max_workspace", _get_max_workspace,
+    "_npu_fused_infer_attention_score_get_max_workspace",
+    _get_max_workspace,
     meta_from="npu_fused_infer_attention_score",
 )
 

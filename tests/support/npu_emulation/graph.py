@@ -3,15 +3,17 @@ protocols, ``ExternalEvent`` (``torch_npu/npu/graphs.py`` of the wheel).
 
 Capture runs the work once under a ``TorchDispatchMode`` that records every op with the very
 tensors it touched; replay re-runs exactly those ops on those tensors (as
-``xhal/platforms/cpu_ref/graph.py``): in-place ops mutate again, out-of-place results are copied into the
-captured outputs. So everything Python-side is baked at capture, and in particular FIA's host int
-lists (``actual_seq_lengths*``): they are arguments of the one recorded FIA entry and change only
-through
+``xhal/platforms/cpu_ref/graph.py``): in-place ops mutate again, out-of-place results are copied
+into the captured outputs. So everything Python-side is baked at capture, and in particular FIA's
+host int lists (``actual_seq_lengths*``): they are arguments of the one recorded FIA entry and
+change only through
 
-* the manual protocol (vllm-ascend's ``update_graph_params``): ``graph_task_group_begin(s)`` / FIA / ``h = graph_task_group_end(s)``
-  under capture; later ``graph_task_update_begin(update_stream, h)``, FIA re-issued with new
-  arguments on ``update_stream``, ``graph_task_update_end(update_stream)``;
-* the automatic one (``NPUGraph.update`` of ``graphs.py``): capture with ``auto_dispatch_capture=True``, then
+* the manual protocol (vllm-ascend's ``update_graph_params``): ``graph_task_group_begin(s)`` / FIA /
+  ``h = graph_task_group_end(s)`` under capture; later ``graph_task_update_begin(update_stream,
+  h)``, FIA re-issued with new arguments on ``update_stream``,
+  ``graph_task_update_end(update_stream)``;
+* the automatic one (``NPUGraph.update`` of ``graphs.py``): capture with
+``auto_dispatch_capture=True``, then
   ``g.update(cpu_update_input=[{...}])`` before replay.
 
 A captured ``ExternalEvent.wait`` blocks a replay until the event is recorded outside the graph:
@@ -37,8 +39,12 @@ from .task_update import validate
 
 # ops that read tensor values on the host or size outputs by them: illegal under capture
 _HOST_SYNC_OPS = {
-    "aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::item",
-    "aten::equal", "aten::is_nonzero",
+    "aten::_local_scalar_dense",
+    "aten::nonzero",
+    "aten::masked_select",
+    "aten::item",
+    "aten::equal",
+    "aten::is_nonzero",
 }
 _COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional"}
 
@@ -104,8 +110,10 @@ class ExternalEvent:
 
     def wait(self, stream: Stream | None = None) -> None:
         if not self._captured(stream, "wait") and not self.recorded:
-            raise RuntimeError("ExternalEvent.wait outside a graph on an event never recorded: the "
-                               "stream would block forever (emulated torch_npu)")
+            raise RuntimeError(
+                "ExternalEvent.wait outside a graph on an event never recorded: the "
+                "stream would block forever (emulated torch_npu)"
+            )
 
     def reset(self, stream: Stream | None = None) -> None:
         if not self._captured(stream, "reset"):
@@ -130,8 +138,10 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs, g, name = kwargs or {}, self.graph, func._schema.name
         if name in _HOST_SYNC_OPS:
-            raise RuntimeError(f"{name} ran under NPU graph capture: it syncs with the host or "
-                               "sizes its output by tensor values (emulated torch_npu)")
+            raise RuntimeError(
+                f"{name} ran under NPU graph capture: it syncs with the host or "
+                "sizes its output by tensor values (emulated torch_npu)"
+            )
         if g._group is not None and name.split("::")[0] in _COLLECTIVE_NAMESPACES:
             raise RuntimeError(
                 f"collective {name} issued inside a graph task group: capture fails with 507009 on "
@@ -174,11 +184,15 @@ class NPUGraph:
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
         s = current_stream()
         if capture_error_mode not in ("global", "thread_local", "relaxed"):
-            raise RuntimeError(f"capture_error_mode must be global, thread_local or relaxed, got "
-                               f"{capture_error_mode!r}")
+            raise RuntimeError(
+                f"capture_error_mode must be global, thread_local or relaxed, got "
+                f"{capture_error_mode!r}"
+            )
         if s is default_stream():
-            raise RuntimeError("NPU graphs cannot be captured on the default stream; capture on a "
-                               "side stream (torch.npu.graph(...) does)")
+            raise RuntimeError(
+                "NPU graphs cannot be captured on the default stream; capture on a "
+                "side stream (torch.npu.graph(...) does)"
+            )
         if s in runtime.capturing:
             raise RuntimeError(f"{s!r} is already capturing a graph")
         self.reset()
@@ -208,7 +222,8 @@ class NPUGraph:
         flat, _ = tree_flatten(result)
         returns = func._schema.returns
         outputs = [
-            t if isinstance(t, torch.Tensor) and not (i < len(returns) and returns[i].alias_info)
+            t
+            if isinstance(t, torch.Tensor) and not (i < len(returns) and returns[i].alias_info)
             else None
             for i, t in enumerate(flat)
         ]
@@ -234,9 +249,11 @@ class NPUGraph:
         if not self._captured:
             raise RuntimeError("replay() before a completed capture")
         if any(g._replay_stream is current_stream() for g in runtime.blocked_replays):
-            raise RuntimeError("replay() on a stream where an earlier replay is still blocked on a "
-                               "captured ExternalEvent.wait nobody recorded: a device would hang "
-                               "here; update the graph before (or right after) every replay")
+            raise RuntimeError(
+                "replay() on a stream where an earlier replay is still blocked on a "
+                "captured ExternalEvent.wait nobody recorded: a device would hang "
+                "here; update the graph before (or right after) every replay"
+            )
         self._replay_stream = current_stream()
         self._run(0)
 
@@ -268,29 +285,39 @@ class NPUGraph:
     # automatic update (torch_npu _GraphDispatchMode.update_capture_record) -----------
     def update(self, cpu_update_input: list[dict[str, Any]]) -> None:
         if not self.auto_dispatch_capture:
-            raise RuntimeError("The current graph configuration does not support update, Try to "
-                               "capture by setting auto_dispatch_capture=True during capture")
+            raise RuntimeError(
+                "The current graph configuration does not support update, Try to "
+                "capture by setting auto_dispatch_capture=True during capture"
+            )
         inputs = list(cpu_update_input)
         if len(inputs) == 1:
             inputs = [dict(inputs[0]) for _ in self._records]
         if len(inputs) != len(self._records):
-            raise RuntimeError(f"Currently, there are {len(self._records)} operators that need to "
-                               f"be updated by capture, and there are only {len(inputs)} elements "
-                               "in the incoming cpu_update_input list")
+            raise RuntimeError(
+                f"Currently, there are {len(self._records)} operators that need to "
+                f"be updated by capture, and there are only {len(inputs)} elements "
+                "in the incoming cpu_update_input list"
+            )
         if NPUGraph._update_stream is None:
             NPUGraph._update_stream = Stream()
         for (event, handle), update_input in zip(self._records, inputs):
             (entry,) = handle.entries
             # like torch_npu: only keys the captured call passed are replaced, others are ignored
             kwargs = dict(entry.kwargs)
-            kwargs.update({k: list(v) if isinstance(v, (list, tuple)) else v  # copied, as a device
-                           for k, v in update_input.items() if k in kwargs})  # task holds values
+            kwargs.update(
+                {
+                    k: list(v) if isinstance(v, (list, tuple)) else v  # copied, as a device
+                    for k, v in update_input.items()
+                    if k in kwargs
+                }
+            )  # task holds values
             validate(entry.func, entry.args, kwargs)
             entry.kwargs = kwargs
             event.record(NPUGraph._update_stream)
 
 
-# task groups (graphs.py: graph_task_group_begin/end); their manual update is in task_update.py --------------------------
+# task groups (graphs.py: graph_task_group_begin/end); their manual update is in task_update.py
+# --------------------------
 def graph_task_group_begin(stream: Stream) -> None:
     g = runtime.capturing.get(stream)
     if g is None:

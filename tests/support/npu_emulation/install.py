@@ -18,35 +18,49 @@ from . import fia, graph, moe_ops, ops, registry, runtime, task_update
 
 BANNER = (
     "EMULATED torch_npu -- xhal TEST EMULATION, NOT the real Ascend torch_npu. Plain torch on CPU "
-    "tensors behind the real torch-npu wheel's schemas and meta functions; never ship or install it "
+    "tensors behind the real torch-npu wheel's schemas and meta functions; never ship or install "
+    "it "
     "as torch_npu."
 )
 
 _NPU_NAMES = {
-    "NPUGraph": graph.NPUGraph, "graph": graph.graph, "graph_pool_handle": graph.graph_pool_handle,
+    "NPUGraph": graph.NPUGraph,
+    "graph": graph.graph,
+    "graph_pool_handle": graph.graph_pool_handle,
     "graph_task_group_begin": graph.graph_task_group_begin,
     "graph_task_group_end": graph.graph_task_group_end,
     "graph_task_update_begin": task_update.graph_task_update_begin,
     "graph_task_update_end": task_update.graph_task_update_end,
     "is_current_stream_capturing": graph.is_current_stream_capturing,
-    "ExternalEvent": graph.ExternalEvent, "Event": runtime.Event, "Stream": runtime.Stream,
-    "stream": runtime.stream, "current_stream": runtime.current_stream,
-    "default_stream": runtime.default_stream, "synchronize": runtime.synchronize,
-    "set_device": runtime.set_device, "current_device": runtime.current_device,
-    "is_available": runtime.is_available, "device_count": runtime.device_count,
-    "mem_get_info": runtime.mem_get_info, "empty_cache": runtime.empty_cache,
+    "ExternalEvent": graph.ExternalEvent,
+    "Event": runtime.Event,
+    "Stream": runtime.Stream,
+    "stream": runtime.stream,
+    "current_stream": runtime.current_stream,
+    "default_stream": runtime.default_stream,
+    "synchronize": runtime.synchronize,
+    "set_device": runtime.set_device,
+    "current_device": runtime.current_device,
+    "is_available": runtime.is_available,
+    "device_count": runtime.device_count,
+    "mem_get_info": runtime.mem_get_info,
+    "empty_cache": runtime.empty_cache,
     "get_device_name": runtime.get_device_name,
 }
 _OPS = {
     "npu_fused_infer_attention_score": fia.npu_fused_infer_attention_score,
-    "_npu_fused_infer_attention_score_get_max_workspace":
-        fia._npu_fused_infer_attention_score_get_max_workspace,
+    "_npu_fused_infer_attention_score_get_max_workspace": (
+        fia._npu_fused_infer_attention_score_get_max_workspace
+    ),
     "npu_scatter_pa_kv_cache": ops.npu_scatter_pa_kv_cache,
     "_npu_reshape_and_cache": ops._npu_reshape_and_cache,
     "npu_scatter_nd_update_": ops.npu_scatter_nd_update_,
-    "npu_rms_norm": ops.npu_rms_norm, "npu_add_rms_norm": ops.npu_add_rms_norm,
-    "npu_swiglu": ops.npu_swiglu, "npu_mrope": ops.npu_mrope,
-    "_npu_rotary_embedding": ops._npu_rotary_embedding, "npu_top_k_top_p": ops.npu_top_k_top_p,
+    "npu_rms_norm": ops.npu_rms_norm,
+    "npu_add_rms_norm": ops.npu_add_rms_norm,
+    "npu_swiglu": ops.npu_swiglu,
+    "npu_mrope": ops.npu_mrope,
+    "_npu_rotary_embedding": ops._npu_rotary_embedding,
+    "npu_top_k_top_p": ops.npu_top_k_top_p,
     **moe_ops.OPS,
 }
 
@@ -68,8 +82,10 @@ def install() -> types.ModuleType:
     if is_installed():
         return sys.modules["torch_npu"]
     if "torch_npu" in sys.modules or hasattr(torch, "npu"):
-        raise RuntimeError("a torch_npu module or torch.npu is already present; the emulation "
-                           "never shadows a real torch_npu")
+        raise RuntimeError(
+            "a torch_npu module or torch.npu is already present; the emulation "
+            "never shadows a real torch_npu"
+        )
     registry.define_all()  # the wheel's schemas (raises wheel.WheelUnavailable without the wheel)
     npu = _module("torch_npu.npu", _NPU_NAMES)
     mod = _module("torch_npu", dict(_OPS))

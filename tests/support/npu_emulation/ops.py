@@ -279,15 +279,21 @@ def _top_k_top_p(logits, p=None, k=None):
         if k.dtype != torch.int32 or tuple(k.shape) != (batch,):
             raise _fail(op, f"k must be int32 [B={batch}], got {k.dtype} {tuple(k.shape)}")
         if batch and (int(k.min()) < 1 or int(k.max()) > min(1024, vocab)):
-            raise _fail(op, f"k values {k.tolist()}; the doc: '值域为[1, 1024]，且最大值需要小于等于"
-                        f"logits.size(1)' (V={vocab})")
+            raise _fail(
+                op,
+                f"k values {k.tolist()}; the doc: '值域为[1, 1024]，且最大值需要小于等于"
+                f"logits.size(1)' (V={vocab})",
+            )
         # the doc's steps 2-4: the k-th largest value is the threshold, smaller ones are -inf
         kth = x.sort(dim=-1, descending=True).values.gather(1, k.long()[:, None] - 1)
         x = x.masked_fill(x < kth, float("-inf"))
     if p is not None:
         if p.dtype != logits.dtype or tuple(p.shape) != (batch,):
-            raise _fail(op, f"p must be {logits.dtype} [B={batch}], got {p.dtype} {tuple(p.shape)};"
-                        " the doc: '数据类型需要与logits一致'")
+            raise _fail(
+                op,
+                f"p must be {logits.dtype} [B={batch}], got {p.dtype} {tuple(p.shape)};"
+                " the doc: '数据类型需要与logits一致'",
+            )
         # steps 5-8: ascending cumulative probability <= 1 - p is dropped, the largest kept; the
         # same as keeping a token while the mass ranked above it is below p
         probs, order = x.softmax(dim=-1).sort(dim=-1, descending=True)

@@ -1,9 +1,11 @@
-"""TEST-ONLY plugin: the NPU platform's own code (``xhal.platforms.npu``) on the torch_npu emulation.
+"""TEST-ONLY plugin: the NPU platform's own code (``xhal.platforms.npu``) on the torch_npu
+emulation.
 
 ``XHAL_PLUGINS=tests.support.npu_emulation.plugin`` (or ``xhal-conformance --plugin
-tests.support.npu_emulation.plugin``) registers ``EmulatedNpuPlatform`` as "npu", replacing the built-in.
-It is ``NpuPlatform`` unchanged except that its tensors live on the CPU (the emulated device) and
-its collectives run on gloo; creating it installs the emulation (a ``torch_npu`` module and a
+tests.support.npu_emulation.plugin``) registers ``EmulatedNpuPlatform`` as "npu", replacing the
+built-in. It is ``NpuPlatform`` unchanged except that its tensors live on the CPU (the emulated
+device) and its collectives run on gloo; creating it installs the emulation (a ``torch_npu`` module
+and a
 ``torch.npu`` namespace) and makes its DeviceOps the ones serving "cpu" tensors for the rest of
 the process (ARCHITECTURE.md, "DeviceOps"), so the suite and the served model exercise the NPU ops,
 not the CPU reference's.
@@ -32,7 +34,9 @@ class EmulatedNpuPlatform(NpuPlatform):
 
         install()
         super().__init__()
-        if activate_ops:  # ARCHITECTURE.md ("DeviceOps"): the emulated platform serves "cpu" while it runs
+        if (
+            activate_ops
+        ):  # ARCHITECTURE.md ("DeviceOps"): the emulated platform serves "cpu" while it runs
             ops.activate("cpu", self.ops)
 
     @classmethod

@@ -15,9 +15,10 @@ gives a callable for the emulated ``torch_npu`` module that, on every call,
 
 Overloads: ``real_op(name, kernel, overloads={"out": out_kernel})`` exposes ``op.out(...)``; an
 overload without a meta function of its own (FIA's ``.out``) is checked with the base op's meta
-on its inputs (``meta_from=`` names another op whose meta takes the same inputs). ATB ops come with no meta function in the wheel; they are bound to the schema of
-their C++ declaration and counted as "no meta". ``dispatch=`` replaces the plain ``torch.ops``
-call (FIA uses it to queue re-issued calls of a graph update).
+on its inputs (``meta_from=`` names another op whose meta takes the same inputs). ATB ops come with
+no meta function in the wheel; they are bound to the schema of their C++ declaration and counted as
+"no meta". ``dispatch=`` replaces the plain ``torch.ops`` call (FIA uses it to queue re-issued calls
+of a graph update).
 
 Ops are defined lazily, by ``define_all()`` (``install()`` calls it), so that importing the
 emulation needs no wheel. Every bind and every meta check is counted in ``COUNTS``; with
@@ -61,8 +62,13 @@ def _call(op: Any, args: tuple, kwargs: dict) -> Any:
 class _Overload:
     """One overload: the schema, its ``torch.ops`` handle once defined, the kernel behind it."""
 
-    def __init__(self, packet: RealOp, overload: str, kernel: Callable[..., Any],
-                 meta_from: str | None = None) -> None:
+    def __init__(
+        self,
+        packet: RealOp,
+        overload: str,
+        kernel: Callable[..., Any],
+        meta_from: str | None = None,
+    ) -> None:
         self.packet, self.overload, self.kernel = packet, overload, kernel
         self.full_name = packet.name + (f".{overload}" if overload else "")
         self.meta_from = meta_from or packet.name  # whose meta checks this op's inputs
@@ -89,8 +95,10 @@ class _Overload:
             try:
                 inferred = fn(*to_meta(args), **to_meta(inputs))
             except (RuntimeError, IndexError, ValueError) as err:  # torch._check, or a bad dim
-                raise RuntimeError(f"{self.full_name}: refused by torch_npu's meta function "
-                                   f"(_meta_registrations.py): {err}") from err
+                raise RuntimeError(
+                    f"{self.full_name}: refused by torch_npu's meta function "
+                    f"(_meta_registrations.py): {err}"
+                ) from err
             COUNTS[self.full_name]["meta"] += 1
         else:
             COUNTS[self.full_name]["no_meta"] += 1
@@ -102,8 +110,10 @@ class _Overload:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.op is None:
-            raise RuntimeError(f"torch_npu.{self.full_name} is used before the emulation is "
-                               "installed (npu_emulation.install())")
+            raise RuntimeError(
+                f"torch_npu.{self.full_name} is used before the emulation is "
+                "installed (npu_emulation.install())"
+            )
         bound = binding.bind(self.schema, args, kwargs)
         COUNTS[self.full_name]["bound"] += 1
         positional, keyword = binding.split(self.schema, bound)
@@ -128,9 +138,14 @@ def _compare(name: str, inferred: Any, result: Any) -> None:
 class RealOp(_Overload):
     """An emulated torch_npu op (its default overload), with ``.<overload>`` attributes."""
 
-    def __init__(self, name: str, kernel: Callable[..., Any],
-                 overloads: dict[str, Callable[..., Any]] | None = None,
-                 dispatch: Dispatch = _call, meta_from: str | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        kernel: Callable[..., Any],
+        overloads: dict[str, Callable[..., Any]] | None = None,
+        dispatch: Dispatch = _call,
+        meta_from: str | None = None,
+    ) -> None:
         self.name, self.dispatch = name, dispatch
         super().__init__(self, "", kernel, meta_from)
         self.overloads = {ov: _Overload(self, ov, k) for ov, k in (overloads or {}).items()}
@@ -139,9 +154,14 @@ class RealOp(_Overload):
         self.__name__ = name
 
 
-def real_op(name: str, kernel: Callable[..., Any], *,
-            overloads: dict[str, Callable[..., Any]] | None = None,
-            dispatch: Dispatch = _call, meta_from: str | None = None) -> RealOp:
+def real_op(
+    name: str,
+    kernel: Callable[..., Any],
+    *,
+    overloads: dict[str, Callable[..., Any]] | None = None,
+    dispatch: Dispatch = _call,
+    meta_from: str | None = None,
+) -> RealOp:
     """The emulated ``torch_npu.<name>``: real schema, real meta function, ``kernel`` behind.
     ``meta_from`` names the op whose meta function checks the inputs when ``name`` has none of
     its own (FIA's workspace query takes FIA's arguments)."""

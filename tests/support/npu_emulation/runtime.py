@@ -1,4 +1,5 @@
-"""Emulated ``torch.npu`` runtime services: device queries, streams, events (``torch_npu/npu/streams.py`` of the wheel).
+"""Emulated ``torch.npu`` runtime services: device queries, streams, events
+(``torch_npu/npu/streams.py`` of the wheel).
 
 The emulated device is the CPU, and work runs synchronously when it is issued, so a stream is only
 a name that graph capture and the update protocol check. The one asynchronous thing emulated is a

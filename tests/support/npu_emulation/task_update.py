@@ -1,6 +1,6 @@
-"""The manual task-group update protocol (``graphs.py`` of the wheel, as vllm-ascend uses it): ``graph_task_update_begin(stream,
-handle)``, ops re-issued on ``stream`` (queued, not run), ``graph_task_update_end(stream)`` replaces
-the arguments of the group's recorded entries."""
+"""The manual task-group update protocol (``graphs.py`` of the wheel, as vllm-ascend uses it):
+``graph_task_update_begin(stream, handle)``, ops re-issued on ``stream`` (queued, not run),
+``graph_task_update_end(stream)`` replaces the arguments of the group's recorded entries."""
 
 from __future__ import annotations
 
@@ -33,13 +33,16 @@ def graph_task_update_begin(stream: Stream, handle: TaskGroupHandle) -> None:
     from .graph import TaskGroupHandle  # graph.py imports this module
 
     if not isinstance(handle, TaskGroupHandle):
-        raise TypeError(f"graph_task_update_begin: handle must come from graph_task_group_end, "
-                        f"got {type(handle).__name__}")
+        raise TypeError(
+            f"graph_task_update_begin: handle must come from graph_task_group_end, "
+            f"got {type(handle).__name__}"
+        )
     if _session is not None:
         raise RuntimeError("graph_task_update_begin: an update is already open")
     if stream is handle.capture_stream:
-        raise RuntimeError("graph_task_update_begin: the update stream must differ from the "
-                           "capture stream")
+        raise RuntimeError(
+            "graph_task_update_begin: the update stream must differ from the capture stream"
+        )
     if stream in runtime.capturing:
         raise RuntimeError("graph_task_update_begin on a capturing stream")
     _session = _UpdateSession(stream, handle)

@@ -1,6 +1,7 @@
 """The torch-npu wheel the emulation reads its API from: pinned here, fetched once, never installed.
 
-The wheel is downloaded with pip (``pip download --no-deps``; importing torch_npu without CANN breaks
+The wheel is downloaded with pip (``pip download --no-deps``; importing torch_npu without CANN
+breaks
 ``import torch``, so it is only unzipped) into ``$XHAL_CACHE_DIR/torch-npu-<version>/`` (default
 ``~/.cache/xhal``), and the few text files the emulation reads are extracted next to it. Later runs,
 and the subprocesses of a run (conformance, the server), find them there and download nothing.
@@ -26,8 +27,17 @@ from xhal.env import cache_dir
 
 TORCH_NPU_VERSION = "2.14.0"  # the one pin: schemas, docs and meta functions all come from it
 # the files are the same text in every build of a release; pin one build so any host fetches it
-_PIP_TARGET = ("--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
-               "--platform", "manylinux_2_28_x86_64", "--only-binary=:all:")
+_PIP_TARGET = (
+    "--python-version",
+    "3.11",
+    "--implementation",
+    "cp",
+    "--abi",
+    "cp311",
+    "--platform",
+    "manylinux_2_28_x86_64",
+    "--only-binary=:all:",
+)
 
 _MEMBERS = {
     "yaml": "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml",
@@ -83,8 +93,18 @@ def _download(root: Path) -> Path:
         return wheels[0]
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", *_PIP_TARGET,
-               f"torch-npu=={TORCH_NPU_VERSION}", "-d", tmp]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--quiet",
+            *_PIP_TARGET,
+            f"torch-npu=={TORCH_NPU_VERSION}",
+            "-d",
+            tmp,
+        ]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
         except (OSError, subprocess.TimeoutExpired) as err:
@@ -111,8 +131,9 @@ def _extract(wheel: Path, extracted: Path) -> None:
                 zf.extract(member, tmp)
     except (zipfile.BadZipFile, KeyError, OSError) as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise WheelUnavailable(f"{wheel} is not a readable torch-npu wheel ({err}); delete it "
-                               "to download it again") from err
+        raise WheelUnavailable(
+            f"{wheel} is not a readable torch-npu wheel ({err}); delete it to download it again"
+        ) from err
     if extracted.exists() and not all((extracted / m).is_file() for m in _MEMBERS.values()):
         shutil.rmtree(extracted, ignore_errors=True)  # from an older member list: redo it
     try:

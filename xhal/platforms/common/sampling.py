@@ -31,7 +31,9 @@ def sample(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     generator: torch.Generator | None = None,
-    filter_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = top_k_top_p_filter,
+    filter_fn: Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+    ] = top_k_top_p_filter,
 ) -> torch.Tensor:
     """``DeviceOps.sample`` semantics; ``filter_fn(scaled, k, top_p)`` may be a device kernel."""
     logits = logits.float()

@@ -52,7 +52,9 @@ def _kv_rows(block_rows: torch.Tensor, positions: torch.Tensor, block_size: int)
     return block_rows[..., positions // block_size] * block_size + positions % block_size
 
 
-def _chunk(start: int, q_len: int, kv_len: int, block_row: torch.Tensor, spec: AttentionSpec) -> _Chunk:
+def _chunk(
+    start: int, q_len: int, kv_len: int, block_row: torch.Tensor, spec: AttentionSpec
+) -> _Chunk:
     positions = torch.arange(kv_len)
     kv_rows = _kv_rows(block_row, positions, spec.block_size)
     window = spec.sliding_window or 0
@@ -89,12 +91,20 @@ def make_plan(metadata: AttentionMetadata, spec: AttentionSpec) -> _Plan:
         positions = torch.arange(int(lens.max()))
         visible = _visible(lens, positions, spec.sliding_window or 0)  # [Bd, Lmax]
         # rows past a sequence's length may name stale blocks: read row 0 there, masked anyway
-        decode_kv_rows = _kv_rows(block_table[seqs], positions, spec.block_size).masked_fill(~visible, 0)
+        decode_kv_rows = _kv_rows(block_table[seqs], positions, spec.block_size).masked_fill(
+            ~visible, 0
+        )
         if not bool(visible.all()):
             decode_mask = visible[:, None, None, :]
     decode_only = not chunks and len(decode) == starts == metadata.num_tokens
     return _Plan(
-        write_rows, write_slots, decode_rows, decode_kv_rows, decode_mask, tuple(chunks), starts,
+        write_rows,
+        write_slots,
+        decode_rows,
+        decode_kv_rows,
+        decode_mask,
+        tuple(chunks),
+        starts,
         decode_only,
     )
 
@@ -162,7 +172,9 @@ class FastCpuAttention(AttentionBackend):
             )
         self._plan = make_plan(metadata, self.spec)
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         plan = self._plan
         if plan is None:
             raise RuntimeError("FastCpuAttention.forward called before plan(metadata)")
@@ -182,14 +194,16 @@ class FastCpuAttention(AttentionBackend):
             od = self._decode(q.index_select(0, plan.decode_rows), k_flat, v_flat, plan)
             out.index_copy_(0, plan.decode_rows, od.to(out.dtype))
         for chunk in plan.chunks:
-            qc = q[chunk.start:chunk.end].transpose(0, 1)[None]  # [1, H, Lq, D]
+            qc = q[chunk.start : chunk.end].transpose(0, 1)[None]  # [1, H, Lq, D]
             kc = k_flat.index_select(0, chunk.kv_rows).transpose(0, 1)[None]  # [1, Hkv, L, D]
             vc = v_flat.index_select(0, chunk.kv_rows).transpose(0, 1)[None]
             oc = _attend(qc, kc, vc, chunk.mask, chunk.mask is None, self.spec)  # [1, H, Lq, D]
-            out[chunk.start:chunk.end] = oc[0].transpose(0, 1)
+            out[chunk.start : chunk.end] = oc[0].transpose(0, 1)
         return out
 
-    def _decode(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    def _decode(
+        self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, plan: _Plan
+    ) -> torch.Tensor:
         """q ``[Bd, H, D]`` of the one-token sequences -> their outputs ``[Bd, H, D]`` (float32)."""
         rows = plan.decode_kv_rows  # [Bd, Lmax]
         assert rows is not None

@@ -30,10 +30,19 @@ class FastAttention:
 
 
 SOLUTIONS = (
-    *(Solution(op, "fast", "xhal.platforms.cpu_fast.solutions:fast_ops", _CPU, priority=-5) for op in FAST_OPS),
     *(
-        Solution(op, "sdpa", "xhal.platforms.cpu_fast.solutions:FastAttention", _CPU, priority=-5,
-                 description="batched SDPA over the paged cache, eager only")
+        Solution(op, "fast", "xhal.platforms.cpu_fast.solutions:fast_ops", _CPU, priority=-5)
+        for op in FAST_OPS
+    ),
+    *(
+        Solution(
+            op,
+            "sdpa",
+            "xhal.platforms.cpu_fast.solutions:FastAttention",
+            _CPU,
+            priority=-5,
+            description="batched SDPA over the paged cache, eager only",
+        )
         for op in ATTENTION_OPS
     ),
 )

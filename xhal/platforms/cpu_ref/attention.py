@@ -34,7 +34,10 @@ class CpuAttention(AttentionBackend):
 
     def plan(self, metadata: AttentionMetadata, graph_key: Hashable | None = None) -> None:
         live = _Plan(
-            metadata.q_cu_seq_lens, metadata.kv_seq_lens, metadata.block_table, metadata.slot_mapping
+            metadata.q_cu_seq_lens,
+            metadata.kv_seq_lens,
+            metadata.block_table,
+            metadata.slot_mapping,
         )
         if graph_key is not None:
             # a captured bucket reads the executor's persistent tensors in place: its kernels
@@ -44,7 +47,9 @@ class CpuAttention(AttentionBackend):
             captured.check(*tensors)
         self._plan = live
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         if self._plan is None:
             raise RuntimeError("CpuAttention.forward called before plan(metadata)")
         cache, plan, spec = self._caches[layer_id], self._plan, self.spec

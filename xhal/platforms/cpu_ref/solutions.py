@@ -27,10 +27,23 @@ def reference_ops(platform: object):
 
 
 SOLUTIONS = (
-    *(Solution(op, "reference", "xhal.platforms.cpu_ref.solutions:reference_ops", _CPU, priority=0) for op in DEVICE_OPS),
-    *(Solution(op, "reference", "xhal.platforms.cpu_ref.solutions:ReferenceAttention", _CPU) for op in ATTENTION_OPS),
+    *(
+        Solution(
+            op, "reference", "xhal.platforms.cpu_ref.solutions:reference_ops", _CPU, priority=0
+        )
+        for op in DEVICE_OPS
+    ),
+    *(
+        Solution(op, "reference", "xhal.platforms.cpu_ref.solutions:ReferenceAttention", _CPU)
+        for op in ATTENTION_OPS
+    ),
     Solution(
-        "sampling", "torch", "xhal.platforms.common.torch_ops:TorchOps", _CPU, priority=-10,
-        description="the vectorized, sync-free sampler the GPU and NPU use (xhal.platforms.common.sampling)",
+        "sampling",
+        "torch",
+        "xhal.platforms.common.torch_ops:TorchOps",
+        _CPU,
+        priority=-10,
+        description="the vectorized, sync-free sampler the GPU and NPU use "
+                    "(xhal.platforms.common.sampling)",
     ),
 )

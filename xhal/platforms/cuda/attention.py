@@ -50,8 +50,12 @@ class FlashInferAttention(AttentionBackend):
         self.fuses_rotary = workspace.is_cuda and kv_write is write_kv and env.cuda_fused()
         self._on_cuda = workspace.is_cuda
         # FlashInfer's advice: tensor-core decode pays from a GQA group of 4 up
-        self.use_tensor_cores = spec.group_size >= 4 if use_tensor_cores is None else use_tensor_cores
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=prefill_backend)
+        self.use_tensor_cores = (
+            spec.group_size >= 4 if use_tensor_cores is None else use_tensor_cores
+        )
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            workspace, "NHD", backend=prefill_backend
+        )
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace, "NHD", use_tensor_cores=self.use_tensor_cores
         )
@@ -64,7 +68,9 @@ class FlashInferAttention(AttentionBackend):
         }
         self.buckets: dict[Hashable, DecodeBucket] = {}
         self.index_builder = PagedIndexBuilder(spec.block_size, pin=self._on_cuda)
-        self._scheduled = UploadFence(self._on_cuda)  # the eager wrappers stage their schedule in pinned buffers
+        self._scheduled = UploadFence(
+            self._on_cuda
+        )  # the eager wrappers stage their schedule in pinned buffers
         self._caches: list[LayerCache] = []
         self._wrapper = None
         self._bucket: DecodeBucket | None = None  # the graph bucket of the last plan, if any
@@ -78,7 +84,9 @@ class FlashInferAttention(AttentionBackend):
         m, s = metadata, self.spec
         if graph_key is not None:
             if m.kind != BatchKind.DECODE or m.num_tokens != m.num_seqs:
-                raise ValueError("FlashInferAttention captures decode batches only; run others eagerly")
+                raise ValueError(
+                    "FlashInferAttention captures decode batches only; run others eagerly"
+                )
             bucket = self.buckets.get(graph_key)
             if bucket is None:
                 bucket = self.buckets[graph_key] = DecodeBucket(
@@ -96,7 +104,15 @@ class FlashInferAttention(AttentionBackend):
         if is_decode:
             self.decode.plan(idx.indptr, ids, idx.last_page_len, *heads, **self._common)
         else:
-            self.prefill.plan(idx.qo_indptr, idx.indptr, ids, idx.last_page_len, *heads, causal=True, **self._common)
+            self.prefill.plan(
+                idx.qo_indptr,
+                idx.indptr,
+                ids,
+                idx.last_page_len,
+                *heads,
+                causal=True,
+                **self._common,
+            )
         self.index_builder.release()
         self._scheduled.mark()
         self._bucket = None
@@ -106,7 +122,9 @@ class FlashInferAttention(AttentionBackend):
     def _stream(self) -> torch.cuda.Stream | None:
         return torch.cuda.current_stream() if self._on_cuda else None
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         cache = self._layer_cache(layer_id)
         self._kv_write(k, v, cache.key, cache.value, self._slot_mapping)
         return self._attend(q, cache)

@@ -1,4 +1,5 @@
-"""NCCL collectives: the tensor forms NCCL implements natively (xhal.platforms.common.collective)."""
+"""NCCL collectives: the tensor forms NCCL implements natively
+(xhal.platforms.common.collective)."""
 
 from __future__ import annotations
 

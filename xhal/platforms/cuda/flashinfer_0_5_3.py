@@ -34,7 +34,11 @@ def schedule_decode(
     """Rerun the scheduler of a ``use_cuda_graph=True`` decode wrapper for new page counts; the
     captured kernels read its output from the wrapper's int workspace."""
     w = wrapper
-    buffers = (w._float_workspace_buffer, w._int_workspace_buffer, w._pin_memory_int_workspace_buffer)
+    buffers = (
+        w._float_workspace_buffer,
+        w._int_workspace_buffer,
+        w._pin_memory_int_workspace_buffer,
+    )
     if w.use_tensor_cores:  # the FA2 prefill module's plan
         w._plan_info = w._cached_module.plan(
             *buffers, qo_indptr_host, indptr, kv_seq_lens_host, batch, batch,

@@ -33,7 +33,12 @@ class DecodeBucket:
     """
 
     def __init__(
-        self, fi, workspace: torch.Tensor, use_tensor_cores: bool, m: AttentionMetadata, spec: AttentionSpec,
+        self,
+        fi,
+        workspace: torch.Tensor,
+        use_tensor_cores: bool,
+        m: AttentionMetadata,
+        spec: AttentionSpec,
         graph_key: object = None,
     ) -> None:
         b, table = m.num_seqs, m.block_table
@@ -41,7 +46,9 @@ class DecodeBucket:
         self.batch, self.block_size, self.persistent = b, spec.block_size, m
         self._captured = PersistentInputs(graph_key, m.slot_mapping, m.kv_seq_lens, m.block_table)
         max_pages = b * table.shape[1]
-        self.meta = torch.zeros(2 * b + 1 + max_pages, **i32)  # indptr | offset | positions, uploaded
+        self.meta = torch.zeros(
+            2 * b + 1 + max_pages, **i32
+        )  # indptr | offset | positions, uploaded
         self._offset, self._positions = self.meta[b + 1 : 2 * b + 1], self.meta[2 * b + 1 :]
         self.last_page_len = torch.ones(b, **i32)
         self.indices = torch.zeros(max_pages, **i32)
@@ -62,11 +69,17 @@ class DecodeBucket:
         self.first_layer: int | None = None  # the layer whose forward records ``refresh``
         self._planned = False
         self._pages: np.ndarray | None = None  # page counts of the uploaded layout and the schedule
-        self._dtype_tag = torch.empty(0, dtype=spec.dtype)  # the CUDA-core scheduler reads dtypes off it
+        self._dtype_tag = torch.empty(
+            0, dtype=spec.dtype
+        )  # the CUDA-core scheduler reads dtypes off it
         self.staging = PinnedRing(pin=workspace.is_cuda)
-        self._scheduled = UploadFence(workspace.is_cuda)  # FlashInfer stages the schedule in one pinned buffer
+        self._scheduled = UploadFence(
+            workspace.is_cuda
+        )  # FlashInfer stages the schedule in one pinned buffer
 
-    def plan(self, m: AttentionMetadata, spec: AttentionSpec, common: dict, stream: Callable[[], object]) -> None:
+    def plan(
+        self, m: AttentionMetadata, spec: AttentionSpec, common: dict, stream: Callable[[], object]
+    ) -> None:
         """``stream()``: the stream uploads go to, looked up only when there are any."""
         self._captured.check(m.slot_mapping, m.kv_seq_lens, m.block_table)
         bs, b = self.block_size, self.batch
@@ -76,7 +89,9 @@ class DecodeBucket:
             return  # the graph refreshes page ids and last-page lengths from the metadata itself
         nnz = int(pages.sum())
         if nnz > self.indices.numel():
-            raise ValueError(f"decode bucket of {b} holds {self.indices.numel()} pages, the step has {nnz}")
+            raise ValueError(
+                f"decode bucket of {b} holds {self.indices.numel()} pages, the step has {nnz}"
+            )
         buf = self.staging.acquire(2 * b + 1 + nnz)
         host = buf.numpy()
         indptr, offset = host[: b + 1], host[b + 1 : 2 * b + 1]
@@ -106,7 +121,9 @@ class DecodeBucket:
         torch.index_select(self._table, 0, self._positions, out=self.indices)
         torch.add(self.persistent.kv_seq_lens, self._offset, out=self.last_page_len)
 
-    def _schedule(self, m: AttentionMetadata, indptr: torch.Tensor, spec: AttentionSpec, common: dict) -> None:
+    def _schedule(
+        self, m: AttentionMetadata, indptr: torch.Tensor, spec: AttentionSpec, common: dict
+    ) -> None:
         """FlashInfer's scheduler for this bucket with the same ``common`` arguments the wrapper's
         ``plan`` got (a method of its own so tests and the host-timing benchmark can wrap it)."""
         flashinfer_0_5_3.schedule_decode(

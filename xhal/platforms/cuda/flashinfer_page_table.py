@@ -11,7 +11,9 @@ import torch
 from xhal.interfaces.metadata import AttentionMetadata
 
 
-def page_positions(num_pages: np.ndarray, indptr: np.ndarray, row_stride: int, col_stride: int, out: np.ndarray) -> None:
+def page_positions(
+    num_pages: np.ndarray, indptr: np.ndarray, row_stride: int, col_stride: int, out: np.ndarray
+) -> None:
     """Where each sequence's page ids sit in a block table flattened by its strides, in FlashInfer's
     page order: sequence r's j-th page (``indptr[r] + j`` of ``out``) at ``r * row_stride + j *
     col_stride``."""
@@ -104,10 +106,17 @@ class PagedIndexBuilder:
         q_lens, kv_lens = m.q_seq_lens_host.numpy(), m.kv_seq_lens_host.numpy()
         num_pages = (kv_lens + bs - 1) // bs
         nnz = int(num_pages.sum())
-        gather = m.paged_kv_indices is None  # else the host built the page ids (xLLM's CUDA builder)
+        gather = (
+            m.paged_kv_indices is None
+        )  # else the host built the page ids (xLLM's CUDA builder)
         buf = self.staging.acquire(3 * b + 2 + (nnz if gather else 0))
         host = buf.numpy()
-        qo, ptr, last, flat = host[: b + 1], host[b + 1 : 2 * b + 2], host[2 * b + 2 : 3 * b + 2], host[3 * b + 2 :]
+        qo, ptr, last, flat = (
+            host[: b + 1],
+            host[b + 1 : 2 * b + 2],
+            host[2 * b + 2 : 3 * b + 2],
+            host[3 * b + 2 :],
+        )
         qo[0] = 0
         np.cumsum(q_lens, out=qo[1:])
         if m.paged_kv_indptr_host is not None and m.paged_kv_last_page_len_host is not None:

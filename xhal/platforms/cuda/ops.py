@@ -44,7 +44,9 @@ class CudaOps(DeviceOps):
             x.dim() == 2 and x.shape[0] <= self.gemv_max_rows and gemv.supports_gemv(x, weight)
             and self._graph_kernel(key)
         ):
-            if x.shape[0] <= gemv.MAX_CORE_M and (self.pdl or (x.shape[0] == 1 and (0, *weight.shape) in fused_gemv.TUNED)):
+            if x.shape[0] <= gemv.MAX_CORE_M and (
+                self.pdl or (x.shape[0] == 1 and (0, *weight.shape) in fused_gemv.TUNED)
+            ):
                 return fused_gemv.stream_gemv(x, weight, bias, use_pdl=self.pdl)
             return gemv.gemv(x, weight, bias)
         return F.linear(x, weight, bias)
@@ -64,27 +66,57 @@ class CudaOps(DeviceOps):
         """One fused kernel (fused_gemv.add_rms_norm_gemv) for one-row decode in a graph; the
         unfused sequence otherwise (or with XHAL_CUDA_FUSED=0)."""
         if (
-            self.fused and x.dim() == 2 and x.shape[0] <= self.gemv_max_rows
-            and fused_gemv.supports(x, weight) and residual.shape == x.shape
-            and self._graph_kernel(("norm_linear", x.shape[0], *weight.shape, x.stride(), residual.stride(), x.dtype, x.device, bias is not None))
+            self.fused
+            and x.dim() == 2
+            and x.shape[0] <= self.gemv_max_rows
+            and fused_gemv.supports(x, weight)
+            and residual.shape == x.shape
+            and self._graph_kernel(
+                (
+                    "norm_linear",
+                    x.shape[0],
+                    *weight.shape,
+                    x.stride(),
+                    residual.stride(),
+                    x.dtype,
+                    x.device,
+                    bias is not None,
+                )
+            )
         ):
-            return fused_gemv.add_rms_norm_gemv(x, residual, norm_weight, eps, weight, bias, use_pdl=self.pdl)
+            return fused_gemv.add_rms_norm_gemv(
+                x, residual, norm_weight, eps, weight, bias, use_pdl=self.pdl
+            )
         return super().add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
 
     def silu_and_mul_linear(self, x, weight, bias=None):
         """One fused kernel (fused_gemv.silu_and_mul_gemv) for one-row decode in a graph; the
         unfused sequence otherwise (or with XHAL_CUDA_FUSED=0)."""
         if (
-            self.fused and x.dim() == 2 and x.shape[0] <= self.gemv_max_rows
+            self.fused
+            and x.dim() == 2
+            and x.shape[0] <= self.gemv_max_rows
             and fused_gemv.supports(x, weight, gated=True)
-            and self._graph_kernel(("silu_linear", x.shape[0], *weight.shape, x.stride(), x.dtype, x.device, bias is not None))
+            and self._graph_kernel(
+                (
+                    "silu_linear",
+                    x.shape[0],
+                    *weight.shape,
+                    x.stride(),
+                    x.dtype,
+                    x.device,
+                    bias is not None,
+                )
+            )
         ):
             return fused_gemv.silu_and_mul_gemv(x, weight, bias, use_pdl=self.pdl)
         return super().silu_and_mul_linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(
+            x.dtype
+        )
 
     def fused_add_rms_norm(self, x, residual, weight, eps):
         return norm.fused_add_rms_norm(x, residual, weight, eps)
@@ -122,8 +154,10 @@ class FlashInferOps(CudaOps):
         from a 16-byte aligned, contiguous input."""
         half_bytes = x.shape[-1] // 2 * x.element_size()
         return (
-            x.dtype in (torch.float16, torch.bfloat16) and x.is_contiguous()
-            and half_bytes % 16 == 0 and x.data_ptr() % 16 == 0
+            x.dtype in (torch.float16, torch.bfloat16)
+            and x.is_contiguous()
+            and half_bytes % 16 == 0
+            and x.data_ptr() % 16 == 0
         )
 
     def silu_and_mul(self, x):

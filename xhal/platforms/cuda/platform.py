@@ -1,6 +1,6 @@
-"""The CUDA platform. Its kernels are solutions (``xhal/platforms/cuda/solutions.py``): ``cuda`` picks
-FlashInfer attention when it is installed (Triton otherwise); ``cuda-triton`` forces the Triton
-attention, so both paths can be proven by the suite."""
+"""The CUDA platform. Its kernels are solutions (``xhal/platforms/cuda/solutions.py``): ``cuda``
+picks FlashInfer attention when it is installed (Triton otherwise); ``cuda-triton`` forces the
+Triton attention, so both paths can be proven by the suite."""
 
 from __future__ import annotations
 
@@ -41,13 +41,17 @@ class CudaPlatform(Platform):
 
     def __init__(self) -> None:
         if not torch.cuda.is_available():
-            raise RuntimeError("the CUDA platform needs a visible NVIDIA GPU and a CUDA build of torch")
+            raise RuntimeError(
+                "the CUDA platform needs a visible NVIDIA GPU and a CUDA build of torch"
+            )
         if importlib.util.find_spec("triton") is None:
             raise RuntimeError(f"the CUDA platform needs triton: {_INSTALL}")
         from xhal.solutions.kernels import Kernels
 
         self._kernels = Kernels(
-            self, _device_info(), defaults=self.solution_defaults,
+            self,
+            _device_info(),
+            defaults=self.solution_defaults,
             is_capturing=torch.cuda.is_current_stream_capturing,
         )
         self._ops = self._kernels.ops
@@ -122,6 +126,8 @@ def _device_info():
             pass
     index = torch.cuda.current_device()
     return DeviceInfo(
-        "cuda", name=torch.cuda.get_device_name(index),
-        compute_capability=torch.cuda.get_device_capability(index), library_versions=tuple(versions),
+        "cuda",
+        name=torch.cuda.get_device_name(index),
+        compute_capability=torch.cuda.get_device_capability(index),
+        library_versions=tuple(versions),
     )

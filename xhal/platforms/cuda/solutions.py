@@ -13,7 +13,8 @@ TRITON = Package("triton", "pip install 'xhal[cuda]' (triton)")
 FLASHINFER = Package("flashinfer", "pip install 'xhal[cuda]' (flashinfer-python==0.5.3)")
 TILELANG = Package(
     "tilelang",
-    "pip install tilelang==0.1.15 (with z3-solver, apache-tvm-ffi 0.1.12, ml-dtypes, torch-c-dlpack-ext;"
+    "pip install tilelang==0.1.15 (with z3-solver, apache-tvm-ffi 0.1.12, ml-dtypes, "
+    "torch-c-dlpack-ext;"
     " scripts/fetch_tilelang_wheels.sh for a machine without network)",
 )
 _HALF = (torch.float16, torch.bfloat16)
@@ -99,8 +100,8 @@ def _req(*packages: Package, dtypes: tuple[torch.dtype, ...] | None = None) -> R
     return Requirement(device_type="cuda", dtypes=dtypes, packages=packages)
 
 
-# the config space of linear=triton-tuned (xhal/platforms/cuda/tuned_gemv.py), spelled here so that the
-# declaration imports nothing
+# the config space of linear=triton-tuned (xhal/platforms/cuda/tuned_gemv.py), spelled here so that
+# the declaration imports nothing
 _GEMV_CONFIGS = (
     Config("heuristic", {}),
     Config("wide-rows", {"block_n_scale": 2}),
@@ -112,49 +113,120 @@ _FI_OPS = "xhal.platforms.cuda.solutions:flashinfer_ops"
 _TORCH = "xhal.platforms.common.torch_ops:TorchOps"
 
 SOLUTIONS = (
-    Solution("linear", "triton", _OPS, _req(TRITON), 20,
-             description="our GEMV for one-row linears (XHAL_CUDA_GEMV_MAX_ROWS), cuBLAS beyond"),
-    Solution("linear", "triton-tuned", "xhal.platforms.cuda.tuned_gemv:TunedGemv", _req(TRITON), 15,
-             configs=_GEMV_CONFIGS, bucket="xhal.platforms.cuda.tuned_gemv:bucket",
-             description="our GEMV for up to 64 rows, its launch shape autotuned; cuBLAS beyond"),
+    Solution(
+        "linear",
+        "triton",
+        _OPS,
+        _req(TRITON),
+        20,
+        description="our GEMV for one-row linears (XHAL_CUDA_GEMV_MAX_ROWS), cuBLAS beyond",
+    ),
+    Solution(
+        "linear",
+        "triton-tuned",
+        "xhal.platforms.cuda.tuned_gemv:TunedGemv",
+        _req(TRITON),
+        15,
+        configs=_GEMV_CONFIGS,
+        bucket="xhal.platforms.cuda.tuned_gemv:bucket",
+        description="our GEMV for up to 64 rows, its launch shape autotuned; cuBLAS beyond",
+    ),
     Solution("linear", "vendor", _TORCH, _req(), 10, description="cuBLAS for every shape"),
-    Solution("rms_norm", "flashinfer", _FI_OPS, _req(FLASHINFER), 20,
-             description="FlashInfer's rmsnorm for fp16/bf16, float32 on torch"),
+    Solution(
+        "rms_norm",
+        "flashinfer",
+        _FI_OPS,
+        _req(FLASHINFER),
+        20,
+        description="FlashInfer's rmsnorm for fp16/bf16, float32 on torch",
+    ),
     Solution("rms_norm", "torch", _TORCH, _req(), 10),
     Solution("fused_add_rms_norm", "triton", _OPS, _req(TRITON), 20),
-    Solution("fused_add_rms_norm", "tilelang", "xhal.platforms.cuda.solutions:tilelang_ops",
-             _req(TILELANG), 15, description="TileLang's for hidden sizes a multiple of 256, Triton otherwise"),
+    Solution(
+        "fused_add_rms_norm",
+        "tilelang",
+        "xhal.platforms.cuda.solutions:tilelang_ops",
+        _req(TILELANG),
+        15,
+        description="TileLang's for hidden sizes a multiple of 256, Triton otherwise",
+    ),
     Solution("fused_add_rms_norm", "torch", _TORCH, _req(), 10),
     Solution("rotary_embedding", "triton", _OPS, _req(TRITON), 20),
-    Solution("silu_and_mul", "flashinfer", _FI_OPS, _req(FLASHINFER), 20,
-             description="FlashInfer's for aligned fp16/bf16, torch otherwise"),
+    Solution(
+        "silu_and_mul",
+        "flashinfer",
+        _FI_OPS,
+        _req(FLASHINFER),
+        20,
+        description="FlashInfer's for aligned fp16/bf16, torch otherwise",
+    ),
     Solution("silu_and_mul", "torch", _TORCH, _req(), 10),
-    Solution("gelu_and_mul", "flashinfer", _FI_OPS, _req(FLASHINFER), 20,
-             description="FlashInfer's exact-erf form for aligned fp16/bf16, torch otherwise"),
+    Solution(
+        "gelu_and_mul",
+        "flashinfer",
+        _FI_OPS,
+        _req(FLASHINFER),
+        20,
+        description="FlashInfer's exact-erf form for aligned fp16/bf16, torch otherwise",
+    ),
     Solution("gelu_and_mul", "torch", _TORCH, _req(), 10),
     # the fused decode ops: our fused GEMVs for a graph-captured row (XHAL_CUDA_FUSED=0: the
     # unfused sequence of the chosen ops), the unfused sequence elsewhere
-    Solution("add_rms_norm_linear", "triton", _OPS, _req(TRITON), 20,
-             description="residual add + RMSNorm in the GEMV's prologue for one row"),
-    Solution("silu_and_mul_linear", "triton", _OPS, _req(TRITON), 20,
-             description="the SiLU gate in the down GEMV's prologue for one row"),
+    Solution(
+        "add_rms_norm_linear",
+        "triton",
+        _OPS,
+        _req(TRITON),
+        20,
+        description="residual add + RMSNorm in the GEMV's prologue for one row",
+    ),
+    Solution(
+        "silu_and_mul_linear",
+        "triton",
+        _OPS,
+        _req(TRITON),
+        20,
+        description="the SiLU gate in the down GEMV's prologue for one row",
+    ),
     Solution("moe_route", "triton", _OPS, _req(TRITON), 20),
-    Solution("moe_experts", "triton", _OPS, _req(TRITON), 20,
-             description="grouped GEMMs; the pair GEMVs of moe_small for a few tokens"),
-    Solution("moe_experts", "triton-grouped", "xhal.platforms.cuda.solutions:GroupedMoe", _req(TRITON), 15,
-             description="grouped GEMMs for every batch"),
+    Solution(
+        "moe_experts",
+        "triton",
+        _OPS,
+        _req(TRITON),
+        20,
+        description="grouped GEMMs; the pair GEMVs of moe_small for a few tokens",
+    ),
+    Solution(
+        "moe_experts",
+        "triton-grouped",
+        "xhal.platforms.cuda.solutions:GroupedMoe",
+        _req(TRITON),
+        15,
+        description="grouped GEMMs for every batch",
+    ),
     Solution("sampling", "torch", _TORCH, _req(), 10),
     *(
         Solution(op, name, target, req, priority)
         for op in ("paged_decode_attention", "paged_prefill_attention")
         for name, target, req, priority in (
-            ("flashinfer", "xhal.platforms.cuda.solutions:FlashInferAttentionProvider", _req(FLASHINFER, dtypes=_HALF), 30),
+            (
+                "flashinfer",
+                "xhal.platforms.cuda.solutions:FlashInferAttentionProvider",
+                _req(FLASHINFER, dtypes=_HALF),
+                30,
+            ),
             ("triton", "xhal.platforms.cuda.solutions:TritonAttentionProvider", _req(TRITON), 20),
         )
     ),
     # decode only: a prefill step on this backend runs its Triton fallback, so it is no
     # paged_prefill_attention solution
-    Solution("paged_decode_attention", "tilelang", "xhal.platforms.cuda.solutions:TileLangAttentionProvider",
-             Requirement(device_type="cuda", dtypes=_HALF, head_dims=(128,), packages=(TILELANG,)), 25,
-             description="TileLang split-KV decode (head dim 128, no window or soft cap); Triton beyond"),
+    Solution(
+        "paged_decode_attention",
+        "tilelang",
+        "xhal.platforms.cuda.solutions:TileLangAttentionProvider",
+        Requirement(device_type="cuda", dtypes=_HALF, head_dims=(128,), packages=(TILELANG,)),
+        25,
+        description="TileLang split-KV decode (head dim 128, no window or soft cap); Triton beyond",
+    ),
 )

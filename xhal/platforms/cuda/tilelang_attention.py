@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from xhal.platforms.cuda.kernels import tilelang_decode
-from xhal.platforms.cuda.kernels.kv_write import write_kv
 from xhal.interfaces.attention import AttentionBackend, AttentionSpec
 from xhal.interfaces.cache import LayerCache, normalize_layer_caches
 from xhal.interfaces.metadata import AttentionMetadata, BatchKind
 from xhal.platforms.common.persistent import PersistentInputs
+from xhal.platforms.cuda.kernels import tilelang_decode
+from xhal.platforms.cuda.kernels.kv_write import write_kv
 
 HEAD_DIMS = (128,)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -56,17 +56,25 @@ class TileLangAttention(AttentionBackend):
     """
 
     def __init__(
-        self, spec: AttentionSpec, fallback: AttentionBackend, num_sms: int, block_h: int | None = None
+        self,
+        spec: AttentionSpec,
+        fallback: AttentionBackend,
+        num_sms: int,
+        block_h: int | None = None,
     ) -> None:
         super().__init__(spec)
         reason = unsupported(spec)
         if reason is not None:
-            raise ValueError(f"TileLangAttention cannot run {reason}; use the Triton or FlashInfer backend")
+            raise ValueError(
+                f"TileLangAttention cannot run {reason}; use the Triton or FlashInfer backend"
+            )
         self.fallback = fallback
         self.num_sms = num_sms
         # block_h: rows of query heads per CTA; None: chosen per step (see ``_row_tile``)
         if block_h is not None and (block_h not in (16, 64) or block_h < spec.group_size):
-            raise ValueError(f"block_h={block_h}: give 16 or 64 rows, at least the GQA group {spec.group_size}")
+            raise ValueError(
+                f"block_h={block_h}: give 16 or 64 rows, at least the GQA group {spec.group_size}"
+            )
         self.block_h = block_h
         self._row_tile(2)  # compile the small-batch kernel now; ``plan`` compiles any other
         self._caches: list[LayerCache] = []
@@ -92,7 +100,9 @@ class TileLangAttention(AttentionBackend):
                 captured.check(*tables)
         splits = tilelang_decode.num_splits(m.num_seqs, self.spec.num_kv_heads, self.num_sms)
         block_h = self._row_tile(splits)
-        self._decode = _DecodePlan(m.num_seqs, m.block_table, m.kv_seq_lens, m.slot_mapping, splits, block_h)
+        self._decode = _DecodePlan(
+            m.num_seqs, m.block_table, m.kv_seq_lens, m.slot_mapping, splits, block_h
+        )
 
     def _row_tile(self, splits: int) -> int:
         """The row tile of a step, compiled here (on the host, never under capture). Split
@@ -102,11 +112,17 @@ class TileLangAttention(AttentionBackend):
         s = self.spec
         block_h = self.block_h
         if block_h is None:
-            block_h = tilelang_decode.MAX_GROUP if splits == 1 else tilelang_decode.block_rows(s.group_size)
+            block_h = (
+                tilelang_decode.MAX_GROUP
+                if splits == 1
+                else tilelang_decode.block_rows(s.group_size)
+            )
         tilelang_decode.compiled(s.head_dim, s.block_size, s.dtype, block_h)
         return block_h
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         p = self._decode
         if p is None:
             return self.fallback.forward(layer_id, q, k, v)
@@ -126,7 +142,14 @@ class TileLangAttention(AttentionBackend):
         if lens.stride(0) != 1:
             lens = lens.contiguous()
         tilelang_decode.paged_decode(
-            rows, cache.key, cache.value, table, lens, self.spec.softmax_scale, out[: p.num_seqs], p.splits,
+            rows,
+            cache.key,
+            cache.value,
+            table,
+            lens,
+            self.spec.softmax_scale,
+            out[: p.num_seqs],
+            p.splits,
             p.block_h,
         )
         return out

@@ -65,6 +65,7 @@ class CudaTileLangPlatform(CudaTritonPlatform):
             if not _warned:
                 _warned = True
                 logger.warning(
-                    "cuda-tilelang: %s; decode attention and fused add+RMSNorm run on Triton", self.missing
+                    "cuda-tilelang: %s; decode attention and fused add+RMSNorm run on Triton",
+                    self.missing,
                 )
         super().__init__()

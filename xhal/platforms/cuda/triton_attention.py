@@ -50,7 +50,9 @@ class TritonAttention(AttentionBackend):
     @staticmethod
     def _token_seq(m: AttentionMetadata) -> torch.Tensor:
         """Each query row's sequence (-1 for padding rows), on the device."""
-        seq_ids = torch.repeat_interleave(torch.arange(m.num_seqs, dtype=torch.int32), m.q_seq_lens_host)
+        seq_ids = torch.repeat_interleave(
+            torch.arange(m.num_seqs, dtype=torch.int32), m.q_seq_lens_host
+        )
         pad = torch.full((m.num_tokens - seq_ids.shape[0],), -1, dtype=torch.int32)
         return torch.cat([seq_ids, pad]).to(m.device, non_blocking=True)
 
@@ -72,7 +74,9 @@ class TritonAttention(AttentionBackend):
             plan.q_lens_host = q_lens.copy()
         self._plan = plan
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         cache = self._caches[layer_id]
         write_kv(k, v, cache.key, cache.value, self._plan.slot_mapping)
         return self._attend(q, cache)
@@ -80,7 +84,15 @@ class TritonAttention(AttentionBackend):
     def forward_rotary(self, layer_id, q, k, v, positions, cos_sin_cache, is_neox):
         cache = self._caches[layer_id]
         q = rotary_write_kv(
-            positions, q, k, v, cos_sin_cache, is_neox, cache.key, cache.value, self._plan.slot_mapping
+            positions,
+            q,
+            k,
+            v,
+            cos_sin_cache,
+            is_neox,
+            cache.key,
+            cache.value,
+            self._plan.slot_mapping,
         )
         return self._attend(q, cache)
 
@@ -88,6 +100,15 @@ class TritonAttention(AttentionBackend):
         p, s = self._plan, self.spec
         out = torch.zeros_like(q)
         return paged_attention(
-            q, cache.key, cache.value, p.token_seq, p.q_cu_seq_lens, p.kv_seq_lens, p.block_table,
-            s.softmax_scale, s.logits_soft_cap or 0.0, s.sliding_window or 0, out,
+            q,
+            cache.key,
+            cache.value,
+            p.token_seq,
+            p.q_cu_seq_lens,
+            p.kv_seq_lens,
+            p.block_table,
+            s.softmax_scale,
+            s.logits_soft_cap or 0.0,
+            s.sliding_window or 0,
+            out,
         )

@@ -29,7 +29,9 @@ class TunedGemv:
         # under graph capture, so a capture of an unseen one takes cuBLAS (as CudaOps.linear does)
         self._loaded: set[tuple] = set()
 
-    def _config(self, x: torch.Tensor, weight: torch.Tensor, block_n_scale: int, split_scale: float):
+    def _config(
+        self, x: torch.Tensor, weight: torch.Tensor, block_n_scale: int, split_scale: float
+    ):
         g = self._gemv
         (m, k), n = x.shape, weight.shape[0]
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
@@ -38,7 +40,9 @@ class TunedGemv:
         split_k = max(1, int(base.split_k * split_scale))
         k_steps = math.ceil(k / base.block_k)
         steps = math.ceil(k_steps / split_k)  # per split: pipelining deeper than that is moot
-        return g.GemvConfig(block_n, base.block_k, split_k, base.num_warps, max(1, min(base.num_stages, steps)))
+        return g.GemvConfig(
+            block_n, base.block_k, split_k, base.num_warps, max(1, min(base.num_stages, steps))
+        )
 
     def linear(self, x, weight, bias=None, *, block_n_scale: int = 1, split_scale: float = 1.0):
         if x.dim() != 2 or not self._gemv.supports_gemv(x, weight):

@@ -156,12 +156,14 @@ class NpuAttention(AttentionBackend):
             num_heads=s.num_heads,
             num_key_value_heads=s.num_kv_heads,
             input_layout="TND",
-            scale=s.softmax_scale,  # the schema's default is 1.0 ('用户不特意指定时可传入默认值1.0')
+            # the schema's default is 1.0 ('用户不特意指定时可传入默认值1.0')
+            scale=s.softmax_scale,
             block_table=plan.block_table,
             block_size=s.block_size,
             actual_seq_lengths=plan.actual_seq_lengths,
             actual_seq_lengths_kv=plan.actual_seq_lengths_kv,
-            atten_mask=self.mask,  # 'sparse_mode=2、3、4时, atten_mask的shape需要为(S, S)... S的值需要固定为2048'
+            # 'sparse_mode=2、3、4时, atten_mask的shape需要为(S, S)... S的值需要固定为2048'
+            atten_mask=self.mask,
             sparse_mode=SPARSE_CAUSAL,
         )
         if s.sliding_window is not None:

@@ -15,10 +15,10 @@ from xhal.platforms.common.graph import PiecewiseStreamGraphRunner
 
 
 class NpuGraphRunner(PiecewiseStreamGraphRunner):
-    """What ``torch.npu.graph(g, pool=...)`` does (``torch_npu/npu/graphs.py``), spelled out so that ``split`` can
-    end one graph and begin the next: synchronize, then capture on a side stream. No eager warm-up
-    run (unlike the CUDA runner): under a graph-keyed plan the attention backend opens FIA task
-    groups, which exist only under capture."""
+    """What ``torch.npu.graph(g, pool=...)`` does (``torch_npu/npu/graphs.py``), spelled out so that
+    ``split`` can end one graph and begin the next: synchronize, then capture on a side stream. No
+    eager warm-up run (unlike the CUDA runner): under a graph-keyed plan the attention backend opens
+    FIA task groups, which exist only under capture."""
 
     def __init__(self) -> None:
         super().__init__(torch.npu, torch.npu.NPUGraph)

@@ -73,7 +73,9 @@ class NpuOps(DeviceOps):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # y '数据类型与x需要保持一致': float32 logits keep the top-k softmax values float32;
         # k '0<k<=x的-1轴大小, k<=1024'
-        weights, ids, _ = self.npu.npu_moe_gating_top_k_softmax(router_logits.float(), None, k=top_k)
+        weights, ids, _ = self.npu.npu_moe_gating_top_k_softmax(
+            router_logits.float(), None, k=top_k
+        )
         if renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
@@ -101,18 +103,33 @@ class NpuOps(DeviceOps):
         # '最多支持1024个group. 支持weight转置. x不支持转置': weights [E, N, K] go in as
         # transposed views [E, K, N], x contiguous
         gate_up = self.npu.npu_grouped_matmul(
-            [expanded_x], [w13.transpose(1, 2)], group_list=ends, split_item=2, group_type=0,
+            [expanded_x],
+            [w13.transpose(1, 2)],
+            group_list=ends,
+            split_item=2,
+            group_type=0,
             group_list_type=0,
         )[0]  # [T*k, 2I]
         act = self.npu.npu_swiglu(gate_up, dim=-1)  # [T*k, I]
         down = self.npu.npu_grouped_matmul(
-            [act], [w2.transpose(1, 2)], group_list=ends, split_item=2, group_type=0,
+            [act],
+            [w2.transpose(1, 2)],
+            group_list=ends,
+            split_item=2,
+            group_type=0,
             group_list_type=0,
         )[0]  # [T*k, H]
         # scales '数据类型要求与expanded_permuted_rows一致'; drop_pad_mode '取值范围为0'
         return self.npu.npu_moe_finalize_routing(
-            down, None, None, None, topk_weights.to(down.dtype), expanded_row_idx, topk_ids.int(),
-            drop_pad_mode=0, k=top_k,
+            down,
+            None,
+            None,
+            None,
+            topk_weights.to(down.dtype),
+            expanded_row_idx,
+            topk_ids.int(),
+            drop_pad_mode=0,
+            k=top_k,
         )
 
     def sample(

@@ -1,6 +1,6 @@
-"""The Ascend NPU platform, on torch_npu. The op rules quoted across ``xhal/platforms/npu`` are from the
-official documentation shipped in the torch-npu wheel (``torch_npu/_op_plugin_docs.py``), collected
-with their sources in docs/npu-ops.md."""
+"""The Ascend NPU platform, on torch_npu. The op rules quoted across ``xhal/platforms/npu`` are from
+the official documentation shipped in the torch-npu wheel (``torch_npu/_op_plugin_docs.py``),
+collected with their sources in docs/npu-ops.md."""
 
 from __future__ import annotations
 
@@ -82,7 +82,10 @@ class NpuPlatform(Platform):
         from xhal.solutions.kernels import Kernels
         from xhal.solutions.solution import DeviceInfo
 
-        versions = (("torch", torch.__version__), ("torch_npu", str(getattr(self.torch_npu, "__version__", ""))))
+        versions = (
+            ("torch", torch.__version__),
+            ("torch_npu", str(getattr(self.torch_npu, "__version__", ""))),
+        )
         self._kernels = Kernels(self, DeviceInfo("npu", name="npu", library_versions=versions))
         self._ops = self._kernels.ops
 
@@ -119,7 +122,8 @@ class NpuPlatform(Platform):
         return self._kernels.attention_backend(spec)
 
     def fia_attention(self, spec: AttentionSpec) -> NpuAttention:
-        """The "vendor" attention solution (``xhal/platforms/npu/solutions.py``): one FIA call per layer."""
+        """The "vendor" attention solution (``xhal/platforms/npu/solutions.py``): one FIA call per
+        layer."""
         from xhal.platforms.npu.attention import NpuAttention
 
         layout = env.npu_kv_layout()

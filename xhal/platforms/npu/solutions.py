@@ -27,14 +27,28 @@ SOLUTIONS = (
     *(
         Solution(op, "vendor", _VENDOR, _NPU, 20)
         for op in (
-            "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "moe_route",
-            "moe_experts", "sampling",
+            "rms_norm",
+            "fused_add_rms_norm",
+            "rotary_embedding",
+            "silu_and_mul",
+            "moe_route",
+            "moe_experts",
+            "sampling",
         )
     ),
     *(
         Solution(op, "torch", _TORCH, _NPU, 10)
-        for op in ("linear", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_and_mul", "sampling")
+        for op in (
+            "linear",
+            "rms_norm",
+            "fused_add_rms_norm",
+            "silu_and_mul",
+            "gelu_and_mul",
+            "sampling",
+        )
     ),
-    *(Solution(op, "vendor", "xhal.platforms.npu.solutions:FiaAttention", _NPU, 20)
-      for op in ("paged_decode_attention", "paged_prefill_attention")),
+    *(
+        Solution(op, "vendor", "xhal.platforms.npu.solutions:FiaAttention", _NPU, 20)
+        for op in ("paged_decode_attention", "paged_prefill_attention")
+    ),
 )

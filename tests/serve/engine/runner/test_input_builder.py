@@ -30,7 +30,11 @@ class HostToDevice(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         ins = [a for a in args if isinstance(a, torch.Tensor)]
-        if isinstance(out, torch.Tensor) and out.device.type != "cpu" and any(a.device.type == "cpu" for a in ins):
+        if (
+            isinstance(out, torch.Tensor)
+            and out.device.type != "cpu"
+            and any(a.device.type == "cpu" for a in ins)
+        ):
             self.copies.append(str(func))
         return out
 
@@ -54,7 +58,9 @@ def test_a_step_reaches_the_device_in_one_copy(convention: str) -> None:
         inputs = builder.upload(step)
     assert len(counter.copies) == 1, counter.copies
     md = inputs.metadata
-    device_fields = [f.name for f in dataclasses.fields(md) if isinstance(getattr(md, f.name), torch.Tensor)]
+    device_fields = [
+        f.name for f in dataclasses.fields(md) if isinstance(getattr(md, f.name), torch.Tensor)
+    ]
     for name in device_fields:
         want = "cpu" if name.endswith("_host") else "meta"
         assert getattr(md, name).device.type == want, name
@@ -85,7 +91,14 @@ def test_metadata_checks_run_only_when_asked(monkeypatch: pytest.MonkeyPatch) ->
     checked = InputBuilder(torch.device("cpu"), "cuda", block_size=4)
     assert (fast.check, checked.check) == (False, True)
     a, b = fast.build(batch).metadata, checked.build(batch).metadata
-    for name in ("q_cu_seq_lens", "kv_cu_seq_lens", "q_seq_lens", "kv_seq_lens", "block_table", "slot_mapping"):
+    for name in (
+        "q_cu_seq_lens",
+        "kv_cu_seq_lens",
+        "q_seq_lens",
+        "kv_seq_lens",
+        "block_table",
+        "slot_mapping",
+    ):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert a.kind == b.kind and a.kv_seq_lens.tolist() == [4, 10]
 
@@ -104,7 +117,9 @@ def test_the_host_step_is_the_batch_laid_out_by_hand() -> None:
     assert step.input_ids.tolist() == [9, *range(1, 11)]
     assert step.positions.tolist() == [3, *range(10)]
     assert (step.q_seq_lens.tolist(), step.kv_seq_lens.tolist()) == ([1, 10], [4, 10])
-    assert step.slot_mapping.tolist() == [slot(a.block_table, 3)] + [slot(b.block_table, p) for p in range(10)]
+    assert step.slot_mapping.tolist() == [slot(a.block_table, 3)] + [
+        slot(b.block_table, p) for p in range(10)
+    ]
     assert step.block_tables == [a.block_table, b.block_table]
     assert (step.selected_idxes.tolist(), step.sampled_request_ids) == ([0, 10], ["a", "b"])
     assert (step.placeholder_idxes, step.placeholder_request_ids) == ([], [])

@@ -38,7 +38,9 @@ def draw(params: SamplingParams, seed: int = 0) -> list[int]:
 
 def test_greedy_rows_are_the_argmax() -> None:
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))
-    tokens, logprobs = Sampler(CPU, 0).sample(logits, [SamplingParams(temperature=0)] * 6, [None] * 6)
+    tokens, logprobs = Sampler(CPU, 0).sample(
+        logits, [SamplingParams(temperature=0)] * 6, [None] * 6
+    )
     assert tokens == [int(r.argmax()) for r in logits]
     assert logprobs == [None] * 6
 

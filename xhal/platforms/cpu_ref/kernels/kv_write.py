@@ -8,7 +8,8 @@ import torch
 # a fragment: paged_attention.py adds its op to the same namespace
 _lib = torch.library.Library("xhal_cpu_ref", "FRAGMENT")
 _lib.define(
-    "write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()"
+    "write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> "
+    "()"
 )
 
 

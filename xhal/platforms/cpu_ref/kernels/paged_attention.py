@@ -10,7 +10,8 @@ import torch
 _lib = torch.library.Library("xhal_cpu_ref", "FRAGMENT")
 _lib.define(
     "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor q_cu_seq_lens, "
-    "Tensor kv_seq_lens, Tensor block_table, float scale, int sliding_window, float soft_cap) -> Tensor"
+    "Tensor kv_seq_lens, Tensor block_table, float scale, int sliding_window, float soft_cap) -> "
+    "Tensor"
 )
 
 
@@ -22,7 +23,12 @@ def gather_sequence(cache: torch.Tensor, block_row: torch.Tensor, kv_len: int) -
 
 
 def attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, sliding_window: int, soft_cap: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+    soft_cap: float,
 ) -> torch.Tensor:
     """float32 attention of ``q`` ``[Lq, H, D]``, the sequence's last ``Lq`` positions, over its
     ``keys`` / ``values`` ``[L, Hkv, D]``: causal (bottom-right aligned), the last
@@ -61,5 +67,7 @@ def paged_attention(
 
 
 @torch.library.register_fake("xhal_cpu_ref::paged_attention")
-def _(q, k_cache, v_cache, q_cu_seq_lens, kv_seq_lens, block_table, scale, sliding_window, soft_cap):
+def _(
+    q, k_cache, v_cache, q_cu_seq_lens, kv_seq_lens, block_table, scale, sliding_window, soft_cap
+):
     return torch.empty_like(q)

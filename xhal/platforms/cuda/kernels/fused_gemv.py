@@ -29,7 +29,14 @@ import torch
 import triton
 import triton.language as tl
 
-from xhal.platforms.cuda.kernels.gemv import _DTYPES, _TILES, MAX_CORE_M, GemvConfig, _num_sms, gemv_split_k
+from xhal.platforms.cuda.kernels.gemv import (
+    _DTYPES,
+    _TILES,
+    MAX_CORE_M,
+    GemvConfig,
+    _num_sms,
+    gemv_split_k,
+)
 
 _PLAIN, _NORM, _SILU = 0, 1, 2
 _REDUCE_BLOCK = 1024
@@ -87,14 +94,46 @@ def _fused_gemv_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x (and the residual) come from the previous kernel
         tl.extra.cuda.gdc_launch_dependents()
-    acc, sq = _step(acc, sq, w, ks, k_mask, m_mask[:, None] & k_mask[None, :], x_rows, res_ptr, res_stride,
-                    g_ptr, sum_ptr, ms, pid_n, dtype, K, PROLOGUE)
+    acc, sq = _step(
+        acc,
+        sq,
+        w,
+        ks,
+        k_mask,
+        m_mask[:, None] & k_mask[None, :],
+        x_rows,
+        res_ptr,
+        res_stride,
+        g_ptr,
+        sum_ptr,
+        ms,
+        pid_n,
+        dtype,
+        K,
+        PROLOGUE,
+    )
     for k0 in tl.range(BLOCK_K, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
         ks = k_start + k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        acc, sq = _step(acc, sq, w, ks, k_mask, m_mask[:, None] & k_mask[None, :], x_rows, res_ptr, res_stride,
-                        g_ptr, sum_ptr, ms, pid_n, dtype, K, PROLOGUE)
+        acc, sq = _step(
+            acc,
+            sq,
+            w,
+            ks,
+            k_mask,
+            m_mask[:, None] & k_mask[None, :],
+            x_rows,
+            res_ptr,
+            res_stride,
+            g_ptr,
+            sum_ptr,
+            ms,
+            pid_n,
+            dtype,
+            K,
+            PROLOGUE,
+        )
     out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     if PROLOGUE == 1:
         sumsq = tl.sum(sq, axis=1)  # [BLOCK_M], this split's part
@@ -114,9 +153,20 @@ def _fused_gemv_kernel(
 
 @triton.jit
 def _fused_reduce_kernel(
-    part_ptr, sq_ptr, bias_ptr, out_ptr, N, MN, eps,
-    K: tl.constexpr, M: tl.constexpr, SPLIT_K: tl.constexpr, NORM: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    part_ptr,
+    sq_ptr,
+    bias_ptr,
+    out_ptr,
+    N,
+    MN,
+    eps,
+    K: tl.constexpr,
+    M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -142,7 +192,9 @@ def _fused_reduce_kernel(
 TUNED: dict[tuple[int, int, int], GemvConfig] = {}
 
 
-def fused_gemv_config(M: int, N: int, K: int, num_sms: int = 132, prologue: int = _PLAIN) -> GemvConfig:
+def fused_gemv_config(
+    M: int, N: int, K: int, num_sms: int = 132, prologue: int = _PLAIN
+) -> GemvConfig:
     """``TUNED`` for one row where measured, else ``gemv_config``'s heuristic for the CUDA-core
     path (M <= 16)."""
     if M == 1 and (prologue, N, K) in TUNED:
@@ -156,11 +208,18 @@ def fused_gemv_config(M: int, N: int, K: int, num_sms: int = 132, prologue: int 
 
 def _check(name: str, x: torch.Tensor, weight: torch.Tensor, k: int) -> None:
     if x.dim() != 2 or weight.dim() != 2:
-        raise ValueError(f"{name}: x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}")
+        raise ValueError(
+            f"{name}: x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
     if x.dtype != weight.dtype or x.dtype not in _DTYPES:
-        raise ValueError(f"{name}: x and weight must share one of {_DTYPES}, got {x.dtype} and {weight.dtype}")
+        raise ValueError(
+            f"{name}: x and weight must share one of {_DTYPES}, got {x.dtype} and {weight.dtype}"
+        )
     if not 1 <= x.shape[0] <= MAX_CORE_M:
-        raise ValueError(f"{name}: x has {x.shape[0]} rows; this kernel takes 1..{MAX_CORE_M} (use the unfused ops)")
+        raise ValueError(
+            f"{name}: x has {x.shape[0]} rows; this kernel takes 1..{MAX_CORE_M} (use the unfused "
+            f"ops)"
+        )
     if weight.shape[1] != k or weight.shape[0] == 0 or k == 0:
         raise ValueError(f"{name}: weight {tuple(weight.shape)} does not take inputs of width {k}")
     if not weight.is_contiguous():
@@ -179,16 +238,29 @@ def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool
 
 
 def _launch(
-    prologue: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-    residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
-    config: tuple[int, int, int, int, int] | None, use_pdl: bool,
+    prologue: int,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    config: tuple[int, int, int, int, int] | None,
+    use_pdl: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     M, N, K = x.shape[0], weight.shape[0], weight.shape[1]
     if x.stride(-1) != 1:
         x = x.contiguous()
     if bias is not None and (bias.shape != (N,) or bias.device != x.device):
-        raise ValueError(f"fused_gemv: bias must be [{N}] on {x.device}, got {tuple(bias.shape)} on {bias.device}")
-    cfg = GemvConfig(*config) if config is not None else fused_gemv_config(M, N, K, _num_sms(x.device), prologue)
+        raise ValueError(
+            f"fused_gemv: bias must be [{N}] on {x.device}, got {tuple(bias.shape)} on "
+            f"{bias.device}"
+        )
+    cfg = (
+        GemvConfig(*config)
+        if config is not None
+        else fused_gemv_config(M, N, K, _num_sms(x.device), prologue)
+    )
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(K, k_per_split)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -200,30 +272,74 @@ def _launch(
         summed = torch.empty((M, K), dtype=x.dtype, device=x.device)
         res_arg, g_arg, sum_arg, res_stride = residual, norm_weight, summed, residual.stride(0)
     bias_arg = out if bias is None else bias.contiguous()
-    part = out if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
-    sq = out if split_k == 1 or prologue != _NORM else torch.empty((split_k, M), dtype=torch.float32, device=x.device)
+    part = (
+        out if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
+    )
+    sq = (
+        out
+        if split_k == 1 or prologue != _NORM
+        else torch.empty((split_k, M), dtype=torch.float32, device=x.device)
+    )
     pdl = {"launch_pdl": True} if use_pdl else {}
     _fused_gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
-        x, res_arg, g_arg, weight, bias_arg, out, part, sum_arg, sq,
-        N, x.stride(0), res_stride, eps,
-        K=K, K_PER_SPLIT=k_per_split, M=M, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, PROLOGUE=prologue, SPLIT=split_k > 1, HAS_BIAS=bias is not None,
-        NUM_STAGES=cfg.num_stages, USE_PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        x,
+        res_arg,
+        g_arg,
+        weight,
+        bias_arg,
+        out,
+        part,
+        sum_arg,
+        sq,
+        N,
+        x.stride(0),
+        res_stride,
+        eps,
+        K=K,
+        K_PER_SPLIT=k_per_split,
+        M=M,
+        BLOCK_M=triton.next_power_of_2(M),
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        PROLOGUE=prologue,
+        SPLIT=split_k > 1,
+        HAS_BIAS=bias is not None,
+        NUM_STAGES=cfg.num_stages,
+        USE_PDL=use_pdl,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
         **pdl,
     )
     if split_k > 1:
         _fused_reduce_kernel[(triton.cdiv(M * N, _REDUCE_BLOCK),)](
-            part, sq, bias_arg, out, N, M * N, eps,
-            K=K, M=M, SPLIT_K=split_k, NORM=prologue == _NORM, HAS_BIAS=bias is not None,
-            BLOCK=_REDUCE_BLOCK, USE_PDL=use_pdl, **pdl,
+            part,
+            sq,
+            bias_arg,
+            out,
+            N,
+            M * N,
+            eps,
+            K=K,
+            M=M,
+            SPLIT_K=split_k,
+            NORM=prologue == _NORM,
+            HAS_BIAS=bias is not None,
+            BLOCK=_REDUCE_BLOCK,
+            USE_PDL=use_pdl,
+            **pdl,
         )
     return out, summed
 
 
 def add_rms_norm_gemv(
-    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-    weight: torch.Tensor, bias: torch.Tensor | None = None,
-    config: tuple[int, int, int, int, int] | None = None, use_pdl: bool = False,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int, int, int] | None = None,
+    use_pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) @ weight.T + bias, x + residual)`` in one launch (two when K is
     split). Needs x, residual ``[M <= 16, K]`` (last dim contiguous or copied), weight ``[N, K]``
@@ -231,7 +347,8 @@ def add_rms_norm_gemv(
     _check("add_rms_norm_gemv", x, weight, x.shape[-1])
     if residual.shape != x.shape or norm_weight.shape != (x.shape[-1],):
         raise ValueError(
-            f"add_rms_norm_gemv: residual {tuple(residual.shape)} and norm weight {tuple(norm_weight.shape)} "
+            f"add_rms_norm_gemv: residual {tuple(residual.shape)} and norm weight "
+            f"{tuple(norm_weight.shape)} "
             f"must be {tuple(x.shape)} and ({x.shape[-1]},)"
         )
     out, summed = _launch(_NORM, x, weight, bias, residual, norm_weight, eps, config, use_pdl)
@@ -239,8 +356,11 @@ def add_rms_norm_gemv(
 
 
 def silu_and_mul_gemv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    config: tuple[int, int, int, int, int] | None = None, use_pdl: bool = False,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int, int, int] | None = None,
+    use_pdl: bool = False,
 ) -> torch.Tensor:
     """``(silu(x[:, :I]) * x[:, I:]) @ weight.T + bias`` in one launch (two when K is split).
     Needs x ``[M <= 16, 2I]``, weight ``[N, I]`` contiguous, fp16 / bf16 / fp32; use_pdl sm_90+."""
@@ -251,8 +371,11 @@ def silu_and_mul_gemv(
 
 
 def stream_gemv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    config: tuple[int, int, int, int, int] | None = None, use_pdl: bool = False,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int, int, int] | None = None,
+    use_pdl: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` on this file's layout (``gemv.gemv`` without the tensor-core
     path, with PDL as an option). Needs x ``[M <= 16, K]``, weight ``[N, K]`` contiguous."""

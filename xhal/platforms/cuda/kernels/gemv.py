@@ -67,7 +67,8 @@ def _gemv_kernel(
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     ms = tl.arange(0, BLOCK_M)
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * K  # int64: N * K passes 2^31 for large vocabularies
+    # int64: N * K passes 2^31 for large vocabularies
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
     x_rows = x_ptr + ms[:, None] * x_stride_m
     # products stay unreduced until after the loop: summing over K every step, x row by x row,
     # costs cross-lane shuffles and an x re-layout per row (sm_90 SASS: ~4 instructions per
@@ -90,10 +91,24 @@ def _gemv_kernel(
 
 @triton.jit
 def _gemv_dot_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr,
-    M, N, K, x_stride_m, x_stride_k,
-    K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    part_ptr,
+    M,
+    N,
+    K,
+    x_stride_m,
+    x_stride_k,
+    K_PER_SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """The same program layout as ``_gemv_kernel`` (BLOCK_N weight rows, one K range), with the
     [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] product on tensor cores; rows past M load zeros."""
@@ -110,15 +125,23 @@ def _gemv_dot_kernel(
         ks = k_start + k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_rows + ks[None, :] * x_stride_k, mask=(ms[:, None] < M) & k_mask[None, :], other=0.0)
+        x = tl.load(
+            x_rows + ks[None, :] * x_stride_k, mask=(ms[:, None] < M) & k_mask[None, :], other=0.0
+        )
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     _store_tile(acc, ms, rows, row_mask, M, N, pid_k, bias_ptr, out_ptr, part_ptr, SPLIT, HAS_BIAS)
 
 
 @triton.jit
 def _gemv_reduce_kernel(
-    part_ptr, bias_ptr, out_ptr, N, MN,
-    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    part_ptr,
+    bias_ptr,
+    out_ptr,
+    N,
+    MN,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
@@ -221,7 +244,9 @@ def gemv(
         raise ValueError(f"gemv: {reason}; check supports_gemv first and use F.linear otherwise")
     M, K = x.shape
     N = weight.shape[0]
-    if bias is not None and (bias.shape != (N,) or bias.device != x.device or not bias.is_floating_point()):
+    if bias is not None and (
+        bias.shape != (N,) or bias.device != x.device or not bias.is_floating_point()
+    ):
         raise ValueError(
             f"gemv: bias must be a float [{N}] tensor on {x.device}, "
             f"got {bias.dtype} {tuple(bias.shape)} on {bias.device}"
@@ -230,31 +255,67 @@ def gemv(
     if any(v < 1 or v & (v - 1) for v in (cfg.block_n, cfg.block_k)) or min(cfg) < 1:
         raise ValueError(f"gemv: {cfg} needs power-of-2 block sizes and every field >= 1")
     if M > MAX_CORE_M and min(cfg.block_n, cfg.block_k) < 16:
-        raise ValueError(f"gemv: {cfg} at {M} rows runs on tensor cores, which need blocks of 16 or more")
+        raise ValueError(
+            f"gemv: {cfg} at {M} rows runs on tensor cores, which need blocks of 16 or more"
+        )
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(K, k_per_split)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     bias_arg = out if bias is None else bias.contiguous()  # any pointer when there is no bias
-    part = out if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
+    part = (
+        out if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
+    )
     grid = (triton.cdiv(N, cfg.block_n), split_k)
     common = dict(
-        K_PER_SPLIT=k_per_split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split_k > 1,
-        HAS_BIAS=bias is not None, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        K_PER_SPLIT=k_per_split,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        SPLIT=split_k > 1,
+        HAS_BIAS=bias is not None,
+        NUM_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if M > MAX_CORE_M:
         _gemv_dot_kernel[grid](
-            x, weight, bias_arg, out, part, M, N, K, x.stride(0), x.stride(1),
+            x,
+            weight,
+            bias_arg,
+            out,
+            part,
+            M,
+            N,
+            K,
+            x.stride(0),
+            x.stride(1),
             BLOCK_M=max(16, triton.next_power_of_2(M)),
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **common,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            **common,
         )
     else:
         _gemv_kernel[grid](
-            x, weight, bias_arg, out, part, N, K, x.stride(0), x.stride(1),
-            M=M, BLOCK_M=triton.next_power_of_2(M), **common,
+            x,
+            weight,
+            bias_arg,
+            out,
+            part,
+            N,
+            K,
+            x.stride(0),
+            x.stride(1),
+            M=M,
+            BLOCK_M=triton.next_power_of_2(M),
+            **common,
         )
     if split_k > 1:
         _gemv_reduce_kernel[(triton.cdiv(M * N, _REDUCE_BLOCK),)](
-            part, bias_arg, out, N, M * N,
-            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=_REDUCE_BLOCK,
+            part,
+            bias_arg,
+            out,
+            N,
+            M * N,
+            SPLIT_K=split_k,
+            HAS_BIAS=bias is not None,
+            BLOCK=_REDUCE_BLOCK,
         )
     return out

@@ -25,9 +25,14 @@ def _write_kv_kernel(
 
 
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
 ) -> None:
-    # k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D] (contiguous: slot * Hkv * D is a row)
+    # k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D] (contiguous: slot * Hkv * D is a
+    # row)
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
@@ -36,5 +41,12 @@ def write_kv(
     if k2.stride(1) != 1 or v2.stride(1) != 1 or k2.stride(0) != v2.stride(0):
         k2, v2 = k2.contiguous(), v2.contiguous()
     _write_kv_kernel[(num_tokens,)](
-        k2, v2, k_cache, v_cache, slot_mapping, k2.stride(0), ROW=row, BLOCK=triton.next_power_of_2(row)
+        k2,
+        v2,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k2.stride(0),
+        ROW=row,
+        BLOCK=triton.next_power_of_2(row),
     )

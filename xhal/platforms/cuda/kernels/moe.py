@@ -40,7 +40,9 @@ def _route_kernel(
     top_i = tl.zeros([BLOCK_K], dtype=tl.int32)
     for j in tl.static_range(K):
         # the first maximum: the lower expert index wins a tie; value and index in one reduction
-        value, best = tl.max(remaining, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        value, best = tl.max(
+            remaining, axis=0, return_indices=True, return_indices_tie_break_left=True
+        )
         top_w = tl.where(slots == j, value, top_w)
         top_i = tl.where(slots == j, best.to(tl.int32), top_i)
         remaining = tl.where(offs == best, -1.0, remaining)
@@ -50,7 +52,9 @@ def _route_kernel(
     tl.store(ids_ptr + token * K + slots, top_i, mask=slots < K)
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights float32 [T, k], ids int32 [T, k])`` as ``DeviceOps.moe_route`` defines them."""
     num_tokens, num_experts = router_logits.shape
     if router_logits.stride(-1) != 1:
@@ -59,9 +63,15 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
     if num_tokens:
         _route_kernel[(num_tokens,)](
-            router_logits, weights, ids, router_logits.stride(0),
-            E=num_experts, K=top_k, BLOCK_E=triton.next_power_of_2(num_experts),
-            BLOCK_K=max(2, triton.next_power_of_2(top_k)), RENORMALIZE=renormalize,
+            router_logits,
+            weights,
+            ids,
+            router_logits.stride(0),
+            E=num_experts,
+            K=top_k,
+            BLOCK_E=triton.next_power_of_2(num_experts),
+            BLOCK_K=max(2, triton.next_power_of_2(top_k)),
+            RENORMALIZE=renormalize,
             # one warp up to 512 experts: the k + 2 reductions of a token stay in warp shuffles,
             # with no shared-memory round trip and barrier each (batch 1 pays them serially)
             num_warps=1 if num_experts <= 512 else 4,
@@ -112,9 +122,16 @@ def sort_pairs_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _sort_pairs_kernel(
-    ids_ptr, pair_ids_ptr, block_expert_ptr, num_pairs,
-    NUM_EXPERTS: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
-    P_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, NB_BLOCK: tl.constexpr,
+    ids_ptr,
+    pair_ids_ptr,
+    block_expert_ptr,
+    num_pairs,
+    NUM_EXPERTS: tl.constexpr,
+    NUM_BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    P_BLOCK: tl.constexpr,
+    E_BLOCK: tl.constexpr,
+    NB_BLOCK: tl.constexpr,
 ):
     # one program per expert: every program counts all pairs per expert (a histogram), finds
     # where its expert's padded run starts, and writes its pairs there in their original order
@@ -133,7 +150,11 @@ def _sort_pairs_kernel(
     rank = tl.cumsum(hit.to(tl.int32), axis=0) - 1
     tl.store(pair_ids_ptr + start + rank, offs.to(tl.int32), mask=hit)
     pad = tl.arange(0, BLOCK_M)
-    tl.store(pair_ids_ptr + start + count + pad, (pad * 0 + num_pairs).to(tl.int32), mask=pad < run - count)
+    tl.store(
+        pair_ids_ptr + start + count + pad,
+        (pad * 0 + num_pairs).to(tl.int32),
+        mask=pad < run - count,
+    )
     blocks = tl.arange(0, NB_BLOCK)
     first = start // BLOCK_M
     mine = (blocks >= first) & (blocks < first + run // BLOCK_M)
@@ -154,15 +175,23 @@ def sort_pairs_fused(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
         flat = flat.to(torch.int32).contiguous()
     num_pairs = flat.numel()
     if num_pairs > MAX_FUSED_SORT_PAIRS:
-        raise ValueError(f"sort_pairs_fused takes up to {MAX_FUSED_SORT_PAIRS} pairs, got {num_pairs}")
+        raise ValueError(
+            f"sort_pairs_fused takes up to {MAX_FUSED_SORT_PAIRS} pairs, got {num_pairs}"
+        )
     num_blocks = _num_blocks(num_pairs, num_experts, block_m)
     pair_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=flat.device)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=flat.device)
     _sort_pairs_kernel[(num_experts,)](
-        flat, pair_ids, block_expert, num_pairs,
-        NUM_EXPERTS=num_experts, NUM_BLOCKS=num_blocks, BLOCK_M=block_m,
+        flat,
+        pair_ids,
+        block_expert,
+        num_pairs,
+        NUM_EXPERTS=num_experts,
+        NUM_BLOCKS=num_blocks,
+        BLOCK_M=block_m,
         P_BLOCK=max(16, triton.next_power_of_2(num_pairs)),
-        E_BLOCK=triton.next_power_of_2(num_experts), NB_BLOCK=triton.next_power_of_2(num_blocks),
+        E_BLOCK=triton.next_power_of_2(num_experts),
+        NB_BLOCK=triton.next_power_of_2(num_blocks),
     )
     return SortedPairs(pair_ids, block_expert, num_pairs, block_m)
 
@@ -177,11 +206,27 @@ def sort_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Sorted
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, pair_ids_ptr, block_expert_ptr, weights_ptr,
-    num_pairs, a_stride, b_stride_e, b_stride_n, c_stride,
-    N: tl.constexpr, K: tl.constexpr, NUM_EXPERTS: tl.constexpr, PAIRS_PER_ROW: tl.constexpr,
-    APPLY_WEIGHTS: tl.constexpr, GATED: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    pair_ids_ptr,
+    block_expert_ptr,
+    weights_ptr,
+    num_pairs,
+    a_stride,
+    b_stride_e,
+    b_stride_n,
+    c_stride,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    PAIRS_PER_ROW: tl.constexpr,
+    APPLY_WEIGHTS: tl.constexpr,
+    GATED: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     # c[pair] = a[pair // PAIRS_PER_ROW] @ b[expert].T (* weights[pair]) for the block's rows;
     # GATED: b's rows are N gate rows then N up rows, and c = silu(a @ gate.T) * (a @ up.T)
@@ -202,17 +247,20 @@ def _grouped_gemm_kernel(
         k_mask = offs_k < K
         a = tl.load(
             a_ptr + a_rows[:, None] * a_stride + offs_k[None, :],
-            mask=valid[:, None] & k_mask[None, :], other=0.0,
+            mask=valid[:, None] & k_mask[None, :],
+            other=0.0,
         )
         b = tl.load(  # [BLOCK_K, BLOCK_N]: rows of the expert's [N, K] weight, transposed
             b_base + offs_n[None, :] * b_stride_n + offs_k[:, None],
-            mask=k_mask[:, None] & n_mask[None, :], other=0.0,
+            mask=k_mask[:, None] & n_mask[None, :],
+            other=0.0,
         )
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         if GATED:
             up = tl.load(
                 b_base + (offs_n[None, :] + N) * b_stride_n + offs_k[:, None],
-                mask=k_mask[:, None] & n_mask[None, :], other=0.0,
+                mask=k_mask[:, None] & n_mask[None, :],
+                other=0.0,
             )
             up_acc = tl.dot(a, up, up_acc, input_precision=PRECISION)
     if GATED:
@@ -248,29 +296,54 @@ def default_config(num_pairs: int, num_experts: int) -> MoeConfig:
 
 
 def _grouped_gemm(
-    a, b, out, sorted_pairs: SortedPairs, pairs_per_row: int, weights, config: MoeConfig,
+    a,
+    b,
+    out,
+    sorted_pairs: SortedPairs,
+    pairs_per_row: int,
+    weights,
+    config: MoeConfig,
     gated: bool = False,
 ) -> None:
     num_experts, n, k = b.shape
     n = n // 2 if gated else n
     grid = (sorted_pairs.block_expert.numel(), triton.cdiv(n, config.block_n))
     _grouped_gemm_kernel[grid](
-        a, b, out, sorted_pairs.pair_ids, sorted_pairs.block_expert,
+        a,
+        b,
+        out,
+        sorted_pairs.pair_ids,
+        sorted_pairs.block_expert,
         weights if weights is not None else out,
-        sorted_pairs.num_pairs, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
-        N=n, K=k, NUM_EXPERTS=num_experts, PAIRS_PER_ROW=pairs_per_row,
+        sorted_pairs.num_pairs,
+        a.stride(0),
+        b.stride(0),
+        b.stride(1),
+        out.stride(0),
+        N=n,
+        K=k,
+        NUM_EXPERTS=num_experts,
+        PAIRS_PER_ROW=pairs_per_row,
         # float32 stays float32 ("ieee": no TF32 rounding); 16-bit inputs ignore the setting
-        APPLY_WEIGHTS=weights is not None, GATED=gated,
+        APPLY_WEIGHTS=weights is not None,
+        GATED=gated,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
 
 
 @triton.jit
 def _combine_kernel(
-    down_ptr, out_ptr, out_stride,
-    HIDDEN: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+    down_ptr,
+    out_ptr,
+    out_stride,
+    HIDDEN: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     # out[t] = sum_j down[t * k + j] in float32, in a fixed order, cast once: one launch where a
     # torch sum and a dtype copy took two
@@ -304,7 +377,9 @@ def fused_experts(
         x = x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
     num_pairs = num_tokens * top_k
-    if isinstance(config, SmallMoeConfig) or (config is None and use_small_path(num_tokens, top_k, num_experts)):
+    if isinstance(config, SmallMoeConfig) or (
+        config is None and use_small_path(num_tokens, top_k, num_experts)
+    ):
         return small_experts(x, w13, w2, topk_weights, topk_ids, config)
     config = config or default_config(num_pairs, num_experts)
     pairs = sort_pairs(topk_ids, num_experts, config.block_m)
@@ -315,6 +390,11 @@ def fused_experts(
     out = x.new_empty(num_tokens, hidden)
     if num_tokens:
         _combine_kernel[(num_tokens, triton.cdiv(hidden, _COMBINE_BLOCK))](
-            down, out, out.stride(0), HIDDEN=hidden, TOP_K=top_k, BLOCK=_COMBINE_BLOCK,
+            down,
+            out,
+            out.stride(0),
+            HIDDEN=hidden,
+            TOP_K=top_k,
+            BLOCK=_COMBINE_BLOCK,
         )
     return out

@@ -6,7 +6,8 @@ the sort and on a tile shape made for many rows; here the work is a weight strea
 decode GEMV. Two launches:
 
 - gate-up: one program per (pair, ``BLOCK_N`` intermediate rows) streams those gate and up rows of
-  the pair's expert against the token's hidden state and stores ``silu(gate) * up`` (``act [P, I]``);
+  the pair's expert against the token's hidden state and stores ``silu(gate) * up`` (``act [P,
+  I]``);
 - down + combine: one program per (token, ``BLOCK_N`` hidden rows) loops over the token's k
   experts, accumulating each down-projection slice times ``routing weight * act`` in float32, and
   stores the token's output row in the input dtype. The combine is part of the loop: no atomics,
@@ -68,10 +69,19 @@ def small_config(num_tokens: int, hidden: int, num_sms: int = 132) -> SmallMoeCo
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w13_ptr, ids_ptr, act_ptr,
-    x_stride, w_stride_e, act_stride,
-    INTER: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    x_ptr,
+    w13_ptr,
+    ids_ptr,
+    act_ptr,
+    x_stride,
+    w_stride_e,
+    act_stride,
+    INTER: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     pair = tl.program_id(0)
     token = (pair // TOP_K).to(tl.int64)
@@ -99,10 +109,21 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_combine_kernel(
-    act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr,
-    act_stride, w_stride_e, out_stride,
-    INTER: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, K_STEPS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    act_ptr,
+    w2_ptr,
+    ids_ptr,
+    weights_ptr,
+    out_ptr,
+    act_stride,
+    w_stride_e,
+    out_stride,
+    INTER: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    TOP_K: tl.constexpr,
+    K_STEPS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -116,7 +137,10 @@ def _down_combine_kernel(
         weight = tl.load(weights_ptr + pair)
         ks = (step % K_STEPS) * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = ks < INTER
-        a = tl.load(act_ptr + pair * act_stride + ks, mask=k_mask, other=0.0).to(tl.float32) * weight
+        a = (
+            tl.load(act_ptr + pair * act_stride + ks, mask=k_mask, other=0.0).to(tl.float32)
+            * weight
+        )
         # w2[e]: [H, I]; this program's BLOCK_N rows of it
         w_rows = w2_ptr + expert * w_stride_e + rows.to(tl.int64)[:, None] * INTER
         w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
@@ -147,17 +171,41 @@ def small_experts(
     out = x.new_empty(num_tokens, hidden)
     if num_tokens == 0:
         return out
-    act = x.new_empty(num_tokens * top_k, inter)  # [P, I], rounded to the input dtype as the grouped path does
+    act = x.new_empty(
+        num_tokens * top_k, inter
+    )  # [P, I], rounded to the input dtype as the grouped path does
     _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, config.up_block_n))](
-        x, w13, ids, act, x.stride(0), w13.stride(0), act.stride(0),
-        INTER=inter, HIDDEN=hidden, TOP_K=top_k,
-        BLOCK_N=config.up_block_n, BLOCK_K=config.up_block_k, NUM_STAGES=config.up_stages,
+        x,
+        w13,
+        ids,
+        act,
+        x.stride(0),
+        w13.stride(0),
+        act.stride(0),
+        INTER=inter,
+        HIDDEN=hidden,
+        TOP_K=top_k,
+        BLOCK_N=config.up_block_n,
+        BLOCK_K=config.up_block_k,
+        NUM_STAGES=config.up_stages,
         num_warps=config.num_warps,
     )
     _down_combine_kernel[(num_tokens, triton.cdiv(hidden, config.down_block_n))](
-        act, w2, ids, weights, out, act.stride(0), w2.stride(0), out.stride(0),
-        INTER=inter, HIDDEN=hidden, TOP_K=top_k, K_STEPS=triton.cdiv(inter, config.down_block_k),
-        BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k, NUM_STAGES=config.down_stages,
+        act,
+        w2,
+        ids,
+        weights,
+        out,
+        act.stride(0),
+        w2.stride(0),
+        out.stride(0),
+        INTER=inter,
+        HIDDEN=hidden,
+        TOP_K=top_k,
+        K_STEPS=triton.cdiv(inter, config.down_block_k),
+        BLOCK_N=config.down_block_n,
+        BLOCK_K=config.down_block_k,
+        NUM_STAGES=config.down_stages,
         num_warps=config.num_warps,
     )
     return out

@@ -43,7 +43,7 @@ def _paged_attention_kernel(
     ).to(tl.float32)
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([GROUP_PAD], tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)  # noqa: E741  (m, l: the online-softmax max and sum)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     lo = 0
     if window > 0:
@@ -54,11 +54,21 @@ def _paged_attention_kernel(
         visible = n <= pos
         if window > 0:
             visible = visible & (pos - n < window)
-        block = tl.load(block_table_ptr + seq * bt_stride + n // BLOCK_SIZE, mask=visible, other=0).to(tl.int64)
-        offs = block * cache_stride_block + (n % BLOCK_SIZE) * cache_stride_pos + kv_head * cache_stride_head
+        block = tl.load(
+            block_table_ptr + seq * bt_stride + n // BLOCK_SIZE, mask=visible, other=0
+        ).to(tl.int64)
+        offs = (
+            block * cache_stride_block
+            + (n % BLOCK_SIZE) * cache_stride_pos
+            + kv_head * cache_stride_head
+        )
         kv_mask = visible[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(
+            tl.float32
+        )
+        v = tl.load(v_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(
+            tl.float32
+        )
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, N]
         if soft_cap > 0:
             s = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * s / soft_cap)) - 1.0)  # tanh via exp
@@ -66,13 +76,14 @@ def _paged_attention_kernel(
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, axis=1)
+        l = l * alpha + tl.sum(p, axis=1)  # noqa: E741  (the online-softmax sum)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
     out = acc / l[:, None]
     tl.store(
         out_ptr + token * out_stride_t + heads[:, None] * out_stride_h + d[None, :],
-        out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=g_mask[:, None] & d_mask[None, :],
     )
 
 
@@ -97,11 +108,30 @@ def paged_attention(
     group_pad = max(triton.next_power_of_2(group), 1)
     block_n = max(16, min(64, 8192 // (group_pad * dim_pad)))
     _paged_attention_kernel[(num_tokens, num_kv_heads)](
-        q, k_cache, v_cache, out, token_seq, q_cu_seq_lens, kv_seq_lens, block_table,
-        scale, soft_cap, window,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        token_seq,
+        q_cu_seq_lens,
+        kv_seq_lens,
+        block_table,
+        scale,
+        soft_cap,
+        window,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_table.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        DIM_PAD=dim_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
     )
     return out

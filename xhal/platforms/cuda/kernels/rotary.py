@@ -48,7 +48,11 @@ def _rotary_kernel(
 
 
 def rotary_embedding(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``[T, H, D]``, k ``[T, Hkv, D]`` (last dim contiguous), positions ``[T]``, cos_sin_cache
     float32 ``[max_position, rotary_dim]`` (cos | sin) -> new rotated q, k."""
@@ -65,9 +69,24 @@ def rotary_embedding(
     if num_tokens:
         tail = d - 2 * half
         _rotary_kernel[(num_tokens, hq + hk)](
-            positions, q, k, cos_sin_cache, q_out, k_out,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
-            HQ=hq, HK=hk, D=d, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-            BLOCK_TAIL=triton.next_power_of_2(tail) if tail else 0, IS_NEOX=is_neox, num_warps=1,
+            positions,
+            q,
+            k,
+            cos_sin_cache,
+            q_out,
+            k_out,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            cos_sin_cache.stride(0),
+            HQ=hq,
+            HK=hk,
+            D=d,
+            HALF=half,
+            BLOCK_HALF=triton.next_power_of_2(half),
+            BLOCK_TAIL=triton.next_power_of_2(tail) if tail else 0,
+            IS_NEOX=is_neox,
+            num_warps=1,
         )
     return q_out, k_out

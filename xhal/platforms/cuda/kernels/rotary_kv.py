@@ -44,7 +44,9 @@ def _rotary_kv_kernel(
     sin = tl.load(cache_ptr + pos * cache_stride + HALF + i, mask=m, other=0.0)
     if head < HQ:
         src = q_ptr + token * q_stride_t + head * q_stride_h
-        _rotate_store(src, q_out_ptr + (token * HQ + head) * D, cos, sin, i, m, D, HALF, BLOCK_TAIL, IS_NEOX)
+        _rotate_store(
+            src, q_out_ptr + (token * HQ + head) * D, cos, sin, i, m, D, HALF, BLOCK_TAIL, IS_NEOX
+        )
     else:
         kv_head = head - HQ
         slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -59,18 +61,28 @@ def _rotary_kv_kernel(
 
 
 def rotary_write_kv(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    cos_sin_cache: torch.Tensor, is_neox: bool,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
     """Rotated q ``[T, H, D]`` (new, contiguous); rotated k and v written into the contiguous
     caches ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping`` (-1 skipped). q, k, v may be
     strided (last dim contiguous or copied); positions int32 / int64 ``[T]``; cos_sin_cache
-    float32 ``[max_position, rotary_dim]``. Any CUDA GPU Triton runs on; graph-safe once compiled."""
+    float32 ``[max_position, rotary_dim]``. Any CUDA GPU Triton runs on; graph-safe once
+    compiled."""
     num_tokens, hq, d = q.shape
     hk = k.shape[1]
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape[-2:] != (hk, d):
-        raise ValueError(f"rotary_write_kv: caches must be contiguous [..., {hk}, {d}], got {tuple(k_cache.shape)}")
+        raise ValueError(
+            f"rotary_write_kv: caches must be contiguous [..., {hk}, {d}], got "
+            f"{tuple(k_cache.shape)}"
+        )
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.stride(-1) != 1:
         cos_sin_cache = cos_sin_cache.float().contiguous()
@@ -79,10 +91,30 @@ def rotary_write_kv(
     if num_tokens:
         tail = d - 2 * half
         _rotary_kv_kernel[(num_tokens, hq + hk)](
-            positions, q, k, v, cos_sin_cache, q_out, k_cache, v_cache, slot_mapping,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
-            HQ=hq, HK=hk, D=d, HALF=half, BLOCK_D=triton.next_power_of_2(d),
-            BLOCK_HALF=triton.next_power_of_2(half), BLOCK_TAIL=triton.next_power_of_2(tail) if tail else 0,
-            IS_NEOX=is_neox, num_warps=1,
+            positions,
+            q,
+            k,
+            v,
+            cos_sin_cache,
+            q_out,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            cos_sin_cache.stride(0),
+            HQ=hq,
+            HK=hk,
+            D=d,
+            HALF=half,
+            BLOCK_D=triton.next_power_of_2(d),
+            BLOCK_HALF=triton.next_power_of_2(half),
+            BLOCK_TAIL=triton.next_power_of_2(tail) if tail else 0,
+            IS_NEOX=is_neox,
+            num_warps=1,
         )
     return q_out

@@ -104,7 +104,9 @@ def _program(head_dim: int, page_size: int, dtype: str, block_h: int = 64):
                 T.clear(scores)
                 T.gemm(q_s, k_s, scores, transpose_B=True, policy=policy)
                 for i, j in T.Parallel(block_h, _BLOCK_N):
-                    scores[i, j] = T.if_then_else(base + j < kv_len, scores[i, j] * scale_log2, neg_inf)
+                    scores[i, j] = T.if_then_else(
+                        base + j < kv_len, scores[i, j] * scale_log2, neg_inf
+                    )
                 T.copy(row_max, prev_max)
                 T.reduce_max(scores, row_max, dim=1, clear=False)
                 for i in T.Parallel(block_h):
@@ -141,13 +143,17 @@ def _program(head_dim: int, page_size: int, dtype: str, block_h: int = 64):
                 lse_max = T.max(lse_max, part_lse[b, h, s])
             for s in T.serial(num_splits):
                 weight = T.if_then_else(
-                    part_lse[b, h, s] == neg_inf, T.cast(0, acc_t), T.exp2(part_lse[b, h, s] - lse_max)
+                    part_lse[b, h, s] == neg_inf,
+                    T.cast(0, acc_t),
+                    T.exp2(part_lse[b, h, s] - lse_max),
                 )
                 total += weight
                 for d in T.Parallel(head_dim):
                     merged[d] += weight * part_out[b, h, s, d]
             for d in T.Parallel(head_dim):
-                Out[b, h, d] = T.cast(T.if_then_else(total > 0, merged[d] / total, T.cast(0, acc_t)), dtype)
+                Out[b, h, d] = T.cast(
+                    T.if_then_else(total > 0, merged[d] / total, T.cast(0, acc_t)), dtype
+                )
 
     return decode
 
@@ -199,7 +205,9 @@ def paged_decode(
     if block_h is None:
         block_h = block_rows(num_heads // k_cache.shape[2])
     kernel = compiled(head_dim, k_cache.shape[1], q.dtype, block_h)
-    part_out = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+    part_out = torch.empty(
+        (batch, num_heads, splits, head_dim), dtype=torch.float32, device=q.device
+    )
     part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=q.device)
     kernel(q, k_cache, v_cache, block_table, kv_lens, scale * _LOG2E, part_out, part_lse, out)
     return out

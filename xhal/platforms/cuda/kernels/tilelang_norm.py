@@ -22,7 +22,9 @@ MAX_HIDDEN = 16384
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     n = x.shape[-1]
-    return x.dtype in _DTYPES and weight.dtype == x.dtype and n % _THREADS == 0 and 0 < n <= MAX_HIDDEN
+    return (
+        x.dtype in _DTYPES and weight.dtype == x.dtype and n % _THREADS == 0 and 0 < n <= MAX_HIDDEN
+    )
 
 
 def _program(hidden: int, dtype: str):
@@ -45,7 +47,9 @@ def _program(hidden: int, dtype: str):
             sq = T.alloc_fragment((1, hidden), acc_t)
             total = T.alloc_fragment((1,), acc_t)
             for i, j in T.Parallel(1, hidden):
-                s[i, j] = T.cast(T.cast(T.cast(X[row, j], acc_t) + T.cast(R[row, j], acc_t), dtype), acc_t)
+                s[i, j] = T.cast(
+                    T.cast(T.cast(X[row, j], acc_t) + T.cast(R[row, j], acc_t), dtype), acc_t
+                )
             for i, j in T.Parallel(1, hidden):
                 Summed[row, j] = T.cast(s[i, j], dtype)
                 sq[i, j] = s[i, j] * s[i, j]
