@@ -75,7 +75,7 @@ def test_loads_and_generates_deterministically(model_dir: Path) -> None:
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     first = generate(engine, [prompt], greedy)
     assert generate(engine, [prompt], greedy) == first
-    assert EngineCore(config).generate([prompt], greedy) == first
+    assert generate(EngineCore(config), [prompt], greedy) == first
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ids = list(prompt)
