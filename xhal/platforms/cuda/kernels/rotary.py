@@ -13,6 +13,26 @@ import triton.language as tl
 
 
 @triton.jit
+def rotate_store(src, dst, cos, sin, i, m, D: tl.constexpr, HALF: tl.constexpr,
+                 BLOCK_TAIL: tl.constexpr, IS_NEOX: tl.constexpr):
+    """Rotate one head's ``src`` into ``dst`` (NeoX or GPT-J pairs, float32 math, the dims past
+    rotary_dim copied); ``rotary_kv.py`` stores k straight into the key cache with it."""
+    if IS_NEOX:  # rotate halves: (x[i], x[i + HALF])
+        first, second = i, i + HALF
+    else:  # GPT-J: rotate interleaved pairs (x[2i], x[2i + 1])
+        first, second = 2 * i, 2 * i + 1
+    x1 = tl.load(src + first, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + second, mask=m, other=0.0).to(tl.float32)
+    out_ty = dst.dtype.element_ty
+    tl.store(dst + first, (x1 * cos - x2 * sin).to(out_ty), mask=m)
+    tl.store(dst + second, (x2 * cos + x1 * sin).to(out_ty), mask=m)
+    if BLOCK_TAIL > 0:  # partial rotary: dims past rotary_dim pass through
+        t = 2 * HALF + tl.arange(0, BLOCK_TAIL)
+        mt = t < D
+        tl.store(dst + t, tl.load(src + t, mask=mt, other=0.0), mask=mt)
+
+
+@triton.jit
 def _rotary_kernel(
     pos_ptr, q_ptr, k_ptr, cache_ptr, q_out_ptr, k_out_ptr,
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, cache_stride,
@@ -32,19 +52,7 @@ def _rotary_kernel(
     m = i < HALF
     cos = tl.load(cache_ptr + pos * cache_stride + i, mask=m, other=0.0)
     sin = tl.load(cache_ptr + pos * cache_stride + HALF + i, mask=m, other=0.0)
-    if IS_NEOX:  # rotate halves: (x[i], x[i + HALF])
-        first, second = i, i + HALF
-    else:  # GPT-J: rotate interleaved pairs (x[2i], x[2i + 1])
-        first, second = 2 * i, 2 * i + 1
-    x1 = tl.load(src + first, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(src + second, mask=m, other=0.0).to(tl.float32)
-    out_ty = dst.dtype.element_ty
-    tl.store(dst + first, (x1 * cos - x2 * sin).to(out_ty), mask=m)
-    tl.store(dst + second, (x2 * cos + x1 * sin).to(out_ty), mask=m)
-    if BLOCK_TAIL > 0:  # partial rotary: dims past rotary_dim pass through
-        t = 2 * HALF + tl.arange(0, BLOCK_TAIL)
-        mt = t < D
-        tl.store(dst + t, tl.load(src + t, mask=mt, other=0.0), mask=mt)
+    rotate_store(src, dst, cos, sin, i, m, D, HALF, BLOCK_TAIL, IS_NEOX)
 
 
 def rotary_embedding(

@@ -9,23 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _rotate_store(src, dst, cos, sin, i, m, D: tl.constexpr, HALF: tl.constexpr,
-                  BLOCK_TAIL: tl.constexpr, IS_NEOX: tl.constexpr):
-    if IS_NEOX:  # rotate halves: (x[i], x[i + HALF])
-        first, second = i, i + HALF
-    else:  # GPT-J: rotate interleaved pairs (x[2i], x[2i + 1])
-        first, second = 2 * i, 2 * i + 1
-    x1 = tl.load(src + first, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(src + second, mask=m, other=0.0).to(tl.float32)
-    out_ty = dst.dtype.element_ty
-    tl.store(dst + first, (x1 * cos - x2 * sin).to(out_ty), mask=m)
-    tl.store(dst + second, (x2 * cos + x1 * sin).to(out_ty), mask=m)
-    if BLOCK_TAIL > 0:  # partial rotary: dims past rotary_dim pass through
-        t = 2 * HALF + tl.arange(0, BLOCK_TAIL)
-        mt = t < D
-        tl.store(dst + t, tl.load(src + t, mask=mt, other=0.0), mask=mt)
+from xhal.platforms.cuda.kernels.rotary import rotate_store
 
 
 @triton.jit
@@ -44,7 +28,7 @@ def _rotary_kv_kernel(
     sin = tl.load(cache_ptr + pos * cache_stride + HALF + i, mask=m, other=0.0)
     if head < HQ:
         src = q_ptr + token * q_stride_t + head * q_stride_h
-        _rotate_store(
+        rotate_store(
             src, q_out_ptr + (token * HQ + head) * D, cos, sin, i, m, D, HALF, BLOCK_TAIL, IS_NEOX
         )
     else:
@@ -53,7 +37,7 @@ def _rotary_kv_kernel(
         if slot >= 0:  # padding tokens (slot -1) are never written
             dst = slot * (HK * D) + kv_head * D  # caches: [num_blocks * block_size, HK, D]
             src = k_ptr + token * k_stride_t + kv_head * k_stride_h
-            _rotate_store(src, k_cache_ptr + dst, cos, sin, i, m, D, HALF, BLOCK_TAIL, IS_NEOX)
+            rotate_store(src, k_cache_ptr + dst, cos, sin, i, m, D, HALF, BLOCK_TAIL, IS_NEOX)
             d = tl.arange(0, BLOCK_D)
             md = d < D
             v = tl.load(v_ptr + token * v_stride_t + kv_head * v_stride_h + d, mask=md)
