@@ -4,34 +4,58 @@ against unfused, each against its floor in the same run (bytes read / the read c
 the matmul ceiling, whichever is larger).
 
     python -m benchmarks.bench_solutions \\
-        [--shapes llama3-8b llama3.2-1b] [--batches 1 16 64] [--tune]
+        [--shapes llama3-8b llama3.2-1b] [--batches 1 16 64] [--tune] [--no-attention]
 
-Every row is timed as one CUDA graph of ``CALLS`` back-to-back calls cycling through enough
-weight copies to overflow L2 (``bench_gemv.graph_us``), as successive layers of a decode step run.
-Every implementation is checked against torch in float32 before it is timed (``err`` column,
-relative to the output's largest magnitude). ``--tune`` also sweeps launch shapes of the streaming
-GEMV for qkv and o at batch 1 (the 90%-of-read-ceiling target of issue 12) and prints the best.
+Each op is a ``Case``: its floor, a float32 reference and its implementations, each a function of
+the call index ``i`` that runs on weight copy ``i``. One loop checks every implementation against
+the reference (``err``, relative to the reference's largest magnitude) and times it as one CUDA
+graph of ``CALLS`` back-to-back calls cycling through enough weight copies to overflow L2
+(``bench_gemv.graph_us``), as successive layers of a decode step run. ``--tune`` also sweeps
+launch shapes of the streaming and fused GEMVs at batch 1 and prints the best.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_gemv import graph_us
-from benchmarks.bench_model import SHAPES, head_dim
+from benchmarks.bench_model import BLOCK, CTX, SHAPES, decode_metadata, head_dim
 from benchmarks.common import ceilings, table, time_cuda
 
 CALLS = 20
 L2_BYTES = 200 << 20  # copies of each operand cycle past the H200's 50 MiB L2 (x4 margin)
+EPS = 1e-5
+Timer = Callable[[Callable[[int], object]], float]  # microseconds per call of run(i)
+
+
+@dataclass
+class Case:
+    """One op at one batch: what it must compute and every way of computing it."""
+
+    op: str
+    m: int
+    floor_us: float
+    ref: torch.Tensor
+    impls: dict[str, Callable[[int], torch.Tensor]] = field(default_factory=dict)
 
 
 def _copies(make: Callable[[], torch.Tensor], nbytes: int) -> list[torch.Tensor]:
     return [make() for _ in range(max(1, min(CALLS, math.ceil(L2_BYTES / max(nbytes, 1)))))]
+
+
+def _weights(n: int, k: int, device) -> list[torch.Tensor]:
+    make = lambda: torch.randn(n, k, dtype=torch.bfloat16, device=device) * k**-0.5  # noqa: E731
+    return _copies(make, n * k * 2)
+
+
+def _floor_us(ceil: dict, nbytes: float, flops: float = 0.0) -> float:
+    return max(nbytes / ceil["read_bandwidth"], flops / ceil["flops"]) * 1e6
 
 
 def projections(config: dict) -> dict[str, tuple[int, int]]:
@@ -45,172 +69,121 @@ def projections(config: dict) -> dict[str, tuple[int, int]]:
     return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * inter, h), "down": (h, inter)}
 
 
-def linear_impls(m: int, pdl_ok: bool) -> dict[str, Callable]:
+def _fused_variants(pdl: bool) -> list[tuple[str, bool]]:
+    return [("fused", False), ("fused_pdl", True)] if pdl else [("fused", False)]
+
+
+def _gemv_for(m: int) -> Callable:
+    """What CudaOps.linear runs for ``m`` rows: our GEMV for one row, cuBLAS beyond."""
+    from xhal.platforms.cuda.kernels import gemv
+
+    return gemv.gemv if m == 1 else (lambda a, w: F.linear(a, w))
+
+
+def linear_case(name: str, m: int, n: int, k: int, ceil: dict, pdl: bool, device) -> Case:
     from xhal.platforms.cuda.kernels import fused_gemv, gemv
 
-    impls: dict[str, Callable] = {"cublas": lambda x, w: F.linear(x, w)}
+    ws, x = _weights(n, k, device), torch.randn(m, k, dtype=torch.bfloat16, device=device)
+    case = Case(name, m, _floor_us(ceil, n * k * 2, 2 * m * n * k), x.float() @ ws[0].float().T)
+    w = lambda i: ws[i % len(ws)]  # noqa: E731
+    case.impls["cublas"] = lambda i: F.linear(x, w(i))
     if m <= gemv.MAX_M:
-        impls["triton_gemv"] = lambda x, w: gemv.gemv(x, w)
+        case.impls["triton_gemv"] = lambda i: gemv.gemv(x, w(i))
     if m <= gemv.MAX_CORE_M:
-        impls["triton_stream"] = lambda x, w: fused_gemv.stream_gemv(x, w)
-        if pdl_ok:
-            impls["triton_stream_pdl"] = lambda x, w: fused_gemv.stream_gemv(x, w, use_pdl=True)
-    return impls
+        case.impls["triton_stream"] = lambda i: fused_gemv.stream_gemv(x, w(i))
+        if pdl:
+            case.impls["triton_stream_pdl"] = lambda i: fused_gemv.stream_gemv(
+                x, w(i), use_pdl=True
+            )
+    return case
 
 
-def bench_linear(name, m, n, k, ceil, pdl_ok) -> list[dict]:
-    dtype, rows = torch.bfloat16, []
-    ws = _copies(lambda: torch.randn(n, k, dtype=dtype, device="cuda") * k**-0.5, n * k * 2)
-    x = torch.randn(m, k, dtype=dtype, device="cuda")
-    ref = x.float() @ ws[0].float().T
-    floor_us = max(n * k * 2 / ceil["read_bandwidth"], 2 * m * n * k / ceil["flops"]) * 1e6
-    for impl, fn in linear_impls(m, pdl_ok).items():
-        err = float((fn(x, ws[0]).float() - ref).abs().max() / ref.abs().max())
-        us = graph_us(lambda i, fn=fn: fn(x, ws[i % len(ws)]), CALLS, 20)
-        rows.append(
-            {
-                "op": name,
-                "M": m,
-                "impl": impl,
-                "us": us,
-                "floor_us": floor_us,
-                "of_ceiling": floor_us / us,
-                "err": err,
-            }
-        )
-    return rows
-
-
-def bench_norm_linear(name, m, n, k, ceil, pdl_ok) -> list[dict]:
-    """Residual add + RMSNorm + projection: the unfused sequence (our add+norm kernel, then cuBLAS
-    or our GEMV, as CudaOps runs it) against the fused kernel."""
+def norm_linear_case(name: str, m: int, n: int, k: int, ceil: dict, pdl: bool, device) -> Case:
+    """Residual add + RMSNorm + projection: the unfused sequence (our add+norm kernel, then the
+    linear CudaOps picks) against the fused kernel."""
     from xhal.platforms.cuda.kernels import fused_gemv, gemv, norm
 
-    dtype, rows = torch.bfloat16, []
-    ws = _copies(lambda: torch.randn(n, k, dtype=dtype, device="cuda") * k**-0.5, n * k * 2)
-    x, res = (
-        torch.randn(m, k, dtype=dtype, device="cuda"),
-        torch.randn(m, k, dtype=dtype, device="cuda"),
+    ws = _weights(n, k, device)
+    x, res = (torch.randn(m, k, dtype=torch.bfloat16, device=device) for _ in range(2))
+    g = torch.rand(k, dtype=torch.bfloat16, device=device) + 0.5
+    s = (x.float() + res.float()).to(torch.bfloat16).float()
+    normed = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + EPS) * g.float()).to(torch.bfloat16)
+    case = Case(
+        f"norm+{name}",
+        m,
+        _floor_us(ceil, n * k * 2, 2 * m * n * k),
+        normed.float() @ ws[0].float().T,
     )
-    g = torch.rand(k, dtype=dtype, device="cuda") + 0.5
-    s = (x.float() + res.float()).to(dtype).float()
-    ref = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * g.float()).to(
-        dtype
-    ).float() @ ws[0].float().T
-    floor_us = max(n * k * 2 / ceil["read_bandwidth"], 2 * m * n * k / ceil["flops"]) * 1e6
-    lin = gemv.gemv if m == 1 else (lambda a, w: F.linear(a, w))  # what CudaOps.linear picks
-    impls = {"unfused": lambda w: lin(norm.fused_add_rms_norm(x, res, g, 1e-5)[0], w)}
+    w, lin = (lambda i: ws[i % len(ws)]), _gemv_for(m)
+    case.impls["unfused"] = lambda i: lin(norm.fused_add_rms_norm(x, res, g, EPS)[0], w(i))
     if m <= gemv.MAX_CORE_M:
-        impls["fused"] = lambda w: fused_gemv.add_rms_norm_gemv(x, res, g, 1e-5, w)[0]
-        if pdl_ok:
-            impls["fused_pdl"] = lambda w: fused_gemv.add_rms_norm_gemv(
-                x, res, g, 1e-5, w, use_pdl=True
+        for impl, use_pdl in _fused_variants(pdl):
+            case.impls[impl] = lambda i, p=use_pdl: fused_gemv.add_rms_norm_gemv(
+                x, res, g, EPS, w(i), use_pdl=p
             )[0]
-    for impl, fn in impls.items():
-        err = float((fn(ws[0]).float() - ref).abs().max() / ref.abs().max())
-        us = graph_us(lambda i, fn=fn: fn(ws[i % len(ws)]), CALLS, 20)
-        rows.append(
-            {
-                "op": f"norm+{name}",
-                "M": m,
-                "impl": impl,
-                "us": us,
-                "floor_us": floor_us,
-                "of_ceiling": floor_us / us,
-                "err": err,
-            }
-        )
-    return rows
+    return case
 
 
-def bench_silu_down(m, n, k, ceil, pdl_ok, fi) -> list[dict]:
+def silu_down_case(m: int, n: int, k: int, ceil: dict, pdl: bool, device, fi) -> Case:
+    """SiLU-and-multiply then down: FlashInfer's activation (torch without it) and the linear
+    CudaOps picks, against the fused kernel."""
     from xhal.platforms.cuda.kernels import fused_gemv, gemv
 
-    dtype, rows = torch.bfloat16, []
-    ws = _copies(lambda: torch.randn(n, k, dtype=dtype, device="cuda") * k**-0.5, n * k * 2)
-    x = torch.randn(m, 2 * k, dtype=dtype, device="cuda")
-    gate, up = x.float().chunk(2, -1)
-    ref = (F.silu(gate) * up).to(dtype).float() @ ws[0].float().T
-    floor_us = max(n * k * 2 / ceil["read_bandwidth"], 2 * m * n * k / ceil["flops"]) * 1e6
-    act = (
-        fi.silu_and_mul
-        if fi is not None
-        else (lambda a: (F.silu(a.float().chunk(2, -1)[0]) * a.float().chunk(2, -1)[1]).to(a.dtype))
+    ws, x = _weights(n, k, device), torch.randn(m, 2 * k, dtype=torch.bfloat16, device=device)
+
+    def torch_act(a: torch.Tensor) -> torch.Tensor:
+        gate, up = a.float().chunk(2, -1)
+        return (F.silu(gate) * up).to(a.dtype)
+
+    act = fi.silu_and_mul if fi is not None else torch_act
+    case = Case(
+        "silu+down",
+        m,
+        _floor_us(ceil, n * k * 2, 2 * m * n * k),
+        torch_act(x).float() @ ws[0].float().T,
     )
-    lin = gemv.gemv if m == 1 else (lambda a, w: F.linear(a, w))  # what CudaOps.linear picks
-    impls = {"unfused": lambda w: lin(act(x), w)}
+    w, lin = (lambda i: ws[i % len(ws)]), _gemv_for(m)
+    case.impls["unfused"] = lambda i: lin(act(x), w(i))
     if m <= gemv.MAX_CORE_M:
-        impls["fused"] = lambda w: fused_gemv.silu_and_mul_gemv(x, w)
-        if pdl_ok:
-            impls["fused_pdl"] = lambda w: fused_gemv.silu_and_mul_gemv(x, w, use_pdl=True)
-    for impl, fn in impls.items():
-        err = float((fn(ws[0]).float() - ref).abs().max() / ref.abs().max())
-        us = graph_us(lambda i, fn=fn: fn(ws[i % len(ws)]), CALLS, 20)
-        rows.append(
-            {
-                "op": "silu+down",
-                "M": m,
-                "impl": impl,
-                "us": us,
-                "floor_us": floor_us,
-                "of_ceiling": floor_us / us,
-                "err": err,
-            }
-        )
-    return rows
+        for impl, use_pdl in _fused_variants(pdl):
+            case.impls[impl] = lambda i, p=use_pdl: fused_gemv.silu_and_mul_gemv(x, w(i), use_pdl=p)
+    return case
 
 
-def bench_rotary_kv(config, m, ceil) -> list[dict]:
-    """Rotary then the KV write (two launches, as before) against the fused kernel."""
+def rotary_kv_case(config: dict, m: int, ceil: dict, device) -> Case:
+    """Rotary then the KV write (two launches) against the fused kernel; the output compared is
+    the rotated q (the fused family of the conformance suite checks the cache contents)."""
     from xhal.layers.rotary import RotaryEmbedding
     from xhal.platforms.cuda.kernels import kv_write, rotary, rotary_kv
 
-    dtype, d = torch.bfloat16, head_dim(config)
-    hq, hk = config["num_attention_heads"], config["num_key_value_heads"]
-    qkv = torch.randn(m, (hq + 2 * hk) * d, dtype=dtype, device="cuda")
+    d, hq, hk = head_dim(config), config["num_attention_heads"], config["num_key_value_heads"]
+    qkv = torch.randn(m, (hq + 2 * hk) * d, dtype=torch.bfloat16, device=device)
     q, k, v = (t.view(m, -1, d) for t in qkv.split([hq * d, hk * d, hk * d], -1))
-    pos = torch.full((m,), 2047, dtype=torch.int32, device="cuda")
-    table_ = RotaryEmbedding(d, d, 4096, 500000.0).cos_sin_cache.cuda()
-    kc = torch.zeros(m * 2048 // 16 + 1, 16, hk, d, dtype=dtype, device="cuda")
+    pos = torch.full((m,), CTX - 1, dtype=torch.int32, device=device)
+    cos_sin = RotaryEmbedding(d, d, 2 * CTX, 500000.0).cos_sin_cache.to(device)
+    kc = torch.zeros(m * CTX // BLOCK + 1, BLOCK, hk, d, dtype=torch.bfloat16, device=device)
     vc = torch.zeros_like(kc)
-    slots = torch.arange(m, dtype=torch.int32, device="cuda") * 2048 + 2047
-    bytes_ = (
-        m * d * 2 * ((hq + 2 * hk) + hq + 2 * hk)
-    )  # read q, k, v; write rotated q, k and v rows
-    floor_us = bytes_ / ceil["read_bandwidth"] * 1e6
+    slots = torch.arange(m, dtype=torch.int32, device=device) * CTX + CTX - 1
 
-    def unfused():
-        qr, kr = rotary.rotary_embedding(pos, q, k, table_, True)
+    def unfused(i: int) -> torch.Tensor:
+        qr, kr = rotary.rotary_embedding(pos, q, k, cos_sin, True)
         kv_write.write_kv(kr, v, kc, vc, slots)
         return qr
 
-    impls = {
-        "unfused": unfused,
-        "fused": lambda: rotary_kv.rotary_write_kv(pos, q, k, v, table_, True, kc, vc, slots),
-    }
-    ref = unfused().float()
-    rows = []
-    for impl, fn in impls.items():
-        err = float((fn().float() - ref).abs().max() / ref.abs().max())
-        us = graph_us(lambda i, fn=fn: fn(), CALLS, 20)
-        rows.append(
-            {
-                "op": "rotary+kv_write",
-                "M": m,
-                "impl": impl,
-                "us": us,
-                "floor_us": floor_us,
-                "of_ceiling": floor_us / us,
-                "err": err,
-            }
-        )
-    return rows
+    # reads q, k, v; writes the rotated q, k and the v row
+    floor_us = _floor_us(ceil, m * d * 2 * 2 * (hq + 2 * hk))
+    case = Case("rotary+kv_write", m, floor_us, unfused(0).float())
+    case.impls["unfused"] = unfused
+    case.impls["fused"] = lambda i: rotary_kv.rotary_write_kv(
+        pos, q, k, v, cos_sin, True, kc, vc, slots
+    )
+    return case
 
 
-def bench_attention(config, m, ceil, platform) -> list[dict]:
-    """Paged decode attention at context 2K: FlashInfer (the default backend) and the Triton
-    fallback."""
-    from benchmarks.bench_model import BLOCK, CTX, decode_metadata
+def attention_case(config: dict, m: int, ceil: dict, platform, device) -> Case:
+    """Paged decode attention at context ``CTX``: the platform's default backend (FlashInfer when
+    installed) and the Triton fallback, each planned once as a decode graph bucket is; the
+    reference is the default backend's output."""
     from xhal.interfaces import AttentionSpec, LayerCache
     from xhal.platforms.cuda.triton_attention import TritonAttention
 
@@ -223,138 +196,151 @@ def bench_attention(config, m, ceil, platform) -> list[dict]:
     caches = [
         LayerCache(
             *(
-                torch.randn(num_blocks, BLOCK, hk, d, dtype=torch.bfloat16, device="cuda")
+                torch.randn(num_blocks, BLOCK, hk, d, dtype=torch.bfloat16, device=device)
                 for _ in range(2)
             )
         )
         for _ in range(layers)
     ]
-    _, _, meta = decode_metadata(m, CTX, "cuda")
-    q = torch.randn(m, hq, d, dtype=torch.bfloat16, device="cuda")
-    k, v = (
-        torch.randn(m, hk, d, dtype=torch.bfloat16, device="cuda"),
-        torch.randn(m, hk, d, dtype=torch.bfloat16, device="cuda"),
-    )
-    floor_us = m * CTX * hk * d * 2 * 2 / ceil["read_bandwidth"] * 1e6
-    rows, ref = [], None
+    _, _, meta = decode_metadata(m, CTX, device)
+    q = torch.randn(m, hq, d, dtype=torch.bfloat16, device=device)
+    k, v = (torch.randn(m, hk, d, dtype=torch.bfloat16, device=device) for _ in range(2))
+    impls = {}
     for impl, backend in (
-        ("flashinfer", platform.attention_backend(spec)),
+        ("default", platform.attention_backend(spec)),
         ("triton", TritonAttention(spec)),
     ):
         backend.bind_kv_caches(caches)
         backend.plan(meta, graph_key=("bench", m))  # a graph bucket's plan, as decode graphs run it
-        out = backend.forward(0, q, k, v).float()
-        ref = out if ref is None else ref
-        err = float((out - ref).abs().max() / ref.abs().max())
+        impls[f"{impl}:{type(backend).__name__}"] = lambda i, b=backend: b.forward(
+            i % layers, q, k, v
+        )
+    ref = next(iter(impls.values()))(0).float()
+    return Case("decode_attention", m, _floor_us(ceil, m * CTX * hk * d * 2 * 2), ref, impls)
+
+
+def graph_timer(run: Callable[[int], object]) -> float:
+    """Microseconds per call in a CUDA graph; eagerly (and said so) for what cannot be captured."""
+    return graph_us(run, CALLS, 20)
+
+
+def eager_us(run: Callable[[int], object]) -> float:
+    torch.cuda.synchronize()
+    return time_cuda(lambda: [run(i) for i in range(CALLS)], iters=10) * 1e3 / CALLS
+
+
+def measure(case: Case, timer: Timer = graph_timer) -> list[dict]:
+    """Check, then time, every implementation of ``case``: one table row each."""
+    rows, scale = [], float(case.ref.abs().max())
+    for impl, run in case.impls.items():
+        err = float((run(0).float() - case.ref).abs().max()) / scale
         try:
-            us = graph_us(lambda i, b=backend: b.forward(i % layers, q, k, v), CALLS, 20)
-        except Exception as exc:  # noqa: BLE001  an eager plan may not be capturable: time it eagerly instead
-            print(f"{impl} attention in a graph: {type(exc).__name__}: {exc}; timed eagerly")
-            torch.cuda.synchronize()
-            us = (
-                time_cuda(
-                    lambda b=backend: [b.forward(i % layers, q, k, v) for i in range(CALLS)],
-                    iters=10,
-                )
-                * 1e3
-                / CALLS
-            )
-            impl += " (eager)"
+            us = timer(run)
+        except Exception as exc:  # noqa: BLE001  an uncapturable path is a result: time it eagerly
+            print(f"{case.op} {impl} in a graph: {type(exc).__name__}: {exc}; timed eagerly")
+            us, impl = eager_us(run), f"{impl} (eager)"
         rows.append(
             {
-                "op": "decode_attention",
-                "M": m,
+                "op": case.op,
+                "M": case.m,
                 "impl": impl,
                 "us": us,
-                "floor_us": floor_us,
-                "of_ceiling": floor_us / us,
+                "floor_us": case.floor_us,
+                "of_ceiling": case.floor_us / us,
                 "err": err,
             }
         )
     return rows
 
 
-def tune_stream_gemv(name, n, k, ceil, pdl_ok) -> list[dict]:
-    """Launch shapes of the streaming GEMV at batch 1: (block_n, block_k, split_k, warps,
-    stages)."""
+def op_cases(
+    config: dict, m: int, ceil: dict, pdl: bool, device, fi=None, platform=None
+) -> Iterator[Case]:
+    """Every op of one decoder layer at ``m`` rows, built one at a time (each holds its own
+    weight copies); attention only with a ``platform``."""
+    proj = projections(config)
+    for name in proj:
+        yield linear_case(name, m, *proj[name], ceil, pdl, device)
+    for name in ("qkv", "gate_up"):
+        yield norm_linear_case(name, m, *proj[name], ceil, pdl, device)
+    yield silu_down_case(m, *proj["down"], ceil, pdl, device, fi)
+    yield rotary_kv_case(config, m, ceil, device)
+    if platform is not None:
+        yield attention_case(config, m, ceil, platform, device)
+
+
+def _sweep(op: str, floor_us: float, configs, run_with) -> list[dict]:
+    """Time ``run_with(config)`` (a function of the call index) for each launch shape."""
+    rows = []
+    for config in configs:
+        try:
+            us = graph_us(run_with(config), CALLS, 10)
+        except Exception as exc:  # noqa: BLE001  a shape that does not compile is a result
+            print(f"tune {op} {config}: {type(exc).__name__}: {exc}")
+            continue
+        rows.append({"op": op, "config": config, "us": us, "of_ceiling": floor_us / us})
+    return sorted(rows, key=lambda r: r["us"])
+
+
+def tune_stream_gemv(name: str, n: int, k: int, ceil: dict, pdl: bool) -> list[dict]:
+    """Launch shapes (block_n, block_k, split_k, warps, stages) of the streaming GEMV at batch 1,
+    then PDL on the three best (each is a compile of its own)."""
     from xhal.platforms.cuda.kernels import fused_gemv
 
-    dtype = torch.bfloat16
-    ws = _copies(lambda: torch.randn(n, k, dtype=dtype, device="cuda") * k**-0.5, n * k * 2)
-    x = torch.randn(1, k, dtype=dtype, device="cuda")
-    floor_us = n * k * 2 / ceil["read_bandwidth"] * 1e6
-    configs = [
+    ws, x = _weights(n, k, "cuda"), torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+    floor_us = _floor_us(ceil, n * k * 2)
+
+    def run_with(use_pdl: bool):
+        return lambda cfg: (
+            lambda i: fused_gemv.stream_gemv(x, ws[i % len(ws)], config=cfg, use_pdl=use_pdl)
+        )
+
+    shapes = [
         (bn, bk, sk, w, 3)
         for bn, bk in ((4, 1024), (8, 512), (16, 256))
         for sk in (1, 2)
         for w in (4, 8)
     ]
-    rows = []
-
-    def timed(cfg, pdl):
-        try:
-            us = graph_us(
-                lambda i: fused_gemv.stream_gemv(x, ws[i % len(ws)], config=cfg, use_pdl=pdl),
-                CALLS,
-                10,
-            )
-        except Exception as exc:  # noqa: BLE001  a launch shape that does not compile is a result, not a crash
-            print(f"tune {name} {cfg}: {type(exc).__name__}: {exc}")
-            return
-        rows.append({"op": name, "config": cfg, "pdl": pdl, "us": us, "of_ceiling": floor_us / us})
-
-    for cfg in configs:
-        timed(cfg, False)
-    if pdl_ok:  # PDL on the three best shapes only (each is a compile of its own)
-        for cfg in [r["config"] for r in sorted(rows, key=lambda r: r["us"])[:3]]:
-            timed(cfg, True)
-    rows.sort(key=lambda r: r["us"])
-    return rows[:6]
+    rows = [{**r, "pdl": False} for r in _sweep(name, floor_us, shapes, run_with(False))]
+    if pdl:
+        best = [r["config"] for r in rows[:3]]
+        rows += [{**r, "pdl": True} for r in _sweep(name, floor_us, best, run_with(True))]
+    return sorted(rows, key=lambda r: r["us"])[:6]
 
 
-def tune_fused(shape: str, proj: dict, ceil) -> list[dict]:
-    """Launch shapes of the fused GEMVs at batch 1 (no PDL): norm+qkv, norm+gate_up, silu+down."""
+def tune_fused(shape: str, proj: dict, ceil: dict) -> list[dict]:
+    """Launch shapes of the fused GEMVs at batch 1 (no PDL), the two best of each."""
     from xhal.platforms.cuda.kernels import fused_gemv
 
-    dtype, rows = torch.bfloat16, []
+    shapes = (
+        (8, 512, 1, 4, 3),
+        (16, 256, 1, 4, 3),
+        (16, 512, 1, 4, 3),
+        (32, 256, 1, 4, 3),
+        (8, 512, 2, 4, 3),
+    )
+    rows = []
     for op, (n, k) in (
         ("norm+qkv", proj["qkv"]),
         ("norm+gate_up", proj["gate_up"]),
         ("silu+down", proj["down"]),
     ):
-        ws = _copies(
-            lambda n=n, k=k: torch.randn(n, k, dtype=dtype, device="cuda") * k**-0.5, n * k * 2
-        )
-        x = torch.randn(1, 2 * k if op == "silu+down" else k, dtype=dtype, device="cuda")
-        res, g = (
-            torch.randn(1, k, dtype=dtype, device="cuda"),
-            torch.ones(k, dtype=dtype, device="cuda"),
-        )
-        floor_us = n * k * 2 / ceil["read_bandwidth"] * 1e6
-        for cfg in (
-            (8, 512, 1, 4, 3),
-            (16, 256, 1, 4, 3),
-            (16, 512, 1, 4, 3),
-            (32, 256, 1, 4, 3),
-            (8, 512, 2, 4, 3),
-        ):
+        ws = _weights(n, k, "cuda")
+        x = torch.randn(1, 2 * k if op == "silu+down" else k, dtype=torch.bfloat16, device="cuda")
+        res, g = torch.randn_like(x[:, :k]), torch.ones(k, dtype=torch.bfloat16, device="cuda")
+
+        def run_with(cfg, op=op, ws=ws, x=x, res=res, g=g):
             if op == "silu+down":
-
-                def fn(w, c=cfg, x=x):
-                    return fused_gemv.silu_and_mul_gemv(x, w, config=c)
-            else:
-
-                def fn(w, c=cfg, x=x, res=res, g=g):
-                    return fused_gemv.add_rms_norm_gemv(x, res, g, 1e-5, w, config=c)
-
-            us = graph_us(lambda i, fn=fn, ws=ws: fn(ws[i % len(ws)]), CALLS, 10)
-            rows.append(
-                {"shape": shape, "op": op, "config": cfg, "us": us, "of_ceiling": floor_us / us}
+                return lambda i: fused_gemv.silu_and_mul_gemv(x, ws[i % len(ws)], config=cfg)
+            return lambda i: fused_gemv.add_rms_norm_gemv(
+                x, res, g, EPS, ws[i % len(ws)], config=cfg
             )
-    best = {}
-    for r in sorted(rows, key=lambda r: r["us"]):
-        best.setdefault(r["op"], []).append(r)
-    return [r for op_rows in best.values() for r in op_rows[:2]]
+
+        rows += [
+            {"shape": shape, **r}
+            for r in _sweep(op, _floor_us(ceil, n * k * 2), shapes, run_with)[:2]
+        ]
+    return rows
 
 
 def main() -> None:
@@ -364,57 +350,38 @@ def main() -> None:
     )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument(
-        "--tune", action="store_true", help="sweep the streaming GEMV's launch shapes for qkv and o"
+        "--tune", action="store_true", help="sweep the streaming and fused GEMVs' launch shapes"
     )
     parser.add_argument("--no-attention", action="store_true")
     args = parser.parse_args()
     import xhal
 
-    platform = xhal.platforms.get("cuda")
+    platform = None if args.no_attention else xhal.platforms.get("cuda")
     ceil = ceilings()
-    pdl_ok = torch.cuda.get_device_capability()[0] >= 9
+    pdl = torch.cuda.get_device_capability()[0] >= 9
     try:
         import flashinfer as fi
     except ImportError:
         fi = None
-    if args.tune:  # first: the launch shapes CudaOps' TUNED table takes
+    if args.tune:  # first: the launch shapes the TUNED tables take
         for shape in args.shapes:
             proj = projections(SHAPES[shape])
             for name in ("qkv", "o"):
-                print(
-                    table(
-                        tune_stream_gemv(name, *proj[name], ceil, pdl_ok),
-                        f"--- {shape} {name} batch 1: best launch shapes",
-                    )
-                )
-            print(
-                table(
-                    tune_fused(shape, proj, ceil),
-                    f"--- {shape} fused GEMVs, batch 1: the two best launch shapes each",
-                )
-            )
+                title = f"--- {shape} {name} batch 1: best launch shapes"
+                print(table(tune_stream_gemv(name, *proj[name], ceil, pdl), title))
+            title = f"--- {shape} fused GEMVs, batch 1: the two best launch shapes each"
+            print(table(tune_fused(shape, proj, ceil), title))
+    read = ceil["read_bandwidth"] / 1e12
     for shape in args.shapes:
-        config = SHAPES[shape]
-        proj = projections(config)
         for m in args.batches:
             rows = []
-            for name in ("qkv", "o", "gate_up", "down"):
-                rows += bench_linear(name, m, *proj[name], ceil, pdl_ok)
-            for name in ("qkv", "gate_up"):
-                rows += bench_norm_linear(name, m, *proj[name], ceil, pdl_ok)
-            rows += bench_silu_down(m, *proj["down"], ceil, pdl_ok, fi)
-            rows += bench_rotary_kv(config, m, ceil)
-            if not args.no_attention:
-                rows += bench_attention(config, m, ceil, platform)
-            print(
-                table(
-                    rows,
-                    f"--- {shape}, batch {m}: us per call in a CUDA graph; of_ceiling = floor / "
-                    f"time "
-                    f"(floor: bytes / read {ceil['read_bandwidth'] / 1e12:.2f} TB/s or FLOPs / "
-                    f"matmul)",
-                )
+            for case in op_cases(SHAPES[shape], m, ceil, pdl, "cuda", fi, platform):
+                rows += measure(case)
+            title = (
+                f"--- {shape}, batch {m}: us per call in a CUDA graph; of_ceiling = floor / time "
+                f"(floor: bytes / read {read:.2f} TB/s or FLOPs / matmul)"
             )
+            print(table(rows, title))
 
 
 if __name__ == "__main__":
