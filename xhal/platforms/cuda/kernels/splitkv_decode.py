@@ -1,0 +1,277 @@
+"""Split-KV paged decode attention in one launch: the splits and their merge in the same kernel.
+
+One program per (sequence, KV head, split) attends every query head of its GQA group (the group
+padded to a 16-row tensor-core tile) over its split's share of the sequence's keys, gathered
+tile by tile through the block table, with an online softmax in float32. With one split the
+program writes the output itself. With several, each program writes its partial (row max, row
+sum, unnormalized accumulator) to a scratch buffer and increments a counter of its (sequence, KV
+head); the program that arrives last merges every split, writes the output and puts the counter
+back to 0, so the next launch (and the next replay of a graph) starts from zeroed counters. No
+second kernel, no host sync, nothing sized by tensor values: graph-capturable.
+
+The split count is a host choice from shapes only (``num_splits``): a graph bucket keeps one for
+every replay, while each program's share of the keys is derived from the live length at run
+time, so one bucket serves any context.
+
+Decode only: one query row per sequence, at position ``kv_len - 1``. Sliding window and logits
+soft cap are applied in the kernel; fp16 / bf16 / fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+ROWS = 16  # query-head rows per program: the smallest tensor-core tile (tl.dot needs 16)
+MAX_GROUP = ROWS
+MAX_SPLITS = 64
+# programs per SM the split count aims for: enough to keep several KB of keys in flight per SM
+# at batch 1 (H200: 8 KV heads x 32 splits over 132 SMs; see docs/h200-results.md)
+PROGRAMS_PER_SM = 2
+
+
+def block_keys(head_dim: int) -> int:
+    """Keys per tile: 64 at head dim 128 (16 KB of K and of V per tile in half precision)."""
+    return 64 if head_dim > 64 else 128
+
+
+def num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
+               head_dim: int) -> int:  # fmt: skip
+    """Splits per (sequence, KV head) so that about ``PROGRAMS_PER_SM`` programs per SM run,
+    never more splits than tiles of the longest context. Shapes only, never the live lengths."""
+    programs = max(num_seqs * num_kv_heads, 1)
+    wanted = -(-PROGRAMS_PER_SM * num_sms // programs)
+    useful = max(-(-max_seq_len // block_keys(head_dim)), 1)
+    return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+@dataclass
+class Scratch:
+    """The partials of the splits and one arrival counter per (sequence, KV head). Counters
+    start at 0 and every launch leaves them at 0; a graph bucket keeps its own scratch, since a
+    captured launch reads these addresses at every replay."""
+
+    part_acc: torch.Tensor  # float32 [capacity, group, head_dim]: (sequence, KV head, split)
+    part_max: torch.Tensor  # float32 [capacity, group], log2 domain
+    part_sum: torch.Tensor  # float32 [capacity, group]
+    counters: torch.Tensor  # int32 [num_seqs * Hkv]
+
+    @classmethod
+    def make(cls, num_seqs: int, num_kv_heads: int, group: int, head_dim: int, splits: int,
+             device: torch.device) -> Scratch:  # fmt: skip
+        parts = num_seqs * num_kv_heads * splits if splits > 1 else 0  # one split: no partials
+        f32 = {"dtype": torch.float32, "device": device}
+        return cls(
+            torch.empty(parts, group, head_dim, **f32),
+            torch.empty(parts, group, **f32),
+            torch.empty(parts, group, **f32),
+            torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=device),
+        )
+
+    def fits(self, num_seqs: int, num_kv_heads: int, splits: int) -> bool:
+        pairs = num_seqs * num_kv_heads
+        parts = pairs * splits if splits > 1 else 0
+        return self.counters.numel() >= pairs and self.part_max.shape[0] >= parts
+
+
+@triton.jit
+def _splitkv_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, kv_lens_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, counter_ptr,
+    scale_log2, soft_cap, window, num_splits,
+    q_stride_b, q_stride_h, out_stride_b, out_stride_h, bt_stride_b, bt_stride_p,
+    cache_stride_block, cache_stride_pos, cache_stride_head,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_len = tl.load(kv_lens_ptr + seq)
+    lo = 0  # first visible key of the query at kv_len - 1
+    if WINDOW:
+        lo = tl.maximum(kv_len - window, 0)
+    first = (lo // BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(kv_len - first, BLOCK_N), num_splits) * BLOCK_N
+    start = first + split * per_split
+    end = tl.minimum(start + per_split, kv_len)
+
+    r = tl.arange(0, ROWS)
+    d = tl.arange(0, DIM_PAD)
+    d_mask = d < HEAD_DIM
+    q = tl.load(  # rows past the group are zero: their scores are 0, never stored
+        q_ptr + seq.to(tl.int64) * q_stride_b + (kv_head * GROUP + r[:, None]) * q_stride_h
+        + d[None, :],
+        mask=(r[:, None] < GROUP) & d_mask[None, :], other=0.0,
+    )  # fmt: skip
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, DIM_PAD], tl.float32)
+    table_row = block_table_ptr + seq.to(tl.int64) * bt_stride_b
+    for tile in range(start, end, BLOCK_N):
+        n = tile + tl.arange(0, BLOCK_N)
+        visible = (n >= lo) & (n < kv_len)
+        page = tl.load(table_row + (n // PAGE) * bt_stride_p, mask=visible, other=0).to(tl.int64)
+        offs = (
+            page * cache_stride_block + (n % PAGE) * cache_stride_pos
+            + kv_head * cache_stride_head
+        )  # fmt: skip
+        kv_mask = visible[:, None] & d_mask[None, :]
+        # masked keys load as 0: a stale slot may hold NaN, which would survive a 0 weight
+        k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if F32_DOT:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))  # [ROWS, BLOCK_N]
+        if SOFT_CAP:  # c * tanh(s / c) on the natural-log scale, tanh by exp
+            s = s * (scale_log2 / 1.4426950408889634)
+            s = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * s / soft_cap)) - 1.0)
+            s = s * 1.4426950408889634
+        else:
+            s = s * scale_log2
+        s = tl.where(visible[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if F32_DOT:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    pair = seq * tl.num_programs(1) + kv_head
+    if num_splits == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + seq.to(tl.int64) * out_stride_b
+            + (kv_head * GROUP + r[:, None]) * out_stride_h + d[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=(r[:, None] < GROUP) & d_mask[None, :],
+        )  # fmt: skip
+    else:
+        part = pair.to(tl.int64) * num_splits + split
+        tl.store(part_max_ptr + part * GROUP + r, m_i, mask=r < GROUP)
+        tl.store(part_sum_ptr + part * GROUP + r, l_i, mask=r < GROUP)
+        tl.store(
+            part_acc_ptr + (part * GROUP + r[:, None]) * HEAD_DIM + d[None, :], acc,
+            mask=(r[:, None] < GROUP) & d_mask[None, :],
+        )  # fmt: skip
+        # every thread's partial stores happen before the one thread's release below
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + pair, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:  # the last split of this (sequence, KV head): merge
+            tl.atomic_xchg(counter_ptr + pair, 0, sem="relaxed", scope="gpu")
+            _merge(
+                part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
+                pair.to(tl.int64) * num_splits, num_splits,
+                seq.to(tl.int64) * out_stride_b + kv_head * GROUP * out_stride_h, out_stride_h,
+                GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD, SPLITS_PAD, MERGE_CHUNK,
+            )  # fmt: skip
+
+
+@triton.jit
+def _merge(
+    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, first_part, num_splits, out_offset,
+    out_stride_h,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+):
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    g_mask = g < GROUP
+    sp = tl.arange(0, SPLITS_PAD)
+    rows = (first_part + sp[:, None]) * GROUP + g[None, :]  # [SPLITS_PAD, GROUP_PAD]
+    mask = (sp[:, None] < num_splits) & g_mask[None, :]
+    # .cg: read from L2, where the other programs' stores are; never a stale L1 line
+    maxes = tl.load(part_max_ptr + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")
+    sums = tl.load(part_sum_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg")
+    top = tl.max(maxes, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # no visible key at all: weights 0, output 0
+    total = tl.sum(tl.exp2(maxes - top[None, :]) * sums, axis=0)  # [GROUP_PAD]
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    for c in tl.static_range(0, SPLITS_PAD, MERGE_CHUNK):
+        sc = c + tl.arange(0, MERGE_CHUNK)
+        c_rows = (first_part + sc[:, None]) * GROUP + g[None, :]  # [MERGE_CHUNK, GROUP_PAD]
+        c_mask = (sc[:, None] < num_splits) & g_mask[None, :]
+        c_max = tl.load(part_max_ptr + c_rows, mask=c_mask, other=float("-inf"),
+                        cache_modifier=".cg")  # fmt: skip
+        weight = tl.exp2(c_max - top[None, :])
+        part = tl.load(
+            part_acc_ptr + c_rows[:, :, None] * HEAD_DIM + d[None, None, :],
+            mask=c_mask[:, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0,
+            cache_modifier=".cg",
+        )  # fmt: skip
+        acc += tl.sum(weight[:, :, None] * part, axis=0)
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(
+        out_ptr + out_offset + g[:, None] * out_stride_h + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=g_mask[:, None] & (d < HEAD_DIM)[None, :],
+    )
+
+
+def splitkv_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    out: torch.Tensor,
+    scratch: Scratch,
+    splits: int,
+    scale: float,
+    soft_cap: float = 0.0,
+    window: int = 0,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """One query row per sequence: q ``[B, H, D]`` (strides free but the last), caches
+    ``[num_blocks, block_size, Hkv, D]``, block_table int32 ``[B, max_pages]`` (strides free),
+    kv_lens int32 ``[B]`` including this step's key; writes out ``[B, H, D]``. ``scratch``:
+    made for at least B sequences and ``splits`` splits. ``window`` > 0: the query sees
+    its last ``window`` keys; ``soft_cap`` > 0: scores go through ``c * tanh(s / c)``."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    if group > MAX_GROUP or num_heads % num_kv_heads:
+        raise ValueError(
+            f"split-KV decode takes GQA groups up to {MAX_GROUP}, got {num_heads} heads over "
+            f"{num_kv_heads} KV heads; use the paged attention kernel"
+        )
+    if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1:
+        raise ValueError("split-KV decode needs a contiguous last dimension of q, out and caches")
+    if v_cache.stride() != k_cache.stride():
+        raise ValueError("split-KV decode needs the key and value caches in the same layout")
+    if splits < 1 or not scratch.fits(batch, num_kv_heads, splits):
+        raise ValueError(
+            f"scratch too small for {batch} sequences x {num_kv_heads} KV heads x {splits} splits"
+        )
+    dim_pad = max(triton.next_power_of_2(head_dim), 16)
+    group_pad = triton.next_power_of_2(group)
+    splits_pad = triton.next_power_of_2(splits)
+    merge_chunk = max(1, min(splits_pad, 4096 // (group_pad * dim_pad)))
+    # fp32 products in IEEE precision for fp32 (not TF32), and for bf16 in Triton's interpreter
+    # (CPU tensors), whose bf16 tl.dot multiplies wrong (Triton 3.6); compiled bf16 / fp16 run
+    # on tensor cores with float32 accumulation
+    f32_dot = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and q.device.type != "cuda")
+    _splitkv_decode_kernel[(batch, num_kv_heads, splits)](
+        q, k_cache, v_cache, out, block_table, kv_lens,
+        scratch.part_acc, scratch.part_max, scratch.part_sum, scratch.counters,
+        scale * _LOG2E, float(soft_cap), int(window), splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_table.stride(0), block_table.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        GROUP=group, GROUP_PAD=group_pad, ROWS=ROWS, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+        PAGE=page, BLOCK_N=block_keys(head_dim), SPLITS_PAD=splits_pad, MERGE_CHUNK=merge_chunk,
+        SOFT_CAP=soft_cap > 0, WINDOW=window > 0, F32_DOT=f32_dot,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
