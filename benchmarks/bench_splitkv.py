@@ -154,23 +154,57 @@ def sweep(shape: str, batch: int, read: float) -> list[dict]:
     chosen = kernel.num_splits(batch, kv_heads, CTX, sms, dim)
     out = torch.empty(batch, heads, dim, dtype=DTYPE, device="cuda")
     rows = []
-    shapes = ((4, 2), (4, 3), (8, 2)) if shape == "8b" else ((4, 2),)
-    for splits in sorted({1, 4, 8, 16, 32, 64, chosen}):
+    # launch shapes (keys per tile, warps, stages): all at batch 1, the default beyond
+    default = (kernel.block_keys(dim), 4, 2)
+    shapes = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2)] if batch == 1 else []
+    shapes = list(dict.fromkeys([default, *shapes]))
+    for splits in sorted({4, 8, 16, 32, 64, chosen} | ({1, 2} if batch > 1 else set())):
         scratch = kernel.Scratch.make(batch, kv_heads, heads // kv_heads, dim, splits,
                                       torch.device("cuda"))  # fmt: skip
-        for warps, stages in shapes:
-            def fn(s=splits, sc=scratch, w=warps, st=stages):
+        for block_n, warps, stages in shapes:
+            def fn(s=splits, sc=scratch, bn=block_n, w=warps, st=stages):
                 for cache in layers.caches:
                     write_kv(layers.k, layers.v, cache.key, cache.value, m.slot_mapping)
                     kernel.splitkv_decode(layers.q, cache.key, cache.value, m.block_table,
                                           m.kv_seq_lens, out, sc, s, spec.softmax_scale,
-                                          num_warps=w, num_stages=st)  # fmt: skip
+                                          num_warps=w, num_stages=st, block_n=bn)  # fmt: skip
 
             us = time_cuda(_graph(fn).replay, iters=30) * 1e3 / num_layers
-            mark = "<-" if (splits, warps, stages) == (chosen, 4, 2) else ""
-            rows.append({"shape": shape, "batch": batch, "splits": splits, "warps": warps,
-                         "stages": stages, "us/layer": us,
+            mark = "<-" if (splits, block_n, warps, stages) == (chosen, *default) else ""
+            rows.append({"shape": shape, "batch": batch, "splits": splits, "keys": block_n,
+                         "warps": warps, "stages": stages, "us/layer": us,
                          "of read": kv_bytes / (us * 1e-6) / read, "chosen": mark})  # fmt: skip
+    return rows
+
+
+def profile(shape: str, batch: int) -> list[dict]:
+    """Device time per kernel inside the timed graph (CUPTI), to split a layer's time into its
+    kernels and the gaps between them."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    heads, kv_heads, dim = SHAPES[shape]
+    spec = AttentionSpec(heads, kv_heads, dim, DTYPE, PAGE)
+    num_layers = _layers_for(batch * CTX * kv_heads * dim * 4)
+    rows = []
+    for name, backend in _backends(spec).items():
+        if name == "triton-per-token":
+            continue
+        layers = Layers(spec, batch, num_layers, [CTX] * batch)
+        backend.bind_kv_caches(layers.caches)
+        backend.plan(layers.meta, graph_key=("decode", batch))
+        graph = _graph(lambda b=backend, lay=layers: lay.run(b))
+        graph.replay()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                graph.replay()
+            torch.cuda.synchronize()
+        for e in prof.key_averages():
+            if e.device_type.name == "CUDA" and e.count >= 5:
+                rows.append({"backend": name, "kernel": e.key[:60],
+                             "calls/layer": e.count / 5 / num_layers,
+                             "us each": e.device_time_total / e.count})  # fmt: skip
     return rows
 
 
@@ -194,10 +228,15 @@ def main() -> None:
         if not args.no_sweep:
             for batch in [b for b in args.batches if b <= 16]:
                 tuned += sweep(shape, batch, read)
-    print(table(tuned, "split-KV kernel sweep: forced splits / warps / stages, per layer"))
+    print(table(tuned, "split-KV kernel sweep: forced splits / launch shape, per layer"))
     print(table(checks, "max error against float64 (bf16 outputs; one rounding is ~4e-3)"))
     print(table(rows, "decode layer (KV write + attention), bf16 ctx 2048 page 16, in a CUDA "
                       "graph of L layers: us per layer"))  # fmt: skip
+    if "8b" in args.shapes and 1 in args.batches:
+        try:
+            print(table(profile("8b", 1), "8B shape, batch 1: device time per kernel"))
+        except Exception as e:  # noqa: BLE001  (the profile is extra; the tables above stand)
+            print(f"profile failed: {e!r}")
     print(f"total {time.perf_counter() - t0:.0f} s")
 
 

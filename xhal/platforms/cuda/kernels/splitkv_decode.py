@@ -82,7 +82,7 @@ class Scratch:
 def _splitkv_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, kv_lens_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr, counter_ptr,
-    scale_log2, soft_cap, window, num_splits,
+    scale_log2, soft_cap, window, num_splits, max_pages,
     q_stride_b, q_stride_h, out_stride_b, out_stride_h, bt_stride_b, bt_stride_p,
     cache_stride_block, cache_stride_pos, cache_stride_head,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr,
@@ -98,9 +98,15 @@ def _splitkv_decode_kernel(
     if WINDOW:
         lo = tl.maximum(kv_len - window, 0)
     first = (lo // BLOCK_N) * BLOCK_N
-    per_split = tl.cdiv(tl.cdiv(kv_len - first, BLOCK_N), num_splits) * BLOCK_N
-    start = first + split * per_split
-    end = tl.minimum(start + per_split, kv_len)
+    # tiles are dealt round-robin (split s takes tiles s, s + splits, ...), so without a window
+    # a split's first tile does not depend on kv_len
+    num_tiles = tl.cdiv(kv_len - first, BLOCK_N)
+    keys = tl.arange(0, BLOCK_N)
+    table_row = block_table_ptr + seq.to(tl.int64) * bt_stride_b
+    # the first tile's page ids, loaded while kv_len is still in flight (within the table's
+    # width; ids past the row's pages only ever address masked-off keys)
+    n = first + split * BLOCK_N + keys
+    page = tl.load(table_row + (n // PAGE) * bt_stride_p, mask=n // PAGE < max_pages, other=0)
 
     r = tl.arange(0, ROWS)
     d = tl.arange(0, DIM_PAD)
@@ -113,19 +119,19 @@ def _splitkv_decode_kernel(
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DIM_PAD], tl.float32)
-    table_row = block_table_ptr + seq.to(tl.int64) * bt_stride_b
-    for tile in range(start, end, BLOCK_N):
-        n = tile + tl.arange(0, BLOCK_N)
+    for tile in range(split, num_tiles, num_splits):
+        n = first + tile * BLOCK_N + keys
         visible = (n >= lo) & (n < kv_len)
-        page = tl.load(table_row + (n // PAGE) * bt_stride_p, mask=visible, other=0).to(tl.int64)
         offs = (
-            page * cache_stride_block + (n % PAGE) * cache_stride_pos
+            page.to(tl.int64) * cache_stride_block + (n % PAGE) * cache_stride_pos
             + kv_head * cache_stride_head
         )  # fmt: skip
         kv_mask = visible[:, None] & d_mask[None, :]
         # masked keys load as 0: a stale slot may hold NaN, which would survive a 0 weight
         k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        n_next = n + num_splits * BLOCK_N  # the next tile's page ids, while this one computes
+        page = tl.load(table_row + (n_next // PAGE) * bt_stride_p, mask=n_next < kv_len, other=0)
         if F32_DOT:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -171,7 +177,7 @@ def _splitkv_decode_kernel(
             tl.atomic_xchg(counter_ptr + pair, 0, sem="relaxed", scope="gpu")
             _merge(
                 part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
-                pair.to(tl.int64) * num_splits, num_splits,
+                pair.to(tl.int64) * num_splits, tl.minimum(num_splits, num_tiles),
                 seq.to(tl.int64) * out_stride_b + kv_head * GROUP * out_stride_h, out_stride_h,
                 GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD, SPLITS_PAD, MERGE_CHUNK,
             )  # fmt: skip
@@ -179,7 +185,7 @@ def _splitkv_decode_kernel(
 
 @triton.jit
 def _merge(
-    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, first_part, num_splits, out_offset,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, first_part, live_splits, out_offset,
     out_stride_h,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr,
@@ -189,7 +195,7 @@ def _merge(
     g_mask = g < GROUP
     sp = tl.arange(0, SPLITS_PAD)
     rows = (first_part + sp[:, None]) * GROUP + g[None, :]  # [SPLITS_PAD, GROUP_PAD]
-    mask = (sp[:, None] < num_splits) & g_mask[None, :]
+    mask = (sp[:, None] < live_splits) & g_mask[None, :]  # splits past the tiles hold nothing
     # .cg: read from L2, where the other programs' stores are; never a stale L1 line
     maxes = tl.load(part_max_ptr + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")
     sums = tl.load(part_sum_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg")
@@ -200,7 +206,7 @@ def _merge(
     for c in tl.static_range(0, SPLITS_PAD, MERGE_CHUNK):
         sc = c + tl.arange(0, MERGE_CHUNK)
         c_rows = (first_part + sc[:, None]) * GROUP + g[None, :]  # [MERGE_CHUNK, GROUP_PAD]
-        c_mask = (sc[:, None] < num_splits) & g_mask[None, :]
+        c_mask = (sc[:, None] < live_splits) & g_mask[None, :]
         c_max = tl.load(part_max_ptr + c_rows, mask=c_mask, other=float("-inf"),
                         cache_modifier=".cg")  # fmt: skip
         weight = tl.exp2(c_max - top[None, :])
@@ -232,12 +238,14 @@ def splitkv_decode(
     window: int = 0,
     num_warps: int = 4,
     num_stages: int = 2,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """One query row per sequence: q ``[B, H, D]`` (strides free but the last), caches
     ``[num_blocks, block_size, Hkv, D]``, block_table int32 ``[B, max_pages]`` (strides free),
     kv_lens int32 ``[B]`` including this step's key; writes out ``[B, H, D]``. ``scratch``:
     made for at least B sequences and ``splits`` splits. ``window`` > 0: the query sees
-    its last ``window`` keys; ``soft_cap`` > 0: scores go through ``c * tanh(s / c)``."""
+    its last ``window`` keys; ``soft_cap`` > 0: scores go through ``c * tanh(s / c)``.
+    ``num_warps``, ``num_stages``, ``block_n`` (keys per tile): the launch shape, for sweeps."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -257,7 +265,8 @@ def splitkv_decode(
     dim_pad = max(triton.next_power_of_2(head_dim), 16)
     group_pad = triton.next_power_of_2(group)
     splits_pad = triton.next_power_of_2(splits)
-    merge_chunk = max(1, min(splits_pad, 4096 // (group_pad * dim_pad)))
+    # splits merged per round: all at once up to 8K floats (64 registers a thread at 4 warps)
+    merge_chunk = max(1, min(splits_pad, 8192 // (group_pad * dim_pad)))
     # fp32 products in IEEE precision for fp32 (not TF32), and for bf16 in Triton's interpreter
     # (CPU tensors), whose bf16 tl.dot multiplies wrong (Triton 3.6); compiled bf16 / fp16 run
     # on tensor cores with float32 accumulation
@@ -265,12 +274,13 @@ def splitkv_decode(
     _splitkv_decode_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, out, block_table, kv_lens,
         scratch.part_acc, scratch.part_max, scratch.part_sum, scratch.counters,
-        scale * _LOG2E, float(soft_cap), int(window), splits,
+        scale * _LOG2E, float(soft_cap), int(window), splits, block_table.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0), block_table.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, GROUP_PAD=group_pad, ROWS=ROWS, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        PAGE=page, BLOCK_N=block_keys(head_dim), SPLITS_PAD=splits_pad, MERGE_CHUNK=merge_chunk,
+        PAGE=page, BLOCK_N=block_n or block_keys(head_dim), SPLITS_PAD=splits_pad,
+        MERGE_CHUNK=merge_chunk,
         SOFT_CAP=soft_cap > 0, WINDOW=window > 0, F32_DOT=f32_dot,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
