@@ -151,12 +151,12 @@ def sweep(shape: str, batch: int, read: float) -> list[dict]:
     layers = Layers(spec, batch, num_layers, [CTX] * batch)
     m = layers.meta
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    chosen = kernel.num_splits(batch, kv_heads, CTX, sms, dim)
+    chosen = kernel.num_splits(batch, kv_heads, heads // kv_heads, dim, CTX, sms)
     out = torch.empty(batch, heads, dim, dtype=DTYPE, device="cuda")
     rows = []
     # launch shapes (keys per tile, warps, stages): all at batch 1, the default beyond
-    default = (kernel.block_keys(dim), 4, 2)
-    shapes = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2)] if batch == 1 else []
+    default = (kernel.block_keys(dim), 4, 3)
+    shapes = [(64, 4, 2), (128, 4, 2), (128, 4, 3)] if batch == 1 else []
     shapes = list(dict.fromkeys([default, *shapes]))
     for splits in sorted({4, 8, 16, 32, 64, chosen} | ({1, 2} if batch > 1 else set())):
         scratch = kernel.Scratch.make(batch, kv_heads, heads // kv_heads, dim, splits,

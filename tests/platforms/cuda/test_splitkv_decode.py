@@ -107,11 +107,15 @@ def test_window_and_soft_cap() -> None:
 
 
 def test_split_count_fills_the_sms_from_shapes_only() -> None:
-    # batch 1 x 8 KV heads on 132 SMs: 33 splits; never more splits than 64-key tiles
-    assert num_splits(1, 8, 4096, 132, 128) == 33
-    assert num_splits(1, 8, 100, 132, 128) == 2
-    assert num_splits(64, 8, 4096, 132, 128) == 1
-    assert num_splits(1, 1, 1 << 20, 132, 128) == 64
+    # (num_seqs, kv heads, group, head dim, max context, SMs): two programs per SM wanted (33
+    # splits at batch 1 x 8 KV heads on 132 SMs), capped by one merge round of 8K floats (16
+    # splits of 4 x 128, 8 of 8 x 128), by the 64-key tiles of the context and by 64
+    assert num_splits(1, 8, 4, 128, 4096, 132) == 16
+    assert num_splits(1, 4, 8, 128, 4096, 132) == 8
+    assert num_splits(4, 8, 4, 128, 4096, 132) == 9
+    assert num_splits(1, 8, 4, 128, 100, 132) == 2
+    assert num_splits(64, 8, 4, 128, 4096, 132) == 1
+    assert num_splits(1, 1, 1, 64, 1 << 20, 132) == 64
 
 
 def test_scratch_too_small_is_refused() -> None:
@@ -122,15 +126,15 @@ def test_scratch_too_small_is_refused() -> None:
 
 
 def test_backend_takes_small_decodes_and_keeps_the_graph_key_policy() -> None:
-    """Decode steps of up to ``max_seqs`` sequences run split (two splits here), larger ones on
-    the fallback; a graph key refuses metadata tensors other than those it was planned with."""
+    """Decode steps of at least ``min_seqs`` sequences run split (two splits here), smaller ones
+    on the fallback; a graph key refuses metadata tensors other than those it was planned with."""
     from conformance_tests.batches import Seq, build_batch
     from xhal.interfaces import AttentionSpec, BatchKind, LayerCache
     from xhal.platforms.cuda.splitkv_attention import SplitKVDecodeAttention
     from xhal.platforms.cuda.triton_attention import TritonAttention
 
     spec = AttentionSpec(8, 2, HEAD_DIM, torch.float32, PAGE)
-    backend = SplitKVDecodeAttention(spec, TritonAttention(spec), num_sms=4, max_seqs=2)
+    backend = SplitKVDecodeAttention(spec, TritonAttention(spec), num_sms=4, min_seqs=3)
     g = torch.Generator().manual_seed(4)
     shape = (24, PAGE, 2, HEAD_DIM)
     cache = LayerCache(torch.randn(shape, generator=g).to(DEVICE),
@@ -147,7 +151,7 @@ def test_backend_takes_small_decodes_and_keeps_the_graph_key_policy() -> None:
         return build_batch(BatchKind.DECODE, seqs, rows, PAGE, torch.device(DEVICE),
                            max_blocks=12).metadata  # fmt: skip
 
-    for kv_lens, split in (([150, 20], True), ([40, 3, 17], False)):
+    for kv_lens, split in (([150, 20, 5], True), ([40, 3], False)):
         m = step(kv_lens)
         backend.plan(m, graph_key=len(kv_lens))
         assert (backend._decode is not None) == split

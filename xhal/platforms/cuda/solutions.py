@@ -73,11 +73,18 @@ class FlashInferAttentionProvider:
         return FlashInferAttention(spec, workspace, prefill_backend=prefill)
 
 
-# decode buckets of up to this many sequences run the split-KV Triton kernel under the default
-# solution (triton-splitkv), larger ones FlashInfer's decode. H200, bf16, ctx 2K, KV write +
-# attention of one layer in a CUDA graph (benchmarks/bench_splitkv.py, docs/h200-results.md,
-# seventh session): see the figures there
-SPLITKV_MAX_SEQS = 16
+def splitkv_min_seqs(spec) -> int | None:
+    """The smallest decode batch ``triton-splitkv`` runs on the split-KV Triton kernel (FlashInfer's
+    decode below it; None: never), by GQA group. H200, bf16, ctx 2K, pages of 16, one layer (KV
+    write + attention) in a CUDA graph, batch 1 / 4 / 16 / 64, us (bench_splitkv, 14:38 UTC,
+    docs/h200-results.md seventh session; split-KV at the split rule of that run):
+    - group 4, 32 q / 8 kv heads, D=128: split-KV 15.1 / 21.8 / 47.4 / 131, FlashInfer 14.5 /
+      22.0 / 53.2 / 147 (the split sweep's best at batch 1: 11.2); D=64: 8.8 / 13.9 / 27.8 /
+      74.6 against 13.3 / 16.8 / 36.4 / 92.2. Every bucket (groups below 4 are not measured).
+    - group 8, 32 / 4 heads, D=128: 19.5 / 31.9 / 36.7 / 76.5 against 13.6 / 17.2 / 34.2 /
+      83.6 (the sweep's best 13.5 / 18.2 at batch 1 / 4: a tie at best). Buckets of 64 and up.
+    """
+    return 1 if spec.group_size <= 4 else 64
 
 
 class SplitKVFlashInferProvider(FlashInferAttentionProvider):
@@ -91,7 +98,7 @@ class SplitKVFlashInferProvider(FlashInferAttentionProvider):
         from xhal.platforms.cuda.splitkv_attention import with_splitkv_decode
 
         flashinfer = super().attention_backend(spec)
-        return with_splitkv_decode(spec, flashinfer, self._sms, max_seqs=SPLITKV_MAX_SEQS)
+        return with_splitkv_decode(spec, flashinfer, self._sms, splitkv_min_seqs(spec))
 
 
 def tilelang_ops(platform: object):
@@ -263,8 +270,8 @@ SOLUTIONS = (
         _req(FLASHINFER, TRITON, dtypes=_HALF),
         35,
         description=(
-            "single-launch split-KV Triton decode for buckets of up to SPLITKV_MAX_SEQS "
-            "sequences, FlashInfer's decode beyond"
+            "single-launch split-KV Triton decode for the decode buckets where it measured "
+            "faster (splitkv_min_seqs), FlashInfer's decode for the others"
         ),
     ),
     # decode only: a prefill step on this backend runs its Triton fallback, so it is no

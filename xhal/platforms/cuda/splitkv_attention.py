@@ -2,8 +2,8 @@
 every other step on the backend it wraps.
 
 Used twice: the Triton backend (``cuda-triton``, and ``cuda`` without FlashInfer) runs every
-decode step here, and the ``triton-splitkv`` solution of ``cuda`` runs decode steps of up to
-``max_seqs`` sequences here and larger ones on FlashInfer (the rule and its figures are in
+decode step here, and the ``triton-splitkv`` solution of ``cuda`` runs the decode steps of at
+least ``min_seqs`` sequences here and the others on FlashInfer (the rule and its figures are in
 ``solutions.py``). Prefill, chunked prefill and mixed steps always go to the wrapped backend.
 """
 
@@ -31,13 +31,13 @@ def unsupported(spec: AttentionSpec) -> str | None:
 
 
 def with_splitkv_decode(
-    spec: AttentionSpec, fallback: AttentionBackend, num_sms: int, max_seqs: int | None = None
+    spec: AttentionSpec, fallback: AttentionBackend, num_sms: int, min_seqs: int | None = 1
 ) -> AttentionBackend:
-    """``fallback`` with its decode steps (of up to ``max_seqs`` sequences; None: all) on the
-    split-KV kernel, or ``fallback`` itself for a spec the kernel does not take."""
-    if unsupported(spec) is not None:
+    """``fallback`` with its decode steps of at least ``min_seqs`` sequences on the split-KV
+    kernel, or ``fallback`` itself for a spec the kernel does not take (or ``min_seqs`` None)."""
+    if unsupported(spec) is not None or min_seqs is None:
         return fallback
-    return SplitKVDecodeAttention(spec, fallback, num_sms, max_seqs)
+    return SplitKVDecodeAttention(spec, fallback, num_sms, min_seqs)
 
 
 @dataclass
@@ -64,7 +64,7 @@ class SplitKVDecodeAttention(AttentionBackend):
         spec: AttentionSpec,
         fallback: AttentionBackend,
         num_sms: int,
-        max_seqs: int | None = None,
+        min_seqs: int = 1,
     ) -> None:
         super().__init__(spec)
         reason = unsupported(spec)
@@ -72,7 +72,7 @@ class SplitKVDecodeAttention(AttentionBackend):
             raise ValueError(f"split-KV decode cannot run {reason}; use the fallback backend")
         if num_sms <= 0:
             raise ValueError(f"num_sms must be positive, got {num_sms}")
-        self.fallback, self.num_sms, self.max_seqs = fallback, num_sms, max_seqs
+        self.fallback, self.num_sms, self.min_seqs = fallback, num_sms, min_seqs
         self.fuses_rotary = fallback.fuses_rotary  # rotary_kv.py serves both paths
         self._caches: list[LayerCache] = []
         self._graphs: dict[Hashable, tuple[_DecodePlan, PersistentInputs]] = {}
@@ -81,13 +81,13 @@ class SplitKVDecodeAttention(AttentionBackend):
 
     def takes(self, m: AttentionMetadata) -> bool:
         """Whether a step runs on the split-KV kernel: a pure decode (one query row per
-        sequence) of at most ``max_seqs`` sequences. A graph bucket's batch is a constant, so a
+        sequence) of at least ``min_seqs`` sequences. A graph bucket's batch is a constant, so a
         bucket always runs on the same side."""
         return (
             m.kind == BatchKind.DECODE
             and 0 < m.num_seqs <= m.num_tokens
             and m.max_query_len <= 1
-            and (self.max_seqs is None or m.num_seqs <= self.max_seqs)
+            and m.num_seqs >= self.min_seqs
         )
 
     def bind_kv_caches(self, caches: Sequence[LayerCache]) -> None:
@@ -107,7 +107,7 @@ class SplitKVDecodeAttention(AttentionBackend):
             self._decode = plan
             return
         splits = kernel.num_splits(
-            m.num_seqs, s.num_kv_heads, m.max_seq_len, self.num_sms, s.head_dim
+            m.num_seqs, s.num_kv_heads, s.group_size, s.head_dim, m.max_seq_len, self.num_sms
         )
         shape = (m.num_seqs, s.num_kv_heads, s.group_size, s.head_dim, splits)
         if graph_key is not None:

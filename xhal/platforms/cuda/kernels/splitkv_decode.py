@@ -29,9 +29,14 @@ _LOG2E = 1.4426950408889634
 ROWS = 16  # query-head rows per program: the smallest tensor-core tile (tl.dot needs 16)
 MAX_GROUP = ROWS
 MAX_SPLITS = 64
-# programs per SM the split count aims for: enough to keep several KB of keys in flight per SM
-# at batch 1 (H200: 8 KV heads x 32 splits over 132 SMs; see docs/h200-results.md)
+# programs per SM the split count aims for, and the most partial floats the last program merges
+# in one round (64 registers a thread at 4 warps). H200, bf16, ctx 2K, batch 1 (bench_splitkv,
+# docs/h200-results.md, seventh session): 32 q / 8 kv heads D=128 took 12.0 / 14.3 / 20.4 us a
+# layer at 16 / 32 / 64 splits (1, 2, 4 programs per SM), and 32 / 4 heads (group 8, where 16
+# splits need two merge rounds) 15.7 / 16.1 / 19.6 us at 8 / 16 / 32; at batch 16 three or four
+# splits (2-4 programs per SM) were best (47.4 us against 70.2 unsplit)
 PROGRAMS_PER_SM = 2
+MERGE_FLOATS = 8192
 
 
 def block_keys(head_dim: int) -> int:
@@ -39,14 +44,21 @@ def block_keys(head_dim: int) -> int:
     return 64 if head_dim > 64 else 128
 
 
-def num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
-               head_dim: int) -> int:  # fmt: skip
-    """Splits per (sequence, KV head) so that about ``PROGRAMS_PER_SM`` programs per SM run,
-    never more splits than tiles of the longest context. Shapes only, never the live lengths."""
+def merge_rounds_cap(group: int, head_dim: int) -> int:
+    """The most splits the last program merges in one round of ``MERGE_FLOATS``."""
+    padded = triton.next_power_of_2(group) * max(triton.next_power_of_2(head_dim), 16)
+    return max(1, MERGE_FLOATS // padded)
+
+
+def num_splits(num_seqs: int, num_kv_heads: int, group: int, head_dim: int, max_seq_len: int,
+               num_sms: int) -> int:  # fmt: skip
+    """Splits per (sequence, KV head): about ``PROGRAMS_PER_SM`` programs per SM, no more
+    splits than one merge round holds or than the longest context has tiles. Shapes only, never
+    the live lengths, so a graph bucket keeps its split count."""
     programs = max(num_seqs * num_kv_heads, 1)
     wanted = -(-PROGRAMS_PER_SM * num_sms // programs)
     useful = max(-(-max_seq_len // block_keys(head_dim)), 1)
-    return max(1, min(wanted, useful, MAX_SPLITS))
+    return max(1, min(wanted, useful, merge_rounds_cap(group, head_dim), MAX_SPLITS))
 
 
 @dataclass
@@ -237,7 +249,7 @@ def splitkv_decode(
     soft_cap: float = 0.0,
     window: int = 0,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 3,
     block_n: int | None = None,
 ) -> torch.Tensor:
     """One query row per sequence: q ``[B, H, D]`` (strides free but the last), caches
@@ -245,7 +257,9 @@ def splitkv_decode(
     kv_lens int32 ``[B]`` including this step's key; writes out ``[B, H, D]``. ``scratch``:
     made for at least B sequences and ``splits`` splits. ``window`` > 0: the query sees
     its last ``window`` keys; ``soft_cap`` > 0: scores go through ``c * tanh(s / c)``.
-    ``num_warps``, ``num_stages``, ``block_n`` (keys per tile): the launch shape, for sweeps."""
+    ``num_warps``, ``num_stages``, ``block_n`` (keys per tile): the launch shape, for sweeps;
+    three stages measured faster than two on the H200 (8B shape: 11.2 against 12.0 us a layer
+    at batch 1, 48.1 against 49.0 at batch 16)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -265,8 +279,7 @@ def splitkv_decode(
     dim_pad = max(triton.next_power_of_2(head_dim), 16)
     group_pad = triton.next_power_of_2(group)
     splits_pad = triton.next_power_of_2(splits)
-    # splits merged per round: all at once up to 8K floats (64 registers a thread at 4 warps)
-    merge_chunk = max(1, min(splits_pad, 8192 // (group_pad * dim_pad)))
+    merge_chunk = max(1, min(splits_pad, MERGE_FLOATS // (group_pad * dim_pad)))
     # fp32 products in IEEE precision for fp32 (not TF32), and for bf16 in Triton's interpreter
     # (CPU tensors), whose bf16 tl.dot multiplies wrong (Triton 3.6); compiled bf16 / fp16 run
     # on tensor cores with float32 accumulation
