@@ -74,15 +74,17 @@ class FlashInferAttentionProvider:
 
 
 def splitkv_min_seqs(spec) -> int | None:
-    """The smallest decode batch ``triton-splitkv`` runs on the split-KV Triton kernel (FlashInfer's
-    decode below it; None: never), by GQA group. H200, bf16, ctx 2K, pages of 16, one layer (KV
-    write + attention) in a CUDA graph, batch 1 / 4 / 16 / 64, us (bench_splitkv, 14:38 UTC,
-    docs/h200-results.md seventh session; split-KV at the split rule of that run):
-    - group 4, 32 q / 8 kv heads, D=128: split-KV 15.1 / 21.8 / 47.4 / 131, FlashInfer 14.5 /
-      22.0 / 53.2 / 147 (the split sweep's best at batch 1: 11.2); D=64: 8.8 / 13.9 / 27.8 /
-      74.6 against 13.3 / 16.8 / 36.4 / 92.2. Every bucket (groups below 4 are not measured).
-    - group 8, 32 / 4 heads, D=128: 19.5 / 31.9 / 36.7 / 76.5 against 13.6 / 17.2 / 34.2 /
-      83.6 (the sweep's best 13.5 / 18.2 at batch 1 / 4: a tie at best). Buckets of 64 and up.
+    """The smallest decode batch ``triton-splitkv`` runs on the split-KV Triton kernel
+    (FlashInfer's decode below it; None: never), by GQA group. H200, bf16, ctx 2K, pages of 16,
+    one layer (KV write + attention) in a CUDA graph, us at batch 1 / 4 / 16 / 64
+    (benchmarks/bench_splitkv.py; docs/h200-results.md, seventh session; batches 1-16 from the
+    14:43 UTC run, split with three stages; batch 64, unsplit, from the 14:37 run's two stages,
+    the default for unsplit launches since):
+    - group 4, 32 q / 8 kv heads, D=128: split-KV 11.4 / 21.2 / 47.5 / 131, FlashInfer 14.7 /
+      22.5 / 54.4 / 147; D=64: 8.8 / 13.5 / 27.1 / 74.6 against 13.3 / 16.9 / 35.6 / 92.2.
+      Every bucket (groups below 4 are not measured).
+    - group 8, 32 / 4 heads, D=128: 14.0 / 15.5 / 34.7 / 76.5 against 13.6 / 16.9 / 33.9 /
+      83.6: a tie up to 16 sequences, a win at 64. Buckets of 64 and up.
     """
     return 1 if spec.group_size <= 4 else 64
 

@@ -249,7 +249,7 @@ def splitkv_decode(
     soft_cap: float = 0.0,
     window: int = 0,
     num_warps: int = 4,
-    num_stages: int = 3,
+    num_stages: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
     """One query row per sequence: q ``[B, H, D]`` (strides free but the last), caches
@@ -257,9 +257,12 @@ def splitkv_decode(
     kv_lens int32 ``[B]`` including this step's key; writes out ``[B, H, D]``. ``scratch``:
     made for at least B sequences and ``splits`` splits. ``window`` > 0: the query sees
     its last ``window`` keys; ``soft_cap`` > 0: scores go through ``c * tanh(s / c)``.
-    ``num_warps``, ``num_stages``, ``block_n`` (keys per tile): the launch shape, for sweeps;
-    three stages measured faster than two on the H200 (8B shape: 11.2 against 12.0 us a layer
-    at batch 1, 48.1 against 49.0 at batch 16)."""
+    ``num_warps``, ``num_stages``, ``block_n`` (keys per tile): the launch shape, for sweeps.
+    Stages by default: three for a split launch, two unsplit. On the H200 (bf16, ctx 2K, per
+    layer) three stages beat two split (32 q / 8 kv heads D=128: 11.2 against 12.0 us at batch 1,
+    16 splits; 48.1 against 49.0 at batch 16) and lost unsplit (batch 64: 156 against 131 us;
+    32 / 4 heads 91.3 against 76.5; D=64 85.9 against 74.6), where the third 32 KB stage of
+    shared memory leaves fewer programs per SM."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -276,6 +279,8 @@ def splitkv_decode(
         raise ValueError(
             f"scratch too small for {batch} sequences x {num_kv_heads} KV heads x {splits} splits"
         )
+    if num_stages is None:
+        num_stages = 3 if splits > 1 else 2
     dim_pad = max(triton.next_power_of_2(head_dim), 16)
     group_pad = triton.next_power_of_2(group)
     splits_pad = triton.next_power_of_2(splits)
