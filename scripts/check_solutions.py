@@ -25,8 +25,9 @@ LEGACY = {
         "moe_route": "triton",
         "moe_experts": "triton",
         "sampling": "torch",
-        "attention bfloat16": "flashinfer",
-        "attention float16": "flashinfer",
+        # decode since: small buckets on the split-KV Triton kernel, FlashInfer beyond
+        "attention bfloat16": "flashinfer+triton-splitkv",
+        "attention float16": "flashinfer+triton-splitkv",
         "attention float32": "triton",
     },
     "cuda-triton": {

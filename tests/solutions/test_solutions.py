@@ -247,7 +247,12 @@ def test_cuda_declarations_keep_the_choices_made_before_solutions(installed, mon
     ):
         for op in solutions.ATTENTION_OPS:
             got = solutions.select(op, h200, dtype=dtype, head_dim=128).name
-            assert got == (name if "flashinfer" in installed else "triton"), (op, dtype)
+            want = name if "flashinfer" in installed else "triton"
+            if op == "paged_decode_attention" and want == "flashinfer":
+                # the one new default since: small decode buckets on the split-KV Triton
+                # kernel, FlashInfer's decode for the rest (XHAL_KERNEL_...=flashinfer: all)
+                want = "triton-splitkv"
+            assert got == want, (op, dtype)
     # cuda-triton: Triton attention and torch norms and activations, whatever is installed
     forced = CudaTritonPlatform.solution_defaults
     assert {op: solutions.select(op, h200, forced=forced.get(op)).name for op in LEGACY_CUDA} == {
@@ -258,3 +263,42 @@ def test_cuda_declarations_keep_the_choices_made_before_solutions(installed, mon
         solutions.select(op, h200, forced=forced[op], dtype=torch.bfloat16).name
         for op in solutions.ATTENTION_OPS
     } == {"triton"}
+
+
+def test_split_attention_fuses_rotary_only_when_both_sides_do() -> None:
+    """The layer asks ``fuses_rotary`` once for every step kind, so the split backend declares
+    it only when decode and prefill both fuse, and sends ``forward_rotary`` to the side the
+    step was planned on."""
+    from xhal.interfaces.attention import AttentionBackend
+
+    class Fusing(AttentionBackend):
+        def __init__(self, spec, fuses: bool) -> None:
+            super().__init__(spec)
+            self.fuses_rotary, self.calls = fuses, []
+
+        def bind_kv_caches(self, caches) -> None:
+            pass
+
+        def plan(self, metadata, graph_key=None) -> None:
+            pass
+
+        def forward(self, layer_id, q, k, v):
+            raise AssertionError("the rotary path was expected")
+
+        def forward_rotary(self, layer_id, q, k, v, positions, cos_sin_cache, is_neox):
+            self.calls.append(layer_id)
+            return q
+
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
+                         block_size=16)  # fmt: skip
+    assert not SplitAttention(spec, Fusing(spec, True), Fusing(spec, False)).fuses_rotary
+    decode, prefill = Fusing(spec, True), Fusing(spec, True)
+    split = SplitAttention(spec, decode, prefill)
+    assert split.fuses_rotary
+    cpu = torch.device("cpu")
+    for kind, layer in ((BatchKind.DECODE, 3), (BatchKind.PREFILL, 5)):
+        batch, _ = random_batch(kind, spec.block_size, cpu, random.Random(int(kind)))
+        split.plan(batch.metadata)
+        q = torch.zeros(batch.metadata.num_tokens, 4, 16)
+        split.forward_rotary(layer, q, q[:, :2], q[:, :2], None, None, True)
+    assert (decode.calls, prefill.calls) == ([3], [5])

@@ -83,10 +83,13 @@ class FusedInterpretedPlatform(CpuPlatform):
         self._ops = FusedInterpretedOps()
 
     def attention_backend(self, spec: AttentionSpec):
+        from xhal.platforms.cuda.splitkv_attention import with_splitkv_decode
         from xhal.platforms.cuda.triton_attention import TritonAttention
 
         self.capabilities.attention.check(spec)
-        return TritonAttention(spec)
+        # as the CUDA platform's Triton solution composes it: decode steps on the split-KV
+        # kernel (a few "SMs", so that longer contexts split), the rest on the paged kernel
+        return with_splitkv_decode(spec, TritonAttention(spec), num_sms=4)
 
 
 platforms.register("cuda-fused-interpreted", FusedInterpretedPlatform)

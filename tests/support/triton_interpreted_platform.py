@@ -1,6 +1,6 @@
 """TEST-ONLY plugin: "cuda-triton-interpreted", the CUDA platform's Triton attention
-(``xhal.platforms.cuda.attention.TritonAttention``: our KV-write and paged-attention kernels) run by
-Triton's interpreter on CPU tensors; everything else is the CPU reference.
+(``TritonAttention``: our KV-write and paged-attention kernels, decode steps on the split-KV
+kernel) run by Triton's interpreter on CPU tensors; everything else is the CPU reference.
 
 ``xhal-conformance --device cuda-triton-interpreted --plugin
 tests.support.triton_interpreted_platform`` proves the fallback's eager attention on any CPU. Graphs
@@ -38,10 +38,13 @@ class InterpretedTritonPlatform(CpuPlatform):
     )
 
     def attention_backend(self, spec: AttentionSpec):
+        from xhal.platforms.cuda.splitkv_attention import with_splitkv_decode
         from xhal.platforms.cuda.triton_attention import TritonAttention
 
         self.capabilities.attention.check(spec)
-        return TritonAttention(spec)
+        # as the CUDA platform's Triton solution composes it: decode steps on the split-KV
+        # kernel (a few "SMs", so that longer contexts split), the rest on the paged kernel
+        return with_splitkv_decode(spec, TritonAttention(spec), num_sms=4)
 
 
 platforms.register("cuda-triton-interpreted", InterpretedTritonPlatform)

@@ -23,6 +23,8 @@ class SplitAttention(AttentionBackend):
     ) -> None:
         super().__init__(spec)
         self.decode, self.prefill = decode, prefill
+        # the layer asks once, for every step: rotary in the KV write only if both sides fuse it
+        self.fuses_rotary = decode.fuses_rotary and prefill.fuses_rotary
         self._current: AttentionBackend = prefill
         self._by_graph: dict[Hashable, AttentionBackend] = {}
 
@@ -40,6 +42,9 @@ class SplitAttention(AttentionBackend):
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         return self._current.forward(layer_id, q, k, v)
+
+    def forward_rotary(self, layer_id, q, k, v, positions, cos_sin_cache, is_neox):
+        return self._current.forward_rotary(layer_id, q, k, v, positions, cos_sin_cache, is_neox)
 
     def before_replay(self, graph_key: Hashable) -> None:
         self._by_graph.get(graph_key, self._current).before_replay(graph_key)

@@ -46,20 +46,61 @@ class GroupedMoe:
         return self._moe.fused_experts(x, w13, w2, topk_weights, topk_ids, config)
 
 
-class FlashInferAttentionProvider:
-    """One zeroed workspace shared by every FlashInfer wrapper of the platform."""
+_workspaces: dict[torch.device, torch.Tensor] = {}
 
+
+def _flashinfer_workspace(device: torch.device) -> torch.Tensor:
+    """One zeroed workspace per device, shared by every FlashInfer wrapper of both providers
+    below (steps run one after another, and each plans before it runs)."""
+    if device not in _workspaces:
+        _workspaces[device] = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    return _workspaces[device]
+
+
+def _num_sms(platform) -> int:
+    return torch.cuda.get_device_properties(platform.device()).multi_processor_count
+
+
+class FlashInferAttentionProvider:
     def __init__(self, platform) -> None:
         self._device = platform.device()
-        self._workspace: torch.Tensor | None = None
 
     def attention_backend(self, spec):
         from xhal.platforms.cuda.attention import FlashInferAttention
 
         prefill = env.flashinfer_prefill()
-        if self._workspace is None:
-            self._workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=self._device)
-        return FlashInferAttention(spec, self._workspace, prefill_backend=prefill)
+        workspace = _flashinfer_workspace(self._device)
+        return FlashInferAttention(spec, workspace, prefill_backend=prefill)
+
+
+def splitkv_min_seqs(spec) -> int | None:
+    """The smallest decode batch ``triton-splitkv`` runs on the split-KV Triton kernel
+    (FlashInfer's decode below it; None: never), by GQA group. H200, bf16, ctx 2K, pages of 16,
+    one layer (KV write + attention) in a CUDA graph, us at batch 1 / 4 / 16 / 64
+    (benchmarks/bench_splitkv.py; docs/h200-results.md, seventh session; batches 1-16 from the
+    14:43 UTC run, split with three stages; batch 64, unsplit, from the 14:37 run's two stages,
+    the default for unsplit launches since):
+    - group 4, 32 q / 8 kv heads, D=128: split-KV 11.4 / 21.2 / 47.5 / 131, FlashInfer 14.7 /
+      22.5 / 54.4 / 147; D=64: 8.8 / 13.5 / 27.1 / 74.6 against 13.3 / 16.9 / 35.6 / 92.2.
+      Every bucket (groups below 4 are not measured).
+    - group 8, 32 / 4 heads, D=128: 14.0 / 15.5 / 34.7 / 76.5 against 13.6 / 16.9 / 33.9 /
+      83.6: a tie up to 16 sequences, a win at 64. Buckets of 64 and up.
+    """
+    return 1 if spec.group_size <= 4 else 64
+
+
+class SplitKVFlashInferProvider(FlashInferAttentionProvider):
+    """FlashInfer attention whose small decode steps run the split-KV Triton kernel."""
+
+    def __init__(self, platform) -> None:
+        super().__init__(platform)
+        self._sms = _num_sms(platform)
+
+    def attention_backend(self, spec):
+        from xhal.platforms.cuda.splitkv_attention import with_splitkv_decode
+
+        flashinfer = super().attention_backend(spec)
+        return with_splitkv_decode(spec, flashinfer, self._sms, splitkv_min_seqs(spec))
 
 
 def tilelang_ops(platform: object):
@@ -86,14 +127,17 @@ class TileLangAttentionProvider:
 
 
 class TritonAttentionProvider:
-    def __init__(self, platform: object) -> None:
-        del platform
+    """The Triton attention: every decode step on the split-KV kernel, the rest on the paged
+    attention kernel (one program per token and KV head)."""
 
-    @staticmethod
-    def attention_backend(spec):
+    def __init__(self, platform) -> None:
+        self._sms = _num_sms(platform)
+
+    def attention_backend(self, spec):
+        from xhal.platforms.cuda.splitkv_attention import with_splitkv_decode
         from xhal.platforms.cuda.triton_attention import TritonAttention
 
-        return TritonAttention(spec)
+        return with_splitkv_decode(spec, TritonAttention(spec), self._sms)
 
 
 def _req(*packages: Package, dtypes: tuple[torch.dtype, ...] | None = None) -> Requirement:
@@ -218,6 +262,19 @@ SOLUTIONS = (
             ),
             ("triton", "xhal.platforms.cuda.solutions:TritonAttentionProvider", _req(TRITON), 20),
         )
+    ),
+    # decode only: prefill steps stay on FlashInfer (paged_prefill_attention=flashinfer);
+    # XHAL_KERNEL_PAGED_DECODE_ATTENTION=flashinfer turns it off
+    Solution(
+        "paged_decode_attention",
+        "triton-splitkv",
+        "xhal.platforms.cuda.solutions:SplitKVFlashInferProvider",
+        _req(FLASHINFER, TRITON, dtypes=_HALF),
+        35,
+        description=(
+            "single-launch split-KV Triton decode for the decode buckets where it measured "
+            "faster (splitkv_min_seqs), FlashInfer's decode for the others"
+        ),
     ),
     # decode only: a prefill step on this backend runs its Triton fallback, so it is no
     # paged_prefill_attention solution

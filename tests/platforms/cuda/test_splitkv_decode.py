@@ -1,0 +1,167 @@
+"""The single-launch split-KV decode kernel (``kernels/splitkv_decode.py``) and its backend
+against a float64 reference: GQA groups 4 and 8, sequences ending mid-page, several splits merged
+by the last program to arrive, counters back at 0 after every launch. Interpreted on CPU when
+there is no CUDA device (tests/support/triton_env.py); the cases stay tiny."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.support.triton_env import DEVICE, NO_RUNTIME_LOOPS, RUNTIME_LOOPS
+
+# triton_env sets TRITON_INTERPRET before any triton kernel is imported: keep it first
+# isort: split
+from xhal.platforms.cuda.kernels.splitkv_decode import Scratch, num_splits, splitkv_decode
+
+pytestmark = pytest.mark.skipif(not RUNTIME_LOOPS, reason=f"split-KV decode {NO_RUNTIME_LOOPS}")
+
+PAGE, HEAD_DIM = 16, 64
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}
+
+
+def _reference(q, k_cache, v_cache, table, kv_lens, scale, soft_cap=0.0, window=0):
+    """float64: each sequence's keys gathered position by position through its block table,
+    one query at position kv_len - 1 seeing its last ``window`` keys (all when 0)."""
+    num_seqs, num_heads, _ = q.shape
+    group = num_heads // k_cache.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for i, kv_len in enumerate(kv_lens.tolist()):
+        n = torch.arange(kv_len)
+        blocks = table[i, n // PAGE].long()
+        keys, values = k_cache[blocks, n % PAGE].double(), v_cache[blocks, n % PAGE].double()
+        for h in range(num_heads):
+            s = keys[:, h // group] @ q[i, h].double() * scale
+            if soft_cap > 0:
+                s = soft_cap * torch.tanh(s / soft_cap)
+            if window > 0:
+                s[: max(kv_len - window, 0)] = float("-inf")
+            out[i, h] = torch.softmax(s, dim=0) @ values[:, h // group]
+    return out
+
+
+def _case(kv_lens: list[int], num_heads: int, num_kv_heads: int, dtype: torch.dtype, seed: int):
+    """A shuffled block table whose columns past each row's pages point at a block of NaNs (stale
+    ids the kernel must never read), and q as a strided view of a fused qkv row."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(math.ceil(n / PAGE) for n in kv_lens) + 1
+    num_blocks = width * len(kv_lens) + 1
+    nan_block = num_blocks - 1
+    table = torch.full((len(kv_lens), width), nan_block, dtype=torch.int32)
+    ids = torch.randperm(nan_block, generator=g)
+    for i, n in enumerate(kv_lens):
+        pages = math.ceil(n / PAGE)
+        table[i, :pages] = ids[i * width : i * width + pages]
+    shape = (num_blocks, PAGE, num_kv_heads, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    k_cache[nan_block], v_cache[nan_block] = float("nan"), float("nan")
+    qkv = torch.randn(len(kv_lens), num_heads + 2 * num_kv_heads, HEAD_DIM, generator=g)
+    q = qkv.to(dtype)[:, :num_heads]
+    return q, k_cache, v_cache, table, torch.tensor(kv_lens, dtype=torch.int32)
+
+
+def _check(out, ref, dtype) -> None:
+    err = (out.cpu().double() - ref).abs().max().item()
+    assert err <= TOL[dtype] * max(ref.abs().max().item(), 1.0), err
+
+
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, dtype",
+    [(8, 2, torch.bfloat16), (8, 1, torch.float32)],
+    ids=["gqa4-bf16", "gqa8-fp32"],
+)
+def test_splits_merge_in_one_launch_and_counters_reset(num_heads, num_kv_heads, dtype) -> None:
+    """Four splits over sequences ending mid-page (one of them a single key, so most of its
+    splits are empty); a second launch on the same scratch with new queries and one more key
+    per sequence is right too, which it cannot be if a counter was left above 0."""
+    kv_lens = [150, 1, 37]
+    q, k_cache, v_cache, table, lens = _case(kv_lens, num_heads, num_kv_heads, dtype, seed=0)
+    splits, scale = 4, HEAD_DIM**-0.5
+    dev = [t.to(DEVICE) for t in (q, k_cache, v_cache, table, lens)]
+    scratch = Scratch.make(len(kv_lens), num_kv_heads, num_heads // num_kv_heads, HEAD_DIM,
+                           splits, torch.device(DEVICE))  # fmt: skip
+    out = torch.zeros(q.shape, dtype=dtype, device=DEVICE)
+    splitkv_decode(*dev[:5], out, scratch, splits, scale)
+    _check(out, _reference(q, k_cache, v_cache, table, lens, scale), dtype)
+    assert scratch.counters.cpu().tolist() == [0] * (len(kv_lens) * num_kv_heads)
+
+    q2 = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    lens2 = lens + 1  # 151, 2, 38: still within each row's pages
+    splitkv_decode(q2.to(DEVICE), *dev[1:4], lens2.to(DEVICE), out, scratch, splits, scale)
+    _check(out, _reference(q2, k_cache, v_cache, table, lens2, scale), dtype)
+    assert scratch.counters.cpu().tolist() == [0] * (len(kv_lens) * num_kv_heads)
+
+
+def test_window_and_soft_cap() -> None:
+    """A sliding window that starts inside a tile of one split, a soft cap, three splits."""
+    kv_lens = [140, 9]
+    q, k_cache, v_cache, table, lens = _case(kv_lens, 4, 1, torch.float32, seed=2)
+    dev = [t.to(DEVICE) for t in (q, k_cache, v_cache, table, lens)]
+    scratch = Scratch.make(2, 1, 4, HEAD_DIM, 3, torch.device(DEVICE))
+    out = torch.zeros(q.shape, device=DEVICE)
+    splitkv_decode(*dev, out, scratch, 3, 0.2, soft_cap=2.0, window=70)
+    _check(out, _reference(q, k_cache, v_cache, table, lens, 0.2, 2.0, 70), torch.float32)
+
+
+def test_split_count_fills_the_sms_from_shapes_only() -> None:
+    # (num_seqs, kv heads, group, head dim, max context, SMs): two programs per SM wanted (33
+    # splits at batch 1 x 8 KV heads on 132 SMs), capped by one merge round of 8K floats (16
+    # splits of 4 x 128, 8 of 8 x 128), by the 64-key tiles of the context and by 64
+    assert num_splits(1, 8, 4, 128, 4096, 132) == 16
+    assert num_splits(1, 4, 8, 128, 4096, 132) == 8
+    assert num_splits(4, 8, 4, 128, 4096, 132) == 9
+    assert num_splits(1, 8, 4, 128, 100, 132) == 2
+    assert num_splits(64, 8, 4, 128, 4096, 132) == 1
+    assert num_splits(1, 1, 1, 64, 1 << 20, 132) == 64
+
+
+def test_scratch_too_small_is_refused() -> None:
+    q, k_cache, v_cache, table, lens = _case([20, 20], 4, 1, torch.float32, seed=3)
+    scratch = Scratch.make(1, 1, 4, HEAD_DIM, 2, torch.device("cpu"))
+    with pytest.raises(ValueError, match="scratch too small"):
+        splitkv_decode(q, k_cache, v_cache, table, lens, torch.zeros(q.shape), scratch, 2, 1.0)
+
+
+def test_backend_takes_small_decodes_and_keeps_the_graph_key_policy() -> None:
+    """Decode steps of at least ``min_seqs`` sequences run split (two splits here), smaller ones
+    on the fallback; a graph key refuses metadata tensors other than those it was planned with."""
+    from conformance_tests.batches import Seq, build_batch
+    from xhal.interfaces import AttentionSpec, BatchKind, LayerCache
+    from xhal.platforms.cuda.splitkv_attention import SplitKVDecodeAttention
+    from xhal.platforms.cuda.triton_attention import TritonAttention
+
+    spec = AttentionSpec(8, 2, HEAD_DIM, torch.float32, PAGE)
+    backend = SplitKVDecodeAttention(spec, TritonAttention(spec), num_sms=4, min_seqs=3)
+    g = torch.Generator().manual_seed(4)
+    shape = (24, PAGE, 2, HEAD_DIM)
+    cache = LayerCache(torch.randn(shape, generator=g).to(DEVICE),
+                       torch.randn(shape, generator=g).to(DEVICE))  # fmt: skip
+    backend.bind_kv_caches([cache])
+    blocks = torch.randperm(24, generator=g).tolist()
+
+    def step(kv_lens: list[int]):
+        rows, start = [], 0
+        for n in kv_lens:
+            rows.append(blocks[start : start + math.ceil(n / PAGE)])
+            start += len(rows[-1])
+        seqs = [Seq(1, n) for n in kv_lens]
+        return build_batch(BatchKind.DECODE, seqs, rows, PAGE, torch.device(DEVICE),
+                           max_blocks=12).metadata  # fmt: skip
+
+    for kv_lens, split in (([150, 20, 5], True), ([40, 3], False)):
+        m = step(kv_lens)
+        backend.plan(m, graph_key=len(kv_lens))
+        assert (backend._decode is not None) == split
+        if split:
+            assert backend._decode.splits == 2
+        qkv = torch.randn(len(kv_lens), 12, HEAD_DIM, generator=g).to(DEVICE)
+        q, k, v = qkv.split([8, 2, 2], dim=1)
+        out = backend.forward(0, q, k, v)
+        ref = _reference(q.cpu(), cache.key.cpu(), cache.value.cpu(), m.block_table.cpu(),
+                         m.kv_seq_lens_host, spec.softmax_scale)  # fmt: skip
+        _check(out, ref, torch.float32)
+        with pytest.raises(ValueError, match="persistent"):
+            backend.plan(step(kv_lens), graph_key=len(kv_lens))

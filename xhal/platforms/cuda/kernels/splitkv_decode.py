@@ -1,0 +1,305 @@
+"""Split-KV paged decode attention in one launch: the splits and their merge in the same kernel.
+
+One program per (sequence, KV head, split) attends every query head of its GQA group (the group
+padded to a 16-row tensor-core tile) over its split's share of the sequence's keys, gathered
+tile by tile through the block table, with an online softmax in float32. With one split the
+program writes the output itself. With several, each program writes its partial (row max, row
+sum, unnormalized accumulator) to a scratch buffer and increments a counter of its (sequence, KV
+head); the program that arrives last merges every split, writes the output and puts the counter
+back to 0, so the next launch (and the next replay of a graph) starts from zeroed counters. No
+second kernel, no host sync, nothing sized by tensor values: graph-capturable.
+
+The split count is a host choice from shapes only (``num_splits``): a graph bucket keeps one for
+every replay, while each program's share of the keys is derived from the live length at run
+time, so one bucket serves any context.
+
+Decode only: one query row per sequence, at position ``kv_len - 1``. Sliding window and logits
+soft cap are applied in the kernel; fp16 / bf16 / fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+ROWS = 16  # query-head rows per program: the smallest tensor-core tile (tl.dot needs 16)
+MAX_GROUP = ROWS
+MAX_SPLITS = 64
+# programs per SM the split count aims for, and the most partial floats the last program merges
+# in one round (64 registers a thread at 4 warps). H200, bf16, ctx 2K, batch 1 (bench_splitkv,
+# docs/h200-results.md, seventh session): 32 q / 8 kv heads D=128 took 12.0 / 14.3 / 20.4 us a
+# layer at 16 / 32 / 64 splits (1, 2, 4 programs per SM), and 32 / 4 heads (group 8, where 16
+# splits need two merge rounds) 15.7 / 16.1 / 19.6 us at 8 / 16 / 32; at batch 16 three or four
+# splits (2-4 programs per SM) were best (47.4 us against 70.2 unsplit)
+PROGRAMS_PER_SM = 2
+MERGE_FLOATS = 8192
+
+
+def block_keys(head_dim: int) -> int:
+    """Keys per tile: 64 at head dim 128 (16 KB of K and of V per tile in half precision)."""
+    return 64 if head_dim > 64 else 128
+
+
+def merge_rounds_cap(group: int, head_dim: int) -> int:
+    """The most splits the last program merges in one round of ``MERGE_FLOATS``."""
+    padded = triton.next_power_of_2(group) * max(triton.next_power_of_2(head_dim), 16)
+    return max(1, MERGE_FLOATS // padded)
+
+
+def num_splits(num_seqs: int, num_kv_heads: int, group: int, head_dim: int, max_seq_len: int,
+               num_sms: int) -> int:  # fmt: skip
+    """Splits per (sequence, KV head): about ``PROGRAMS_PER_SM`` programs per SM, no more
+    splits than one merge round holds or than the longest context has tiles. Shapes only, never
+    the live lengths, so a graph bucket keeps its split count."""
+    programs = max(num_seqs * num_kv_heads, 1)
+    wanted = -(-PROGRAMS_PER_SM * num_sms // programs)
+    useful = max(-(-max_seq_len // block_keys(head_dim)), 1)
+    return max(1, min(wanted, useful, merge_rounds_cap(group, head_dim), MAX_SPLITS))
+
+
+@dataclass
+class Scratch:
+    """The partials of the splits and one arrival counter per (sequence, KV head). Counters
+    start at 0 and every launch leaves them at 0; a graph bucket keeps its own scratch, since a
+    captured launch reads these addresses at every replay."""
+
+    part_acc: torch.Tensor  # float32 [capacity, group, head_dim]: (sequence, KV head, split)
+    part_max: torch.Tensor  # float32 [capacity, group], log2 domain
+    part_sum: torch.Tensor  # float32 [capacity, group]
+    counters: torch.Tensor  # int32 [num_seqs * Hkv]
+
+    @classmethod
+    def make(cls, num_seqs: int, num_kv_heads: int, group: int, head_dim: int, splits: int,
+             device: torch.device) -> Scratch:  # fmt: skip
+        parts = num_seqs * num_kv_heads * splits if splits > 1 else 0  # one split: no partials
+        f32 = {"dtype": torch.float32, "device": device}
+        return cls(
+            torch.empty(parts, group, head_dim, **f32),
+            torch.empty(parts, group, **f32),
+            torch.empty(parts, group, **f32),
+            torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=device),
+        )
+
+    def fits(self, num_seqs: int, num_kv_heads: int, splits: int) -> bool:
+        pairs = num_seqs * num_kv_heads
+        parts = pairs * splits if splits > 1 else 0
+        return self.counters.numel() >= pairs and self.part_max.shape[0] >= parts
+
+
+@triton.jit
+def _splitkv_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, kv_lens_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, counter_ptr,
+    scale_log2, soft_cap, window, num_splits, max_pages,
+    q_stride_b, q_stride_h, out_stride_b, out_stride_h, bt_stride_b, bt_stride_p,
+    cache_stride_block, cache_stride_pos, cache_stride_head,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_len = tl.load(kv_lens_ptr + seq)
+    lo = 0  # first visible key of the query at kv_len - 1
+    if WINDOW:
+        lo = tl.maximum(kv_len - window, 0)
+    first = (lo // BLOCK_N) * BLOCK_N
+    # tiles are dealt round-robin (split s takes tiles s, s + splits, ...), so without a window
+    # a split's first tile does not depend on kv_len
+    num_tiles = tl.cdiv(kv_len - first, BLOCK_N)
+    keys = tl.arange(0, BLOCK_N)
+    table_row = block_table_ptr + seq.to(tl.int64) * bt_stride_b
+    # the first tile's page ids, loaded while kv_len is still in flight (within the table's
+    # width; ids past the row's pages only ever address masked-off keys)
+    n = first + split * BLOCK_N + keys
+    page = tl.load(table_row + (n // PAGE) * bt_stride_p, mask=n // PAGE < max_pages, other=0)
+
+    r = tl.arange(0, ROWS)
+    d = tl.arange(0, DIM_PAD)
+    d_mask = d < HEAD_DIM
+    q = tl.load(  # rows past the group are zero: their scores are 0, never stored
+        q_ptr + seq.to(tl.int64) * q_stride_b + (kv_head * GROUP + r[:, None]) * q_stride_h
+        + d[None, :],
+        mask=(r[:, None] < GROUP) & d_mask[None, :], other=0.0,
+    )  # fmt: skip
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, DIM_PAD], tl.float32)
+    for tile in range(split, num_tiles, num_splits):
+        n = first + tile * BLOCK_N + keys
+        visible = (n >= lo) & (n < kv_len)
+        offs = (
+            page.to(tl.int64) * cache_stride_block + (n % PAGE) * cache_stride_pos
+            + kv_head * cache_stride_head
+        )  # fmt: skip
+        kv_mask = visible[:, None] & d_mask[None, :]
+        # masked keys load as 0: a stale slot may hold NaN, which would survive a 0 weight
+        k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        n_next = n + num_splits * BLOCK_N  # the next tile's page ids, while this one computes
+        page = tl.load(table_row + (n_next // PAGE) * bt_stride_p, mask=n_next < kv_len, other=0)
+        if F32_DOT:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))  # [ROWS, BLOCK_N]
+        if SOFT_CAP:  # c * tanh(s / c) on the natural-log scale, tanh by exp
+            s = s * (scale_log2 / 1.4426950408889634)
+            s = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * s / soft_cap)) - 1.0)
+            s = s * 1.4426950408889634
+        else:
+            s = s * scale_log2
+        s = tl.where(visible[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if F32_DOT:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    pair = seq * tl.num_programs(1) + kv_head
+    if num_splits == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + seq.to(tl.int64) * out_stride_b
+            + (kv_head * GROUP + r[:, None]) * out_stride_h + d[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=(r[:, None] < GROUP) & d_mask[None, :],
+        )  # fmt: skip
+    else:
+        part = pair.to(tl.int64) * num_splits + split
+        tl.store(part_max_ptr + part * GROUP + r, m_i, mask=r < GROUP)
+        tl.store(part_sum_ptr + part * GROUP + r, l_i, mask=r < GROUP)
+        tl.store(
+            part_acc_ptr + (part * GROUP + r[:, None]) * HEAD_DIM + d[None, :], acc,
+            mask=(r[:, None] < GROUP) & d_mask[None, :],
+        )  # fmt: skip
+        # every thread's partial stores happen before the one thread's release below
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + pair, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:  # the last split of this (sequence, KV head): merge
+            tl.atomic_xchg(counter_ptr + pair, 0, sem="relaxed", scope="gpu")
+            _merge(
+                part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
+                pair.to(tl.int64) * num_splits, tl.minimum(num_splits, num_tiles),
+                seq.to(tl.int64) * out_stride_b + kv_head * GROUP * out_stride_h, out_stride_h,
+                GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD, SPLITS_PAD, MERGE_CHUNK,
+            )  # fmt: skip
+
+
+@triton.jit
+def _merge(
+    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, first_part, live_splits, out_offset,
+    out_stride_h,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+):
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    g_mask = g < GROUP
+    sp = tl.arange(0, SPLITS_PAD)
+    rows = (first_part + sp[:, None]) * GROUP + g[None, :]  # [SPLITS_PAD, GROUP_PAD]
+    mask = (sp[:, None] < live_splits) & g_mask[None, :]  # splits past the tiles hold nothing
+    # .cg: read from L2, where the other programs' stores are; never a stale L1 line
+    maxes = tl.load(part_max_ptr + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")
+    sums = tl.load(part_sum_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg")
+    top = tl.max(maxes, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # no visible key at all: weights 0, output 0
+    total = tl.sum(tl.exp2(maxes - top[None, :]) * sums, axis=0)  # [GROUP_PAD]
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    for c in tl.static_range(0, SPLITS_PAD, MERGE_CHUNK):
+        sc = c + tl.arange(0, MERGE_CHUNK)
+        c_rows = (first_part + sc[:, None]) * GROUP + g[None, :]  # [MERGE_CHUNK, GROUP_PAD]
+        c_mask = (sc[:, None] < live_splits) & g_mask[None, :]
+        c_max = tl.load(part_max_ptr + c_rows, mask=c_mask, other=float("-inf"),
+                        cache_modifier=".cg")  # fmt: skip
+        weight = tl.exp2(c_max - top[None, :])
+        part = tl.load(
+            part_acc_ptr + c_rows[:, :, None] * HEAD_DIM + d[None, None, :],
+            mask=c_mask[:, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0,
+            cache_modifier=".cg",
+        )  # fmt: skip
+        acc += tl.sum(weight[:, :, None] * part, axis=0)
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(
+        out_ptr + out_offset + g[:, None] * out_stride_h + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=g_mask[:, None] & (d < HEAD_DIM)[None, :],
+    )
+
+
+def splitkv_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    out: torch.Tensor,
+    scratch: Scratch,
+    splits: int,
+    scale: float,
+    soft_cap: float = 0.0,
+    window: int = 0,
+    num_warps: int = 4,
+    num_stages: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """One query row per sequence: q ``[B, H, D]`` (strides free but the last), caches
+    ``[num_blocks, block_size, Hkv, D]``, block_table int32 ``[B, max_pages]`` (strides free),
+    kv_lens int32 ``[B]`` including this step's key; writes out ``[B, H, D]``. ``scratch``:
+    made for at least B sequences and ``splits`` splits. ``window`` > 0: the query sees
+    its last ``window`` keys; ``soft_cap`` > 0: scores go through ``c * tanh(s / c)``.
+    ``num_warps``, ``num_stages``, ``block_n`` (keys per tile): the launch shape, for sweeps.
+    Stages by default: three for a split launch, two unsplit. On the H200 (bf16, ctx 2K, per
+    layer) three stages beat two split (32 q / 8 kv heads D=128: 11.2 against 12.0 us at batch 1,
+    16 splits; 48.1 against 49.0 at batch 16) and lost unsplit (batch 64: 156 against 131 us;
+    32 / 4 heads 91.3 against 76.5; D=64 85.9 against 74.6), where the third 32 KB stage of
+    shared memory leaves fewer programs per SM."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    if group > MAX_GROUP or num_heads % num_kv_heads:
+        raise ValueError(
+            f"split-KV decode takes GQA groups up to {MAX_GROUP}, got {num_heads} heads over "
+            f"{num_kv_heads} KV heads; use the paged attention kernel"
+        )
+    if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1:
+        raise ValueError("split-KV decode needs a contiguous last dimension of q, out and caches")
+    if v_cache.stride() != k_cache.stride():
+        raise ValueError("split-KV decode needs the key and value caches in the same layout")
+    if splits < 1 or not scratch.fits(batch, num_kv_heads, splits):
+        raise ValueError(
+            f"scratch too small for {batch} sequences x {num_kv_heads} KV heads x {splits} splits"
+        )
+    if num_stages is None:
+        num_stages = 3 if splits > 1 else 2
+    dim_pad = max(triton.next_power_of_2(head_dim), 16)
+    group_pad = triton.next_power_of_2(group)
+    splits_pad = triton.next_power_of_2(splits)
+    merge_chunk = max(1, min(splits_pad, MERGE_FLOATS // (group_pad * dim_pad)))
+    # fp32 products in IEEE precision for fp32 (not TF32), and for bf16 in Triton's interpreter
+    # (CPU tensors), whose bf16 tl.dot multiplies wrong (Triton 3.6); compiled bf16 / fp16 run
+    # on tensor cores with float32 accumulation
+    f32_dot = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and q.device.type != "cuda")
+    _splitkv_decode_kernel[(batch, num_kv_heads, splits)](
+        q, k_cache, v_cache, out, block_table, kv_lens,
+        scratch.part_acc, scratch.part_max, scratch.part_sum, scratch.counters,
+        scale * _LOG2E, float(soft_cap), int(window), splits, block_table.shape[1],
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_table.stride(0), block_table.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        GROUP=group, GROUP_PAD=group_pad, ROWS=ROWS, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+        PAGE=page, BLOCK_N=block_n or block_keys(head_dim), SPLITS_PAD=splits_pad,
+        MERGE_CHUNK=merge_chunk,
+        SOFT_CAP=soft_cap > 0, WINDOW=window > 0, F32_DOT=f32_dot,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out

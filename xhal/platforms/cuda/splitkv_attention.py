@@ -1,0 +1,174 @@
+"""Decode steps on the single-launch split-KV Triton kernel (``kernels/splitkv_decode.py``),
+every other step on the backend it wraps.
+
+Used twice: the Triton backend (``cuda-triton``, and ``cuda`` without FlashInfer) runs every
+decode step here, and the ``triton-splitkv`` solution of ``cuda`` runs the decode steps of at
+least ``min_seqs`` sequences here and the others on FlashInfer (the rule and its figures are in
+``solutions.py``). Prefill, chunked prefill and mixed steps always go to the wrapped backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from xhal.interfaces.attention import AttentionBackend, AttentionSpec
+from xhal.interfaces.cache import LayerCache, normalize_layer_caches
+from xhal.interfaces.metadata import AttentionMetadata, BatchKind
+from xhal.platforms.common.persistent import PersistentInputs
+from xhal.platforms.cuda.kernels import splitkv_decode as kernel
+from xhal.platforms.cuda.kernels.kv_write import write_kv
+from xhal.platforms.cuda.kernels.rotary_kv import rotary_write_kv
+
+
+def unsupported(spec: AttentionSpec) -> str | None:
+    """Why the split-KV kernel cannot serve ``spec``, or None when it can."""
+    if spec.group_size > kernel.MAX_GROUP:
+        return f"GQA group {spec.group_size} (at most {kernel.MAX_GROUP})"
+    return None
+
+
+def with_splitkv_decode(
+    spec: AttentionSpec, fallback: AttentionBackend, num_sms: int, min_seqs: int | None = 1
+) -> AttentionBackend:
+    """``fallback`` with its decode steps of at least ``min_seqs`` sequences on the split-KV
+    kernel, or ``fallback`` itself for a spec the kernel does not take (or ``min_seqs`` None)."""
+    if unsupported(spec) is not None or min_seqs is None:
+        return fallback
+    return SplitKVDecodeAttention(spec, fallback, num_sms, min_seqs)
+
+
+@dataclass
+class _DecodePlan:
+    num_seqs: int
+    block_table: torch.Tensor
+    kv_seq_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    splits: int
+    scratch: kernel.Scratch
+
+
+class SplitKVDecodeAttention(AttentionBackend):
+    """Decode on the split-KV kernel, the rest on ``fallback`` (a backend of the same spec).
+
+    A decode plan keeps the metadata's device tensors and the kernel reads them at launch. For a
+    graph bucket these are its persistent inputs (the graph-key policy: read in place, refuse
+    others), its split count is fixed from the bucket's shape (batch, KV heads, ``max_seq_len``,
+    SMs) and it owns its scratch and counters, since the captured launch reads their addresses
+    at every replay. Eager steps share one scratch, grown on the host in ``plan``."""
+
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        fallback: AttentionBackend,
+        num_sms: int,
+        min_seqs: int = 1,
+    ) -> None:
+        super().__init__(spec)
+        reason = unsupported(spec)
+        if reason is not None:
+            raise ValueError(f"split-KV decode cannot run {reason}; use the fallback backend")
+        if num_sms <= 0:
+            raise ValueError(f"num_sms must be positive, got {num_sms}")
+        self.fallback, self.num_sms, self.min_seqs = fallback, num_sms, min_seqs
+        self.fuses_rotary = fallback.fuses_rotary  # rotary_kv.py serves both paths
+        self._caches: list[LayerCache] = []
+        self._graphs: dict[Hashable, tuple[_DecodePlan, PersistentInputs]] = {}
+        self._eager: kernel.Scratch | None = None
+        self._decode: _DecodePlan | None = None
+
+    def takes(self, m: AttentionMetadata) -> bool:
+        """Whether a step runs on the split-KV kernel: a pure decode (one query row per
+        sequence) of at least ``min_seqs`` sequences. A graph bucket's batch is a constant, so a
+        bucket always runs on the same side."""
+        return (
+            m.kind == BatchKind.DECODE
+            and 0 < m.num_seqs <= m.num_tokens
+            and m.max_query_len <= 1
+            and m.num_seqs >= self.min_seqs
+        )
+
+    def bind_kv_caches(self, caches: Sequence[LayerCache]) -> None:
+        self._caches = normalize_layer_caches(caches)
+        self.fallback.bind_kv_caches(self._caches)
+
+    def plan(self, metadata: AttentionMetadata, graph_key: Hashable | None = None) -> None:
+        m, s = metadata, self.spec
+        if not self.takes(m):
+            self._decode = None
+            self.fallback.plan(m, graph_key)
+            return
+        tables = (m.block_table, m.kv_seq_lens, m.slot_mapping)
+        if graph_key is not None and graph_key in self._graphs:
+            plan, captured = self._graphs[graph_key]
+            captured.check(*tables)
+            self._decode = plan
+            return
+        splits = kernel.num_splits(
+            m.num_seqs, s.num_kv_heads, s.group_size, s.head_dim, m.max_seq_len, self.num_sms
+        )
+        shape = (m.num_seqs, s.num_kv_heads, s.group_size, s.head_dim, splits)
+        if graph_key is not None:
+            scratch = kernel.Scratch.make(*shape, m.block_table.device)
+        else:
+            if self._eager is None or not self._eager.fits(m.num_seqs, s.num_kv_heads, splits):
+                self._eager = kernel.Scratch.make(*shape, m.block_table.device)
+            scratch = self._eager
+        plan = _DecodePlan(
+            m.num_seqs, m.block_table, m.kv_seq_lens, m.slot_mapping, splits, scratch
+        )
+        if graph_key is not None:
+            self._graphs[graph_key] = plan, PersistentInputs(graph_key, *tables)
+        self._decode = plan
+
+    def forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        p = self._decode
+        if p is None:
+            return self.fallback.forward(layer_id, q, k, v)
+        cache = self._caches[layer_id]
+        write_kv(k, v, cache.key, cache.value, p.slot_mapping)
+        return self._attend(p, q, cache)
+
+    def forward_rotary(self, layer_id, q, k, v, positions, cos_sin_cache, is_neox):
+        p = self._decode
+        if p is None:
+            return self.fallback.forward_rotary(
+                layer_id, q, k, v, positions, cos_sin_cache, is_neox
+            )
+        cache = self._caches[layer_id]
+        q = rotary_write_kv(
+            positions, q, k, v, cos_sin_cache, is_neox, cache.key, cache.value, p.slot_mapping
+        )
+        return self._attend(p, q, cache)
+
+    def _attend(self, p: _DecodePlan, q: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+        # q: [T, H, D], one row per sequence first, then padding rows (left zero)
+        s = self.spec
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if q.shape[0] > p.num_seqs:
+            out[p.num_seqs :].zero_()
+        lens = p.kv_seq_lens
+        if lens.stride(0) != 1:  # on the device, so a captured graph reads the replay's values
+            lens = lens.contiguous()
+        kernel.splitkv_decode(
+            q[: p.num_seqs],
+            cache.key,
+            cache.value,
+            p.block_table,
+            lens,
+            out[: p.num_seqs],
+            p.scratch,
+            p.splits,
+            s.softmax_scale,
+            s.logits_soft_cap or 0.0,
+            s.sliding_window or 0,
+        )
+        return out
+
+    def before_replay(self, graph_key: Hashable) -> None:
+        if graph_key not in self._graphs:
+            self.fallback.before_replay(graph_key)
