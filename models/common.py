@@ -159,8 +159,7 @@ class DecoderLayer(nn.Module):
                 hidden, residual, self.post_attention_layernorm
             )
             return self.mlp.down(gate_up), residual
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp.forward_normed(hidden, residual, self.post_attention_layernorm)
 
 
 class DecoderModel(nn.Module):

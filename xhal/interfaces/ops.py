@@ -138,6 +138,27 @@ class DeviceOps(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement moe_experts")
 
+    def add_rms_norm_moe_route(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        gate_weight: torch.Tensor,
+        top_k: int,
+        renormalize: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The post-attention norm and the router of a mixture-of-experts layer, one fused op:
+        ``(router_logits, normed, summed, topk_weights, topk_ids)`` where ``normed, summed =
+        fused_add_rms_norm(x, residual, norm_weight, eps)``, ``router_logits = linear(normed,
+        gate_weight)`` (``[T, E]`` in x's dtype, gate_weight ``[E, H]``) and the routing is
+        ``moe_route(router_logits, top_k, renormalize)`` of those stored logits, so a fused kernel
+        routes exactly the logits it returns. The default is that plain sequence."""
+        normed, summed = self.fused_add_rms_norm(x, residual, norm_weight, eps)
+        router_logits = self.linear(normed, gate_weight)
+        topk_weights, topk_ids = self.moe_route(router_logits, top_k, renormalize)
+        return router_logits, normed, summed, topk_weights, topk_ids
+
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy pick: float ``[B, V]`` -> int64 ``[B]`` (lowest index on ties)."""
         return logits.float().argmax(dim=-1)

@@ -20,6 +20,7 @@ __all__ = [
     "activate",
     "active",
     "add_rms_norm_linear",
+    "add_rms_norm_moe_route",
     "argmax",
     "fused_add_rms_norm",
     "gelu_and_mul",
@@ -91,6 +92,21 @@ def moe_route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ops.xhal.moe_route(router_logits, top_k, renormalize)
+
+
+def add_rms_norm_moe_route(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_weight: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(router_logits, normed, new residual, topk_weights, topk_ids)``: see ``DeviceOps``."""
+    return torch.ops.xhal.add_rms_norm_moe_route(
+        x, residual, norm_weight, eps, gate_weight, top_k, renormalize
+    )
 
 
 def moe_experts(

@@ -71,6 +71,14 @@ def _register_kernels(device_type: str) -> None:
         lib=LIBRARY,
     )
     torch.library.register_kernel(
+        "xhal::add_rms_norm_moe_route",
+        device_type,
+        lambda x, r, g, eps, w, k, renorm: active(x).add_rms_norm_moe_route(
+            x, r, g, eps, w, k, renorm
+        ),
+        lib=LIBRARY,
+    )
+    torch.library.register_kernel(
         "xhal::moe_experts",
         device_type,
         lambda x, w13, w2, tw, ti: active(x).moe_experts(x, w13, w2, tw, ti),

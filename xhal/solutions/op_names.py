@@ -14,6 +14,7 @@ OPS: dict[str, str] = {
     "silu_and_mul_linear": "silu_and_mul_linear",
     "moe_route": "moe_route",
     "moe_experts": "moe_experts",
+    "add_rms_norm_moe_route": "add_rms_norm_moe_route",
     "sampling": "sample",
     "paged_decode_attention": "attention_backend",
     "paged_prefill_attention": "attention_backend",

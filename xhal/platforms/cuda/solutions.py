@@ -190,6 +190,14 @@ SOLUTIONS = (
     ),
     Solution("moe_route", "triton", _OPS, _req(TRITON), 20),
     Solution(
+        "add_rms_norm_moe_route",
+        "triton",
+        _OPS,
+        _req(TRITON),
+        20,
+        description="add + RMSNorm, router GEMV and top-k in one launch for up to 16 tokens",
+    ),
+    Solution(
         "moe_experts",
         "triton",
         _OPS,
