@@ -27,6 +27,7 @@ __all__ = [
     "linear",
     "moe_experts",
     "moe_route",
+    "qk_rms_norm",
     "register_platform",
     "rms_norm",
     "rotary_embedding",
@@ -86,6 +87,12 @@ def silu_and_mul_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     return torch.ops.xhal.silu_and_mul_linear(x, weight, bias)
+
+
+def qk_rms_norm(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.xhal.qk_rms_norm(q, k, q_weight, k_weight, eps)
 
 
 def moe_route(

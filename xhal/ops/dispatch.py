@@ -65,6 +65,12 @@ def _register_kernels(device_type: str) -> None:
         lib=LIBRARY,
     )
     torch.library.register_kernel(
+        "xhal::qk_rms_norm",
+        device_type,
+        lambda q, k, qw, kw, eps: active(q).qk_rms_norm(q, k, qw, kw, eps),
+        lib=LIBRARY,
+    )
+    torch.library.register_kernel(
         "xhal::moe_route",
         device_type,
         lambda logits, k, renorm: active(logits).moe_route(logits, k, renorm),

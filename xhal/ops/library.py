@@ -24,6 +24,10 @@ _SCHEMAS = {
     ),
     "silu_and_mul_linear": "silu_and_mul_linear(Tensor x, Tensor weight, Tensor? bias=None) -> "
                            "Tensor",
+    "qk_rms_norm": (
+        "qk_rms_norm(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, float eps) -> (Tensor, "
+        "Tensor)"
+    ),
     "moe_route": "moe_route(Tensor router_logits, int top_k, bool renormalize) -> (Tensor, Tensor)",
     "add_rms_norm_moe_route": (
         "add_rms_norm_moe_route(Tensor x, Tensor residual, Tensor norm_weight, float eps, "
@@ -101,3 +105,8 @@ def _(x, residual, norm_weight, eps, gate_weight, top_k, renormalize):
         x.new_empty(num_tokens, top_k, dtype=torch.float32),
         x.new_empty(num_tokens, top_k, dtype=torch.int32),
     )
+
+
+@torch.library.register_fake("xhal::qk_rms_norm")
+def _(q, k, q_weight, k_weight, eps):
+    return q.new_empty(q.shape), k.new_empty(k.shape)

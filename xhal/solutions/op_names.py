@@ -12,6 +12,7 @@ OPS: dict[str, str] = {
     "gelu_and_mul": "gelu_and_mul",
     "add_rms_norm_linear": "add_rms_norm_linear",
     "silu_and_mul_linear": "silu_and_mul_linear",
+    "qk_rms_norm": "qk_rms_norm",
     "moe_route": "moe_route",
     "moe_experts": "moe_experts",
     "add_rms_norm_moe_route": "add_rms_norm_moe_route",

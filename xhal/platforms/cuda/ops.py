@@ -13,7 +13,15 @@ import torch.nn.functional as F
 from xhal import env
 from xhal.interfaces.ops import DeviceOps
 from xhal.platforms.common import sampling
-from xhal.platforms.cuda.kernels import fused_gemv, gemv, moe, moe_router, norm, rotary
+from xhal.platforms.cuda.kernels import (
+    fused_gemv,
+    gemv,
+    moe,
+    moe_router,
+    norm,
+    qk_norm,
+    rotary,
+)
 
 
 class CudaOps(DeviceOps):
@@ -120,6 +128,12 @@ class CudaOps(DeviceOps):
 
     def fused_add_rms_norm(self, x, residual, weight, eps):
         return norm.fused_add_rms_norm(x, residual, weight, eps)
+
+    def qk_rms_norm(self, q, k, q_weight, k_weight, eps):
+        """One launch for both norms (Qwen3's q_norm and k_norm), any number of tokens."""
+        if qk_norm.supports(q, k, q_weight):
+            return qk_norm.qk_rms_norm(q, k, q_weight, k_weight, eps)
+        return super().qk_rms_norm(q, k, q_weight, k_weight, eps)
 
     def rotary_embedding(self, positions, q, k, cos_sin_cache, is_neox):
         return rotary.rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
