@@ -130,8 +130,9 @@ class CudaOps(DeviceOps):
         return norm.fused_add_rms_norm(x, residual, weight, eps)
 
     def qk_rms_norm(self, q, k, q_weight, k_weight, eps):
-        """One launch for both norms (Qwen3's q_norm and k_norm), any number of tokens."""
-        if qk_norm.supports(q, k, q_weight):
+        """One launch for both norms (Qwen3's q_norm and k_norm), any number of tokens; the two
+        norms with XHAL_CUDA_FUSED=0."""
+        if self.fused and qk_norm.supports(q, k, q_weight):
             return qk_norm.qk_rms_norm(q, k, q_weight, k_weight, eps)
         return super().qk_rms_norm(q, k, q_weight, k_weight, eps)
 
