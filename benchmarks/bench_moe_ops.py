@@ -99,6 +99,51 @@ def qk_rows(ops, batch: int, rate: float) -> list[dict]:
     return rows
 
 
+# one-row launch shapes (block_n, block_k, split_k, warps, stages) of the layer's two GEMVs
+GEMV_SWEEP = [None, (4, 1024, 1, 4, 3), (4, 512, 1, 4, 4), (8, 1024, 1, 4, 2), (16, 512, 1, 4, 3),
+              (16, 256, 1, 4, 4), (8, 256, 1, 4, 4), (32, 256, 1, 8, 3), (8, 512, 2, 4, 2)]
+GEMV_COPIES = 8  # 8 x 21 MB of qkv, 8 x 16.8 MB of o: past L2
+
+
+def gemv_rows(rate: float) -> list[dict]:
+    """norm+qkv (``add_rms_norm_gemv``, N = 5120, K = 2048) and o (``stream_gemv``, N = 2048,
+    K = 4096) at batch 1 per launch shape (None: the heuristic), against their weights' floor."""
+    from xhal.platforms.cuda.kernels import fused_gemv
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    qkv_n, o_k = (HEADS + 2 * KV_HEADS) * HEAD_DIM, HEADS * HEAD_DIM
+    qkv_w = [torch.randn(qkv_n, HIDDEN, device="cuda", generator=g).to(BF16)
+             for _ in range(GEMV_COPIES)]
+    o_w = [torch.randn(HIDDEN, o_k, device="cuda", generator=g).to(BF16)
+           for _ in range(GEMV_COPIES)]
+    x, res = (torch.randn(1, HIDDEN, device="cuda", generator=g).to(BF16) for _ in range(2))
+    norm_w = torch.ones(HIDDEN, device="cuda", dtype=BF16)
+    attn = torch.randn(1, o_k, device="cuda", generator=g).to(BF16)
+    summed = (x.float() + res.float()).to(BF16).float()
+    normed = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6)
+    want_qkv = normed @ qkv_w[0].float().T
+    want_o = (attn.float() @ o_w[0].float().T)
+    rows = []
+    for config in GEMV_SWEEP:
+        for name, fn, want, nbytes in (
+            ("norm+qkv", lambda i, c=config: fused_gemv.add_rms_norm_gemv(
+                x, res, norm_w, 1e-6, qkv_w[i], config=c)[0], want_qkv, qkv_n * HIDDEN * 2),
+            ("o", lambda i, c=config: fused_gemv.stream_gemv(attn, o_w[i], config=c), want_o,
+             HIDDEN * o_k * 2),
+        ):
+            try:
+                err = float((fn(0).float() - want).abs().max() / want.abs().max())
+                us = per_call_us(fn, GEMV_COPIES)
+            except Exception as exc:  # a shape this GPU rejects is a result, not the end
+                print(f"{name} {config}: {type(exc).__name__}: {exc}")
+                continue
+            floor_us = nbytes / rate * 1e6
+            rows.append({"gemv": name, "config": "heuristic" if config is None else
+                         "/".join(map(str, config)), "us": us, "x_floor": us / floor_us,
+                         "rel_err": err})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
@@ -108,6 +153,9 @@ def main() -> None:
     rows = []
     for batch in args.batches:
         rows += router_rows(ops, batch, rate) + qk_rows(ops, batch, rate)
+    print(table(gemv_rows(rate), "batch-1 GEMVs of the attention block per launch shape "
+                "(block_n/block_k/split_k/warps/stages), per call over 8 distinct weights; "
+                "rel_err against a float32 product"))
     print(table(rows, f"Qwen3-30B-A3B decode ops, bf16, per call ({COPIES} distinct copies per "
                       f"graph); floor = bytes / streaming read {rate / 1e12:.2f} TB/s; errors: "
                       "fused against the unfused sequence"))
