@@ -63,23 +63,25 @@ def _norm_route_kernel(
     dtype = logits_ptr.dtype.element_ty
     hs = tl.arange(0, BLOCK_H)
     hm = hs < HIDDEN
-    x = tl.load(x_ptr + token * x_stride + hs, mask=hm, other=0.0).to(tl.float32)
-    r = tl.load(res_ptr + token * res_stride + hs, mask=hm, other=0.0).to(tl.float32)
-    s = (x + r).to(dtype)  # the residual stream keeps the input dtype; the norm is of it
-    sf = s.to(tl.float32)
-    inv_rms = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / HIDDEN + eps)
-    g = tl.load(g_ptr + hs, mask=hm, other=0.0).to(tl.float32)
-    normed = (sf * inv_rms * g).to(dtype)  # as rms_norm stores it: the router's input
-    if block == 0:
-        tl.store(summed_ptr + token * HIDDEN + hs, s, mask=hm)
-        tl.store(normed_ptr + token * HIDDEN + hs, normed, mask=hm)
     rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = rows < E
+    # the router rows first: the one load from memory, in flight while the hidden row (from L2)
+    # is normed
     w = tl.load(
         w_ptr + rows.to(tl.int64)[:, None] * HIDDEN + hs[None, :],
         mask=rm[:, None] & hm[None, :],
         other=0.0,
     )
+    x = tl.load(x_ptr + token * x_stride + hs, mask=hm, other=0.0).to(tl.float32)
+    r = tl.load(res_ptr + token * res_stride + hs, mask=hm, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + hs, mask=hm, other=0.0).to(tl.float32)
+    s = (x + r).to(dtype)  # the residual stream keeps the input dtype; the norm is of it
+    sf = s.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / HIDDEN + eps)
+    normed = (sf * inv_rms * g).to(dtype)  # as rms_norm stores it: the router's input
+    if block == 0:
+        tl.store(summed_ptr + token * HIDDEN + hs, s, mask=hm)
+        tl.store(normed_ptr + token * HIDDEN + hs, normed, mask=hm)
     logit = tl.sum(w.to(tl.float32) * normed.to(tl.float32)[None, :], axis=1)
     tl.store(logits_ptr + token * E + rows, logit.to(dtype), mask=rm)
     # release: this program's logits are visible before its count; acquire: the last program
