@@ -115,15 +115,20 @@ def add_rms_norm_route(
     top_k: int,
     renormalize: bool,
     num_warps: int | None = None,
+    row_programs: int = ROW_PROGRAMS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``DeviceOps.add_rms_norm_moe_route`` in one launch, for inputs ``supports`` accepts:
     ``(router_logits [T, E], normed [T, H], summed [T, H], weights float32 [T, k], ids int32
-    [T, k])``. ``num_warps`` overrides the launch's (benchmarks/bench_moe_router.py)."""
+    [T, k])``. ``num_warps`` and ``row_programs`` (programs per token) override the launch
+    shape (benchmarks/bench_moe_ops.py)."""
     num_tokens, hidden = x.shape
     num_experts = gate_weight.shape[0]
     if not 0 < top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must be in 1..{num_experts} (the router's experts)")
-    block_r = max(2, triton.next_power_of_2(triton.cdiv(num_experts, ROW_PROGRAMS)))
+    # rows per program: at least 2 unless asked for more programs than that gives (the
+    # benchmark's 128-program variant of a 128-expert router)
+    block_r = triton.next_power_of_2(triton.cdiv(num_experts, row_programs))
+    block_r = max(block_r, 2 if row_programs == ROW_PROGRAMS else 1)
     num_blocks = triton.cdiv(num_experts, block_r)
     logits = x.new_empty(num_tokens, num_experts)
     normed, summed = x.new_empty(num_tokens, hidden), x.new_empty(num_tokens, hidden)
