@@ -149,9 +149,7 @@ def sweep_layers(model, batches: list[int], rate: float) -> list[dict]:
                 return float("inf")
 
         grouped = {f"{m}x{n}x{k}": per_layer_us(kernels.MoeConfig(m, n, k)) for m, n, k in SWEEP}
-        heuristic = moe_small.small_config(batch, w13.shape[2])
-        small = {"heuristic": per_layer_us(heuristic)}
-        small["heuristic+pdl"] = per_layer_us(heuristic._replace(down_pdl=True))
+        small = {"heuristic": per_layer_us(moe_small.small_config(batch, w13.shape[2]))}
         small |= {
             "/".join(map(str, c)): per_layer_us(moe_small.SmallMoeConfig(*c)) for c in SMALL_SWEEP
         }

@@ -110,10 +110,3 @@ def cuda_pdl() -> bool:
     """``XHAL_CUDA_PDL=1``: launch the CUDA platform's decode GEMVs with programmatic dependent
     launch (sm_90+), so each is scheduled while the kernel before it drains; off by default."""
     return _flag("XHAL_CUDA_PDL", False)
-
-
-def cuda_moe_pdl() -> bool:
-    """``XHAL_CUDA_MOE_PDL=1``: launch the pair-GEMV experts' down kernel with programmatic
-    dependent launch (sm_90+), so it takes the SMs the gate-up kernel's last wave leaves idle;
-    off by default (``moe_small.SmallMoeConfig.down_pdl``)."""
-    return _flag("XHAL_CUDA_MOE_PDL", False)

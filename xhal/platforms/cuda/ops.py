@@ -18,7 +18,6 @@ from xhal.platforms.cuda.kernels import (
     gemv,
     moe,
     moe_router,
-    moe_small,
     norm,
     qk_norm,
     rotary,
@@ -36,7 +35,7 @@ class CudaOps(DeviceOps):
 
     def __init__(self) -> None:
         self._gemv_loaded: set[tuple] = set()
-        self.fused, self.pdl, self.moe_pdl = env.cuda_fused(), env.cuda_pdl(), env.cuda_moe_pdl()
+        self.fused, self.pdl = env.cuda_fused(), env.cuda_pdl()
         rows = env.cuda_gemv_max_rows(gemv.MAX_M)
         if rows is not None:
             self.gemv_max_rows = rows
@@ -144,10 +143,6 @@ class CudaOps(DeviceOps):
         return moe.route(router_logits, top_k, renormalize)
 
     def moe_experts(self, x, w13, w2, topk_weights, topk_ids):
-        num_tokens, top_k = topk_ids.shape
-        if self.moe_pdl and moe_small.use_small_path(num_tokens, top_k, w13.shape[0]):
-            config = moe_small.small_config(num_tokens, x.shape[1])._replace(down_pdl=True)
-            return moe.fused_experts(x, w13, w2, topk_weights, topk_ids, config)
         return moe.fused_experts(x, w13, w2, topk_weights, topk_ids)
 
     def add_rms_norm_moe_route(

@@ -55,10 +55,6 @@ class SmallMoeConfig(NamedTuple):
     # the row blocks: deeper than gate-up, whose k-times-larger grid already keeps SMs full
     # (sm_90 build, batch 1: 32 KB of shared memory per program, ~56 KB in flight per SM)
     down_stages: int = 8
-    # programmatic dependent launch of down (sm_90+): gate-up lets it launch once all of its
-    # programs have started, so down's programs take the SMs gate-up's last wave leaves idle
-    # and wait there (griddepcontrol) for gate-up's results; off until the H200 says it pays
-    down_pdl: bool = False
 
 
 def small_config(num_tokens: int, hidden: int, num_sms: int = 132) -> SmallMoeConfig:
@@ -86,10 +82,7 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
-    if LAUNCH_DEPENDENTS:  # down may launch now; it waits for this grid before reading act
-        tl.extra.cuda.gdc_launch_dependents()
     pair = tl.program_id(0)
     token = (pair // TOP_K).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -131,10 +124,7 @@ def _down_combine_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # launched early (down_pdl): gate-up's act is complete only after this wait
-        tl.extra.cuda.gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < HIDDEN
@@ -198,7 +188,6 @@ def small_experts(
         BLOCK_N=config.up_block_n,
         BLOCK_K=config.up_block_k,
         NUM_STAGES=config.up_stages,
-        LAUNCH_DEPENDENTS=config.down_pdl,
         num_warps=config.num_warps,
     )
     _down_combine_kernel[(num_tokens, triton.cdiv(hidden, config.down_block_n))](
@@ -217,8 +206,6 @@ def small_experts(
         BLOCK_N=config.down_block_n,
         BLOCK_K=config.down_block_k,
         NUM_STAGES=config.down_stages,
-        USE_PDL=config.down_pdl,
         num_warps=config.num_warps,
-        **({"launch_pdl": True} if config.down_pdl else {}),
     )
     return out
