@@ -1,7 +1,8 @@
 """The small ops of a Qwen3-30B-A3B-shaped decode layer on the GPU, fused against the unfused
 sequence they replace, in one run: the post-attention add+RMSNorm, router GEMV and top-k
 (``add_rms_norm_moe_route``: one launch against four) and Qwen3's q/k norms (``qk_rms_norm``: one
-launch against two), each checked against the unfused sequence first.
+launch against two), each checked against the unfused sequence first; and the launch shapes of
+the attention block's two batch-1 GEMVs (norm+qkv, o).
 
 Each timed graph runs ``COPIES`` calls on distinct weights and inputs (more than L2 holds, as in
 a step where a layer's 100 MB of experts pass between two routers), so the per-call time includes
