@@ -53,7 +53,9 @@ def routed_experts(model, executor: ModelExecutor, ids, pos, meta) -> list[int]:
         moe = layer.mlp.experts
 
         def record(module, args, out, moe=moe) -> None:
-            _, chosen = xhal.ops.moe_route(out, moe.top_k, moe.renormalize)
+            # the router's fused path returns a Routing, its logits first
+            logits = out[0] if isinstance(out, tuple) else out
+            _, chosen = xhal.ops.moe_route(logits, moe.top_k, moe.renormalize)
             counts.append(int(torch.unique(chosen).numel()))
 
         hooks.append(layer.mlp.gate.register_forward_hook(record))
@@ -98,6 +100,12 @@ SMALL_SWEEP = [
     (8, 512, 8, 512, 4, 3, 3),
     (4, 512, 4, 256, 4, 4, 8),
     (16, 512, 16, 256, 8, 3, 5),
+    (4, 1024, 8, 256, 4, 2, 8),
+    (8, 1024, 8, 256, 8, 2, 8),
+    (4, 512, 4, 128, 4, 4, 12),
+    (8, 256, 8, 128, 4, 6, 12),
+    (2, 1024, 8, 256, 4, 2, 8),
+    (16, 256, 8, 256, 8, 6, 8),
 ]
 # distinct layers per timed graph: their routed experts (300+ MB) overflow L2 as in a real step
 SWEEP_LAYERS = 4
@@ -300,7 +308,9 @@ def main() -> None:
 
             graph = executors[False]
             profile_kernels(
-                lambda: graph.compute_logits(graph.execute(ids, pos, meta)), f"batch {batch}"
+                lambda: graph.compute_logits(graph.execute(ids, pos, meta)),
+                f"batch {batch}",
+                num_layers=args.layers,
             )
         rows.append(row)
         print(

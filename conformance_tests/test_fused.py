@@ -270,3 +270,31 @@ def test_forward_rotary(kind, is_neox, platform, dtype, device, record_error) ->
     assert err <= tolerance("attention", dtype), (
         f"max error {err:.3e} > {tolerance('attention', dtype):.1e}"
     )
+
+
+# (T, H, Hkv, D): Qwen3-30B-A3B's heads at batch 1, an odd head dim, a few tokens
+QK_NORM_CASES = [(1, 32, 4, 128), (3, 5, 1, 40), (7, 4, 2, 64)]
+
+
+@pytest.mark.parametrize("t,h,hkv,d", QK_NORM_CASES, ids=str)
+def test_qk_rms_norm(t, h, hkv, d, dtype, device, record_error) -> None:
+    """Qwen3's per-head norms of q and k, both read as slices of one fused qkv row: each head
+    within 1 ulp of its float64 RMSNorm with its own weight (q's or k's), v untouched."""
+    qkv = rand(t, (h + 2 * hkv) * d, dtype=dtype, device=device, seed=31)
+    q, k = qkv[:, : h * d], qkv[:, h * d : (h + hkv) * d]
+    q_weight = rand(d, dtype=dtype, device=device, scale=0.5, seed=32)
+    k_weight = rand(d, dtype=dtype, device=device, scale=0.5, seed=33) + 1.0
+    before = qkv.detach().cpu().clone()
+    q_out, k_out = ops.qk_rms_norm(q, k, q_weight, k_weight, 1e-6)
+    assert q_out.shape == (t, h * d) and k_out.shape == (t, hkv * d), (q_out.shape, k_out.shape)
+    assert q_out.dtype == k_out.dtype == dtype
+    for out, x, w in ((q_out, q, q_weight), (k_out, k, k_weight)):
+        expected = ref.rms_norm(x.reshape(-1, d), w, 1e-6)  # float64, one row per head
+        got = out.reshape(-1, d)
+        record_error(ref.max_error(got, expected))
+        if dtype in ref.ULP_BITS:
+            ulps = ref.max_ulps(got, expected, dtype)
+            assert ulps <= ref.ULPS, f"{ulps:.1f} ulp from float64 per-head RMSNorm"
+        else:
+            assert ref.max_error(got, expected) <= tolerance("ops", dtype)
+    assert torch.equal(qkv.detach().cpu(), before), "qk_rms_norm changed its input"

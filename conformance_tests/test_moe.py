@@ -159,3 +159,85 @@ def test_route_and_experts_in_a_graph(num_tokens, platform, dtype, device, recor
     check_experts(
         out, ref.experts(x, w13, w2, expected_w.float(), expected_ids), dtype, record_error
     )
+
+
+# the fused post-attention norm and router -----------------------------------------------------
+
+# (T, H, E, k): one decode token over Qwen3-MoE's 128 experts, sizes off powers of 2, a batch
+NORM_ROUTE_CASES = [(1, 256, 128, 8), (3, 200, 60, 6), (16, 64, 8, 2), (2, 520, 16, 4)]
+
+
+def norm_route_inputs(num_tokens, hidden, num_experts, dtype, device, seed):
+    x = tokens(num_tokens, hidden, dtype, device, seed=seed)
+    residual = tokens(num_tokens, hidden, dtype, device, seed=seed + 1)
+    g = torch.Generator().manual_seed(seed + 2)
+    norm_weight = (1.0 + 0.5 * torch.randn(hidden, generator=g, dtype=torch.float64)).to(
+        device, dtype
+    )
+    gate = (torch.randn(num_experts, hidden, generator=g, dtype=torch.float64) * hidden**-0.5).to(
+        device, dtype
+    )
+    return x, residual, norm_weight, gate
+
+
+def check_norm_route(outputs, x, residual, norm_weight, gate, top_k, renormalize, dtype,
+                     record_error) -> None:
+    """Each output against the float64 unfused sequence: the new residual and the normed rows
+    within 1 ulp, the logits within the fused-GEMV bound of the normed rows as stored, and the
+    routing exactly that of the logits returned (so a near tie cannot flip the verdict)."""
+    from conformance_tests import ops_reference as ops_ref
+    from conformance_tests.test_fused import check_gemv, check_residual
+    from conformance_tests.tolerances import tolerance
+
+    logits, normed, summed, weights, ids = outputs
+    normed_ref, summed_ref = ops_ref.fused_add_rms_norm(x, residual, norm_weight, 1e-6)
+    check_residual(summed, summed_ref, dtype, record_error)
+    if dtype in ops_ref.ULP_BITS:
+        ulps = ops_ref.max_ulps(normed, normed_ref, dtype)
+        assert ulps <= ops_ref.ULPS, f"normed rows {ulps:.1f} ulp from float64"
+    else:
+        assert ops_ref.max_error(normed, normed_ref) <= tolerance("ops", dtype)
+    a = normed_ref.to(dtype).to(torch.float64)  # the router's input as the sequence stores it
+    w = gate.detach().to("cpu", torch.float64)
+    assert logits.shape == (x.shape[0], gate.shape[0]), tuple(logits.shape)
+    check_gemv(logits, a, w, a @ w.T, dtype, record_error)
+    check_routing(weights, ids, logits, top_k, renormalize, record_error)
+
+
+@pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "raw"])
+@pytest.mark.parametrize("num_tokens,hidden,num_experts,top_k", NORM_ROUTE_CASES, ids=str)
+def test_add_rms_norm_route(
+    num_tokens, hidden, num_experts, top_k, renormalize, dtype, device, record_error
+) -> None:
+    inputs = norm_route_inputs(num_tokens, hidden, num_experts, dtype, device, seed=hidden)
+    for _ in range(2):  # a second call starts from whatever state the first one left
+        outputs = ops.add_rms_norm_moe_route(*inputs[:3], 1e-6, inputs[3], top_k, renormalize)
+        check_norm_route(outputs, *inputs, top_k, renormalize, dtype, record_error)
+
+
+def test_add_rms_norm_route_in_a_graph(platform, dtype, device, record_error) -> None:
+    """The decode graph captures the fused router with the experts after it: each replay after
+    the hidden rows changed in place must route the new rows."""
+    if not platform.capabilities.graphs:
+        pytest.skip(f"{platform.name} declares no graphs")
+    num_tokens, hidden, num_experts, top_k, inter = 2, 64, 16, 4, 32
+    x, residual, norm_weight, gate = norm_route_inputs(
+        num_tokens, hidden, num_experts, dtype, device, seed=20
+    )
+    w13, w2 = expert_weights(num_experts, hidden, inter, dtype, device, seed=21)
+
+    def step():
+        outputs = ops.add_rms_norm_moe_route(x, residual, norm_weight, 1e-6, gate, top_k, True)
+        _, normed, _, weights, ids = outputs
+        return (*outputs, ops.moe_experts(normed, w13, w2, weights, ids))
+
+    runner = platform.graph_runner()
+    runner.capture("moe-router", step)
+    for seed in (30, 40):
+        x.copy_(tokens(num_tokens, hidden, dtype, device, seed=seed))
+        residual.copy_(tokens(num_tokens, hidden, dtype, device, seed=seed + 1))
+        *outputs, out = runner.replay("moe-router")
+        platform.synchronize()
+        check_norm_route(outputs, x, residual, norm_weight, gate, top_k, True, dtype, record_error)
+        _, normed, _, weights, ids = outputs
+        check_experts(out, ref.experts(normed, w13, w2, weights, ids), dtype, record_error)

@@ -14,6 +14,7 @@ from torch import nn
 
 from models import config as cfg
 from models.moe import MoeOptions, SparseMoeBlock, is_sparse_layer
+from xhal import ops
 from xhal.layers import (
     Attention,
     MergedColumnParallelLinear,
@@ -89,10 +90,8 @@ class RopeAttention(nn.Module):
         """Everything after the qkv projection (which the decoder layer may fuse with its norm)."""
         # qkv: [T, (H + 2 Hkv) * D] for this rank's heads
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:
-            num_tokens = q.shape[0]
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.q_size)  # [T*H, D]
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.kv_size)
+        if self.q_norm is not None:  # both norms in one op, each head's D channels: [T, H*D]
+            q, k = ops.qk_rms_norm(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))  # attn: [T, H*D]
 
 
@@ -159,8 +158,7 @@ class DecoderLayer(nn.Module):
                 hidden, residual, self.post_attention_layernorm
             )
             return self.mlp.down(gate_up), residual
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp.forward_normed(hidden, residual, self.post_attention_layernorm)
 
 
 class DecoderModel(nn.Module):

@@ -9,7 +9,7 @@ stack into the layer's two per-layer tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -20,11 +20,15 @@ from xhal.interfaces.forward_context import get_forward_context
 from xhal.layers import (
     FusedMoE,
     MergedColumnParallelLinear,
+    MoeRouter,
     ReplicatedLinear,
     RowParallelLinear,
     SiluAndMul,
     TensorParallel,
 )
+
+if TYPE_CHECKING:
+    from xhal.layers import RMSNorm
 
 
 @dataclass(frozen=True)
@@ -91,11 +95,11 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(
                 f"hidden_act {act!r} is not supported by the MoE layer; supported: 'silu'"
             )
-        experts = num_experts(config)
-        self.gate = ReplicatedLinear(hidden_size, experts)
+        experts, top_k = num_experts(config), cfg.get(config, "num_experts_per_tok")
+        self.gate = MoeRouter(hidden_size, experts, top_k, options.renormalize)
         self.experts = FusedMoE(
             num_experts=experts,
-            top_k=cfg.get(config, "num_experts_per_tok"),
+            top_k=top_k,
             hidden_size=hidden_size,
             intermediate_size=options.intermediate_size,
             renormalize=options.renormalize,
@@ -112,7 +116,19 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(hidden)  # [T, E]
-        out = self.experts(hidden, router_logits)  # [T, H], this rank's partial sum
+        return self._finish(hidden, self.experts(hidden, router_logits))
+
+    def forward_normed(
+        self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(norm(hidden, residual)[0]), hidden + residual)`` with the residual add, the
+        norm, the router and its top-k as one op (``MoeRouter``'s fused path)."""
+        routing = self.gate(hidden, residual, norm)
+        out = self.experts.forward_routed(routing.hidden, routing.topk_weights, routing.topk_ids)
+        return self._finish(routing.hidden, out), routing.residual
+
+    def _finish(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The shared expert (if any) added to the experts' partial sum ``out``, then reduced."""
         if self.shared_expert is not None:
             # the sigmoid gate is computed in full on every rank, so scaling the partial sum
             # before the one reduction is exact

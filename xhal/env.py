@@ -100,7 +100,8 @@ def _flag(name: str, default: bool) -> bool:
 
 def cuda_fused() -> bool:
     """``XHAL_CUDA_FUSED``: the CUDA platform's fused decode kernels (RMSNorm into the following
-    projection, the SiLU gate into the down projection, rotary into the KV write); on by default,
+    projection, the SiLU gate into the down projection, rotary into the KV write, a mixture of
+    experts' norm + router + top-k, Qwen3's q/k norms); on by default,
     ``0`` runs the unfused sequence of the same ops (to measure one against the other)."""
     return _flag("XHAL_CUDA_FUSED", True)
 

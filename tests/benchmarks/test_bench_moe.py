@@ -25,7 +25,8 @@ def test_routed_experts_and_floor_bytes(monkeypatch) -> None:
     ids, pos, meta = decode_metadata(3, 64, torch.device("cpu"))
     ids = ids % TINY["vocab_size"]
     logits = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, out: logits.append(out.clone()))
+    # the router returns its logits, or a Routing with the logits first (the fused path)
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, out: logits.append(out[0].clone()))
              for layer in model.model.layers]
     counts = bench_moe.routed_experts(model, executor, ids, pos, meta)
     for h in hooks:

@@ -22,6 +22,7 @@ BROKEN = [
     ("broken-kv-slot", "attention"),
     ("broken-collective", "collective"),
     ("broken-graph", "graph"),
+    ("broken-qk-norm", "fused"),
     # bugs only serving's way of calling shows (tests/support/broken_serving.py)
     ("broken-kv-lens-in-plan", "graph"),
     ("broken-zero-row-end", "attention"),

@@ -7,6 +7,8 @@ Each is the CPU reference with one MoE bug of the kind a kernel author really wr
 - ``broken-moe-gate-up``: the activation takes the up half of ``w13`` as the gate and vice versa.
 - ``broken-moe-drop``: each expert computes at most one block (16) of its tokens; the rest of a
   crowded expert's tokens are silently dropped.
+- ``broken-moe-norm-route``: the fused post-attention norm and router feeds the router the
+  residual sum before the norm (the normed rows it returns are right).
 """
 
 from __future__ import annotations
@@ -57,6 +59,16 @@ class _DropOverBlockOps(CpuOps):
         return _experts(x, w13, w2, topk_weights, topk_ids, max_tokens=BLOCK)
 
 
+class _UnnormedRouterOps(CpuOps):
+    def add_rms_norm_moe_route(
+        self, x, residual, norm_weight, eps, gate_weight, top_k, renormalize
+    ):
+        normed, summed = self.fused_add_rms_norm(x, residual, norm_weight, eps)
+        logits = self.linear(summed, gate_weight)  # BUG: the router reads the un-normed sum
+        weights, ids = self.moe_route(logits, top_k, renormalize)
+        return logits, normed, summed, weights, ids
+
+
 class BrokenMoeRenormPlatform(CpuPlatform):
     name = "broken-moe-renorm"
 
@@ -81,6 +93,19 @@ class BrokenMoeDropPlatform(CpuPlatform):
         self._ops = _DropOverBlockOps()
 
 
-BROKEN_MOE_PLATFORMS = (BrokenMoeRenormPlatform, BrokenMoeGateUpPlatform, BrokenMoeDropPlatform)
+class BrokenMoeNormRoutePlatform(CpuPlatform):
+    name = "broken-moe-norm-route"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ops = _UnnormedRouterOps()
+
+
+BROKEN_MOE_PLATFORMS = (
+    BrokenMoeRenormPlatform,
+    BrokenMoeGateUpPlatform,
+    BrokenMoeDropPlatform,
+    BrokenMoeNormRoutePlatform,
+)
 for _cls in BROKEN_MOE_PLATFORMS:
     platforms.register(_cls.name, _cls)

@@ -9,6 +9,7 @@ so the family that owns the broken contract is the one expected to fail:
 - ``broken-kv-slot`` (attention): the KV write ignores the block table (contiguous varlen layout).
 - ``broken-collective`` (collective): ``all_reduce`` sums into a copy, returns the local tensor.
 - ``broken-graph`` (graph): replay drops the fresh results, so outputs keep capture-time values.
+- ``broken-qk-norm`` (fused): the one-launch q/k norm scales k's heads by q's norm weight.
 
 The bugs that only the way serving calls a backend shows are in ``tests.support.broken_serving``,
 which this module imports so that one plugin registers every broken platform.
@@ -33,6 +34,7 @@ from xhal.platforms.cpu_ref.attention import CpuAttention
 from xhal.platforms.cpu_ref.collective import GlooCollective
 from xhal.platforms.cpu_ref.graph import CpuGraphRunner
 from xhal.platforms.cpu_ref.kernels.paged_attention import gather_sequence
+from xhal.platforms.cpu_ref.ops import CpuOps
 from xhal.platforms.cpu_ref.platform import CpuPlatform
 
 # Kernels -------------------------------------------------------------------------------------
@@ -218,11 +220,26 @@ class BrokenGraphPlatform(CpuPlatform):
         return _StaleGraphRunner()
 
 
+class _OneWeightQkNormOps(CpuOps):
+    def qk_rms_norm(self, q, k, q_weight, k_weight, eps):
+        # BUG: one weight pointer for every head of the launch, q's
+        return super().qk_rms_norm(q, k, q_weight, q_weight, eps)
+
+
+class BrokenQkNormPlatform(CpuPlatform):
+    name = "broken-qk-norm"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ops = _OneWeightQkNormOps()
+
+
 BROKEN_PLATFORMS = (
     BrokenCausalPlatform,
     BrokenKvSlotPlatform,
     BrokenCollectivePlatform,
     BrokenGraphPlatform,
+    BrokenQkNormPlatform,
 )
 for _cls in BROKEN_PLATFORMS:
     platforms.register(_cls.name, _cls)

@@ -1,6 +1,7 @@
 """TEST-ONLY plugin: "cuda-fused-interpreted", the CUDA platform's fused decode kernels
 (``xhal.platforms.cuda.kernels.fused_gemv``: RMSNorm / SiLU gate fused into the GEMV; ``rotary_kv``:
-rotary fused into the KV write, through ``TritonAttention.forward_rotary``) run by Triton's
+rotary fused into the KV write, through ``TritonAttention.forward_rotary``; ``qk_norm``: Qwen3's
+q and k norms in one launch) run by Triton's
 interpreter on CPU tensors; everything else is the CPU reference.
 
 ``xhal-conformance --device cuda-fused-interpreted --plugin
@@ -52,6 +53,14 @@ class FusedInterpretedOps(CpuOps):
         return fused_gemv.silu_and_mul_gemv(
             x, weight, bias, config=_config(x.shape[0], x.shape[1] // 2)
         )
+
+
+    def qk_rms_norm(self, q, k, q_weight, k_weight, eps):
+        from xhal.platforms.cuda.kernels import qk_norm
+
+        if not qk_norm.supports(q, k, q_weight):
+            return super().qk_rms_norm(q, k, q_weight, k_weight, eps)
+        return qk_norm.qk_rms_norm(q, k, q_weight, k_weight, eps)
 
 
 # XHAL_FUSED_TEST_DTYPES narrows the dtypes (the interpreter takes minutes for all three)

@@ -1,5 +1,6 @@
 """TEST-ONLY plugin: "cuda-moe-interpreted", the CUDA platform's Triton mixture of experts
-(``xhal.platforms.cuda.kernels.moe``: routing kernel, expert-sorted pairs, grouped GEMMs) run by
+(``xhal.platforms.cuda.kernels.moe``: routing kernel, expert-sorted pairs, grouped GEMMs; the
+fused norm and router of ``moe_router``) run by
 Triton's interpreter on CPU tensors; everything else is the CPU reference.
 
 ``xhal-conformance --device cuda-moe-interpreted --plugin
@@ -38,6 +39,20 @@ class _TritonMoeOps(CpuOps):
         from xhal.platforms.cuda.kernels import moe
 
         return moe.fused_experts(x, w13, w2, topk_weights, topk_ids)
+
+
+    def add_rms_norm_moe_route(
+        self, x, residual, norm_weight, eps, gate_weight, top_k, renormalize
+    ):
+        from xhal.platforms.cuda.kernels import moe_router
+
+        if not moe_router.supports(x, residual, gate_weight):
+            return super().add_rms_norm_moe_route(
+                x, residual, norm_weight, eps, gate_weight, top_k, renormalize
+            )
+        return moe_router.add_rms_norm_route(
+            x, residual, norm_weight, eps, gate_weight, top_k, renormalize
+        )
 
 
 class _TritonSmallMoeOps(_TritonMoeOps):

@@ -102,6 +102,24 @@ class DeviceOps(ABC):
         projection. x ``[T, 2I]`` (gate then up), weight ``[N, I]``."""
         return self.linear(self.silu_and_mul(x), weight, bias)
 
+    def qk_rms_norm(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3's per-head RMSNorm of the queries and keys before rotary, one op: q ``[T, H *
+        D]`` and k ``[T, Hkv * D]`` (slices of the fused qkv projection: rows may be strided),
+        ``D = q_weight.numel()``; each head's D channels are normed like ``rms_norm``, q's heads
+        with ``q_weight``, k's with ``k_weight``. Returns contiguous ``(q [T, H * D], k [T, Hkv
+        * D])``. The default is the two norms."""
+        head_dim, num_tokens = q_weight.shape[0], q.shape[0]
+        q_out = self.rms_norm(q.reshape(-1, head_dim), q_weight, eps)
+        k_out = self.rms_norm(k.reshape(-1, head_dim), k_weight, eps)
+        return q_out.reshape(num_tokens, -1), k_out.reshape(num_tokens, -1)
+
     # Mixture of experts. Not abstract so that a platform without MoE models still constructs;
     # such a platform fails the conformance suite's moe family with this message.
 
@@ -137,6 +155,27 @@ class DeviceOps(ABC):
         graph-safe.
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement moe_experts")
+
+    def add_rms_norm_moe_route(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        gate_weight: torch.Tensor,
+        top_k: int,
+        renormalize: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The post-attention norm and the router of a mixture-of-experts layer, one fused op:
+        ``(router_logits, normed, summed, topk_weights, topk_ids)`` where ``normed, summed =
+        fused_add_rms_norm(x, residual, norm_weight, eps)``, ``router_logits = linear(normed,
+        gate_weight)`` (``[T, E]`` in x's dtype, gate_weight ``[E, H]``) and the routing is
+        ``moe_route(router_logits, top_k, renormalize)`` of those stored logits, so a fused kernel
+        routes exactly the logits it returns. The default is that plain sequence."""
+        normed, summed = self.fused_add_rms_norm(x, residual, norm_weight, eps)
+        router_logits = self.linear(normed, gate_weight)
+        topk_weights, topk_ids = self.moe_route(router_logits, top_k, renormalize)
+        return router_logits, normed, summed, topk_weights, topk_ids
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy pick: float ``[B, V]`` -> int64 ``[B]`` (lowest index on ties)."""

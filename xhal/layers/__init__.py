@@ -12,6 +12,7 @@ from xhal.layers.linear import (
     RowParallelLinear,
 )
 from xhal.layers.moe import FusedMoE
+from xhal.layers.moe_router import MoeRouter, Routing
 from xhal.layers.norm import RMSNorm
 from xhal.layers.parallel import TensorParallel
 from xhal.layers.qkv import QKVParallelLinear
@@ -23,12 +24,14 @@ __all__ = [
     "ColumnParallelLinear",
     "FusedMoE",
     "MergedColumnParallelLinear",
+    "MoeRouter",
     "ParallelLMHead",
     "QKVParallelLinear",
     "RMSNorm",
     "ReplicatedLinear",
     "RotaryEmbedding",
     "RowParallelLinear",
+    "Routing",
     "SiluAndMul",
     "TensorParallel",
     "VocabParallelEmbedding",

@@ -95,6 +95,13 @@ class FusedMoE(nn.Module):
         """``hidden [T, H]``, ``router_logits [T, E]`` -> ``[T, H]`` (reduced over ranks unless
         ``reduce_results`` is off)."""
         topk_weights, topk_ids = ops.moe_route(router_logits, self.top_k, self.renormalize)
+        return self.forward_routed(hidden, topk_weights, topk_ids)
+
+    def forward_routed(
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The experts of a routing already made (``MoeRouter``'s fused path): ``topk_weights``
+        float32 and ``topk_ids`` int32 ``[T, k]``."""
         out = ops.moe_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         if self.reduce_results and self.tp.size > 1:
             out = get_forward_context().collective.all_reduce(out)

@@ -20,12 +20,14 @@ __all__ = [
     "activate",
     "active",
     "add_rms_norm_linear",
+    "add_rms_norm_moe_route",
     "argmax",
     "fused_add_rms_norm",
     "gelu_and_mul",
     "linear",
     "moe_experts",
     "moe_route",
+    "qk_rms_norm",
     "register_platform",
     "rms_norm",
     "rotary_embedding",
@@ -87,10 +89,31 @@ def silu_and_mul_linear(
     return torch.ops.xhal.silu_and_mul_linear(x, weight, bias)
 
 
+def qk_rms_norm(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.xhal.qk_rms_norm(q, k, q_weight, k_weight, eps)
+
+
 def moe_route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ops.xhal.moe_route(router_logits, top_k, renormalize)
+
+
+def add_rms_norm_moe_route(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_weight: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(router_logits, normed, new residual, topk_weights, topk_ids)``: see ``DeviceOps``."""
+    return torch.ops.xhal.add_rms_norm_moe_route(
+        x, residual, norm_weight, eps, gate_weight, top_k, renormalize
+    )
 
 
 def moe_experts(

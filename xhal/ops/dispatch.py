@@ -65,9 +65,23 @@ def _register_kernels(device_type: str) -> None:
         lib=LIBRARY,
     )
     torch.library.register_kernel(
+        "xhal::qk_rms_norm",
+        device_type,
+        lambda q, k, qw, kw, eps: active(q).qk_rms_norm(q, k, qw, kw, eps),
+        lib=LIBRARY,
+    )
+    torch.library.register_kernel(
         "xhal::moe_route",
         device_type,
         lambda logits, k, renorm: active(logits).moe_route(logits, k, renorm),
+        lib=LIBRARY,
+    )
+    torch.library.register_kernel(
+        "xhal::add_rms_norm_moe_route",
+        device_type,
+        lambda x, r, g, eps, w, k, renorm: active(x).add_rms_norm_moe_route(
+            x, r, g, eps, w, k, renorm
+        ),
         lib=LIBRARY,
     )
     torch.library.register_kernel(

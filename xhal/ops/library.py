@@ -24,7 +24,16 @@ _SCHEMAS = {
     ),
     "silu_and_mul_linear": "silu_and_mul_linear(Tensor x, Tensor weight, Tensor? bias=None) -> "
                            "Tensor",
+    "qk_rms_norm": (
+        "qk_rms_norm(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, float eps) -> (Tensor, "
+        "Tensor)"
+    ),
     "moe_route": "moe_route(Tensor router_logits, int top_k, bool renormalize) -> (Tensor, Tensor)",
+    "add_rms_norm_moe_route": (
+        "add_rms_norm_moe_route(Tensor x, Tensor residual, Tensor norm_weight, float eps, "
+        "Tensor gate_weight, int top_k, bool renormalize) -> (Tensor, Tensor, Tensor, Tensor, "
+        "Tensor)"
+    ),
     "moe_experts": (
         "moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids)"
         " -> Tensor"
@@ -84,3 +93,20 @@ def _(router_logits, top_k, renormalize):
 @torch.library.register_fake("xhal::moe_experts")
 def _(x, w13, w2, topk_weights, topk_ids):
     return torch.empty_like(x)
+
+
+@torch.library.register_fake("xhal::add_rms_norm_moe_route")
+def _(x, residual, norm_weight, eps, gate_weight, top_k, renormalize):
+    num_tokens = x.shape[0]
+    return (
+        x.new_empty(num_tokens, gate_weight.shape[0]),
+        torch.empty_like(x),
+        torch.empty_like(x),
+        x.new_empty(num_tokens, top_k, dtype=torch.float32),
+        x.new_empty(num_tokens, top_k, dtype=torch.int32),
+    )
+
+
+@torch.library.register_fake("xhal::qk_rms_norm")
+def _(q, k, q_weight, k_weight, eps):
+    return q.new_empty(q.shape), k.new_empty(k.shape)

@@ -117,3 +117,19 @@ def test_fused_family_passes_on_the_interpreted_kernels(tmp_path) -> None:
     assert proc.returncode == 0 and report is not None, explain(proc)
     fam = report["families"]["fused"]
     assert fam["status"] == "passed" and fam["failed"] == 0 and fam["passed"] >= 20, explain(proc)
+
+
+def test_qk_norm_kernel_norms_each_head_with_its_weight() -> None:
+    """Qwen3-30B-A3B's 32 q and 4 k heads of 128 from a strided qkv row, against float64."""
+    from conformance_tests import ops_reference as ref
+    from xhal.platforms.cuda.kernels import qk_norm
+
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(2, 40 * 128, generator=g).to(DEVICE)
+    q, k = qkv[:, : 32 * 128], qkv[:, 32 * 128 : 36 * 128]
+    q_weight, k_weight = (torch.rand(128, generator=g).to(DEVICE) + 0.5 for _ in range(2))
+    assert qk_norm.supports(q, k, q_weight)
+    q_out, k_out = qk_norm.qk_rms_norm(q, k, q_weight, k_weight, 1e-6)
+    for out, x, w in ((q_out, q, q_weight), (k_out, k, k_weight)):
+        expected = ref.rms_norm(x.reshape(-1, 128), w, 1e-6).reshape(2, -1)
+        assert ref.max_error(out, expected) < 1e-5

@@ -204,3 +204,31 @@ def test_triton_moe_passes_the_moe_family_interpreted(device, tmp_path) -> None:
     assert proc.returncode == 0, explain(proc)
     fam = report["families"]["moe"]
     assert fam["passed"] > 0 and fam["failed"] == 0, fam
+
+
+@pytest.mark.parametrize("num_tokens,hidden,num_experts,top_k", [(1, 2048, 128, 8), (5, 96, 8, 2)])
+def test_fused_norm_route_matches_float64(num_tokens, hidden, num_experts, top_k) -> None:
+    """The one-launch norm + router + top-k at Qwen3-MoE's shape and a small odd one, twice in a
+    row: the second launch finds the per-token counters the first one left at zero."""
+    from conformance_tests.test_moe import check_norm_route, norm_route_inputs
+    from xhal.platforms.cuda.kernels import moe_router
+
+    inputs = norm_route_inputs(num_tokens, hidden, num_experts, torch.float32, DEVICE, seed=1)
+    x, residual, norm_weight, gate = inputs
+    assert moe_router.supports(x, residual, gate)
+    errors = []
+    for _ in range(2):
+        outputs = moe_router.add_rms_norm_route(x, residual, norm_weight, 1e-6, gate, top_k, True)
+        check_norm_route(outputs, *inputs, top_k, True, torch.float32, errors.append)
+    assert moe_router._counter(x.device).count_nonzero() == 0
+    assert max(errors) < 1e-4
+
+
+def test_fused_norm_route_leaves_large_batches_to_the_sequence() -> None:
+    from xhal.platforms.cuda.kernels import moe_router
+
+    x = torch.zeros(moe_router.MAX_TOKENS + 1, 64, device=DEVICE)
+    gate = torch.zeros(8, 64, device=DEVICE)
+    assert not moe_router.supports(x, x, gate)
+    assert not moe_router.supports(x[:2, ::2], x[:2, ::2], gate[:, :32])  # strided rows
+    assert moe_router.supports(x[:2], x[:2], gate)

@@ -13,7 +13,15 @@ import torch.nn.functional as F
 from xhal import env
 from xhal.interfaces.ops import DeviceOps
 from xhal.platforms.common import sampling
-from xhal.platforms.cuda.kernels import fused_gemv, gemv, moe, norm, rotary
+from xhal.platforms.cuda.kernels import (
+    fused_gemv,
+    gemv,
+    moe,
+    moe_router,
+    norm,
+    qk_norm,
+    rotary,
+)
 
 
 class CudaOps(DeviceOps):
@@ -121,6 +129,13 @@ class CudaOps(DeviceOps):
     def fused_add_rms_norm(self, x, residual, weight, eps):
         return norm.fused_add_rms_norm(x, residual, weight, eps)
 
+    def qk_rms_norm(self, q, k, q_weight, k_weight, eps):
+        """One launch for both norms (Qwen3's q_norm and k_norm), any number of tokens; the two
+        norms with XHAL_CUDA_FUSED=0."""
+        if self.fused and qk_norm.supports(q, k, q_weight):
+            return qk_norm.qk_rms_norm(q, k, q_weight, k_weight, eps)
+        return super().qk_rms_norm(q, k, q_weight, k_weight, eps)
+
     def rotary_embedding(self, positions, q, k, cos_sin_cache, is_neox):
         return rotary.rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
 
@@ -129,6 +144,20 @@ class CudaOps(DeviceOps):
 
     def moe_experts(self, x, w13, w2, topk_weights, topk_ids):
         return moe.fused_experts(x, w13, w2, topk_weights, topk_ids)
+
+    def add_rms_norm_moe_route(
+        self, x, residual, norm_weight, eps, gate_weight, top_k, renormalize
+    ):
+        """One launch (moe_router.add_rms_norm_route) for decode batches of up to 16 tokens, the
+        unfused sequence otherwise (or with XHAL_CUDA_FUSED=0). It replaces three Triton
+        launches and cuBLAS's, so it runs eagerly too, unlike the fused GEMVs."""
+        if self.fused and moe_router.supports(x, residual, gate_weight):
+            return moe_router.add_rms_norm_route(
+                x, residual, norm_weight, eps, gate_weight, top_k, renormalize
+            )
+        return super().add_rms_norm_moe_route(
+            x, residual, norm_weight, eps, gate_weight, top_k, renormalize
+        )
 
     def sample(self, logits, temperature, top_k, top_p, generator=None):
         return sampling.sample(logits, temperature, top_k, top_p, generator)

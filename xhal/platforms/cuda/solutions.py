@@ -232,7 +232,23 @@ SOLUTIONS = (
         20,
         description="the SiLU gate in the down GEMV's prologue for one row",
     ),
+    Solution(
+        "qk_rms_norm",
+        "triton",
+        _OPS,
+        _req(TRITON),
+        20,
+        description="q's and k's per-head RMSNorm (Qwen3) in one launch",
+    ),
     Solution("moe_route", "triton", _OPS, _req(TRITON), 20),
+    Solution(
+        "add_rms_norm_moe_route",
+        "triton",
+        _OPS,
+        _req(TRITON),
+        20,
+        description="add + RMSNorm, router GEMV and top-k in one launch for up to 16 tokens",
+    ),
     Solution(
         "moe_experts",
         "triton",

@@ -21,16 +21,14 @@ from xhal.platforms.cuda.kernels.moe_small import SmallMoeConfig, small_experts,
 
 
 @triton.jit
-def _route_kernel(
-    logits_ptr, weights_ptr, ids_ptr, logits_stride,
-    E: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+def softmax_top_k(
+    x, mask, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     RENORMALIZE: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
+    """One token's routing from its float32 logits ``x [BLOCK_E]`` (``mask``: the real experts):
+    ``(weights [BLOCK_K], ids [BLOCK_K])``, the first K slots used (``DeviceOps.moe_route``)."""
     offs = tl.arange(0, BLOCK_E)
-    mask = offs < E
-    x = tl.load(logits_ptr + token * logits_stride + offs, mask=mask, other=-float("inf"))
-    x = x.to(tl.float32)
+    x = tl.where(mask, x, -float("inf"))
     p = tl.exp(x - tl.max(x, axis=0))
     p = tl.where(mask, p, 0.0)
     p = p / tl.sum(p, axis=0)
@@ -48,6 +46,21 @@ def _route_kernel(
         remaining = tl.where(offs == best, -1.0, remaining)
     if RENORMALIZE:
         top_w = top_w / tl.sum(tl.where(slots < K, top_w, 0.0), axis=0)
+    return top_w, top_i
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, weights_ptr, ids_ptr, logits_stride,
+    E: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    mask = offs < E
+    x = tl.load(logits_ptr + token * logits_stride + offs, mask=mask, other=-float("inf"))
+    top_w, top_i = softmax_top_k(x.to(tl.float32), mask, K, BLOCK_E, BLOCK_K, RENORMALIZE)
+    slots = tl.arange(0, BLOCK_K)
     tl.store(weights_ptr + token * K + slots, top_w, mask=slots < K)
     tl.store(ids_ptr + token * K + slots, top_i, mask=slots < K)
 
