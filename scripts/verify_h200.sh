@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# A merged tree's verification on one H200 (carry `.whl` and `.fi_aot`): the stages named on the
+# command line (default all, in this order), each bounded by its *_TIMEOUT so one slow stage cannot
+# eat the rest; every stage's log and the conformance report come back under $OUT.
+#   conformance   every conformance family on cuda (every registered solution)
+#   model-8b      the 8B-shaped decode step at batch 1 and 64 with its kernel profile
+#   model-8b-fi   the same at batch 1 with FlashInfer's decode attention forced (the peer of the
+#                 default's split-KV kernel: XHAL_KERNEL_PAGED_DECODE_ATTENTION=flashinfer)
+#   model-1b, model-1b-fi   the Llama-3.2-1B shape at batch 1, likewise
+#   moe           the Qwen3-30B-A3B-shaped MoE step at batch 1, 16 and 64
+#   solutions     every implementation of every decode op (bench_solutions)
+# Split the stages over two calls where one call's time limit is short, e.g.
+# `scripts/verify_h200.sh conformance model-8b model-8b-fi model-1b`, then `... moe solutions`.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=/tmp/xhal-verify
+status=0
+stage() {  # stage NAME TIMEOUT [ENV=VALUE ...] -- GPU_RUN_STAGE [BENCH_ARGS]
+  local name=$1 timeout=$2; shift 2
+  local envs=()
+  while [ "$1" != "--" ]; do envs+=("$1"); shift; done
+  shift
+  local what=$1; shift
+  echo "=== $name ($(date +%T))"
+  env "${envs[@]}" OUT="$root/$name" STAGE_TIMEOUT="$timeout" BENCH_ARGS="$*" \
+    bash scripts/gpu_run.sh "$what" > "$root/$name.log" 2>&1 || status=1
+  tail -n 15 "$root/$name.log"
+}
+mkdir -p "$root"
+model="--no-hf --kernels"
+fi=XHAL_KERNEL_PAGED_DECODE_ATTENTION=flashinfer
+for name in ${*:-conformance model-8b model-8b-fi model-1b model-1b-fi moe solutions}; do
+  case $name in
+    conformance) stage $name "${CONF_TIMEOUT:-240}" -- conformance-cuda ;;
+    model-8b) stage $name "${MODEL_TIMEOUT:-90}" -- bench_model --shape llama3-8b --batches 1 64 $model ;;
+    model-8b-fi) stage $name "${MODEL_TIMEOUT:-90}" $fi -- bench_model --shape llama3-8b --batches 1 $model ;;
+    model-1b) stage $name "${MODEL_TIMEOUT:-90}" -- bench_model --shape llama3.2-1b --batches 1 $model ;;
+    model-1b-fi) stage $name "${MODEL_TIMEOUT:-90}" $fi -- bench_model --shape llama3.2-1b --batches 1 $model ;;
+    moe) stage $name "${MOE_TIMEOUT:-150}" -- bench_moe --batches 1 16 64 --no-hf --no-sweep --profile ;;
+    solutions) stage $name "${SOLUTIONS_TIMEOUT:-240}" -- bench_solutions ;;
+    *) echo "unknown stage $name (conformance model-8b model-8b-fi model-1b model-1b-fi moe solutions)"; exit 2 ;;
+  esac
+done
+if [ -n "${OUT:-}" ]; then  # few files come back from a device call: one log, one report
+  for f in "$root"/*.log; do echo "##### $f"; cat "$f"; done > "$OUT/verify.log"
+  cp "$root"/conformance/conformance-cuda.json "$OUT/" 2>/dev/null
+fi
+exit $status
