@@ -181,11 +181,12 @@ def rotary_kv_case(config: dict, m: int, ceil: dict, device) -> Case:
 
 
 def attention_case(config: dict, m: int, ceil: dict, platform, device) -> Case:
-    """Paged decode attention at context ``CTX``: the platform's default backend (FlashInfer when
-    installed) and the Triton fallback, each planned once as a decode graph bucket is; the
-    reference is the default backend's output."""
+    """Paged decode attention at context ``CTX``: the backend of every ``paged_decode_attention``
+    solution this machine can run (forced one at a time, as the conformance suite runs them),
+    each planned once as a decode graph bucket is; the reference is the first (best) one's
+    output."""
     from xhal.interfaces import AttentionSpec, LayerCache
-    from xhal.platforms.cuda.triton_attention import TritonAttention
+    from xhal.solutions import SolutionUnavailable
 
     d, hq, hk = head_dim(config), config["num_attention_heads"], config["num_key_value_heads"]
     spec = AttentionSpec(
@@ -205,16 +206,17 @@ def attention_case(config: dict, m: int, ceil: dict, platform, device) -> Case:
     _, _, meta = decode_metadata(m, CTX, device)
     q = torch.randn(m, hq, d, dtype=torch.bfloat16, device=device)
     k, v = (torch.randn(m, hk, d, dtype=torch.bfloat16, device=device) for _ in range(2))
-    impls = {}
-    for impl, backend in (
-        ("default", platform.attention_backend(spec)),
-        ("triton", TritonAttention(spec)),
-    ):
+    kernels, impls = platform.kernels, {}
+    for solution in kernels.solutions("paged_decode_attention"):
+        try:
+            with kernels.forcing("paged_decode_attention", solution.name):
+                backend = platform.attention_backend(spec)
+        except SolutionUnavailable as exc:  # a package, dtype or head dim it lacks: no row
+            print(f"decode_attention {solution.name}: not run ({exc})")
+            continue
         backend.bind_kv_caches(caches)
         backend.plan(meta, graph_key=("bench", m))  # a graph bucket's plan, as decode graphs run it
-        impls[f"{impl}:{type(backend).__name__}"] = lambda i, b=backend: b.forward(
-            i % layers, q, k, v
-        )
+        impls[solution.name] = lambda i, b=backend: b.forward(i % layers, q, k, v)
     ref = next(iter(impls.values()))(0).float()
     return Case("decode_attention", m, _floor_us(ceil, m * CTX * hk * d * 2 * 2), ref, impls)
 
