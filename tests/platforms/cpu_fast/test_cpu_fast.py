@@ -142,3 +142,92 @@ def test_ops_are_the_references_bit_for_bit(dtype: torch.dtype) -> None:
                 ref.rotary_embedding(positions, q, k, cache, neox),
             ):
                 assert torch.equal(got, want)
+
+
+
+def test_fused_and_gated_ops_are_the_reference_sequence_bit_for_bit() -> None:
+    from xhal.platforms.cpu_fast.ops import FastCpuOps
+    from xhal.platforms.cpu_ref.ops import CpuOps
+
+    fast, ref = FastCpuOps(), CpuOps()
+    g = torch.Generator().manual_seed(2)
+    x, residual, norm_w = (torch.randn(3, 48, generator=g) for _ in range(3))
+    weight, bias = torch.randn(20, 48, generator=g), torch.randn(20, generator=g)
+    gate_up, down = torch.randn(3, 2 * 24, generator=g), torch.randn(48, 24, generator=g)
+    assert torch.equal(fast.silu_and_mul(gate_up), ref.silu_and_mul(gate_up))
+    for b in (None, bias):
+        for got, want in zip(fast.add_rms_norm_linear(x, residual, norm_w, 1e-6, weight, b),
+                             ref.add_rms_norm_linear(x, residual, norm_w, 1e-6, weight, b)):
+            assert torch.equal(got, want)
+    got = fast.silu_and_mul_linear(gate_up, down)
+    assert torch.equal(got, ref.silu_and_mul_linear(gate_up, down))
+
+
+@pytest.mark.parametrize("rotary_dim", [32, 16], ids=["full", "partial"])
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+def test_forward_rotary_is_the_reference_rotation_then_forward(
+    rotary_dim: int, is_neox: bool
+) -> None:
+    """The fused rotation writes exactly the reference's rotated keys (float32, bit for bit) and
+    attends with its rotated queries, at every layer of a step (they share the step's tables)
+    and at the next step, whose positions are written into the same tensor (as a host with
+    persistent input buffers does)."""
+    from xhal.platforms.cpu_ref.ops import CpuOps
+
+    spec = _spec()
+    fused = platforms.get("cpu-fast").attention_backend(spec)
+    plain = platforms.get("cpu-fast").attention_backend(spec)
+    fused_caches, plain_caches = _caches(spec), _caches(spec)
+    fused.bind_kv_caches(fused_caches)
+    plain.bind_kv_caches(plain_caches)
+    host = PagedHost(NUM_BLOCKS, spec.block_size, seed=5)
+    g = torch.Generator().manual_seed(4)
+    table = torch.randn(64, rotary_dim, generator=g)
+    positions = torch.zeros(5, dtype=torch.int32)  # persistent: rewritten every step
+    # three steps of 5 tokens each: a prefill, a mixed step, decodes next to a short prefill
+    for chunks in ([(0, 3), (1, 2)], [(0, 1), (1, 1), (2, 3)], [(0, 1), (1, 1), (2, 1), (3, 2)]):
+        _, step_positions, metadata = host.step([(s, [0] * n) for s, n in chunks])
+        positions.copy_(step_positions)
+        fused.plan(metadata)
+        plain.plan(metadata)
+        for layer in range(NUM_LAYERS):
+            q, k, v = (torch.randn(5, heads, spec.head_dim, generator=g)
+                       for heads in (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads))
+            got = fused.forward_rotary(layer, q, k, v, positions, table, is_neox)
+            q_rot, k_rot = CpuOps().rotary_embedding(step_positions, q, k, table, is_neox)
+            assert torch.equal(got, plain.forward(layer, q_rot, k_rot, v))
+            assert torch.equal(fused_caches[layer].key, plain_caches[layer].key)
+            assert torch.equal(fused_caches[layer].value, plain_caches[layer].value)
+
+
+def test_xhal_ops_call_cpu_fast_directly_in_eager_code_only() -> None:
+    """On ``cpu-fast`` (eager) ``xhal.ops`` calls the ops without the torch.library dispatcher;
+    under a dispatch mode (what a CPU graph capture or a fake-tensor trace installs) the custom op
+    runs, and the reference platform's ops always go through it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from xhal import ops
+
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    x, w = torch.randn(2, 8), torch.rand(8)
+    fast_ops, ref_ops = platforms.get("cpu-fast").ops, platforms.get("cpu").ops
+    assert fast_ops.direct_eager_calls and not ref_ops.direct_eager_calls
+    want = ref_ops.rms_norm(x, w, 1e-6)
+    with ops.using("cpu", fast_ops):
+        assert ops.direct(x) is fast_ops
+        assert torch.equal(ops.rms_norm(x, w, 1e-6), want)
+        with Seen() as seen:
+            assert ops.direct(x) is None
+            out = ops.rms_norm(x, w, 1e-6)
+        assert "xhal::rms_norm" in seen.names
+        assert torch.equal(out, want)
+    with ops.using("cpu", ref_ops):
+        assert ops.direct(x) is None

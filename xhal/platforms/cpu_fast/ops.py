@@ -1,9 +1,11 @@
 """The reference DeviceOps with the float32 path's no-op casts and empty concatenations left out:
-the same operations in the same order, so float32 results are bit-identical to ``CpuOps``'s."""
+the same operations in the same order, so float32 results are bit-identical to ``CpuOps``'s (the
+fused ops are the plain sequence of these, as the reference computes them)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from xhal.platforms.cpu_ref.ops import CpuOps, _rotate
 
@@ -38,3 +40,26 @@ class FastCpuOps(CpuOps):
             return super().rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
         cos, sin = cos_sin_cache[positions.long()].float().unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos, sin, is_neox), _rotate(k, cos, sin, is_neox)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return super().silu_and_mul(x)
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def add_rms_norm_linear(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        normed, summed = self.fused_add_rms_norm(x, residual, norm_weight, eps)
+        return F.linear(normed, weight, bias), summed
+
+    def silu_and_mul_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return F.linear(self.silu_and_mul(x), weight, bias)
