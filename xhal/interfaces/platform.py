@@ -146,6 +146,12 @@ class Platform(ABC):
         runs every solution it lists, not only the chosen ones."""
         return None
 
+    def prepare_weights(self, model: torch.nn.Module) -> None:
+        """Lay out a loaded model's parameters the way this platform's ops read them fastest;
+        ``ModelExecutor`` calls it once, before any step. It may change strides and storage
+        only: every parameter keeps its shape, dtype, device and values, and shared (tied)
+        parameters stay one object. Default: nothing to change."""
+
     @abstractmethod
     def graph_runner(self) -> GraphRunner: ...
 

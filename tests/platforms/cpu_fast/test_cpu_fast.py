@@ -231,3 +231,45 @@ def test_xhal_ops_call_cpu_fast_directly_in_eager_code_only() -> None:
         assert torch.equal(out, want)
     with ops.using("cpu", ref_ops):
         assert ops.direct(x) is None
+
+
+def test_weights_are_laid_out_column_major_and_steps_match_the_reference(
+    llama_tied_dir: Path,
+) -> None:
+    """``ModelExecutor`` on ``cpu-fast`` stores every float32 matrix transposed: same shapes and
+    values, the tied LM head still the embedding's parameter; a prefill and a decode step give
+    the reference platform's logits."""
+    from models.loader import load_model
+    from xhal.executor import ExecutorConfig, ModelExecutor
+    from xhal.interfaces.metadata import AttentionMetadata, BatchKind
+
+    model = load_model(llama_tied_dir, torch.float32, progress=False)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    config = ExecutorConfig(dtype=torch.float32, enforce_eager=True)
+    fast = ModelExecutor(model, platforms.get("cpu-fast"), config)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+        if p.dim() == 2:
+            assert p.t().is_contiguous() and not p.is_contiguous(), name
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ref = ModelExecutor(load_model(llama_tied_dir, torch.float32, progress=False),
+                        platforms.get("cpu"), config)
+    logits = []
+    for executor in (fast, ref):
+        executor.bind_kv_caches(executor.allocate_kv_caches(num_blocks=4))
+        steps = []
+        for ids, start in (([5, 9, 2, 7, 1], 0), ([3], 5)):
+            n = len(ids)
+            i32 = dict(dtype=torch.int32)
+            metadata = AttentionMetadata.from_host_lengths(
+                BatchKind.PREFILL if start == 0 else BatchKind.DECODE,
+                torch.tensor([n], **i32), torch.tensor([start + n], **i32),
+                torch.tensor([[0, 1]], dtype=torch.int32),
+                torch.arange(start, start + n, dtype=torch.int32),
+            )
+            positions = torch.arange(start, start + n, dtype=torch.int32)
+            hidden = executor.execute(torch.tensor(ids, dtype=torch.int32), positions, metadata)
+            steps.append(executor.compute_logits(hidden, torch.tensor([n - 1])))
+        logits.append(steps)
+    for got, want in zip(*logits):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
