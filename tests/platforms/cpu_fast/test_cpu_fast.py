@@ -273,3 +273,34 @@ def test_weights_are_laid_out_column_major_and_steps_match_the_reference(
         logits.append(steps)
     for got, want in zip(*logits):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not __import__("xhal.platforms.cpu_fast.packed").platforms.cpu_fast.packed
+                    .available(), reason="torch built without oneDNN")
+def test_packed_linear_serves_small_batches_of_wide_weights_only() -> None:
+    """The oneDNN copy gives ``x @ W.T + b`` within float32 rounding of a float64 product for
+    2-32 rows; one row, 33 rows, a narrow weight, a weight changed in place since packing and a
+    weight that died are not served by it."""
+    from xhal.platforms.cpu_fast.packed import PackedWeights
+
+    g = torch.Generator().manual_seed(6)
+    packed = PackedWeights()
+    wide = torch.randn(256, 48, generator=g).t().contiguous().t()  # column-major, as prepared
+    narrow = torch.randn(64, 48, generator=g)
+    bias = torch.randn(256, generator=g)
+    assert packed.add(wide) and not packed.add(narrow)
+    for rows in (2, 8, 32):
+        x = torch.randn(rows, 48, generator=g)
+        out = packed.linear(x, wide, bias)
+        assert out is not None
+        want = x.double() @ wide.double().T + bias.double()
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    for rows in (1, 33):
+        assert packed.linear(torch.randn(rows, 48), wide, None) is None
+    assert packed.linear(torch.randn(4, 48), narrow, None) is None
+    wide.mul_(2)  # an in-place change (it bumps the version counter): the copy is stale
+    assert packed.linear(torch.randn(4, 48), wide, None) is None
+    other = torch.randn(256, 48, generator=g)
+    assert packed.add(other) and len(packed._packed) == 1  # the stale entry is gone
+    del other
+    assert not packed._packed  # a weight that dies takes its copy along

@@ -46,7 +46,12 @@ class CpuFastPlatform(CpuPlatform):
         GEMV and small-batch GEMM stream ``x @ W.T`` faster when W.T is the contiguous one (about
         1.2x over a decode step's projections and LM head here, ``benchmarks/bench_cpu_vs_hf``);
         the embedding lookup that shares the LM head's matrix reads strided rows, a few
-        microseconds per token."""
+        microseconds per token. The widest matrices (gate / up, LM head) also get a oneDNN-packed
+        copy that serves batches of 2-32 rows (``packed.py``)."""
+        from xhal.platforms.cpu_fast import packed
+
         for param in model.parameters():  # shared (tied) parameters come once
             if param.dim() == 2 and param.dtype == torch.float32 and param.is_contiguous():
                 param.data = param.data.t().contiguous().t()
+                if packed.available():  # the widest also get a copy for small batches
+                    packed.PACKED.add(param)

@@ -11,8 +11,8 @@ from xhal.solutions.solution import Requirement, Solution
 
 _CPU = Requirement(device_type="cpu")
 FAST_OPS = (
-    "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "add_rms_norm_linear",
-    "silu_and_mul_linear",
+    "linear", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
+    "add_rms_norm_linear", "silu_and_mul_linear",
 )
 
 
