@@ -37,6 +37,7 @@ class ModelExecutor:
         collective: Collective | None = None,
     ) -> None:
         self.model, self.platform = model, platform
+        platform.prepare_weights(model)
         self.config = config or ExecutorConfig()
         self.collective = collective or platform.collective(None)
         self._attention_layers = attention_layers(model)

@@ -146,6 +146,13 @@ class Platform(ABC):
         runs every solution it lists, not only the chosen ones."""
         return None
 
+    def prepare_weights(self, model: torch.nn.Module) -> None:
+        """Lay out a loaded model's parameters the way this platform's ops read them fastest;
+        ``ModelExecutor`` calls it once, before any step, on weights that are final (loaded, not
+        written afterwards). It may change strides and storage, or keep derived copies, only:
+        every parameter keeps its shape, dtype, device and values, and shared (tied) parameters
+        stay one object. Default: nothing to change."""
+
     @abstractmethod
     def graph_runner(self) -> GraphRunner: ...
 

@@ -8,13 +8,17 @@ emulated device whose tensors live on the CPU makes its own ops active for ``cpu
 
 Sampling (``argmax``, ``sample``) takes a ``torch.Generator``, which custom-op schemas cannot carry,
 so it is routed the same way by a plain function instead of through the dispatcher.
+
+The ops of an eager platform that declares ``DeviceOps.direct_eager_calls`` (``cpu-fast``) are
+called directly in eager code (``dispatch.direct``): the same ``DeviceOps`` method the kernel
+would forward to, without the dispatcher's round trip.
 """
 
 from __future__ import annotations
 
 import torch
 
-from xhal.ops.dispatch import activate, active, register_platform, using
+from xhal.ops.dispatch import activate, active, direct, register_platform, using
 
 __all__ = [
     "activate",
@@ -45,12 +49,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if (ops := direct(x)) is not None:
+        return ops.rms_norm(x, weight, eps)
     return torch.ops.xhal.rms_norm(x, weight, eps)
 
 
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if (ops := direct(x)) is not None:
+        return ops.fused_add_rms_norm(x, residual, weight, eps)
     return torch.ops.xhal.fused_add_rms_norm(x, residual, weight, eps)
 
 
@@ -61,14 +69,20 @@ def rotary_embedding(
     cos_sin_cache: torch.Tensor,
     is_neox: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if (ops := direct(q)) is not None:
+        return ops.rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
     return torch.ops.xhal.rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if (ops := direct(x)) is not None:
+        return ops.silu_and_mul(x)
     return torch.ops.xhal.silu_and_mul(x)
 
 
 def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    if (ops := direct(x)) is not None:
+        return ops.gelu_and_mul(x, approximate)
     return torch.ops.xhal.gelu_and_mul(x, approximate)
 
 
@@ -80,12 +94,16 @@ def add_rms_norm_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if (ops := direct(x)) is not None:
+        return ops.add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
     return torch.ops.xhal.add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
 
 
 def silu_and_mul_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
+    if (ops := direct(x)) is not None:
+        return ops.silu_and_mul_linear(x, weight, bias)
     return torch.ops.xhal.silu_and_mul_linear(x, weight, bias)
 
 

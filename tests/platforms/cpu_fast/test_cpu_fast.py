@@ -142,3 +142,165 @@ def test_ops_are_the_references_bit_for_bit(dtype: torch.dtype) -> None:
                 ref.rotary_embedding(positions, q, k, cache, neox),
             ):
                 assert torch.equal(got, want)
+
+
+
+def test_fused_and_gated_ops_are_the_reference_sequence_bit_for_bit() -> None:
+    from xhal.platforms.cpu_fast.ops import FastCpuOps
+    from xhal.platforms.cpu_ref.ops import CpuOps
+
+    fast, ref = FastCpuOps(), CpuOps()
+    g = torch.Generator().manual_seed(2)
+    x, residual, norm_w = (torch.randn(3, 48, generator=g) for _ in range(3))
+    weight, bias = torch.randn(20, 48, generator=g), torch.randn(20, generator=g)
+    gate_up, down = torch.randn(3, 2 * 24, generator=g), torch.randn(48, 24, generator=g)
+    assert torch.equal(fast.silu_and_mul(gate_up), ref.silu_and_mul(gate_up))
+    for b in (None, bias):
+        for got, want in zip(fast.add_rms_norm_linear(x, residual, norm_w, 1e-6, weight, b),
+                             ref.add_rms_norm_linear(x, residual, norm_w, 1e-6, weight, b)):
+            assert torch.equal(got, want)
+    got = fast.silu_and_mul_linear(gate_up, down)
+    assert torch.equal(got, ref.silu_and_mul_linear(gate_up, down))
+
+
+@pytest.mark.parametrize("rotary_dim", [32, 16], ids=["full", "partial"])
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+def test_forward_rotary_is_the_reference_rotation_then_forward(
+    rotary_dim: int, is_neox: bool
+) -> None:
+    """The fused rotation writes exactly the reference's rotated keys (float32, bit for bit) and
+    attends with its rotated queries, at every layer of a step (they share the step's tables)
+    and at the next step, whose positions are written into the same tensor (as a host with
+    persistent input buffers does)."""
+    from xhal.platforms.cpu_ref.ops import CpuOps
+
+    spec = _spec()
+    fused = platforms.get("cpu-fast").attention_backend(spec)
+    plain = platforms.get("cpu-fast").attention_backend(spec)
+    fused_caches, plain_caches = _caches(spec), _caches(spec)
+    fused.bind_kv_caches(fused_caches)
+    plain.bind_kv_caches(plain_caches)
+    host = PagedHost(NUM_BLOCKS, spec.block_size, seed=5)
+    g = torch.Generator().manual_seed(4)
+    table = torch.randn(64, rotary_dim, generator=g)
+    positions = torch.zeros(5, dtype=torch.int32)  # persistent: rewritten every step
+    # three steps of 5 tokens each: a prefill, a mixed step, decodes next to a short prefill
+    for chunks in ([(0, 3), (1, 2)], [(0, 1), (1, 1), (2, 3)], [(0, 1), (1, 1), (2, 1), (3, 2)]):
+        _, step_positions, metadata = host.step([(s, [0] * n) for s, n in chunks])
+        positions.copy_(step_positions)
+        fused.plan(metadata)
+        plain.plan(metadata)
+        for layer in range(NUM_LAYERS):
+            q, k, v = (torch.randn(5, heads, spec.head_dim, generator=g)
+                       for heads in (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads))
+            got = fused.forward_rotary(layer, q, k, v, positions, table, is_neox)
+            q_rot, k_rot = CpuOps().rotary_embedding(step_positions, q, k, table, is_neox)
+            assert torch.equal(got, plain.forward(layer, q_rot, k_rot, v))
+            assert torch.equal(fused_caches[layer].key, plain_caches[layer].key)
+            assert torch.equal(fused_caches[layer].value, plain_caches[layer].value)
+
+
+def test_xhal_ops_call_cpu_fast_directly_in_eager_code_only() -> None:
+    """On ``cpu-fast`` (eager) ``xhal.ops`` calls the ops without the torch.library dispatcher;
+    under a dispatch mode (what a CPU graph capture or a fake-tensor trace installs) the custom op
+    runs, and the reference platform's ops always go through it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from xhal import ops
+
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    x, w = torch.randn(2, 8), torch.rand(8)
+    fast_ops, ref_ops = platforms.get("cpu-fast").ops, platforms.get("cpu").ops
+    assert fast_ops.direct_eager_calls and not ref_ops.direct_eager_calls
+    want = ref_ops.rms_norm(x, w, 1e-6)
+    with ops.using("cpu", fast_ops):
+        assert ops.direct(x) is fast_ops
+        assert torch.equal(ops.rms_norm(x, w, 1e-6), want)
+        with Seen() as seen:
+            assert ops.direct(x) is None
+            out = ops.rms_norm(x, w, 1e-6)
+        assert "xhal::rms_norm" in seen.names
+        assert torch.equal(out, want)
+    with ops.using("cpu", ref_ops):
+        assert ops.direct(x) is None
+
+
+def test_weights_are_laid_out_column_major_and_steps_match_the_reference(
+    llama_tied_dir: Path,
+) -> None:
+    """``ModelExecutor`` on ``cpu-fast`` stores every float32 matrix transposed: same shapes and
+    values, the tied LM head still the embedding's parameter; a prefill and a decode step give
+    the reference platform's logits."""
+    from models.loader import load_model
+    from xhal.executor import ExecutorConfig, ModelExecutor
+    from xhal.interfaces.metadata import AttentionMetadata, BatchKind
+
+    model = load_model(llama_tied_dir, torch.float32, progress=False)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    config = ExecutorConfig(dtype=torch.float32, enforce_eager=True)
+    fast = ModelExecutor(model, platforms.get("cpu-fast"), config)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+        if p.dim() == 2:
+            assert p.t().is_contiguous() and not p.is_contiguous(), name
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ref = ModelExecutor(load_model(llama_tied_dir, torch.float32, progress=False),
+                        platforms.get("cpu"), config)
+    logits = []
+    for executor in (fast, ref):
+        executor.bind_kv_caches(executor.allocate_kv_caches(num_blocks=4))
+        steps = []
+        for ids, start in (([5, 9, 2, 7, 1], 0), ([3], 5)):
+            n = len(ids)
+            i32 = dict(dtype=torch.int32)
+            metadata = AttentionMetadata.from_host_lengths(
+                BatchKind.PREFILL if start == 0 else BatchKind.DECODE,
+                torch.tensor([n], **i32), torch.tensor([start + n], **i32),
+                torch.tensor([[0, 1]], dtype=torch.int32),
+                torch.arange(start, start + n, dtype=torch.int32),
+            )
+            positions = torch.arange(start, start + n, dtype=torch.int32)
+            hidden = executor.execute(torch.tensor(ids, dtype=torch.int32), positions, metadata)
+            steps.append(executor.compute_logits(hidden, torch.tensor([n - 1])))
+        logits.append(steps)
+    for got, want in zip(*logits):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not __import__("xhal.platforms.cpu_fast.packed").platforms.cpu_fast.packed
+                    .available(), reason="torch built without oneDNN")
+def test_packed_linear_serves_small_batches_of_wide_weights_only() -> None:
+    """The oneDNN copy gives ``x @ W.T + b`` within float32 rounding of a float64 product for
+    2-32 rows; one row, 33 rows, a narrow weight, a weight changed in place since packing and a
+    weight that died are not served by it."""
+    from xhal.platforms.cpu_fast.packed import PackedWeights
+
+    g = torch.Generator().manual_seed(6)
+    packed = PackedWeights()
+    wide = torch.randn(256, 48, generator=g).t().contiguous().t()  # column-major, as prepared
+    narrow = torch.randn(64, 48, generator=g)
+    bias = torch.randn(256, generator=g)
+    assert packed.add(wide) and not packed.add(narrow)
+    for rows in (2, 8, 32):
+        x = torch.randn(rows, 48, generator=g)
+        out = packed.linear(x, wide, bias)
+        assert out is not None
+        want = x.double() @ wide.double().T + bias.double()
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    for rows in (1, 33):
+        assert packed.linear(torch.randn(rows, 48), wide, None) is None
+    assert packed.linear(torch.randn(4, 48), narrow, None) is None
+    wide.mul_(2)  # an in-place change (it bumps the version counter): the copy is stale
+    assert packed.linear(torch.randn(4, 48), wide, None) is None
+    other = torch.randn(256, 48, generator=g)
+    assert packed.add(other) and len(packed._packed) == 1  # the stale entry is gone
+    del other
+    assert not packed._packed  # a weight that dies takes its copy along

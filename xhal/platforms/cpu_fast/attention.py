@@ -1,5 +1,6 @@
-"""Paged attention on the CPU, planned once per step: vectorized KV writes, every one-token
-sequence of the batch in one SDPA call, each longer sequence in one SDPA call of its own."""
+"""Paged attention on the CPU, planned once per step: vectorized KV writes (with the rotary
+embedding fused in, its tables gathered once per step), every one-token sequence of the batch in
+one SDPA call, each longer sequence in one SDPA call of its own."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from xhal.interfaces.attention import AttentionBackend, AttentionSpec
 from xhal.interfaces.cache import LayerCache, normalize_layer_caches
 from xhal.interfaces.metadata import AttentionMetadata
+from xhal.platforms.cpu_fast.rotary import RotaryTables
 
 
 @dataclass(frozen=True)
@@ -144,13 +146,18 @@ class FastCpuAttention(AttentionBackend):
     block_size, num_kv_heads, head_dim]`` (each is read as ``[num_blocks * block_size, Hkv, D]``);
     float32 or bfloat16; any head dim, block size, GQA ratio, sliding window and logit cap. Eager
     only: the plan holds host-built index tensors sized by this step's lengths, so it declares no
-    graph support (``plan`` refuses a ``graph_key``).
+    graph support (``plan`` refuses a ``graph_key``). Fuses rotary into the KV write: the step's
+    rotation tables are built by the first layer and reused by the others (the layers of a step
+    pass the same positions tensor and rope table; other ones get tables of their own).
     """
+
+    fuses_rotary = True
 
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__(spec)
         self._flat: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._plan: _Plan | None = None
+        self._rotary: RotaryTables | None = None
 
     def bind_kv_caches(self, caches: Sequence[LayerCache]) -> None:
         flat = []
@@ -171,6 +178,22 @@ class FastCpuAttention(AttentionBackend):
                 "graph_key, or use the 'cpu' reference platform for graph runs"
             )
         self._plan = make_plan(metadata, self.spec)
+        self._rotary = None  # positions change with the step
+
+    def forward_rotary(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        is_neox: bool,
+    ) -> torch.Tensor:
+        tables = self._rotary
+        if tables is None or not tables.matches(positions, cos_sin_cache, is_neox):
+            tables = self._rotary = RotaryTables.build(positions, cos_sin_cache, is_neox)
+        return self.forward(layer_id, tables.rotate(q), tables.rotate(k), v)
 
     def forward(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

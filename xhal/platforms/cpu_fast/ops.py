@@ -1,16 +1,28 @@
 """The reference DeviceOps with the float32 path's no-op casts and empty concatenations left out:
-the same operations in the same order, so float32 results are bit-identical to ``CpuOps``'s."""
+the same operations in the same order, so float32 results are bit-identical to ``CpuOps``'s (the
+fused ops are the plain sequence of these, as the reference computes them), except for GEMMs on
+the packed copies of a served model's widest matrices (``packed.py``)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from xhal.platforms.cpu_fast.packed import PACKED
 from xhal.platforms.cpu_ref.ops import CpuOps, _rotate
 
 
 class FastCpuOps(CpuOps):
     """Requirements: CPU tensors. float32 inputs (with float32 weights and a rotary dim equal to
-    the head dim) take the short path; anything else is the reference's own code."""
+    the head dim) take the short path; anything else is the reference's own code. ``linear`` on a
+    weight ``CpuFastPlatform.prepare_weights`` packed, with 2-32 rows, runs oneDNN's GEMM on the
+    packed copy (float32 accumulation in another order: not bit-identical to torch's GEMM)."""
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        out = PACKED.linear(x, weight, bias)
+        return F.linear(x, weight, bias) if out is None else out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype != torch.float32 or weight.dtype != torch.float32:
@@ -38,3 +50,26 @@ class FastCpuOps(CpuOps):
             return super().rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
         cos, sin = cos_sin_cache[positions.long()].float().unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos, sin, is_neox), _rotate(k, cos, sin, is_neox)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return super().silu_and_mul(x)
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)  # in place: one [T, I] buffer fewer to allocate and fault in
+
+    def add_rms_norm_linear(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        normed, summed = self.fused_add_rms_norm(x, residual, norm_weight, eps)
+        return self.linear(normed, weight, bias), summed
+
+    def silu_and_mul_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.linear(self.silu_and_mul(x), weight, bias)

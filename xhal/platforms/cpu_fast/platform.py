@@ -4,11 +4,16 @@ eager."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
 
 from xhal.platforms.cpu_fast.solutions import FAST_OPS
 from xhal.platforms.cpu_ref.platform import CpuPlatform
 from xhal.solutions.op_names import ATTENTION_OPS
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 class CpuFastPlatform(CpuPlatform):
@@ -17,7 +22,8 @@ class CpuFastPlatform(CpuPlatform):
     ``fast``, bit-identical); attention is planned once per step and batched (solution ``sdpa``).
     No graphs: on the CPU a recorded "graph" replays the same kernels with more Python around
     them. Its ops serve "cpu" tensors only when it is the first CPU platform created in the
-    process (``xhal.ops.register_platform``), as in ``xhal-serve``."""
+    process (``xhal.ops.register_platform``), as in ``xhal-serve``; being eager, they take calls
+    from ``xhal.ops`` directly (``DeviceOps.direct_eager_calls``)."""
 
     name = "cpu-fast"
     capabilities = replace(
@@ -29,3 +35,23 @@ class CpuFastPlatform(CpuPlatform):
         **{op: "fast" for op in FAST_OPS},
         **{op: "sdpa" for op in ATTENTION_OPS},
     }
+
+    def __init__(self) -> None:
+        super().__init__()
+        # eager only, so xhal.ops may call these ops without the dispatcher's round trip
+        self._ops.direct_eager_calls = True
+
+    def prepare_weights(self, model: nn.Module) -> None:
+        """Every float32 matrix is stored transposed (column-major, same shape and values): MKL's
+        GEMV and small-batch GEMM stream ``x @ W.T`` faster when W.T is the contiguous one (about
+        1.2x over a decode step's projections and LM head here, ``benchmarks/bench_cpu_vs_hf``);
+        the embedding lookup that shares the LM head's matrix reads strided rows, a few
+        microseconds per token. The widest matrices (gate / up, LM head) also get a oneDNN-packed
+        copy that serves batches of 2-32 rows (``packed.py``)."""
+        from xhal.platforms.cpu_fast import packed
+
+        for param in model.parameters():  # shared (tied) parameters come once
+            if param.dim() == 2 and param.dtype == torch.float32 and param.is_contiguous():
+                param.data = param.data.t().contiguous().t()
+                if packed.available():  # the widest also get a copy for small batches
+                    packed.PACKED.add(param)

@@ -1,7 +1,8 @@
-"""The fast CPU solutions: ``FastCpuOps``' norms and rotary (the reference's without its float32
-no-op casts, bit-identical) and ``FastCpuAttention`` (planned once per step, every decode of a
-batch in one SDPA call over the paged cache; eager only: it refuses a graph key). They rank
-below the reference, so the ``cpu`` platform stays the oracle; ``cpu-fast`` forces them."""
+"""The fast CPU solutions: ``FastCpuOps``' norms, rotary, SiLU gate and the fused ops built of
+them (the reference's without its float32 no-op casts, bit-identical) and ``FastCpuAttention``
+(planned once per step, every decode of a batch in one SDPA call over the paged cache, rotary
+fused into its KV write; eager only: it refuses a graph key). They rank below the reference, so
+the ``cpu`` platform stays the oracle; ``cpu-fast`` forces them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ from xhal.solutions.op_names import ATTENTION_OPS
 from xhal.solutions.solution import Requirement, Solution
 
 _CPU = Requirement(device_type="cpu")
-FAST_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding")
+FAST_OPS = (
+    "linear", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
+    "add_rms_norm_linear", "silu_and_mul_linear",
+)
 
 
 def fast_ops(platform: object):
