@@ -23,15 +23,7 @@ class DeviceOps(ABC):
     on another platform's device type (an emulation on "cpu") must make its ops active while it
     runs: ``xhal.ops.activate(device_type, ops)`` from then on, or ``with
     xhal.ops.using(device_type, ops):`` for a block.
-
-    ``direct_eager_calls``: whether ``xhal.ops`` may call these methods directly from eager code,
-    skipping the ``torch.library`` dispatcher's round trip into Python (tens of microseconds a
-    call on a CPU, a hundred-odd calls per decode step). Only for the ops of an eager platform:
-    under ``torch.compile``, a fake-tensor mode or any other ``TorchDispatchMode`` (a CPU graph
-    capture records the custom ops) and for tensor subclasses the custom op runs as always.
     """
-
-    direct_eager_calls: bool = False  # a platform may set it on its instance
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None

@@ -114,18 +114,6 @@ def active(x: torch.Tensor | str) -> DeviceOps:
     return _active[device_type]
 
 
-def direct(x: torch.Tensor) -> DeviceOps | None:
-    """The active ``DeviceOps`` of ``x``'s device when the call may skip the dispatcher (they
-    declare ``direct_eager_calls``, x is a plain tensor, nothing traces or records), else None."""
-    ops = _active.get(x.device.type)
-    if ops is None or not ops.direct_eager_calls or type(x) is not torch.Tensor:
-        return None
-    # the dispatch-mode stack's depth: the one check cheap enough for every op call (~0.1 us)
-    if torch._C._len_torch_dispatch_stack() or torch.compiler.is_compiling():
-        return None
-    return ops
-
-
 def activate(device_type: str, ops: DeviceOps) -> DeviceOps | None:
     """Make ``ops`` serve ``device_type`` from now on; returns what served it before (if any).
     An emulated device whose tensors live on the CPU activates its ops for "cpu" this way."""

@@ -200,39 +200,6 @@ def test_forward_rotary_is_the_reference_rotation_then_forward(
             assert torch.equal(fused_caches[layer].value, plain_caches[layer].value)
 
 
-def test_xhal_ops_call_cpu_fast_directly_in_eager_code_only() -> None:
-    """On ``cpu-fast`` (eager) ``xhal.ops`` calls the ops without the torch.library dispatcher;
-    under a dispatch mode (what a CPU graph capture or a fake-tensor trace installs) the custom op
-    runs, and the reference platform's ops always go through it."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from xhal import ops
-
-    class Seen(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.names: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.name())
-            return func(*args, **(kwargs or {}))
-
-    x, w = torch.randn(2, 8), torch.rand(8)
-    fast_ops, ref_ops = platforms.get("cpu-fast").ops, platforms.get("cpu").ops
-    assert fast_ops.direct_eager_calls and not ref_ops.direct_eager_calls
-    want = ref_ops.rms_norm(x, w, 1e-6)
-    with ops.using("cpu", fast_ops):
-        assert ops.direct(x) is fast_ops
-        assert torch.equal(ops.rms_norm(x, w, 1e-6), want)
-        with Seen() as seen:
-            assert ops.direct(x) is None
-            out = ops.rms_norm(x, w, 1e-6)
-        assert "xhal::rms_norm" in seen.names
-        assert torch.equal(out, want)
-    with ops.using("cpu", ref_ops):
-        assert ops.direct(x) is None
-
-
 def test_weights_are_laid_out_column_major_and_steps_match_the_reference(
     llama_tied_dir: Path,
 ) -> None:

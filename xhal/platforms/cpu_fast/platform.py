@@ -22,8 +22,7 @@ class CpuFastPlatform(CpuPlatform):
     ``fast``, bit-identical); attention is planned once per step and batched (solution ``sdpa``).
     No graphs: on the CPU a recorded "graph" replays the same kernels with more Python around
     them. Its ops serve "cpu" tensors only when it is the first CPU platform created in the
-    process (``xhal.ops.register_platform``), as in ``xhal-serve``; being eager, they take calls
-    from ``xhal.ops`` directly (``DeviceOps.direct_eager_calls``)."""
+    process (``xhal.ops.register_platform``), as in ``xhal-serve``."""
 
     name = "cpu-fast"
     capabilities = replace(
@@ -35,11 +34,6 @@ class CpuFastPlatform(CpuPlatform):
         **{op: "fast" for op in FAST_OPS},
         **{op: "sdpa" for op in ATTENTION_OPS},
     }
-
-    def __init__(self) -> None:
-        super().__init__()
-        # eager only, so xhal.ops may call these ops without the dispatcher's round trip
-        self._ops.direct_eager_calls = True
 
     def prepare_weights(self, model: nn.Module) -> None:
         """Every float32 matrix is stored transposed (column-major, same shape and values): MKL's
