@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import ceilings, table, time_cuda
+from benchmarks.common import capture_graph, ceilings, table, time_cuda
 
 SHAPES = {  # name: (N, K) of the nn.Linear weight
     "qkv": (6144, 4096),
@@ -39,16 +39,11 @@ CALLS = 20
 
 def graph_us(run: Callable[[int], object], calls: int, iters: int) -> float:
     """Microseconds per call of ``run(0) .. run(calls - 1)`` captured in one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile, pick cuBLAS kernels, touch every weight copy
+    def all_calls() -> None:
         for i in range(calls):
             run(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            run(i)
+
+    graph = capture_graph(all_calls)
     ms = time_cuda(graph.replay, iters=iters, warmup=2)
     del graph
     return ms * 1e3 / calls

@@ -25,7 +25,7 @@ import torch
 
 import xhal
 from benchmarks.bench_attention_solutions import make_decode, reference
-from benchmarks.common import read_bandwidth, table, time_cuda
+from benchmarks.common import capture_graph, read_bandwidth, table, time_cuda, time_graph
 from xhal.interfaces import AttentionSpec, LayerCache
 
 SHAPES = {"8b": (32, 8, 128), "moe": (32, 4, 128), "1b": (32, 8, 64)}
@@ -75,18 +75,6 @@ class Layers:
         return (self.out.double().cpu() - ref).abs().max().item()
 
 
-def _graph(fn) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 def _layers_for(kv_bytes: int) -> int:
     """Enough layers that the graph streams >= 256 MB (past the 60 MB L2), 2 at least."""
     return max(2, min(32, -(-(256 << 20) // kv_bytes)))
@@ -120,7 +108,7 @@ def timing(shape: str, batch: int, read: float) -> tuple[list[dict], dict]:
         layers = Layers(spec, batch, num_layers, [CTX] * batch)
         backend.bind_kv_caches(layers.caches)
         backend.plan(layers.meta, graph_key=("decode", batch))
-        graph = _graph(lambda b=backend, lay=layers: lay.run(b))
+        graph = capture_graph(lambda b=backend, lay=layers: lay.run(b))
         us = time_cuda(graph.replay, iters=30) * 1e3 / num_layers
         times[name] = us
         if name == "splitkv":  # replayed 35 times: new queries in place, replay, check
@@ -169,7 +157,7 @@ def sweep(shape: str, batch: int, read: float) -> list[dict]:
                                           m.kv_seq_lens, out, sc, s, spec.softmax_scale,
                                           num_warps=w, num_stages=st, block_n=bn)  # fmt: skip
 
-            us = time_cuda(_graph(fn).replay, iters=30) * 1e3 / num_layers
+            us = time_graph(fn, iters=30) * 1e3 / num_layers
             mark = "<-" if (splits, block_n, warps, stages) == (chosen, *default) else ""
             rows.append({"shape": shape, "batch": batch, "splits": splits, "keys": block_n,
                          "warps": warps, "stages": stages, "us/layer": us,
@@ -193,7 +181,7 @@ def profile(shape: str, batch: int) -> list[dict]:
         layers = Layers(spec, batch, num_layers, [CTX] * batch)
         backend.bind_kv_caches(layers.caches)
         backend.plan(layers.meta, graph_key=("decode", batch))
-        graph = _graph(lambda b=backend, lay=layers: lay.run(b))
+        graph = capture_graph(lambda b=backend, lay=layers: lay.run(b))
         graph.replay()
         torch.cuda.synchronize()
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -45,8 +45,9 @@ def time_cuda_pipelined(fn: Callable[[], object], steps: int = 20, reps: int = 5
     return times[len(times) // 2]
 
 
-def time_graph(fn: Callable[[], object], iters: int = 50) -> float:
-    """Median ms of ``fn`` captured in one CUDA graph (launch overhead removed)."""
+def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """``fn`` run once on a side stream (compiles kernels, picks cuBLAS algorithms, touches every
+    operand), then captured in one CUDA graph."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -55,7 +56,12 @@ def time_graph(fn: Callable[[], object], iters: int = 50) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return time_cuda(graph.replay, iters=iters)
+    return graph
+
+
+def time_graph(fn: Callable[[], object], iters: int = 50) -> float:
+    """Median ms of ``fn`` captured in one CUDA graph (launch overhead removed)."""
+    return time_cuda(capture_graph(fn).replay, iters=iters)
 
 
 def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
