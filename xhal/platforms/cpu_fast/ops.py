@@ -56,20 +56,3 @@ class FastCpuOps(CpuOps):
             return super().silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)  # in place: one [T, I] buffer fewer to allocate and fault in
-
-    def add_rms_norm_linear(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor,
-        norm_weight: torch.Tensor,
-        eps: float,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        normed, summed = self.fused_add_rms_norm(x, residual, norm_weight, eps)
-        return self.linear(normed, weight, bias), summed
-
-    def silu_and_mul_linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return self.linear(self.silu_and_mul(x), weight, bias)
