@@ -1,6 +1,6 @@
 """TEST-ONLY plugin: "cuda-moe-interpreted", the CUDA platform's Triton mixture of experts
-(``xhal.platforms.cuda.kernels.moe``: routing kernel, expert-sorted pairs, grouped GEMMs; the
-fused norm and router of ``moe_router``) run by
+(``xhal.platforms.cuda.kernels``: the routing kernel of ``moe_route``, expert-sorted pairs and
+grouped GEMMs of ``moe``; the fused norm and router of ``moe_router``) run by
 Triton's interpreter on CPU tensors; everything else is the CPU reference.
 
 ``xhal-conformance --device cuda-moe-interpreted --plugin
@@ -31,9 +31,9 @@ from xhal.platforms.cpu_ref.platform import CpuPlatform
 
 class _TritonMoeOps(CpuOps):
     def moe_route(self, router_logits, top_k, renormalize):
-        from xhal.platforms.cuda.kernels import moe
+        from xhal.platforms.cuda.kernels import moe_route
 
-        return moe.route(router_logits, top_k, renormalize)
+        return moe_route.route(router_logits, top_k, renormalize)
 
     def moe_experts(self, x, w13, w2, topk_weights, topk_ids):
         from xhal.platforms.cuda.kernels import moe

@@ -14,7 +14,7 @@ from tests.support.triton_env import DEVICE, INTERPRETED
 # isort: split
 from conformance_tests import moe_reference as ref
 from conformance_tests.test_moe import expert_weights, separated_logits, tokens
-from xhal.platforms.cuda.kernels import moe, moe_small
+from xhal.platforms.cuda.kernels import moe, moe_route, moe_small
 
 TOL = ref.EXPERTS_TOLERANCE
 
@@ -23,7 +23,7 @@ TOL = ref.EXPERTS_TOLERANCE
 @pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 8, 2), (13, 128, 8), (6, 6, 6)])
 def test_route_matches_reference(num_tokens, num_experts, top_k, renormalize) -> None:
     logits = separated_logits(num_tokens, num_experts, seed=3).float().to(DEVICE)
-    weights, ids = moe.route(logits, top_k, renormalize)
+    weights, ids = moe_route.route(logits, top_k, renormalize)
     expected_w, expected_ids = ref.route(logits, top_k, renormalize)
     assert torch.equal(ids.cpu().long(), expected_ids)
     assert ref.max_error(weights, expected_w) <= 1e-6
@@ -31,7 +31,7 @@ def test_route_matches_reference(num_tokens, num_experts, top_k, renormalize) ->
 
 def test_route_ties_pick_the_lower_expert() -> None:
     logits = torch.tensor([[0.0, 2.0, 2.0, 1.0, 2.0], [1.0, 1.0, 1.0, 1.0, 1.0]], device=DEVICE)
-    weights, ids = moe.route(logits, 2, True)
+    weights, ids = moe_route.route(logits, 2, True)
     assert ids.cpu().tolist() == [[1, 2], [0, 1]]
     assert torch.allclose(weights.cpu(), torch.full((2, 2), 0.5))
 

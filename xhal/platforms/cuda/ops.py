@@ -17,6 +17,7 @@ from xhal.platforms.cuda.kernels import (
     fused_gemv,
     gemv,
     moe,
+    moe_route,
     moe_router,
     norm,
     qk_norm,
@@ -140,7 +141,7 @@ class CudaOps(DeviceOps):
         return rotary.rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
 
     def moe_route(self, router_logits, top_k, renormalize):
-        return moe.route(router_logits, top_k, renormalize)
+        return moe_route.route(router_logits, top_k, renormalize)
 
     def moe_experts(self, x, w13, w2, topk_weights, topk_ids):
         return moe.fused_experts(x, w13, w2, topk_weights, topk_ids)

@@ -8,7 +8,7 @@ add+norm from the hidden row (a few KB, from L2 after the first program), rounds
 to the dtype as the unfused sequence stores it, and stores its rows' logits, rounded likewise.
 Programs of the first row block also store the normed row and the new residual. The program
 that finishes a token last (an acquire-release counter per token) reads the token's logits back
-and routes them with the routing kernel's own code (``moe.softmax_top_k``), then zeroes the
+and routes them with the routing kernel's own code (``moe_route.softmax_top_k``), then zeroes the
 counter, so the next launch, or the next replay of a captured graph, starts from zero. The
 results are therefore those of the unfused sequence whatever order the programs run in.
 """
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xhal.platforms.cuda.kernels.moe import softmax_top_k
+from xhal.platforms.cuda.kernels.moe_route import softmax_top_k
 
 MAX_TOKENS = 16  # beyond, a step has the launches to spare and the router reread per token grows
 MAX_HIDDEN = 8192  # a program holds the whole hidden row in registers
