@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from xhal.executor.staged_table import StagedBlockTable
 from xhal.interfaces.metadata import AttentionMetadata, BatchKind
 
 if TYPE_CHECKING:
@@ -25,6 +26,10 @@ class DecodeGraphs:
     real row ever reads. A real row's block-table columns past its KV length are not cleared
     either: no backend reads past a sequence's pages. Host ints baked into a graph (num_seqs,
     num_tokens, max_query_len, max_seq_len) are bucket constants, never live values.
+
+    A step queues one device call besides the replay: a multi-tensor copy of its rows, its block
+    table (``staged_table.py``) and the padding values. The graph derives the KV prefix sums and
+    lays the block table out before its first layer.
     """
 
     def __init__(
@@ -44,7 +49,8 @@ class DecodeGraphs:
         self.positions = torch.zeros(n, **i32)
         self.slot_mapping = torch.full((n,), -1, **i32)
         self._no_slots = torch.full((n,), -1, **i32)  # what padding rows' slots are reset to
-        self.block_table = torch.zeros(n, config.max_blocks_per_seq, **i32)
+        self.staged_table = StagedBlockTable(n, config.max_blocks_per_seq, device)
+        self.block_table = self.staged_table.table
         self.q_cu_seq_lens = torch.arange(n + 1, **i32)  # one token per sequence, always
         self.q_seq_lens = torch.ones(n, **i32)
         self.kv_seq_lens = torch.ones(n, **i32)
@@ -54,10 +60,12 @@ class DecodeGraphs:
         self._live = 0  # rows [0, _live) may hold a real row's slot and KV length
         self._kv_host = self.kv_seq_lens_host.numpy()
         self._bucket_of = [next(s for s in self.sizes if s >= b) for b in range(n + 1)]
-        self._rows: dict[int, list[torch.Tensor]] = {}  # b -> views of the first b rows, table last
+        self._rows: dict[int, list[torch.Tensor]] = {}  # b -> views of the first b rows
         self._padded: dict[
             int, tuple[AttentionMetadata, torch.Tensor]
         ] = {}  # bucket -> metadata, cu out
+        # (bucket, b) -> (the bucket's static output, its first b rows): the view made once
+        self._outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def bucket_for(self, metadata: AttentionMetadata) -> int | None:
         """The bucket that can run this batch, or None when it must run eagerly."""
@@ -96,30 +104,25 @@ class DecodeGraphs:
     def _stage(
         self, input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata, bucket: int
     ) -> AttentionMetadata:
-        """Copy a step into the persistent buffers in one multi-tensor copy where it can (host
-        time per device call is what a graph step spends): this step's rows, its block table
-        when it is as wide as the persistent one (else the table's own copy), and the padding
-        values (slot -1, one KV token) back into rows an earlier, larger step left. The KV prefix
-        sums are not copied: the graph derives them before its first layer."""
-        b, width = m.num_seqs, m.block_table.shape[1]
+        """Copy a step into the persistent buffers in one multi-tensor copy (host time per device
+        call is what a graph step spends): this step's rows, its block table as it is (laid out
+        by the graph, ``staged_table.py``), and the padding values (slot -1, one KV token) back
+        into rows an earlier, larger step left. The KV prefix sums are not copied: the graph
+        derives them before its first layer."""
+        b = m.num_seqs
         rows = self._rows.get(b)
         if rows is None:
             rows = self._rows[b] = [
-                self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], self.kv_seq_lens[:b],
-                self.block_table[:b],
+                self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], self.kv_seq_lens[:b]
             ]  # fmt: skip
-        dst, src = rows[:4], [input_ids, positions, m.slot_mapping, m.kv_seq_lens]
-        # the multi-tensor kernel takes dense pairs of equal strides only; a narrower table is not
-        wide = width == self.block_table.shape[1]
-        if wide:
-            dst, src = rows, [*src, m.block_table]
+        table_dst, table_src = self.staged_table.pairs(m.block_table)
+        dst = [*rows, *table_dst]
+        src = [input_ids, positions, m.slot_mapping, m.kv_seq_lens, *table_src]
         if self._live > b:  # a stale slot could belong to a block since given to another sequence
             stale = self._live - b
-            dst = [*dst, self.slot_mapping[b : self._live], self.kv_seq_lens[b : self._live]]
-            src = [*src, self._no_slots[:stale], self.q_seq_lens[:stale]]  # q_seq_lens: all ones
+            dst += [self.slot_mapping[b : self._live], self.kv_seq_lens[b : self._live]]
+            src += [self._no_slots[:stale], self.q_seq_lens[:stale]]  # q_seq_lens: all ones
         torch._foreach_copy_(dst, src, non_blocking=True)
-        if not wide:
-            self.block_table[:b, :width].copy_(m.block_table, non_blocking=True)
         self._live = b
         # host twin (numpy: a handful of values, where torch's per-op cost would dominate)
         self._kv_host[:b] = m.kv_seq_lens_host.numpy()
@@ -143,14 +146,20 @@ class DecodeGraphs:
             ids, pos = self.input_ids[:bucket], self.positions[:bucket]
             kv_cu = self._padded_metadata(bucket)[1]
 
-            def step() -> torch.Tensor:  # the KV prefix sums are derived inside the graph
+            def step() -> torch.Tensor:  # what the host stages raw is derived inside the graph
                 torch.cumsum(padded.kv_seq_lens, 0, dtype=torch.int32, out=kv_cu)
+                self.staged_table.lay_out(bucket)
                 return self.forward(ids, pos, padded)
 
             self.graphs.capture(key, step)
         for backend in self.backends:
             backend.before_replay(key)
-        return self.graphs.replay(key)[: metadata.num_seqs]
+        static = self.graphs.replay(key)
+        b = metadata.num_seqs
+        cached = self._outputs.get((bucket, b))
+        if cached is None or cached[0] is not static:  # a recapture makes a new static output
+            cached = self._outputs[bucket, b] = static, static[:b]
+        return cached[1]
 
     def capture_all(self, progress: bool = True) -> dict[str, float]:
         """Capture every bucket up front (largest first, as the shared pool prefers) with dummy
@@ -198,3 +207,4 @@ class DecodeGraphs:
 
     def reset(self) -> None:
         self.graphs.reset()
+        self._outputs.clear()
