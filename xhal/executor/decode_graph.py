@@ -126,7 +126,8 @@ class DecodeGraphs:
         self._live = b
         # host twin (numpy: a handful of values, where torch's per-op cost would dominate)
         self._kv_host[:b] = m.kv_seq_lens_host.numpy()
-        self._kv_host[b:bucket] = 1
+        if b < bucket:
+            self._kv_host[b:bucket] = 1
         return self._padded_metadata(bucket)[0]
 
     def run(
