@@ -1,0 +1,158 @@
+"""Host time inside ``ModelExecutor.execute`` per CUDA-graph decode step, the number the host-path
+issue targets (at most 60 us at batch 1 and 64), on a Llama-3-shaped model with random bf16
+weights at ctx 2K, with the pipelined step it hides behind and that step against its read floor
+(bytes really read / read-only streaming rate of the same run).
+
+Each repeat is the median of ``--steps`` calls entered with the device idle (a synchronize
+first: ``host_timing.host_time_us``); the repeats are reported apart since the host is noisy.
+The caller's block table is as wide as its sequences (128 pages), narrower than the executor's
+persistent one, as a server's usually is. Every step is checked against the eager executor on
+the same weights and caches first. ``--baseline DIR`` also runs the decode graphs of an earlier
+tree (``DIR/xhal/executor/decode_graph.py``, loaded beside this tree's) on the same model,
+caches and kernels, repeats interleaved: a before/after in one process. Last, the CUDA runtime
+calls of one step, outside the graph, counted with the profiler (after every timing: once the
+profiler has run in a process, CUDA calls cost more).
+
+    python -m benchmarks.bench_host_step [--shapes llama3-8b llama3.2-1b] [--batches 1 64]
+        [--repeats 5] [--steps 200] [--baseline DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import statistics
+from pathlib import Path
+
+import torch
+
+import xhal
+from benchmarks.bench_model import (
+    BLOCK,
+    CTX,
+    SHAPES,
+    decode_metadata,
+    decode_read_bytes,
+    random_model,
+)
+from benchmarks.common import read_bandwidth, table, time_cuda_pipelined
+from benchmarks.host_timing import host_time_us
+from xhal.executor import ExecutorConfig, ModelExecutor
+
+# runtime calls that queue device work (the graph launch included)
+_QUEUEING = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaMemcpyAsync", "cudaGraphLaunch")
+
+
+def _baseline_graphs(directory: Path):
+    """The ``DecodeGraphs`` class of the tree at ``directory``, as a module of its own."""
+    path = directory / "xhal" / "executor" / "decode_graph.py"
+    if not path.is_file():
+        raise SystemExit(f"--baseline: {path} does not exist (give the root of a checkout)")
+    spec = importlib.util.spec_from_file_location("baseline_decode_graph", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.DecodeGraphs
+
+
+def _runtime_calls(executor: ModelExecutor, ids, pos, meta) -> str:
+    """The CUDA runtime calls one ``execute`` makes that queue device work, by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    executor.execute(ids, pos, meta)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        executor.execute(ids, pos, meta)
+        torch.cuda.synchronize()
+    counts = {e.key: e.count for e in prof.key_averages() if e.key in _QUEUEING}
+    return " + ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "none"
+
+
+def measure_shape(
+    shape: str, batches: list[int], args, read_rate: float
+) -> tuple[list[dict], list[tuple]]:
+    """The rows of one shape, and (row, executor, step) for the runtime-call count."""
+    platform = xhal.platforms.get("cuda")
+    device, config = platform.device(), SHAPES[shape]
+    model = random_model(device, config)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    cfg = ExecutorConfig(
+        dtype=torch.bfloat16, block_size=BLOCK, max_num_seqs=max(batches),
+        max_model_len=CTX + 64, decode_graph_sizes=tuple(batches),
+    )  # fmt: skip
+    trees = {"this tree": ModelExecutor(model, platform, cfg)}
+    if args.baseline is not None:
+        baseline = ModelExecutor(model, platform, cfg)
+        baseline.decode_graphs = _baseline_graphs(args.baseline)(
+            platform, baseline.backends, cfg, baseline._forward
+        )
+        trees["baseline"] = baseline
+    eager = ModelExecutor(model, platform, dataclasses.replace(cfg, enforce_eager=True))
+    caches = eager.allocate_kv_caches(num_blocks=max(batches) * CTX // BLOCK + 64)
+    for ex in (eager, *trees.values()):
+        ex.bind_kv_caches(caches)
+        if ex is not eager:
+            ex.capture_graphs(progress=False)
+    rows = []
+    for batch in batches:
+        ids, pos, meta = decode_metadata(batch, CTX, device, config["vocab_size"])
+        reference = eager.compute_logits(eager.execute(ids, pos, meta))
+        read = decode_read_bytes(config, weight_bytes, batch, CTX)
+        read_floor_ms = read["honest"] / read_rate * 1e3
+        per_tree: dict[str, dict] = {}
+        for name, ex in trees.items():
+            logits = ex.compute_logits(ex.execute(ids, pos, meta))
+            err = float((logits - reference).abs().max() / reference.abs().max())
+            step = lambda ex=ex: ex.compute_logits(ex.execute(ids, pos, meta))  # noqa: E731
+            pipelined = time_cuda_pipelined(step)
+            per_tree[name] = {"err": err, "pipelined_ms": pipelined, "host": []}
+        for _ in range(args.repeats):  # interleaved, so a noisy spell hits both trees
+            for name, ex in trees.items():
+                per_tree[name]["host"].append(
+                    host_time_us(ex, [(ids, pos, meta)], iters=args.steps)
+                )
+        for name, r in per_tree.items():
+            rows.append({
+                "shape": shape, "batch": batch, "tree": name,
+                "host_us_median": statistics.median(r["host"]),
+                "host_us_runs": " ".join(f"{v:.1f}" for v in r["host"]),
+                "pipelined_ms": r["pipelined_ms"], "read_floor_ms": read_floor_ms,
+                "x_read_floor": r["pipelined_ms"] / read_floor_ms,
+                "max_rel_err_vs_eager": r["err"],
+            })  # fmt: skip
+    steps = [
+        (row, trees[row["tree"]], decode_metadata(row["batch"], CTX, device, config["vocab_size"]))
+        for row in rows
+    ]
+    return rows, steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["llama3-8b"])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--baseline", type=Path, help="root of an earlier tree to compare with")
+    args = parser.parse_args()
+    read_rate = read_bandwidth()["read"]
+    print(f"read ceiling {read_rate / 1e12:.2f} TB/s")
+    rows, counted = [], []
+    for shape in args.shapes:
+        shape_rows, steps = measure_shape(shape, args.batches, args, read_rate)
+        print(table(shape_rows, f"--- {shape}"), flush=True)
+        rows += shape_rows
+        counted += steps
+    for row, ex, step in counted:  # last: the profiler slows every later CUDA call of a process
+        row["runtime_calls_per_step"] = _runtime_calls(ex, *step)
+    print(
+        table(
+            rows,
+            f"host us inside execute per graph decode step (median of {args.steps} idle-entry "
+            f"calls, {args.repeats} runs), ctx {CTX}, bf16; pipelined step against its read floor",
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
