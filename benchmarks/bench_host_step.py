@@ -14,7 +14,7 @@ calls of one step, outside the graph, counted with the profiler (after every tim
 profiler has run in a process, CUDA calls cost more).
 
     python -m benchmarks.bench_host_step [--shapes llama3-8b llama3.2-1b] [--batches 1 64]
-        [--repeats 5] [--steps 200] [--baseline DIR]
+        [--repeats 5] [--steps 200] [--baseline DIR] [--parts]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from benchmarks.bench_model import (
     random_model,
 )
 from benchmarks.common import read_bandwidth, table, time_cuda_pipelined
-from benchmarks.host_timing import host_time_us
+from benchmarks.host_timing import host_breakdown, host_time_us
 from xhal.executor import ExecutorConfig, ModelExecutor
 
 # runtime calls that queue device work (the graph launch included)
@@ -111,6 +111,14 @@ def measure_shape(
                 per_tree[name]["host"].append(
                     host_time_us(ex, [(ids, pos, meta)], iters=args.steps)
                 )
+        if args.parts:  # where it goes, and how the way the call is entered changes it
+            for name, ex in trees.items():
+                parts = host_breakdown(ex, ids, pos, meta, iters=args.steps)
+                per_tree[name]["parts"] = {
+                    **parts,
+                    "host_spun_us": host_time_us(ex, [(ids, pos, meta)], args.steps, "spun"),
+                    "host_busy_us": host_time_us(ex, [(ids, pos, meta)], 50, "busy"),
+                }
         for name, r in per_tree.items():
             rows.append({
                 "shape": shape, "batch": batch, "tree": name,
@@ -118,7 +126,7 @@ def measure_shape(
                 "host_us_runs": " ".join(f"{v:.1f}" for v in r["host"]),
                 "pipelined_ms": r["pipelined_ms"], "read_floor_ms": read_floor_ms,
                 "x_read_floor": r["pipelined_ms"] / read_floor_ms,
-                "max_rel_err_vs_eager": r["err"],
+                "max_rel_err_vs_eager": r["err"], **r.get("parts", {}),
             })  # fmt: skip
     steps = [
         (row, trees[row["tree"]], decode_metadata(row["batch"], CTX, device, config["vocab_size"]))
@@ -134,6 +142,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--baseline", type=Path, help="root of an earlier tree to compare with")
+    parser.add_argument(
+        "--parts",
+        action="store_true",
+        help="also the staging / plan / replay split (idle entry), and whole calls entered after "
+        "2 ms of spinning (spun) or with 20 ms of device work queued (busy, 50 calls)",
+    )
     args = parser.parse_args()
     read_rate = read_bandwidth()["read"]
     print(f"read ceiling {read_rate / 1e12:.2f} TB/s")
