@@ -100,12 +100,17 @@ def measure_shape(
         read = decode_read_bytes(config, weight_bytes, batch, CTX)
         read_floor_ms = read["honest"] / read_rate * 1e3
         per_tree: dict[str, dict] = {}
+        first = None  # this tree's logits: the baseline's must be the same bits
         for name, ex in trees.items():
             logits = ex.compute_logits(ex.execute(ids, pos, meta))
             err = float((logits - reference).abs().max() / reference.abs().max())
+            first = logits if first is None else first
             step = lambda ex=ex: ex.compute_logits(ex.execute(ids, pos, meta))  # noqa: E731
             pipelined = time_cuda_pipelined(step)
-            per_tree[name] = {"err": err, "pipelined_ms": pipelined, "host": []}
+            per_tree[name] = {
+                "err": err, "same_as_this_tree": bool(torch.equal(logits, first)),
+                "pipelined_ms": pipelined, "host": [],
+            }  # fmt: skip
         for _ in range(args.repeats):  # interleaved, so a noisy spell hits both trees
             for name, ex in trees.items():
                 per_tree[name]["host"].append(
@@ -126,7 +131,8 @@ def measure_shape(
                 "host_us_runs": " ".join(f"{v:.1f}" for v in r["host"]),
                 "pipelined_ms": r["pipelined_ms"], "read_floor_ms": read_floor_ms,
                 "x_read_floor": r["pipelined_ms"] / read_floor_ms,
-                "max_rel_err_vs_eager": r["err"], **r.get("parts", {}),
+                "max_rel_err_vs_eager": r["err"], "bitwise_as_this_tree": r["same_as_this_tree"],
+                **r.get("parts", {}),
             })  # fmt: skip
     steps = [
         (row, trees[row["tree"]], decode_metadata(row["batch"], CTX, device, config["vocab_size"]))
