@@ -60,3 +60,16 @@ def test_graph_steps_see_every_caller_table_after_wider_and_longer_ones() -> Non
         assert torch.equal(seen[:, :width], table), (rows, width)
         padded, _ = graphs._padded_metadata(4)
         assert set(padded.block_table.flatten().tolist()) <= staged_ids
+
+
+def test_a_strided_caller_table_still_arrives_whole() -> None:
+    """A caller's table that is a column slice of a wider one is not dense: the copy leaves the
+    one-launch path but must still stage the right rows."""
+    staged = StagedBlockTable(num_rows=2, max_width=4, device=torch.device("cpu"))
+    wider = torch.arange(1, 13, dtype=torch.int32).view(2, 6)
+    table = wider[:, 1:4]
+    assert not table.is_contiguous()
+    dst, src = staged.pairs(table)
+    torch._foreach_copy_(dst, src)
+    staged.lay_out(2)
+    assert staged.table[:, :3].tolist() == [[2, 3, 4], [8, 9, 10]]
