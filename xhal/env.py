@@ -115,10 +115,10 @@ def cuda_pdl() -> bool:
 
 
 def cuda_pdl_trigger() -> str:
-    """``XHAL_CUDA_PDL_TRIGGER``: where a PDL GEMV lets the next kernel launch, ``late`` (default:
-    after its weight stream, before its stores), ``early`` (right after its wait for the kernel
-    before) or ``auto`` (early below ``pdl.EARLY_BYTES`` of weight, late above)."""
-    value = os.environ.get("XHAL_CUDA_PDL_TRIGGER", "late").strip().lower()
-    if value not in ("late", "early", "auto"):
-        raise ValueError(f"XHAL_CUDA_PDL_TRIGGER={value!r}: use late (default), early or auto")
+    """``XHAL_CUDA_PDL_TRIGGER``: where a PDL GEMV lets the next kernel launch, ``auto`` (default:
+    right after its wait below ``pdl.EARLY_BYTES`` of weight, after its weight stream above),
+    ``early`` (always right after the wait) or ``late`` (always after the weight stream)."""
+    value = os.environ.get("XHAL_CUDA_PDL_TRIGGER", "auto").strip().lower()
+    if value not in ("auto", "early", "late"):
+        raise ValueError(f"XHAL_CUDA_PDL_TRIGGER={value!r}: use auto (default), early or late")
     return value

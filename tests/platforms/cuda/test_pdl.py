@@ -21,7 +21,7 @@ def test_the_switch_defaults_on_and_reads_its_values(monkeypatch) -> None:
     monkeypatch.delenv("XHAL_CUDA_PDL", raising=False)
     monkeypatch.delenv("XHAL_CUDA_PDL_TRIGGER", raising=False)
     assert env.cuda_pdl() is True
-    assert env.cuda_pdl_trigger() == "late"
+    assert env.cuda_pdl_trigger() == "auto"
     monkeypatch.setenv("XHAL_CUDA_PDL", "0")
     assert env.cuda_pdl() is False
     monkeypatch.setenv("XHAL_CUDA_PDL", "maybe")
@@ -30,7 +30,7 @@ def test_the_switch_defaults_on_and_reads_its_values(monkeypatch) -> None:
     monkeypatch.setenv("XHAL_CUDA_PDL_TRIGGER", "Late")
     assert env.cuda_pdl_trigger() == "late"
     monkeypatch.setenv("XHAL_CUDA_PDL_TRIGGER", "soon")
-    with pytest.raises(ValueError, match="use late \\(default\\), early or auto"):
+    with pytest.raises(ValueError, match="use auto \\(default\\), early or late"):
         env.cuda_pdl_trigger()
 
 

@@ -16,12 +16,22 @@ The rule every PDL kernel here follows:
    kernel after it;
 3. it triggers its dependents ``EARLY`` (right after its wait) or ``LATE`` (after its weight
    stream, before its stores); small kernels always trigger early. A GEMV triggers as
-   ``XHAL_CUDA_PDL_TRIGGER`` says, ``LATE`` by default: the next kernel's programs, parked on the
-   SMs through a whole weight stream, cost more than the ramp they hide (H200, 2026-12-01 17:19
-   UTC, pipelined batch-1 steps, PDL off / GEMVs early / GEMVs late: Llama-3 8B shape 4.43 /
-   4.66 / 4.37 ms, 3.2-1B 1.09 / 1.07 / 1.04 ms, Qwen3-30B-A3B shape 3.22 / 3.05 / 3.11 ms; no
-   change at batch 64, where cuBLAS runs the projections). ``AUTO`` triggers early below
-   ``EARLY_BYTES`` of weight (the MoE shape's 17-21 MB attention GEMVs) and late above.
+   ``XHAL_CUDA_PDL_TRIGGER`` says, ``AUTO`` by default: early below ``EARLY_BYTES`` of weight,
+   late above, since the next kernel's programs, parked on the SMs through a long weight stream,
+   cost more than the ramp they hide, while a short stream gains from the earlier start.
+
+Measured on the H200 (2026-12-01, pipelined batch-1 decode steps, each setting's graphs captured
+and timed in one process, ``benchmarks/bench_model.py --pdl`` / ``bench_moe.py --pdl``; two runs,
+17:19 and 17:28 UTC, "all early" in the first only, "auto" in the second only):
+
+| step | off | all early | all late | auto |
+|---|---|---|---|---|
+| Llama-3 8B shape | 4.43 / 4.42 ms | 4.66 | 4.37 / 4.37 | 4.37 |
+| Llama-3.2 1B shape | 1.09 / 1.08 ms | 1.07 | 1.04 / 1.05 | 1.03 |
+| Qwen3-30B-A3B shape | 3.22 / 3.22 ms | 3.05 | 3.11 / 3.13 | 3.07 |
+
+At batch 64 (cuBLAS projections) it changes nothing measurable (8B: 9.20 off, 9.23 auto).
+The sixth session's PDL, early for every GEMV, lost in the 8B step for the same reason.
 
 A non-PDL kernel (cuBLAS, FlashInfer, torch) in the chain is safe either way: it starts only once
 the kernel ahead has finished, and a PDL kernel after it launches when it finishes.
