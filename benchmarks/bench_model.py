@@ -7,13 +7,21 @@ earlier runs reported, kept comparable), and ``read_floor_ms``, the bytes a step
 embedding row per sequence instead of the whole table, unless it is tied to the LM head; every
 other weight; the KV) at the read-only streaming rate measured in the same run.
 
+``--pdl off early late auto`` adds the same model's decode graphs captured once per programmatic
+dependent launch setting (``XHAL_CUDA_PDL`` / ``XHAL_CUDA_PDL_TRIGGER``, ``pdl_variant``) to the
+same process, timed one after the other against the same floor, with their kernels per layer.
+
     python -m benchmarks.bench_model \\
         [--shape llama3-8b|llama3.2-1b] [--quick] [--no-hf | --hf-eager-only] [--profile]
+        [--pdl off early late auto]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+from collections.abc import Iterator
 
 import torch
 
@@ -122,8 +130,36 @@ def prefill_metadata(
     return ids, torch.arange(tokens, dtype=torch.int32, device=device), meta
 
 
-def profile_kernels(step, title: str, iters: int = 5, num_layers: int | None = None) -> None:
-    """Which kernels a step runs and their device time (CUPTI sees inside graph replays)."""
+PDL_VARIANTS = {
+    "off": ("0", "auto"),
+    "early": ("1", "early"),
+    "late": ("1", "late"),
+    "auto": ("1", "auto"),
+}
+
+
+@contextlib.contextmanager
+def pdl_variant(name: str) -> Iterator[None]:
+    """``XHAL_CUDA_PDL`` and ``XHAL_CUDA_PDL_TRIGGER`` set for one of ``PDL_VARIANTS`` while the
+    block runs (the kernels read them at launch, so a graph captured inside keeps them)."""
+    keys = ("XHAL_CUDA_PDL", "XHAL_CUDA_PDL_TRIGGER")
+    saved = {key: os.environ.get(key) for key in keys}
+    os.environ.update(zip(keys, PDL_VARIANTS[name]))
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def profile_kernels(
+    step, title: str, iters: int = 5, num_layers: int | None = None
+) -> tuple[float, float]:
+    """Which kernels a step runs and their device time (CUPTI sees inside graph replays); returns
+    (launches, device us) per step."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -146,6 +182,7 @@ def profile_kernels(step, title: str, iters: int = 5, num_layers: int | None = N
             f"  {e.count / iters:6.0f} x {e.self_device_time_total / e.count:8.2f} us = "
             f"{e.self_device_time_total / iters:8.1f} us  {e.key[:90]}"
         )
+    return launches, total
 
 
 def hf_decode_step(batch: int, ctx: int, device, config: dict = CONFIG, compiled: bool = False):
@@ -203,6 +240,50 @@ def hf_decode_ms(batch: int, ctx: int, device, compiled: bool, config: dict = CO
     return ms
 
 
+def pdl_peers(
+    model, platform, caches, batches: list[int], variants: list[str], config: dict,
+    rows: list[dict], kernels: bool,
+) -> list[dict]:
+    """The decode graphs captured and timed once per PDL variant, against the floors of ``rows``
+    (the default executor's), in variant order per batch; ``kernels`` adds each one's profile."""
+    device = platform.device()
+    executors = {}
+    for name in variants:
+        with pdl_variant(name):
+            cfg = ExecutorConfig(
+                dtype=torch.bfloat16,
+                block_size=BLOCK,
+                max_num_seqs=max(batches),
+                max_model_len=CTX + 64,
+                decode_graph_sizes=tuple(batches),
+            )
+            executors[name] = ex = ModelExecutor(model, platform, cfg)
+            ex.bind_kv_caches(caches)
+            ex.capture_graphs()
+    out = []
+    for row in rows:
+        batch = row["batch"]
+        ids, pos, meta = decode_metadata(batch, CTX, device, config["vocab_size"])
+        for name, ex in executors.items():
+            step = lambda ex=ex: ex.compute_logits(ex.execute(ids, pos, meta))  # noqa: E731
+            r = {"batch": batch, "pdl": name, "graph_ms": time_cuda(step, iters=30, warmup=3)}
+            r["pipelined_ms"] = time_cuda_pipelined(step)
+            r["x_read_floor"] = r["pipelined_ms"] / row["read_floor_ms"]
+            out.append(r)
+    if kernels:  # after every timing (CUPTI slows later CUDA calls)
+        layers = config["num_hidden_layers"]
+        for r in out:
+            ex = executors[r["pdl"]]
+            ids, pos, meta = decode_metadata(r["batch"], CTX, device, config["vocab_size"])
+            launches, us = profile_kernels(
+                lambda ex=ex: ex.compute_logits(ex.execute(ids, pos, meta)),
+                f"graph decode, batch {r['batch']}, PDL {r['pdl']}",
+                num_layers=layers,
+            )
+            r["launches/layer"], r["device_us/layer"] = launches / layers, us / layers
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
@@ -222,6 +303,13 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="cProfile the host side of execute")
     parser.add_argument(
         "--kernels", action="store_true", help="only the per-step kernel profile of --profile"
+    )
+    parser.add_argument(
+        "--pdl",
+        nargs="+",
+        choices=sorted(PDL_VARIANTS),
+        default=[],
+        help="also capture and time the decode graphs once per PDL setting (same process)",
     )
     args = parser.parse_args()
     ceil = ceilings()
@@ -287,6 +375,8 @@ def main() -> None:
                 row["host_replan_us"] = host_time_us(ex, [(ids, pos, meta), longer])
         row["graph_speedup"] = row["eager_ms"] / row["graph_ms"]
         rows.append(row)
+    if args.pdl:  # the PDL peers, timed before any profile
+        pdl_rows = pdl_peers(model, platform, caches, batches, args.pdl, config, rows, args.kernels)
     if args.profile:  # after every timing: once CUPTI has run in a process, CUDA calls cost more
         ex = executors[False]
         for batch in batches:
@@ -302,7 +392,7 @@ def main() -> None:
                     f"--- host us per step by call, graph decode, batch {batch}",
                 )
             )
-    if args.profile or args.kernels:
+    if args.profile or (args.kernels and not args.pdl):  # --pdl profiles each of its graphs
         ex = executors[False]
         for batch in batches:
             ids, pos, meta = decode_metadata(batch, CTX, device, vocab)
@@ -319,6 +409,14 @@ def main() -> None:
             "floor = (weights + KV) / copy rate, read_floor = (bytes really read) / read rate",
         )
     )
+    if args.pdl:
+        print(
+            table(
+                pdl_rows,
+                f"decode graphs per PDL setting, {args.shape} shape, same process and floors "
+                "(launches and device us per layer from the kernel profile, with --kernels)",
+            )
+        )
     tokens = 4096
     ids, pos, meta = prefill_metadata(tokens, device, vocab)
     ex = executors[True]

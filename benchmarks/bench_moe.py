@@ -8,6 +8,10 @@ attention and router weights, the LM head and one embedding row per token, and t
 
     python -m benchmarks.bench_moe [--batches 1 16 64] [--layers 48] [--hf-batches 1] [--no-hf]
                                    [--sweep-batches 1 2 4 8 16] [--no-sweep] [--profile]
+                                   [--pdl off early late auto]
+
+``--pdl`` adds the decode graphs captured once per programmatic dependent launch setting
+(``bench_model.pdl_variant``), timed in the same process against the same floors.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from pathlib import Path
 import torch
 
 import xhal
-from benchmarks.bench_model import decode_metadata
+from benchmarks.bench_model import PDL_VARIANTS, decode_metadata, pdl_variant, profile_kernels
 from benchmarks.common import ceilings, table, time_cuda, time_cuda_pipelined, time_graph
 from models import load_model
 from xhal.executor import ExecutorConfig, ModelExecutor
@@ -253,6 +257,13 @@ def main() -> None:
         help="batches of the expert sweep (grouped GEMM tiles against the pair-GEMV path)",
     )
     parser.add_argument("--profile", action="store_true", help="kernels per graph step, per batch")
+    parser.add_argument(
+        "--pdl",
+        nargs="+",
+        choices=sorted(PDL_VARIANTS),
+        default=[],
+        help="also capture and time the decode graphs once per PDL setting (same process)",
+    )
     args = parser.parse_args()
     config = {**CONFIG, "num_hidden_layers": args.layers}
     ceil = ceilings()
@@ -279,7 +290,13 @@ def main() -> None:
         ex.bind_kv_caches(caches)
     capture = executors[False].capture_graphs(progress=False)
     print(f"decode graph capture: {capture['graphs']} buckets in {capture['seconds']:.1f} s")
-    rows = []
+    peers = {}
+    for name in args.pdl:
+        with pdl_variant(name):
+            peers[name] = peer = ModelExecutor(model, platform, executors[False].config)
+            peer.bind_kv_caches(caches)
+            peer.capture_graphs(progress=False)
+    rows, pdl_rows = [], []
     for batch in batches:
         ids, pos, meta = decode_metadata(batch, CTX, device)
         per_layer = routed_experts(model, executors[True], ids, pos, meta)
@@ -303,9 +320,20 @@ def main() -> None:
                 row["pipelined_ms"] = time_cuda_pipelined(step, steps=10, reps=3)
                 row["pipelined_x_floor"] = row["pipelined_ms"] / floor_ms
         row["graph_speedup"] = row["eager_ms"] / row["graph_ms"]
-        if args.profile:
-            from benchmarks.bench_model import profile_kernels
-
+        timed = []
+        for name, peer in peers.items():
+            step = lambda peer=peer: peer.compute_logits(peer.execute(ids, pos, meta))  # noqa: E731
+            r = {"batch": batch, "pdl": name, "graph_ms": time_cuda(step, iters=30, warmup=2)}
+            r["pipelined_ms"] = time_cuda_pipelined(step, steps=10, reps=3)
+            r["pipelined_x_floor"] = r["pipelined_ms"] / floor_ms
+            timed.append((r, step))
+        for r, step in timed if args.profile else ():  # after this batch's timings
+            launches, us = profile_kernels(
+                step, f"batch {batch}, PDL {r['pdl']}", num_layers=args.layers
+            )
+            r["launches/layer"], r["device_us/layer"] = launches / args.layers, us / args.layers
+        pdl_rows += [r for r, _ in timed]
+        if args.profile and not peers:  # --pdl profiles each of its graphs instead
             graph = executors[False]
             profile_kernels(
                 lambda: graph.compute_logits(graph.execute(ids, pos, meta)),
@@ -361,6 +389,8 @@ def main() -> None:
             )
         )
     print(table(rows, title))
+    if pdl_rows:
+        print(table(pdl_rows, "decode graphs per PDL setting, same process and floors as above"))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@
 #   model-1b, model-1b-fi   the Llama-3.2-1B shape at batch 1, likewise
 #   moe           the Qwen3-30B-A3B-shaped MoE step at batch 1, 16 and 64
 #   solutions     every implementation of every decode op (bench_solutions)
+#   pdl-1b, pdl-8b, pdl-moe   programmatic dependent launch off / early / late / auto (--pdl): the 1B
+#                 shape at batch 1, the 8B shape at batch 1 and 64, the MoE shape at batch 1, each
+#                 setting's graphs captured and timed in one process, kernels per layer
+#   pdl-conformance  the fused, graph, ops and attention families with XHAL_CUDA_PDL=1
 # Split the stages over two calls where one call's time limit is short, e.g.
 # `scripts/verify_h200.sh conformance model-8b model-8b-fi model-1b`, then `... moe solutions`.
 set -uo pipefail
@@ -25,10 +29,14 @@ stage() {  # stage NAME TIMEOUT [ENV=VALUE ...] -- GPU_RUN_STAGE [BENCH_ARGS]
   env "${envs[@]}" OUT="$root/$name" STAGE_TIMEOUT="$timeout" BENCH_ARGS="$*" \
     bash scripts/gpu_run.sh "$what" > "$root/$name.log" 2>&1 || status=1
   tail -n 15 "$root/$name.log"
+  # few files come back from a device call: one log, appended stage by stage so a call cut at
+  # its time limit still brings back the stages it finished
+  [ -n "${OUT:-}" ] && { echo "##### $root/$name.log"; cat "$root/$name.log"; } >> "$OUT/verify.log"
 }
 mkdir -p "$root"
 model="--no-hf --kernels"
 fi=XHAL_KERNEL_PAGED_DECODE_ATTENTION=flashinfer
+pdl=${PDL_VARIANTS:-off early late auto}  # the --pdl settings of the pdl-* stages
 for name in ${*:-conformance model-8b model-8b-fi model-1b model-1b-fi moe solutions}; do
   case $name in
     conformance) stage $name "${CONF_TIMEOUT:-240}" -- conformance-cuda ;;
@@ -38,11 +46,16 @@ for name in ${*:-conformance model-8b model-8b-fi model-1b model-1b-fi moe solut
     model-1b-fi) stage $name "${MODEL_TIMEOUT:-90}" $fi -- bench_model --shape llama3.2-1b --batches 1 $model ;;
     moe) stage $name "${MOE_TIMEOUT:-150}" -- bench_moe --batches 1 16 64 --no-hf --no-sweep --profile ;;
     solutions) stage $name "${SOLUTIONS_TIMEOUT:-240}" -- bench_solutions ;;
-    *) echo "unknown stage $name (conformance model-8b model-8b-fi model-1b model-1b-fi moe solutions)"; exit 2 ;;
+    pdl-1b) stage $name "${MODEL_TIMEOUT:-90}" -- bench_model --shape llama3.2-1b --batches 1 $model --pdl $pdl ;;
+    pdl-8b) stage $name "${MODEL_TIMEOUT:-90}" -- bench_model --shape llama3-8b --batches 1 64 $model --pdl $pdl ;;
+    pdl-moe) stage $name "${MOE_TIMEOUT:-150}" -- bench_moe --batches 1 --no-hf --no-sweep --profile --pdl $pdl ;;
+    pdl-conformance) stage $name "${CONF_TIMEOUT:-240}" XHAL_CUDA_PDL=1 \
+      CONF_ARGS="${PDL_FAMILIES:---family fused --family graph --family ops --family attention}" -- conformance-cuda ;;
+    *) echo "unknown stage $name (conformance model-8b model-8b-fi model-1b model-1b-fi moe solutions pdl-1b pdl-8b pdl-moe pdl-conformance)"; exit 2 ;;
   esac
 done
-if [ -n "${OUT:-}" ]; then  # few files come back from a device call: one log, one report
-  for f in "$root"/*.log; do echo "##### $f"; cat "$f"; done > "$OUT/verify.log"
+if [ -n "${OUT:-}" ]; then  # and the conformance reports
   cp "$root"/conformance/conformance-cuda.json "$OUT/" 2>/dev/null
+  cp "$root"/pdl-conformance/conformance-cuda.json "$OUT/conformance-cuda-pdl.json" 2>/dev/null
 fi
 exit $status

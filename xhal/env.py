@@ -107,6 +107,18 @@ def cuda_fused() -> bool:
 
 
 def cuda_pdl() -> bool:
-    """``XHAL_CUDA_PDL=1``: launch the CUDA platform's decode GEMVs with programmatic dependent
-    launch (sm_90+), so each is scheduled while the kernel before it drains; off by default."""
-    return _flag("XHAL_CUDA_PDL", False)
+    """``XHAL_CUDA_PDL``: launch the CUDA platform's decode kernels (GEMVs, fused GEMVs, rotary +
+    KV write, norms, the MoE router) with programmatic dependent launch on sm_90+, so each is
+    scheduled while the kernel before it drains (``xhal/platforms/cuda/pdl.py``: the rule each
+    kernel follows, and what it measured); on by default, ``0`` turns it off."""
+    return _flag("XHAL_CUDA_PDL", True)
+
+
+def cuda_pdl_trigger() -> str:
+    """``XHAL_CUDA_PDL_TRIGGER``: where a PDL GEMV lets the next kernel launch, ``auto`` (default:
+    right after its wait below ``pdl.EARLY_BYTES`` of weight, after its weight stream above),
+    ``early`` (always right after the wait) or ``late`` (always after the weight stream)."""
+    value = os.environ.get("XHAL_CUDA_PDL_TRIGGER", "auto").strip().lower()
+    if value not in ("auto", "early", "late"):
+        raise ValueError(f"XHAL_CUDA_PDL_TRIGGER={value!r}: use auto (default), early or late")
+    return value

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from xhal import env
 from xhal.interfaces.ops import DeviceOps
 from xhal.platforms.common import sampling
+from xhal.platforms.cuda import pdl
 from xhal.platforms.cuda.kernels import (
     fused_gemv,
     gemv,
@@ -36,7 +37,7 @@ class CudaOps(DeviceOps):
 
     def __init__(self) -> None:
         self._gemv_loaded: set[tuple] = set()
-        self.fused, self.pdl = env.cuda_fused(), env.cuda_pdl()
+        self.fused = env.cuda_fused()
         rows = env.cuda_gemv_max_rows(gemv.MAX_M)
         if rows is not None:
             self.gemv_max_rows = rows
@@ -47,16 +48,21 @@ class CudaOps(DeviceOps):
         batch-1 8B step took 49 ms with it in every linear, 17 ms in an earlier run without),
         while a graph replays it for free. Compiling and loading a kernel cannot happen under
         capture, so the first eager call of a shape (the graph runner's warm-up) launches our
-        kernel once and later captures of that shape use it."""
-        key = ("linear", x.shape[0], *weight.shape, x.stride(), x.dtype, x.device, bias is not None)
+        kernel once and later captures of that shape use it. With PDL on (pdl.py) the GEMV is
+        the stream kernel, which waits for its input after loading its first weight tile."""
+        use_pdl = pdl.mode(x.device)
+        key = (
+            "linear", x.shape[0], *weight.shape, x.stride(), x.dtype, x.device, bias is not None,
+            use_pdl,
+        )
         if (
             x.dim() == 2 and x.shape[0] <= self.gemv_max_rows and gemv.supports_gemv(x, weight)
             and self._graph_kernel(key)
         ):
             if x.shape[0] <= gemv.MAX_CORE_M and (
-                self.pdl or (x.shape[0] == 1 and (0, *weight.shape) in fused_gemv.TUNED)
+                use_pdl or (x.shape[0] == 1 and (0, *weight.shape) in fused_gemv.TUNED)
             ):
-                return fused_gemv.stream_gemv(x, weight, bias, use_pdl=self.pdl)
+                return fused_gemv.stream_gemv(x, weight, bias, use_pdl=use_pdl)
             return gemv.gemv(x, weight, bias)
         return F.linear(x, weight, bias)
 
@@ -74,6 +80,7 @@ class CudaOps(DeviceOps):
     def add_rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias=None):
         """One fused kernel (fused_gemv.add_rms_norm_gemv) for one-row decode in a graph; the
         unfused sequence otherwise (or with XHAL_CUDA_FUSED=0)."""
+        use_pdl = pdl.mode(x.device)
         if (
             self.fused
             and x.dim() == 2
@@ -90,17 +97,19 @@ class CudaOps(DeviceOps):
                     x.dtype,
                     x.device,
                     bias is not None,
+                    use_pdl,
                 )
             )
         ):
             return fused_gemv.add_rms_norm_gemv(
-                x, residual, norm_weight, eps, weight, bias, use_pdl=self.pdl
+                x, residual, norm_weight, eps, weight, bias, use_pdl=use_pdl
             )
         return super().add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
 
     def silu_and_mul_linear(self, x, weight, bias=None):
         """One fused kernel (fused_gemv.silu_and_mul_gemv) for one-row decode in a graph; the
         unfused sequence otherwise (or with XHAL_CUDA_FUSED=0)."""
+        use_pdl = pdl.mode(x.device)
         if (
             self.fused
             and x.dim() == 2
@@ -115,10 +124,11 @@ class CudaOps(DeviceOps):
                     x.dtype,
                     x.device,
                     bias is not None,
+                    use_pdl,
                 )
             )
         ):
-            return fused_gemv.silu_and_mul_gemv(x, weight, bias, use_pdl=self.pdl)
+            return fused_gemv.silu_and_mul_gemv(x, weight, bias, use_pdl=use_pdl)
         return super().silu_and_mul_linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

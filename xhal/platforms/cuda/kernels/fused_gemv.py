@@ -16,11 +16,12 @@ split) replaces two or three:
   fused family for the tolerance). Programs of the first row block also store the new residual.
 - silu: ``silu(gate) * up`` rounded to the dtype, exactly the unfused op's input to the GEMV.
 
-Programmatic dependent launch (sm_90+, ``use_pdl``): the kernel is launched with the PDL
-attribute, so it is scheduled while the previous kernel drains; it loads its first weight tile
-(weights never depend on earlier kernels) and then waits (``griddepcontrol``) before its first
-load of x; it also lets the next kernel launch early. Every kernel that reads this
-one's output must itself wait (CUDA guarantees that for kernels launched without the attribute).
+Programmatic dependent launch (sm_90+, ``use_pdl``, the rule in ``xhal/platforms/cuda/pdl.py``):
+the kernel is launched with the PDL attribute, so it is scheduled while the previous kernel
+drains; it loads its first weight tile (weights never depend on earlier kernels) and then waits
+(``griddepcontrol``) before its first load of x; it lets the next kernel launch right after that
+wait (``pdl.EARLY``) or after its weight stream (``pdl.LATE``). ``use_pdl=0`` compiles the kernel
+without any of it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from xhal.platforms.cuda import pdl
 from xhal.platforms.cuda.kernels.gemv import (
     _DTYPES,
     _TILES,
@@ -93,6 +95,7 @@ def _fused_gemv_kernel(
     w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x (and the residual) come from the previous kernel
+    if USE_PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
     acc, sq = _step(
         acc,
@@ -134,6 +137,8 @@ def _fused_gemv_kernel(
             K,
             PROLOGUE,
         )
+    if USE_PDL == 2:  # the weights are streamed: the next kernel's programs may take the SMs
+        tl.extra.cuda.gdc_launch_dependents()
     out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     if PROLOGUE == 1:
         sumsq = tl.sum(sq, axis=1)  # [BLOCK_M], this split's part
@@ -251,7 +256,7 @@ def _launch(
     norm_weight: torch.Tensor | None,
     eps: float,
     config: tuple[int, int, int, int, int] | None,
-    use_pdl: bool,
+    use_pdl: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     M, N, K = x.shape[0], weight.shape[0], weight.shape[1]
     if x.stride(-1) != 1:
@@ -285,7 +290,8 @@ def _launch(
         if split_k == 1 or prologue != _NORM
         else torch.empty((split_k, M), dtype=torch.float32, device=x.device)
     )
-    pdl = {"launch_pdl": True} if use_pdl else {}
+    use_pdl = pdl.gemv_trigger(int(use_pdl), weight.numel() * weight.element_size())
+    pdl_options = pdl.launch_options(use_pdl)
     _fused_gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
         x,
         res_arg,
@@ -313,7 +319,7 @@ def _launch(
         USE_PDL=use_pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **pdl,
+        **pdl_options,
     )
     if split_k > 1:
         _fused_reduce_kernel[(triton.cdiv(M * N, _REDUCE_BLOCK),)](
@@ -331,7 +337,7 @@ def _launch(
             HAS_BIAS=bias is not None,
             BLOCK=_REDUCE_BLOCK,
             USE_PDL=use_pdl,
-            **pdl,
+            **pdl_options,
         )
     return out, summed
 
@@ -344,11 +350,12 @@ def add_rms_norm_gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: tuple[int, int, int, int, int] | None = None,
-    use_pdl: bool = False,
+    use_pdl: int = pdl.OFF,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) @ weight.T + bias, x + residual)`` in one launch (two when K is
     split). Needs x, residual ``[M <= 16, K]`` (last dim contiguous or copied), weight ``[N, K]``
-    contiguous, fp16 / bf16 / fp32; use_pdl needs sm_90+. Graph-safe once compiled."""
+    contiguous, fp16 / bf16 / fp32; use_pdl (``pdl.OFF``, ``EARLY``, ``LATE`` or ``AUTO``; True
+is EARLY) needs sm_90+. Graph-safe once compiled."""
     _check("add_rms_norm_gemv", x, weight, x.shape[-1])
     if residual.shape != x.shape or norm_weight.shape != (x.shape[-1],):
         raise ValueError(
@@ -365,7 +372,7 @@ def silu_and_mul_gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: tuple[int, int, int, int, int] | None = None,
-    use_pdl: bool = False,
+    use_pdl: int = pdl.OFF,
 ) -> torch.Tensor:
     """``(silu(x[:, :I]) * x[:, I:]) @ weight.T + bias`` in one launch (two when K is split).
     Needs x ``[M <= 16, 2I]``, weight ``[N, I]`` contiguous, fp16 / bf16 / fp32; use_pdl sm_90+."""
@@ -380,7 +387,7 @@ def stream_gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: tuple[int, int, int, int, int] | None = None,
-    use_pdl: bool = False,
+    use_pdl: int = pdl.OFF,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` on this file's layout (``gemv.gemv`` without the tensor-core
     path, with PDL as an option). Needs x ``[M <= 16, K]``, weight ``[N, K]`` contiguous."""

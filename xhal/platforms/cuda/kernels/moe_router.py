@@ -11,6 +11,10 @@ that finishes a token last (an acquire-release counter per token) reads the toke
 and routes them with the routing kernel's own code (``moe_route.softmax_top_k``), then zeroes the
 counter, so the next launch, or the next replay of a captured graph, starts from zero. The
 results are therefore those of the unfused sequence whatever order the programs run in.
+
+With programmatic dependent launch (``pdl.py``) the router rows are loaded before the wait for
+the kernel that produced the hidden row: the counter was last written by this kernel's previous
+launch, which finished before the kernel right ahead did.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from xhal.platforms.cuda import pdl
 from xhal.platforms.cuda.kernels.moe_route import softmax_top_k
 
 MAX_TOKENS = 16  # beyond, a step has the launches to spare and the router reread per token grows
@@ -56,7 +61,7 @@ def _norm_route_kernel(
     counter_ptr, x_stride, res_stride, eps,
     HIDDEN: tl.constexpr, E: tl.constexpr, K: tl.constexpr, NUM_BLOCKS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
+    RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
@@ -72,6 +77,9 @@ def _norm_route_kernel(
         mask=rm[:, None] & hm[None, :],
         other=0.0,
     )
+    if USE_PDL:  # every program waits (pdl.py): x and the residual come from the kernel before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + token * x_stride + hs, mask=hm, other=0.0).to(tl.float32)
     r = tl.load(res_ptr + token * res_stride + hs, mask=hm, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + hs, mask=hm, other=0.0).to(tl.float32)
@@ -116,11 +124,12 @@ def add_rms_norm_route(
     renormalize: bool,
     num_warps: int | None = None,
     row_programs: int = ROW_PROGRAMS,
+    use_pdl: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``DeviceOps.add_rms_norm_moe_route`` in one launch, for inputs ``supports`` accepts:
     ``(router_logits [T, E], normed [T, H], summed [T, H], weights float32 [T, k], ids int32
     [T, k])``. ``num_warps`` and ``row_programs`` (programs per token) override the launch
-    shape (benchmarks/bench_moe_ops.py)."""
+    shape (benchmarks/bench_moe_ops.py); ``use_pdl`` defaults to ``pdl.small_kernel(x.device)``."""
     num_tokens, hidden = x.shape
     num_experts = gate_weight.shape[0]
     if not 0 < top_k <= num_experts:
@@ -135,14 +144,16 @@ def add_rms_norm_route(
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
     block_h = triton.next_power_of_2(hidden)
+    use_pdl = pdl.small_kernel(x.device) if use_pdl is None else int(bool(use_pdl))
     _norm_route_kernel[(num_tokens, num_blocks)](
         x, residual, norm_weight, gate_weight, logits, normed, summed, weights, ids,
         _counter(x.device), x.stride(0), residual.stride(0), eps,
         HIDDEN=hidden, E=num_experts, K=top_k, NUM_BLOCKS=num_blocks, BLOCK_H=block_h,
         BLOCK_R=block_r, BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK_K=max(2, triton.next_power_of_2(top_k)), RENORMALIZE=renormalize,
+        BLOCK_K=max(2, triton.next_power_of_2(top_k)), RENORMALIZE=renormalize, USE_PDL=use_pdl,
         # one warp keeps the last program's k + 3 reductions in shuffles, as the routing kernel
         # does (bench_moe_ops, 14:40 UTC, hidden 2048, 2 rows: 6.5 us with 1 warp, 7.8 with 4)
         num_warps=num_warps or (1 if block_r * block_h <= 4096 else 4),
+        **pdl.launch_options(use_pdl),
     )
     return logits, normed, summed, weights, ids

@@ -1,7 +1,11 @@
 """Rotary embedding fused with the paged KV write: one launch rotates q (out of place), rotates k
 straight into the key cache and copies v into the value cache at each token's slot (slot -1: not
 written). It replaces the rotary launch and the KV-write launch of an attention layer; the
-rotation is ``rotary.py``'s (NeoX or GPT-J pairs, float32 cos/sin table, partial rotary)."""
+rotation is ``rotary.py``'s (NeoX or GPT-J pairs, float32 cos/sin table, partial rotary).
+
+With programmatic dependent launch (``pdl.py``) a program reads the position, its cos / sin and
+the slot (host-uploaded metadata and a constant table) before waiting for the projection that
+produced q, k and v."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from xhal.platforms.cuda import pdl
 from xhal.platforms.cuda.kernels.rotary import rotate_store
 
 
@@ -18,6 +23,7 @@ def _rotary_kv_kernel(
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, cache_stride,
     HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, IS_NEOX: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -26,6 +32,10 @@ def _rotary_kv_kernel(
     m = i < HALF
     cos = tl.load(cache_ptr + pos * cache_stride + i, mask=m, other=0.0)
     sin = tl.load(cache_ptr + pos * cache_stride + HALF + i, mask=m, other=0.0)
+    if USE_PDL:  # every program waits (pdl.py): q, k and v come from the kernel before
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if head < HQ:
         src = q_ptr + token * q_stride_t + head * q_stride_h
         rotate_store(
@@ -33,7 +43,8 @@ def _rotary_kv_kernel(
         )
     else:
         kv_head = head - HQ
-        slot = tl.load(slot_ptr + token).to(tl.int64)
+        if not USE_PDL:
+            slot = tl.load(slot_ptr + token).to(tl.int64)
         if slot >= 0:  # padding tokens (slot -1) are never written
             dst = slot * (HK * D) + kv_head * D  # caches: [num_blocks * block_size, HK, D]
             src = k_ptr + token * k_stride_t + kv_head * k_stride_h
@@ -54,12 +65,14 @@ def rotary_write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    use_pdl: int | None = None,
 ) -> torch.Tensor:
     """Rotated q ``[T, H, D]`` (new, contiguous); rotated k and v written into the contiguous
     caches ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping`` (-1 skipped). q, k, v may be
     strided (last dim contiguous or copied); positions int32 / int64 ``[T]``; cos_sin_cache
     float32 ``[max_position, rotary_dim]``. Any CUDA GPU Triton runs on; graph-safe once
-    compiled."""
+    compiled. ``use_pdl``: ``pdl.small_kernel(q.device)`` when None (the attention backends'
+    calls)."""
     num_tokens, hq, d = q.shape
     hk = k.shape[1]
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape[-2:] != (hk, d):
@@ -72,6 +85,7 @@ def rotary_write_kv(
         cos_sin_cache = cos_sin_cache.float().contiguous()
     half = cos_sin_cache.shape[-1] // 2
     q_out = q.new_empty(q.shape)
+    use_pdl = pdl.small_kernel(q.device) if use_pdl is None else int(bool(use_pdl))
     if num_tokens:
         tail = d - 2 * half
         _rotary_kv_kernel[(num_tokens, hq + hk)](
@@ -99,6 +113,8 @@ def rotary_write_kv(
             BLOCK_HALF=triton.next_power_of_2(half),
             BLOCK_TAIL=triton.next_power_of_2(tail) if tail else 0,
             IS_NEOX=is_neox,
+            USE_PDL=use_pdl,
             num_warps=1,
+            **pdl.launch_options(use_pdl),
         )
     return q_out

@@ -1,0 +1,100 @@
+"""Programmatic dependent launch (PDL, sm_90+) across the decode chain of our Triton kernels.
+
+A kernel launched with PDL may be scheduled while the kernel ahead of it in the stream still
+runs: its programs start, do what does not depend on that kernel, then wait (``griddepcontrol
+.wait``, Triton's ``gdc_wait``) until it has finished and its stores are visible. The kernel ahead
+lets it launch by calling ``gdc_launch_dependents`` (or by finishing). Inside a decode graph that
+hides each small kernel's launch and ramp behind its predecessor's tail.
+
+The rule every PDL kernel here follows:
+
+1. before its wait it reads only what no kernel of the step writes: weights, constant tables
+   (cos / sin), host-uploaded metadata (positions, slot mapping); it writes nothing, since its
+   outputs may reuse memory the kernel ahead still reads (graph pools recycle buffers);
+2. every program waits, also one with nothing to read: a wait covers only the kernel right
+   ahead, so a grid that could finish before its own predecessor would break the chain for the
+   kernel after it;
+3. it triggers its dependents ``EARLY`` (right after its wait) or ``LATE`` (after its weight
+   stream, before its stores); small kernels always trigger early. A GEMV triggers as
+   ``XHAL_CUDA_PDL_TRIGGER`` says, ``AUTO`` by default: early below ``EARLY_BYTES`` of weight,
+   late above, since the next kernel's programs, parked on the SMs through a long weight stream,
+   cost more than the ramp they hide, while a short stream gains from the earlier start.
+
+Measured on the H200 (2026-12-01, pipelined batch-1 decode steps, each setting's graphs captured
+and timed in one process, ``benchmarks/bench_model.py --pdl`` / ``bench_moe.py --pdl``; two runs,
+17:19 and 17:28 UTC, "all early" in the first only, "auto" in the second only):
+
+| step | off | all early | all late | auto |
+|---|---|---|---|---|
+| Llama-3 8B shape | 4.43 / 4.42 ms | 4.66 | 4.37 / 4.37 | 4.37 |
+| Llama-3.2 1B shape | 1.09 / 1.08 ms | 1.07 | 1.04 / 1.05 | 1.03 |
+| Qwen3-30B-A3B shape | 3.22 / 3.22 ms | 3.05 | 3.11 / 3.13 | 3.07 |
+
+At batch 64 (cuBLAS projections) it changes nothing measurable (8B: 9.20 off, 9.23 auto).
+The sixth session's PDL, early for every GEMV, lost in the 8B step for the same reason.
+
+A non-PDL kernel (cuBLAS, FlashInfer, torch) in the chain is safe either way: it starts only once
+the kernel ahead has finished, and a PDL kernel after it launches when it finishes.
+
+``XHAL_CUDA_PDL`` is the one switch (``xhal.env.cuda_pdl``); ``mode`` reads it per call, so a
+graph captured with one setting keeps it, and a benchmark can capture the same model both ways.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from xhal import env
+
+OFF, EARLY, LATE, AUTO = 0, 1, 2, 3  # USE_PDL constexprs (OFF: the plain kernel), and AUTO
+EARLY_BYTES = 24 << 20  # GEMVs with less weight than this trigger EARLY under AUTO
+_TRIGGERS = {"early": EARLY, "late": LATE, "auto": AUTO}
+
+logger = logging.getLogger("xhal.platforms.cuda")
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+@functools.cache
+def _log_once(choice: str) -> None:
+    logger.info("programmatic dependent launch of the decode kernels: %s", choice)
+
+
+def mode(device: torch.device) -> int:
+    """``OFF``, or the GEMVs' trigger (``EARLY``, ``LATE``, ``AUTO``) for kernels launched on
+    ``device``: off unless the switch is on and the device is a CUDA GPU of compute capability
+    9.0 or more (the Triton interpreter's CPU tensors never take it)."""
+    if device.type != "cuda":
+        return OFF
+    if not env.cuda_pdl():
+        _log_once("off (XHAL_CUDA_PDL=1 turns it on)")
+        return OFF
+    if not _capable(device.index if device.index is not None else torch.cuda.current_device()):
+        _log_once("off (needs compute capability 9.0 or more)")
+        return OFF
+    trigger = env.cuda_pdl_trigger()
+    _log_once(f"on, GEMVs trigger {trigger} (XHAL_CUDA_PDL=0 turns it off)")
+    return _TRIGGERS[trigger]
+
+
+def small_kernel(device: torch.device) -> int:
+    """``USE_PDL`` of a kernel that always triggers early (rotary + KV write, norms, router)."""
+    return EARLY if mode(device) else OFF
+
+
+def gemv_trigger(use_pdl: int, weight_bytes: int) -> int:
+    """``USE_PDL`` of a GEMV streaming ``weight_bytes``: ``AUTO`` resolved by size."""
+    if use_pdl == AUTO:
+        return EARLY if weight_bytes < EARLY_BYTES else LATE
+    return use_pdl
+
+
+def launch_options(use_pdl: int) -> dict[str, bool]:
+    """The Triton launch keyword for a kernel compiled with ``USE_PDL=use_pdl``."""
+    return {"launch_pdl": True} if use_pdl else {}
