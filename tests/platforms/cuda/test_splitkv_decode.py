@@ -126,15 +126,17 @@ def test_scratch_too_small_is_refused() -> None:
 
 
 def test_backend_takes_small_decodes_and_keeps_the_graph_key_policy() -> None:
-    """Decode steps of at least ``min_seqs`` sequences run split (two splits here), smaller ones
-    on the fallback; a graph key refuses metadata tensors other than those it was planned with."""
+    """Decode steps of ``min_seqs`` up to ``max_seqs`` sequences run split (two splits here), the
+    others on the fallback; a graph key refuses metadata tensors other than those it was planned
+    with."""
     from conformance_tests.batches import Seq, build_batch
     from xhal.interfaces import AttentionSpec, BatchKind, LayerCache
     from xhal.platforms.cuda.splitkv_attention import SplitKVDecodeAttention
     from xhal.platforms.cuda.triton_attention import TritonAttention
 
     spec = AttentionSpec(8, 2, HEAD_DIM, torch.float32, PAGE)
-    backend = SplitKVDecodeAttention(spec, TritonAttention(spec), num_sms=4, min_seqs=3)
+    fallback = TritonAttention(spec)
+    backend = SplitKVDecodeAttention(spec, fallback, num_sms=4, min_seqs=3, max_seqs=4)
     g = torch.Generator().manual_seed(4)
     shape = (24, PAGE, 2, HEAD_DIM)
     cache = LayerCache(torch.randn(shape, generator=g).to(DEVICE),
@@ -151,7 +153,7 @@ def test_backend_takes_small_decodes_and_keeps_the_graph_key_policy() -> None:
         return build_batch(BatchKind.DECODE, seqs, rows, PAGE, torch.device(DEVICE),
                            max_blocks=12).metadata  # fmt: skip
 
-    for kv_lens, split in (([150, 20, 5], True), ([40, 3], False)):
+    for kv_lens, split in (([150, 20, 5], True), ([40, 3], False), ([9, 8, 7, 6], False)):
         m = step(kv_lens)
         backend.plan(m, graph_key=len(kv_lens))
         assert (backend._decode is not None) == split

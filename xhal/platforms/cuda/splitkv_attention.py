@@ -2,9 +2,10 @@
 every other step on the backend it wraps.
 
 Used twice: the Triton backend (``cuda-triton``, and ``cuda`` without FlashInfer) runs every
-decode step here, and the ``triton-splitkv`` solution of ``cuda`` runs the decode steps of at
-least ``min_seqs`` sequences here and the others on FlashInfer (the rule and its figures are in
-``solutions.py``). Prefill, chunked prefill and mixed steps always go to the wrapped backend.
+decode step here, and the ``triton-splitkv`` solution of ``cuda`` runs the decode steps of
+``min_seqs`` up to ``max_seqs`` sequences here and the others on FlashInfer (the rule and its
+figures are in ``solutions.py``). Prefill, chunked prefill and mixed steps always go to the
+wrapped backend.
 """
 
 from __future__ import annotations
@@ -29,13 +30,18 @@ def unsupported(spec: AttentionSpec) -> str | None:
 
 
 def with_splitkv_decode(
-    spec: AttentionSpec, fallback: AttentionBackend, num_sms: int, min_seqs: int | None = 1
+    spec: AttentionSpec,
+    fallback: AttentionBackend,
+    num_sms: int,
+    min_seqs: int = 1,
+    max_seqs: int | None = None,
 ) -> AttentionBackend:
-    """``fallback`` with its decode steps of at least ``min_seqs`` sequences on the split-KV
-    kernel, or ``fallback`` itself for a spec the kernel does not take (or ``min_seqs`` None)."""
-    if unsupported(spec) is not None or min_seqs is None:
+    """``fallback`` with its decode steps of ``min_seqs`` sequences and more (fewer than
+    ``max_seqs`` when given) on the split-KV kernel, or ``fallback`` itself for a spec the kernel
+    does not take."""
+    if unsupported(spec) is not None:
         return fallback
-    return SplitKVDecodeAttention(spec, fallback, num_sms, min_seqs)
+    return SplitKVDecodeAttention(spec, fallback, num_sms, min_seqs, max_seqs)
 
 
 @dataclass
@@ -63,6 +69,7 @@ class SplitKVDecodeAttention(AttentionBackend):
         fallback: AttentionBackend,
         num_sms: int,
         min_seqs: int = 1,
+        max_seqs: int | None = None,
     ) -> None:
         super().__init__(spec)
         reason = unsupported(spec)
@@ -70,7 +77,10 @@ class SplitKVDecodeAttention(AttentionBackend):
             raise ValueError(f"split-KV decode cannot run {reason}; use the fallback backend")
         if num_sms <= 0:
             raise ValueError(f"num_sms must be positive, got {num_sms}")
-        self.fallback, self.num_sms, self.min_seqs = fallback, num_sms, min_seqs
+        if max_seqs is not None and max_seqs <= min_seqs:
+            raise ValueError(f"max_seqs={max_seqs} must exceed min_seqs={min_seqs} (or be None)")
+        self.fallback, self.num_sms = fallback, num_sms
+        self.min_seqs, self.max_seqs = min_seqs, max_seqs
         # decodes rotate inside the attention launch, other steps on the fallback: fused only
         # when both are
         self.fuses_rotary = fallback.fuses_rotary
@@ -81,13 +91,14 @@ class SplitKVDecodeAttention(AttentionBackend):
 
     def takes(self, m: AttentionMetadata) -> bool:
         """Whether a step runs on the split-KV kernel: a pure decode (one query row per
-        sequence) of at least ``min_seqs`` sequences. A graph bucket's batch is a constant, so a
-        bucket always runs on the same side."""
+        sequence) of ``min_seqs`` sequences or more, fewer than ``max_seqs``. A graph bucket's
+        batch is a constant, so a bucket always runs on the same side."""
         return (
             m.kind == BatchKind.DECODE
             and 0 < m.num_seqs <= m.num_tokens
             and m.max_query_len <= 1
             and m.num_seqs >= self.min_seqs
+            and (self.max_seqs is None or m.num_seqs < self.max_seqs)
         )
 
     def bind_kv_caches(self, caches: Sequence[LayerCache]) -> None:
