@@ -148,27 +148,6 @@ def _rotation(rot_ptr, d, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q, k, v, visible, m_i, l_i, acc, scale_log2, soft_cap,
-                 SOFT_CAP: tl.constexpr, F32_DOT: tl.constexpr):  # fmt: skip
-    """One tile of keys into the online softmax (``visible`` holds at least one key)."""
-    if F32_DOT:
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))  # [ROWS, BLOCK_N]
-    s = _scores(s, scale_log2, soft_cap, SOFT_CAP)
-    s = tl.where(visible[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if F32_DOT:
-        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc * alpha[:, None] + pv
-
-
-@triton.jit
 def _splitkv_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, kv_lens_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr, counter_ptr,
@@ -203,42 +182,18 @@ def _splitkv_decode_kernel(
     table_row = block_table_ptr + seq.to(tl.int64) * bt_stride_b
     # the first tile's page ids, loaded while kv_len is still in flight (within the table's
     # width; ids past the row's pages only ever address masked-off keys)
-    n0 = first + split * BLOCK_N + keys
-    page = tl.load(table_row + (n0 // PAGE) * bt_stride_p, mask=n0 // PAGE < max_pages, other=0)
+    n = first + split * BLOCK_N + keys
+    page = tl.load(table_row + (n // PAGE) * bt_stride_p, mask=n // PAGE < max_pages, other=0)
+
     r = tl.arange(0, ROWS)
     d = tl.arange(0, DIM_PAD)
     d_mask = d < HEAD_DIM
-    # every load that depends on nothing is issued first
     q_rows = q_ptr + seq.to(tl.int64) * q_stride_b + (kv_head * GROUP + r[:, None]) * q_stride_h
     q_mask = (r[:, None] < GROUP) & d_mask[None, :]
     # rows past the group are zero: their scores are 0, never stored
     q = tl.load(q_rows + d[None, :], mask=q_mask, other=0.0)
     if ROTARY:
-        pos = tl.load(pos_ptr + seq).to(tl.int64)
-    if NEW_KV:
-        own = split == 0  # and kv_len > 0, checked once kv_len is in
-        k_row = k_new_ptr + seq.to(tl.int64) * k_new_stride_b + kv_head * k_new_stride_h
-        v_row = v_new_ptr + seq.to(tl.int64) * v_new_stride_b + kv_head * v_new_stride_h
-        own_d = own & d_mask
-        k_new = tl.load(k_row + d, mask=own_d, other=0.0)
-        v_new = tl.load(v_row + d, mask=own_d, other=0.0)
-        slot = tl.load(slot_ptr + seq, mask=own, other=-1).to(tl.int64)
-    # this split's first tile is loaded here, before the rotary table (behind the position) is
-    # read: a warp issues in order and stalls at the first use of a pending load, so K / V
-    # issued after that chain would wait for it (H200: 9.96 against 9.13 us a layer without)
-    visible0 = (n0 >= lo) & (n0 < hi)
-    offs0 = (
-        page.to(tl.int64) * cache_stride_block + (n0 % PAGE) * cache_stride_pos
-        + kv_head * cache_stride_head
-    )  # fmt: skip
-    # masked keys load as 0: a stale slot may hold NaN, which would survive a 0 weight
-    mask0 = visible0[:, None] & d_mask[None, :]
-    k0 = tl.load(k_cache_ptr + offs0[:, None] + d[None, :], mask=mask0, other=0.0)
-    v0 = tl.load(v_cache_ptr + offs0[:, None] + d[None, :], mask=mask0, other=0.0)
-    n_next = n0 + num_splits * BLOCK_N  # the next tile's page ids
-    page = tl.load(table_row + (n_next // PAGE) * bt_stride_p, mask=n_next < hi, other=0)
-    if ROTARY:
-        rot_row = rot_ptr + pos * rot_stride
+        rot_row = rot_ptr + tl.load(pos_ptr + seq).to(tl.int64) * rot_stride
         partner, sin, cos = _rotation(rot_row, d, HALF, IS_NEOX)
         q_partner = tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0)
         # float32 math, rounded to q's dtype as the unfused rotary stores it
@@ -249,6 +204,12 @@ def _splitkv_decode_kernel(
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DIM_PAD], tl.float32)
     if NEW_KV:
+        own = (split == 0) & (kv_len > 0)
+        k_row = k_new_ptr + seq.to(tl.int64) * k_new_stride_b + kv_head * k_new_stride_h
+        v_row = v_new_ptr + seq.to(tl.int64) * v_new_stride_b + kv_head * v_new_stride_h
+        own_d = own & d_mask
+        k_new = tl.load(k_row + d, mask=own_d, other=0.0)
+        v_new = tl.load(v_row + d, mask=own_d, other=0.0)
         if ROTARY:
             k_partner = tl.load(k_row + partner, mask=own_d, other=0.0)
             k_new = (k_new.to(tl.float32) * cos + k_partner.to(tl.float32) * sin).to(
@@ -256,6 +217,7 @@ def _splitkv_decode_kernel(
             )
         k_new = k_new.to(k_cache_ptr.dtype.element_ty)
         v_new = v_new.to(v_cache_ptr.dtype.element_ty)
+        slot = tl.load(slot_ptr + seq, mask=own, other=-1).to(tl.int64)
         if slot >= 0:  # padding tokens (slot -1) are never written
             dst = (
                 (slot // PAGE) * cache_stride_block + (slot % PAGE) * cache_stride_pos
@@ -264,14 +226,10 @@ def _splitkv_decode_kernel(
             tl.store(k_cache_ptr + dst, k_new, mask=d_mask)
             tl.store(v_cache_ptr + dst, v_new, mask=d_mask)
         s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1)  # [ROWS]
-        own = own & (kv_len > 0)
         m_i = tl.where(own, _scores(s_new, scale_log2, soft_cap, SOFT_CAP), m_i)
         l_i = tl.where(own, 1.0, l_i)
         acc = tl.where(own, acc + v_new.to(tl.float32)[None, :], acc)
-    if split < num_tiles:
-        m_i, l_i, acc = _attend_tile(q, k0, v0, visible0, m_i, l_i, acc, scale_log2, soft_cap,
-                                     SOFT_CAP, F32_DOT)  # fmt: skip
-    for tile in range(split + num_splits, num_tiles, num_splits):
+    for tile in range(split, num_tiles, num_splits):
         n = first + tile * BLOCK_N + keys
         visible = (n >= lo) & (n < hi)
         offs = (
@@ -279,12 +237,27 @@ def _splitkv_decode_kernel(
             + kv_head * cache_stride_head
         )  # fmt: skip
         kv_mask = visible[:, None] & d_mask[None, :]
+        # masked keys load as 0: a stale slot may hold NaN, which would survive a 0 weight
         k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
         n_next = n + num_splits * BLOCK_N  # the next tile's page ids, while this one computes
         page = tl.load(table_row + (n_next // PAGE) * bt_stride_p, mask=n_next < hi, other=0)
-        m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, scale_log2, soft_cap,
-                                     SOFT_CAP, F32_DOT)  # fmt: skip
+        if F32_DOT:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))  # [ROWS, BLOCK_N]
+        s = _scores(s, scale_log2, soft_cap, SOFT_CAP)
+        s = tl.where(visible[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if F32_DOT:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
 
     pair = seq * tl.num_programs(1) + kv_head
     if NEW_KV:  # split 0 holds the new token even when no tile is dealt
