@@ -126,15 +126,17 @@ def test_scratch_too_small_is_refused() -> None:
 
 
 def test_backend_takes_small_decodes_and_keeps_the_graph_key_policy() -> None:
-    """Decode steps of at least ``min_seqs`` sequences run split (two splits here), smaller ones
-    on the fallback; a graph key refuses metadata tensors other than those it was planned with."""
+    """Decode steps of ``min_seqs`` up to ``max_seqs`` sequences run split (two splits here), the
+    others on the fallback; a graph key refuses metadata tensors other than those it was planned
+    with."""
     from conformance_tests.batches import Seq, build_batch
     from xhal.interfaces import AttentionSpec, BatchKind, LayerCache
     from xhal.platforms.cuda.splitkv_attention import SplitKVDecodeAttention
     from xhal.platforms.cuda.triton_attention import TritonAttention
 
     spec = AttentionSpec(8, 2, HEAD_DIM, torch.float32, PAGE)
-    backend = SplitKVDecodeAttention(spec, TritonAttention(spec), num_sms=4, min_seqs=3)
+    fallback = TritonAttention(spec)
+    backend = SplitKVDecodeAttention(spec, fallback, num_sms=4, min_seqs=3, max_seqs=4)
     g = torch.Generator().manual_seed(4)
     shape = (24, PAGE, 2, HEAD_DIM)
     cache = LayerCache(torch.randn(shape, generator=g).to(DEVICE),
@@ -151,7 +153,7 @@ def test_backend_takes_small_decodes_and_keeps_the_graph_key_policy() -> None:
         return build_batch(BatchKind.DECODE, seqs, rows, PAGE, torch.device(DEVICE),
                            max_blocks=12).metadata  # fmt: skip
 
-    for kv_lens, split in (([150, 20, 5], True), ([40, 3], False)):
+    for kv_lens, split in (([150, 20, 5], True), ([40, 3], False), ([9, 8, 7, 6], False)):
         m = step(kv_lens)
         backend.plan(m, graph_key=len(kv_lens))
         assert (backend._decode is not None) == split
@@ -165,3 +167,123 @@ def test_backend_takes_small_decodes_and_keeps_the_graph_key_policy() -> None:
         _check(out, ref, torch.float32)
         with pytest.raises(ValueError, match="persistent"):
             backend.plan(step(kv_lens), graph_key=len(kv_lens))
+
+
+def _rotate64(x: torch.Tensor, pos: torch.Tensor, table: torch.Tensor, is_neox: bool):
+    """float64 rotary of ``x [B, heads, D]`` at ``pos [B]`` from a cos | sin ``table``, written
+    out from the definition (NeoX halves or GPT-J pairs, dims past rotary_dim unrotated)."""
+    x = x.double().clone()
+    half = table.shape[1] // 2
+    cos = table[pos.long(), :half].double()[:, None, :]
+    sin = table[pos.long(), half:].double()[:, None, :]
+    if is_neox:
+        x1, x2 = x[..., :half].clone(), x[..., half : 2 * half].clone()
+        x[..., :half], x[..., half : 2 * half] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    else:
+        x1, x2 = x[..., 0 : 2 * half : 2].clone(), x[..., 1 : 2 * half : 2].clone()
+        x[..., 0 : 2 * half : 2] = x1 * cos - x2 * sin
+        x[..., 1 : 2 * half : 2] = x2 * cos + x1 * sin
+    return x
+
+
+def _fused_case(kv_lens, num_heads, num_kv_heads, dtype, seed, rotary_dim, is_neox):
+    """A ``_case`` plus this step's strided k / v and slots at each row's position kv_len - 1
+    (those cache slots hold NaN before the launch: a program reading one would poison its
+    output), the rotary table and positions; a last row of padding (kv_len 1, slot -1)."""
+    q, k_cache, v_cache, table, lens = _case(kv_lens, num_heads, num_kv_heads, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    qkv = torch.randn(len(kv_lens), num_heads + 2 * num_kv_heads, HEAD_DIM, generator=g).to(dtype)
+    k_new, v_new = qkv[:, num_heads : num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads :]
+    last = lens.long() - 1
+    slots = table[torch.arange(len(kv_lens)), last // PAGE].long() * PAGE + last % PAGE
+    slots[-1] = -1  # the padding row
+    for i, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            k_cache[slot // PAGE, slot % PAGE] = float("nan")
+            v_cache[slot // PAGE, slot % PAGE] = float("nan")
+    positions = last.to(torch.int32) + 5  # positions are the host's: not kv_len - 1 here
+    angles = torch.rand(positions.max().item() + 8, rotary_dim // 2, generator=g) * 6.0
+    rot_table = torch.cat([angles.cos(), angles.sin()], dim=1)  # float32 [max_pos, rotary_dim]
+    slots = slots.to(torch.int32)
+    return q, k_cache, v_cache, table, lens, k_new, v_new, slots, positions, rot_table
+
+
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, dtype, rotary_dim, is_neox, splits",
+    [(8, 2, torch.bfloat16, 48, True, 4), (8, 1, torch.float32, 64, False, 3),
+     (4, 1, torch.float32, 0, True, 1)],
+    ids=["gqa4-bf16-neox-partial-4splits", "gqa8-fp32-gptj-3splits", "no-rotary-unsplit"],
+)  # fmt: skip
+def test_fused_rotary_and_kv_write(num_heads, num_kv_heads, dtype, rotary_dim, is_neox, splits):
+    """The new token's k / v come with the launch (rotated in it unless rotary_dim is 0): the
+    cache then holds exactly what the unfused rotary + KV write would store (and nothing else
+    changed, the padding row's slot -1 included), and the output is attention over that cache;
+    a second launch on the same scratch, one key later, is right too (counters reset)."""
+    from xhal.platforms.cuda.kernels.splitkv_decode import NewToken, Rotary
+
+    kv_lens = [150, 1, 37, 64, 1]
+    case = _fused_case(kv_lens, num_heads, num_kv_heads, dtype, 5, rotary_dim or 2, is_neox)
+    q, k_cache, v_cache, table, lens, k_new, v_new, slots, positions, rot_table = case
+    scale = HEAD_DIM**-0.5
+    scratch = Scratch.make(len(kv_lens), num_kv_heads, num_heads // num_kv_heads, HEAD_DIM,
+                           splits, torch.device(DEVICE))  # fmt: skip
+    for step in range(2):
+        if rotary_dim:
+            want_q = _rotate64(q, positions, rot_table, is_neox).to(dtype)
+            want_k = _rotate64(k_new, positions, rot_table, is_neox).to(dtype)
+        else:
+            want_q, want_k = q, k_new
+        want_k_cache, want_v_cache = k_cache.clone(), v_cache.clone()
+        for i, slot in enumerate(slots.tolist()):
+            if slot >= 0:
+                want_k_cache[slot // PAGE, slot % PAGE] = want_k[i]
+                want_v_cache[slot // PAGE, slot % PAGE] = v_new[i]
+        dev = [t.to(DEVICE) for t in (q, k_cache, v_cache, table, lens, k_new, v_new, slots)]
+        rotary = Rotary(positions.to(DEVICE), rot_table.to(DEVICE), is_neox) if rotary_dim else None
+        out = torch.zeros(q.shape, dtype=dtype, device=DEVICE)
+        splitkv_decode(*dev[:5], out, scratch, splits, scale, new=NewToken(*dev[5:]),
+                       rotary=rotary)  # fmt: skip
+        got_k, got_v = dev[1].cpu(), dev[2].cpu()
+        # the rotated key within one rounding of float64's, the value copied bit for bit
+        assert torch.allclose(got_k.double(), want_k_cache.double(), rtol=TOL[dtype], atol=0,
+                              equal_nan=True)  # fmt: skip
+        assert torch.equal(got_v.isnan(), want_v_cache.isnan())
+        assert torch.equal(got_v.nan_to_num(), want_v_cache.nan_to_num())
+        ref = _reference(want_q, want_k_cache, want_v_cache, table, lens, scale)
+        _check(out[:-1], ref[:-1], dtype)  # the padding row's output is unspecified
+        assert scratch.counters.cpu().tolist() == [0] * (len(kv_lens) * num_kv_heads)
+        # the next step: one key more per sequence, new q / k / v, the written slots kept
+        k_cache, v_cache = got_k, got_v
+        lens = lens + torch.tensor([1, 1, 1, 1, 0], dtype=torch.int32)
+        last = lens.long() - 1
+        slots = table[torch.arange(len(kv_lens)), last // PAGE].long() * PAGE + last % PAGE
+        slots[-1] = -1
+        slots = slots.to(torch.int32)
+        positions = positions + 1
+        g = torch.Generator().manual_seed(50 + step)
+        q = torch.randn(q.shape, generator=g).to(dtype)
+        k_new, v_new = (torch.randn(k_new.shape, generator=g).to(dtype) for _ in range(2))
+
+
+def test_fused_window_and_soft_cap() -> None:
+    """The new token under a sliding window and soft cap (its score capped like the cache's);
+    one window starts inside a tile, one sequence has only its new key (kv_len 1)."""
+    from xhal.platforms.cuda.kernels.splitkv_decode import NewToken
+
+    kv_lens = [140, 9, 1]
+    q, k_cache, v_cache, table, lens, k_new, v_new, slots, _, _ = _fused_case(
+        kv_lens, 4, 1, torch.float32, 6, 2, True
+    )
+    slots[-1] = table[2, 0] * PAGE  # a real row this time
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    for i, slot in enumerate(slots.tolist()):
+        want_k[slot // PAGE, slot % PAGE], want_v[slot // PAGE, slot % PAGE] = k_new[i], v_new[i]
+    dev = [t.to(DEVICE) for t in (q, k_cache, v_cache, table, lens, k_new, v_new, slots)]
+    scratch = Scratch.make(3, 1, 4, HEAD_DIM, 3, torch.device(DEVICE))
+    out = torch.zeros(q.shape, device=DEVICE)
+    splitkv_decode(*dev[:5], out, scratch, 3, 0.2, soft_cap=2.0, window=70,
+                   new=NewToken(*dev[5:]))  # fmt: skip
+    _check(out, _reference(q, want_k, want_v, table, lens, 0.2, 2.0, 70), torch.float32)
+    for got, want in ((dev[1].cpu(), want_k), (dev[2].cpu(), want_v)):  # the NaN block kept
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())

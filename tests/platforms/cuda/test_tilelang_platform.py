@@ -143,3 +143,90 @@ def test_forced_row_tile_must_hold_the_group(block_h):
 
     with pytest.raises(ValueError, match="at least the GQA group 32"):  # before anything compiles
         TileLangAttention(AttentionSpec(64, 2, 128, torch.bfloat16, 16), None, 132, block_h=block_h)
+
+
+class _RecordingFallback:
+    """A stand-in fallback backend that records what it was asked to plan and run."""
+
+    fuses_rotary = False
+
+    def __init__(self) -> None:
+        self.planned, self.forwards, self.replays = [], 0, []
+
+    def bind_kv_caches(self, caches) -> None:
+        self.caches = caches
+
+    def plan(self, metadata, graph_key=None) -> None:
+        self.planned.append((metadata.kind, graph_key))
+
+    def forward(self, layer_id, q, k, v):
+        self.forwards += 1
+        return torch.full(q.shape, 7.0)
+
+    def before_replay(self, graph_key) -> None:
+        self.replays.append(graph_key)
+
+
+def test_attention_skeleton_routes_and_pads_without_tilelang(monkeypatch):
+    """``TileLangAttention`` on the shared ``DecodeOverFallback`` skeleton, its TileLang kernel
+    replaced by a float64 stand-in (TileLang is absent here): a decode step writes k / v at the
+    slots and calls the kernel with the sequences' rows and contiguous lengths, the bucket's
+    padding rows come back zero; a graph key refuses other metadata tensors and its replays
+    stay its own; a prefill step is planned and run by the fallback."""
+    from conformance_tests.batches import Seq, build_batch
+    from xhal.interfaces import BatchKind, LayerCache
+    from xhal.platforms.cuda.tilelang_attention import TileLangAttention
+
+    calls = []
+
+    def stand_in(q, k_cache, v_cache, block_table, kv_lens, scale, out, splits, block_h):
+        calls.append((q.shape[0], kv_lens.is_contiguous(), splits, block_h))
+        for i, n in enumerate(kv_lens.tolist()):  # float64 attention over the row's pages
+            keys = torch.arange(n)
+            blocks = block_table[i, keys // 16].long()
+            kk = k_cache[blocks, keys % 16].double().repeat_interleave(4, dim=1)  # [n, H, D]
+            vv = v_cache[blocks, keys % 16].double().repeat_interleave(4, dim=1)
+            s = torch.einsum("hd,nhd->hn", q[i].double(), kk) * scale
+            out[i] = torch.einsum("hn,nhd->hd", s.softmax(-1), vv).to(out.dtype)
+        return out
+
+    monkeypatch.setattr(tilelang_decode, "compiled", lambda *args: None)
+    monkeypatch.setattr(tilelang_decode, "paged_decode", stand_in)
+    spec = AttentionSpec(8, 2, 128, torch.bfloat16, 16)
+    fallback = _RecordingFallback()
+    backend = TileLangAttention(spec, fallback, num_sms=4)
+    g = torch.Generator().manual_seed(0)
+    shape = (8, 16, 2, 128)
+    cache = LayerCache(torch.zeros(shape, dtype=torch.bfloat16),
+                       torch.zeros(shape, dtype=torch.bfloat16))  # fmt: skip
+    backend.bind_kv_caches([cache])
+    assert fallback.caches[0] is cache
+
+    batch = build_batch(BatchKind.DECODE, [Seq(1, 20), Seq(1, 3)], [[5, 2], [7]], 16, "cpu",
+                        num_padding=2)  # fmt: skip
+    m = batch.metadata
+    backend.plan(m, graph_key="b2")
+    qkv = torch.randn(4, 12, 128, generator=g).to(torch.bfloat16)  # 2 sequences + 2 padding
+    q, k, v = qkv.split([8, 2, 2], dim=1)
+    out = backend.forward(0, q, k, v)
+    assert calls == [(2, True, tilelang_decode.num_splits(2, 2, 4), 16)]
+    # slots: sequence 0 at position 19 (block 2, offset 3), sequence 1 at 2 (block 7, offset 2)
+    assert torch.equal(cache.key[2, 3], k[0]) and torch.equal(cache.value[7, 2], v[1])
+    want = stand_in(q[:2], cache.key, cache.value, m.block_table, m.kv_seq_lens_host,
+                    spec.softmax_scale, torch.empty(2, 8, 128, dtype=torch.bfloat16), 0, 0)
+    assert torch.equal(out[:2], want)  # attended after the write, over the sequences' rows
+    assert torch.equal(out[2:], torch.zeros(2, 8, 128, dtype=torch.bfloat16))
+    assert fallback.forwards == 0
+    with pytest.raises(ValueError, match="persistent"):
+        backend.plan(build_batch(BatchKind.DECODE, [Seq(1, 20), Seq(1, 3)], [[5, 2], [7]], 16,
+                                 "cpu", num_padding=2).metadata, graph_key="b2")  # fmt: skip
+    backend.before_replay("b2")
+    assert fallback.replays == []  # a decode bucket's replays are the backend's own
+
+    prefill = build_batch(BatchKind.PREFILL, [Seq(3, 3)], [[1]], 16, "cpu").metadata
+    backend.plan(prefill, graph_key="p")
+    q3, k3, v3 = torch.randn(3, 12, 128).to(torch.bfloat16).split([8, 2, 2], dim=1)
+    assert torch.equal(backend.forward(0, q3, k3, v3), torch.full(q3.shape, 7.0))
+    backend.before_replay("p")
+    assert fallback.planned == [(BatchKind.PREFILL, "p")] and fallback.forwards == 1
+    assert fallback.replays == ["p"]

@@ -73,20 +73,21 @@ class FlashInferAttentionProvider:
         return FlashInferAttention(spec, workspace, prefill_backend=prefill)
 
 
-def splitkv_min_seqs(spec) -> int | None:
-    """The smallest decode batch ``triton-splitkv`` runs on the split-KV Triton kernel
-    (FlashInfer's decode below it; None: never), by GQA group. H200, bf16, ctx 2K, pages of 16,
-    one layer (KV write + attention) in a CUDA graph, us at batch 1 / 4 / 16 / 64
-    (benchmarks/bench_splitkv.py; docs/h200-results.md, seventh session; batches 1-16 from the
-    14:43 UTC run, split with three stages; batch 64, unsplit, from the 14:37 run's two stages,
-    the default for unsplit launches since):
-    - group 4, 32 q / 8 kv heads, D=128: split-KV 11.4 / 21.2 / 47.5 / 131, FlashInfer 14.7 /
-      22.5 / 54.4 / 147; D=64: 8.8 / 13.5 / 27.1 / 74.6 against 13.3 / 16.9 / 35.6 / 92.2.
+def splitkv_seqs(spec) -> tuple[int, int | None]:
+    """The decode batches ``triton-splitkv`` runs on the split-KV Triton kernel, ``(first,
+    end)``: buckets of ``first`` up to (not including) ``end`` sequences (None: no end);
+    FlashInfer's decode for the others. By GQA group, from one decode layer (rotary + KV write +
+    attention, as a model runs it) in a CUDA graph, H200, bf16, ctx 2K, pages of 16, us at
+    batch 1 / 4 / 16 / 64 (benchmarks/bench_splitkv.py; docs/h200-results.md, eighth session,
+    17:22 UTC run; rotary and the KV write inside the split-KV launch):
+    - group 4, 32 q / 8 kv heads, D=128: split-KV 10.4 / 20.0 / 42.9 / 127, FlashInfer 14.6 /
+      22.3 / 54.2 / 146; D=64: 7.68 / 12.5 / 24.6 / 70.0 against 13.6 / 17.2 / 37.3 / 92.3.
       Every bucket (groups below 4 are not measured).
-    - group 8, 32 / 4 heads, D=128: 14.0 / 15.5 / 34.7 / 76.5 against 13.6 / 16.9 / 33.9 /
-      83.6: a tie up to 16 sequences, a win at 64. Buckets of 64 and up.
+    - group 8, 32 / 4 heads, D=128: 13.2 / 14.5 / 32.8 / 87.6 against 13.9 / 17.3 / 35.2 /
+      84.7: split-KV below 64 sequences, FlashInfer from 64 (the seventh session, with the KV
+      write as its own launch, had FlashInfer ahead at batch 1 and 16 and behind at 64).
     """
-    return 1 if spec.group_size <= 4 else 64
+    return (1, None) if spec.group_size <= 4 else (1, 64)
 
 
 class SplitKVFlashInferProvider(FlashInferAttentionProvider):
@@ -100,7 +101,7 @@ class SplitKVFlashInferProvider(FlashInferAttentionProvider):
         from xhal.platforms.cuda.splitkv_attention import with_splitkv_decode
 
         flashinfer = super().attention_backend(spec)
-        return with_splitkv_decode(spec, flashinfer, self._sms, splitkv_min_seqs(spec))
+        return with_splitkv_decode(spec, flashinfer, self._sms, *splitkv_seqs(spec))
 
 
 def tilelang_ops(platform: object):
@@ -289,7 +290,7 @@ SOLUTIONS = (
         35,
         description=(
             "single-launch split-KV Triton decode for the decode buckets where it measured "
-            "faster (splitkv_min_seqs), FlashInfer's decode for the others"
+            "faster (splitkv_seqs), FlashInfer's decode for the others"
         ),
     ),
     # decode only: a prefill step on this backend runs its Triton fallback, so it is no

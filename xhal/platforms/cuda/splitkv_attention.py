@@ -2,25 +2,24 @@
 every other step on the backend it wraps.
 
 Used twice: the Triton backend (``cuda-triton``, and ``cuda`` without FlashInfer) runs every
-decode step here, and the ``triton-splitkv`` solution of ``cuda`` runs the decode steps of at
-least ``min_seqs`` sequences here and the others on FlashInfer (the rule and its figures are in
-``solutions.py``). Prefill, chunked prefill and mixed steps always go to the wrapped backend.
+decode step here, and the ``triton-splitkv`` solution of ``cuda`` runs the decode steps of
+``min_seqs`` up to ``max_seqs`` sequences here and the others on FlashInfer (the rule and its
+figures are in ``solutions.py``). Prefill, chunked prefill and mixed steps always go to the
+wrapped backend.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
 
 from xhal.interfaces.attention import AttentionBackend, AttentionSpec
-from xhal.interfaces.cache import LayerCache, normalize_layer_caches
-from xhal.interfaces.metadata import AttentionMetadata, BatchKind
-from xhal.platforms.common.persistent import PersistentInputs
+from xhal.interfaces.cache import LayerCache
+from xhal.interfaces.metadata import AttentionMetadata
+from xhal.platforms.cuda.decode_over_fallback import DecodeOverFallback
 from xhal.platforms.cuda.kernels import splitkv_decode as kernel
-from xhal.platforms.cuda.kernels.kv_write import write_kv
-from xhal.platforms.cuda.kernels.rotary_kv import rotary_write_kv
 
 
 def unsupported(spec: AttentionSpec) -> str | None:
@@ -31,13 +30,18 @@ def unsupported(spec: AttentionSpec) -> str | None:
 
 
 def with_splitkv_decode(
-    spec: AttentionSpec, fallback: AttentionBackend, num_sms: int, min_seqs: int | None = 1
+    spec: AttentionSpec,
+    fallback: AttentionBackend,
+    num_sms: int,
+    min_seqs: int = 1,
+    max_seqs: int | None = None,
 ) -> AttentionBackend:
-    """``fallback`` with its decode steps of at least ``min_seqs`` sequences on the split-KV
-    kernel, or ``fallback`` itself for a spec the kernel does not take (or ``min_seqs`` None)."""
-    if unsupported(spec) is not None or min_seqs is None:
+    """``fallback`` with its decode steps of ``min_seqs`` sequences and more (fewer than
+    ``max_seqs`` when given) on the split-KV kernel, or ``fallback`` itself for a spec the kernel
+    does not take."""
+    if unsupported(spec) is not None:
         return fallback
-    return SplitKVDecodeAttention(spec, fallback, num_sms, min_seqs)
+    return SplitKVDecodeAttention(spec, fallback, num_sms, min_seqs, max_seqs)
 
 
 @dataclass
@@ -50,14 +54,14 @@ class _DecodePlan:
     scratch: kernel.Scratch
 
 
-class SplitKVDecodeAttention(AttentionBackend):
+class SplitKVDecodeAttention(DecodeOverFallback):
     """Decode on the split-KV kernel, the rest on ``fallback`` (a backend of the same spec).
 
     A decode plan keeps the metadata's device tensors and the kernel reads them at launch. For a
-    graph bucket these are its persistent inputs (the graph-key policy: read in place, refuse
-    others), its split count is fixed from the bucket's shape (batch, KV heads, ``max_seq_len``,
-    SMs) and it owns its scratch and counters, since the captured launch reads their addresses
-    at every replay. Eager steps share one scratch, grown on the host in ``plan``."""
+    graph bucket these are its persistent inputs (the graph-key policy, ``DecodeOverFallback``),
+    its split count is fixed from the bucket's shape (batch, KV heads, ``max_seq_len``, SMs) and
+    it owns its scratch and counters, since the captured launch reads their addresses at every
+    replay. Eager steps share one scratch, grown on the host in ``plan``."""
 
     def __init__(
         self,
@@ -65,47 +69,38 @@ class SplitKVDecodeAttention(AttentionBackend):
         fallback: AttentionBackend,
         num_sms: int,
         min_seqs: int = 1,
+        max_seqs: int | None = None,
     ) -> None:
-        super().__init__(spec)
+        super().__init__(spec, fallback)
         reason = unsupported(spec)
         if reason is not None:
             raise ValueError(f"split-KV decode cannot run {reason}; use the fallback backend")
         if num_sms <= 0:
             raise ValueError(f"num_sms must be positive, got {num_sms}")
-        self.fallback, self.num_sms, self.min_seqs = fallback, num_sms, min_seqs
-        self.fuses_rotary = fallback.fuses_rotary  # rotary_kv.py serves both paths
-        self._caches: list[LayerCache] = []
-        self._graphs: dict[Hashable, tuple[_DecodePlan, PersistentInputs]] = {}
+        if max_seqs is not None and max_seqs <= min_seqs:
+            raise ValueError(f"max_seqs={max_seqs} must exceed min_seqs={min_seqs} (or be None)")
+        self.num_sms, self.min_seqs, self.max_seqs = num_sms, min_seqs, max_seqs
+        # decodes rotate inside the attention launch, other steps on the fallback: fused only
+        # when both are
+        self.fuses_rotary = fallback.fuses_rotary
+        self._plans: dict[Hashable, _DecodePlan] = {}  # graph key -> its plan and scratch
         self._eager: kernel.Scratch | None = None
-        self._decode: _DecodePlan | None = None
 
     def takes(self, m: AttentionMetadata) -> bool:
-        """Whether a step runs on the split-KV kernel: a pure decode (one query row per
-        sequence) of at least ``min_seqs`` sequences. A graph bucket's batch is a constant, so a
-        bucket always runs on the same side."""
+        """A pure decode (one query row per sequence) of ``min_seqs`` sequences or more, fewer
+        than ``max_seqs``. A graph bucket's batch is a constant, so a bucket always runs on the
+        same side."""
         return (
-            m.kind == BatchKind.DECODE
-            and 0 < m.num_seqs <= m.num_tokens
-            and m.max_query_len <= 1
+            super().takes(m)
+            and m.num_seqs <= m.num_tokens
             and m.num_seqs >= self.min_seqs
+            and (self.max_seqs is None or m.num_seqs < self.max_seqs)
         )
 
-    def bind_kv_caches(self, caches: Sequence[LayerCache]) -> None:
-        self._caches = normalize_layer_caches(caches)
-        self.fallback.bind_kv_caches(self._caches)
-
-    def plan(self, metadata: AttentionMetadata, graph_key: Hashable | None = None) -> None:
-        m, s = metadata, self.spec
-        if not self.takes(m):
-            self._decode = None
-            self.fallback.plan(m, graph_key)
-            return
-        tables = (m.block_table, m.kv_seq_lens, m.slot_mapping)
-        if graph_key is not None and graph_key in self._graphs:
-            plan, captured = self._graphs[graph_key]
-            captured.check(*tables)
-            self._decode = plan
-            return
+    def plan_decode(self, m: AttentionMetadata, graph_key: Hashable | None) -> _DecodePlan:
+        s = self.spec
+        if graph_key is not None and graph_key in self._plans:
+            return self._plans[graph_key]
         splits = kernel.num_splits(
             m.num_seqs, s.num_kv_heads, s.group_size, s.head_dim, m.max_seq_len, self.num_sms
         )
@@ -120,55 +115,46 @@ class SplitKVDecodeAttention(AttentionBackend):
             m.num_seqs, m.block_table, m.kv_seq_lens, m.slot_mapping, splits, scratch
         )
         if graph_key is not None:
-            self._graphs[graph_key] = plan, PersistentInputs(graph_key, *tables)
-        self._decode = plan
+            self._plans[graph_key] = plan
+        return plan
 
-    def forward(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    def decode(self, plan: _DecodePlan, layer_id: int, q, k, v) -> torch.Tensor:
+        # the KV write happens inside the attention launch (kernel.NewToken)
+        new = kernel.NewToken(k, v, plan.slot_mapping)
+        return self._attend(plan, q, self._caches[layer_id], new)
+
+    def decode_rotary(self, plan: _DecodePlan, layer_id, q, k, v, positions, cos_sin_cache,
+                      is_neox) -> torch.Tensor:  # fmt: skip
+        # rotary and the KV write inside the attention launch: one launch for the layer's
+        # decode attention (rotary_kv.py's launch before it measured in docs/h200-results.md)
+        new = kernel.NewToken(k, v, plan.slot_mapping)
+        rotary = kernel.Rotary(positions, cos_sin_cache, is_neox)
+        return self._attend(plan, q, self._caches[layer_id], new, rotary)
+
+    def _attend(
+        self,
+        p: _DecodePlan,
+        q: torch.Tensor,
+        cache: LayerCache,
+        new: kernel.NewToken,
+        rotary: kernel.Rotary | None = None,
     ) -> torch.Tensor:
-        p = self._decode
-        if p is None:
-            return self.fallback.forward(layer_id, q, k, v)
-        cache = self._caches[layer_id]
-        write_kv(k, v, cache.key, cache.value, p.slot_mapping)
-        return self._attend(p, q, cache)
-
-    def forward_rotary(self, layer_id, q, k, v, positions, cos_sin_cache, is_neox):
-        p = self._decode
-        if p is None:
-            return self.fallback.forward_rotary(
-                layer_id, q, k, v, positions, cos_sin_cache, is_neox
-            )
-        cache = self._caches[layer_id]
-        q = rotary_write_kv(
-            positions, q, k, v, cos_sin_cache, is_neox, cache.key, cache.value, p.slot_mapping
-        )
-        return self._attend(p, q, cache)
-
-    def _attend(self, p: _DecodePlan, q: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         # q: [T, H, D], one row per sequence first, then padding rows (left zero)
         s = self.spec
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if q.shape[0] > p.num_seqs:
-            out[p.num_seqs :].zero_()
-        lens = p.kv_seq_lens
-        if lens.stride(0) != 1:  # on the device, so a captured graph reads the replay's values
-            lens = lens.contiguous()
+        out = self.padded_output(q, p.num_seqs)
         kernel.splitkv_decode(
             q[: p.num_seqs],
             cache.key,
             cache.value,
             p.block_table,
-            lens,
+            self.unit_stride(p.kv_seq_lens),
             out[: p.num_seqs],
             p.scratch,
             p.splits,
             s.softmax_scale,
             s.logits_soft_cap or 0.0,
             s.sliding_window or 0,
+            new=new,
+            rotary=rotary,
         )
         return out
-
-    def before_replay(self, graph_key: Hashable) -> None:
-        if graph_key not in self._graphs:
-            self.fallback.before_replay(graph_key)

@@ -8,15 +8,14 @@ Prefill, chunked prefill and mixed batches go to the wrapped backend (the Triton
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
 
 from xhal.interfaces.attention import AttentionBackend, AttentionSpec
-from xhal.interfaces.cache import LayerCache, normalize_layer_caches
-from xhal.interfaces.metadata import AttentionMetadata, BatchKind
-from xhal.platforms.common.persistent import PersistentInputs
+from xhal.interfaces.metadata import AttentionMetadata
+from xhal.platforms.cuda.decode_over_fallback import DecodeOverFallback
 from xhal.platforms.cuda.kernels import tilelang_decode
 from xhal.platforms.cuda.kernels.kv_write import write_kv
 
@@ -47,12 +46,13 @@ class _DecodePlan:
     block_h: int
 
 
-class TileLangAttention(AttentionBackend):
+class TileLangAttention(DecodeOverFallback):
     """Decode on TileLang, the rest on ``fallback`` (an ``AttentionBackend`` of the same spec).
 
     The kernel is compiled here, when the backend is created, so no graph capture ever compiles.
     A decode plan keeps references to the metadata's device tensors and reads them at launch:
-    for a graph bucket these are its persistent inputs, so a replay's plan queues no device work.
+    for a graph bucket these are its persistent inputs (``DecodeOverFallback``), so a replay's
+    plan queues no device work.
     """
 
     def __init__(
@@ -62,13 +62,12 @@ class TileLangAttention(AttentionBackend):
         num_sms: int,
         block_h: int | None = None,
     ) -> None:
-        super().__init__(spec)
+        super().__init__(spec, fallback)
         reason = unsupported(spec)
         if reason is not None:
             raise ValueError(
                 f"TileLangAttention cannot run {reason}; use the Triton or FlashInfer backend"
             )
-        self.fallback = fallback
         self.num_sms = num_sms
         # block_h: rows of query heads per CTA; None: chosen per step (see ``_row_tile``)
         if block_h is not None and (block_h not in (16, 64) or block_h < spec.group_size):
@@ -77,30 +76,11 @@ class TileLangAttention(AttentionBackend):
             )
         self.block_h = block_h
         self._row_tile(2)  # compile the small-batch kernel now; ``plan`` compiles any other
-        self._caches: list[LayerCache] = []
-        self._captured: dict[Hashable, PersistentInputs] = {}  # graph key -> its metadata tensors
-        self._decode: _DecodePlan | None = None
 
-    def bind_kv_caches(self, caches: Sequence[LayerCache]) -> None:
-        self._caches = normalize_layer_caches(caches)
-        self.fallback.bind_kv_caches(self._caches)
-
-    def plan(self, metadata: AttentionMetadata, graph_key: Hashable | None = None) -> None:
-        m = metadata
-        if m.kind != BatchKind.DECODE or m.max_query_len > 1 or m.num_seqs == 0:
-            self._decode = None
-            self.fallback.plan(m, graph_key)
-            return
-        if graph_key is not None:  # the interface's graph-key policy: read in place, refuse copies
-            tables = (m.block_table, m.kv_seq_lens, m.slot_mapping)
-            captured = self._captured.get(graph_key)
-            if captured is None:
-                self._captured[graph_key] = PersistentInputs(graph_key, *tables)
-            else:
-                captured.check(*tables)
+    def plan_decode(self, m: AttentionMetadata, graph_key: Hashable | None) -> _DecodePlan:
         splits = tilelang_decode.num_splits(m.num_seqs, self.spec.num_kv_heads, self.num_sms)
         block_h = self._row_tile(splits)
-        self._decode = _DecodePlan(
+        return _DecodePlan(
             m.num_seqs, m.block_table, m.kv_seq_lens, m.slot_mapping, splits, block_h
         )
 
@@ -120,33 +100,21 @@ class TileLangAttention(AttentionBackend):
         tilelang_decode.compiled(s.head_dim, s.block_size, s.dtype, block_h)
         return block_h
 
-    def forward(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        p = self._decode
-        if p is None:
-            return self.fallback.forward(layer_id, q, k, v)
-        cache = self._caches[layer_id]
+    def decode(self, plan: _DecodePlan, layer_id: int, q, k, v) -> torch.Tensor:
+        p, cache = plan, self._caches[layer_id]
         write_kv(k, v, cache.key, cache.value, p.slot_mapping)
         # q: [T, H, D], one row per sequence first, then padding rows (left zero)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if q.shape[0] > p.num_seqs:
-            out[p.num_seqs :].zero_()
-        # the kernel takes any row stride of q and the block table, not other strides; copies
-        # happen here, on the device, so a captured graph reads the replay's values
-        rows, table, lens = q[: p.num_seqs], p.block_table, p.kv_seq_lens
+        out = self.padded_output(q, p.num_seqs)
+        # the kernel takes any row stride of q and the block table, not other strides
+        rows = q[: p.num_seqs]
         if rows.stride(2) != 1 or rows.stride(1) != rows.shape[2]:
             rows = rows.contiguous()
-        if table.stride(-1) != 1:
-            table = table.contiguous()
-        if lens.stride(0) != 1:
-            lens = lens.contiguous()
         tilelang_decode.paged_decode(
             rows,
             cache.key,
             cache.value,
-            table,
-            lens,
+            self.unit_stride(p.block_table),
+            self.unit_stride(p.kv_seq_lens),
             self.spec.softmax_scale,
             out[: p.num_seqs],
             p.splits,

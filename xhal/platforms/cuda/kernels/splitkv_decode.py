@@ -15,6 +15,12 @@ time, so one bucket serves any context.
 
 Decode only: one query row per sequence, at position ``kv_len - 1``. Sliding window and logits
 soft cap are applied in the kernel; fp16 / bf16 / fp32.
+
+The step's own key and value can come in with the launch (``NewToken``, optionally rotated by a
+``Rotary``): then there is no KV-write launch before this one. Every program rotates its q rows
+in registers; split 0 of each (sequence, KV head) rotates the new key, stores key and value at
+the token's slot and seeds its online softmax with them, and no program reads the cache at
+position ``kv_len - 1``, so nothing in the launch reads what it writes.
 """
 
 from __future__ import annotations
@@ -61,6 +67,27 @@ def num_splits(num_seqs: int, num_kv_heads: int, group: int, head_dim: int, max_
     return max(1, min(wanted, useful, merge_rounds_cap(group, head_dim), MAX_SPLITS))
 
 
+@dataclass(frozen=True)
+class NewToken:
+    """The step's key and value, ``[B', Hkv, D]`` (B' >= B, strides free but the last), written
+    at ``slot_mapping[i]`` (-1: not written) and attended as position ``kv_len - 1``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """Rotate q and the new key first (``DeviceOps.rotary_embedding``: NeoX halves or GPT-J
+    pairs, float32 ``cos_sin_cache [max_position, rotary_dim]`` as cos | sin, the dims past
+    rotary_dim unrotated) at ``positions[i]`` (int32 / int64 ``[B']``)."""
+
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    is_neox: bool
+
+
 @dataclass
 class Scratch:
     """The partials of the splits and one arrival counter per (sequence, KV head). Counters
@@ -91,16 +118,49 @@ class Scratch:
 
 
 @triton.jit
+def _scores(s, scale_log2, soft_cap, SOFT_CAP: tl.constexpr):
+    """Raw dot products -> scaled scores in the log2 domain, through the soft cap if any."""
+    if SOFT_CAP:  # c * tanh(s / c) on the natural-log scale, tanh by exp
+        s = s * (scale_log2 / 1.4426950408889634)
+        s = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * s / soft_cap)) - 1.0)
+        return s * 1.4426950408889634
+    return s * scale_log2
+
+
+@triton.jit
+def _rotation(rot_ptr, d, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+    """Per dim of one row: the partner dim, its sign and cos / sin, so that the rotated row is
+    ``x * cos + sign * x[partner] * sin`` (dims past rotary_dim: cos 1, sin 0, themselves)."""
+    rotated = d < 2 * HALF
+    if IS_NEOX:  # halves: (x[i], x[i + HALF])
+        low = d < HALF
+        partner = tl.where(low, d + HALF, d - HALF)
+        freq = tl.where(low, d, d - HALF)
+    else:  # GPT-J: interleaved pairs (x[2i], x[2i + 1])
+        low = d % 2 == 0
+        partner = d ^ 1
+        freq = d // 2
+    partner = tl.where(rotated, partner, d)
+    sign = tl.where(low, -1.0, 1.0)
+    cos = tl.load(rot_ptr + freq, mask=rotated, other=1.0)
+    sin = tl.load(rot_ptr + HALF + freq, mask=rotated, other=0.0)
+    return partner, sign * sin, cos
+
+
+@triton.jit
 def _splitkv_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, kv_lens_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr, counter_ptr,
+    k_new_ptr, v_new_ptr, slot_ptr, pos_ptr, rot_ptr,
     scale_log2, soft_cap, window, num_splits, max_pages,
     q_stride_b, q_stride_h, out_stride_b, out_stride_h, bt_stride_b, bt_stride_p,
     cache_stride_block, cache_stride_pos, cache_stride_head,
+    k_new_stride_b, k_new_stride_h, v_new_stride_b, v_new_stride_h, rot_stride,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr, F32_DOT: tl.constexpr,
+    NEW_KV: tl.constexpr, ROTARY: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -110,9 +170,14 @@ def _splitkv_decode_kernel(
     if WINDOW:
         lo = tl.maximum(kv_len - window, 0)
     first = (lo // BLOCK_N) * BLOCK_N
+    hi = kv_len  # keys read from the cache: [lo, hi)
+    if NEW_KV:
+        # split 0 owns the new token (position kv_len - 1): it writes it and starts its softmax
+        # from it; the cache is read up to kv_len - 2 only, so no program reads the slot written
+        hi = kv_len - 1
     # tiles are dealt round-robin (split s takes tiles s, s + splits, ...), so without a window
-    # a split's first tile does not depend on kv_len
-    num_tiles = tl.cdiv(kv_len - first, BLOCK_N)
+    # a split's first tile does not depend on kv_len; every tile dealt holds a visible key
+    num_tiles = tl.where(hi > lo, tl.cdiv(hi - first, BLOCK_N), 0)
     keys = tl.arange(0, BLOCK_N)
     table_row = block_table_ptr + seq.to(tl.int64) * bt_stride_b
     # the first tile's page ids, loaded while kv_len is still in flight (within the table's
@@ -123,17 +188,50 @@ def _splitkv_decode_kernel(
     r = tl.arange(0, ROWS)
     d = tl.arange(0, DIM_PAD)
     d_mask = d < HEAD_DIM
-    q = tl.load(  # rows past the group are zero: their scores are 0, never stored
-        q_ptr + seq.to(tl.int64) * q_stride_b + (kv_head * GROUP + r[:, None]) * q_stride_h
-        + d[None, :],
-        mask=(r[:, None] < GROUP) & d_mask[None, :], other=0.0,
-    )  # fmt: skip
+    q_rows = q_ptr + seq.to(tl.int64) * q_stride_b + (kv_head * GROUP + r[:, None]) * q_stride_h
+    q_mask = (r[:, None] < GROUP) & d_mask[None, :]
+    # rows past the group are zero: their scores are 0, never stored
+    q = tl.load(q_rows + d[None, :], mask=q_mask, other=0.0)
+    if ROTARY:
+        rot_row = rot_ptr + tl.load(pos_ptr + seq).to(tl.int64) * rot_stride
+        partner, sin, cos = _rotation(rot_row, d, HALF, IS_NEOX)
+        q_partner = tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0)
+        # float32 math, rounded to q's dtype as the unfused rotary stores it
+        q = (q.to(tl.float32) * cos[None, :] + q_partner.to(tl.float32) * sin[None, :]).to(
+            q_ptr.dtype.element_ty
+        )
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DIM_PAD], tl.float32)
+    if NEW_KV:
+        own = (split == 0) & (kv_len > 0)
+        k_row = k_new_ptr + seq.to(tl.int64) * k_new_stride_b + kv_head * k_new_stride_h
+        v_row = v_new_ptr + seq.to(tl.int64) * v_new_stride_b + kv_head * v_new_stride_h
+        own_d = own & d_mask
+        k_new = tl.load(k_row + d, mask=own_d, other=0.0)
+        v_new = tl.load(v_row + d, mask=own_d, other=0.0)
+        if ROTARY:
+            k_partner = tl.load(k_row + partner, mask=own_d, other=0.0)
+            k_new = (k_new.to(tl.float32) * cos + k_partner.to(tl.float32) * sin).to(
+                k_cache_ptr.dtype.element_ty
+            )
+        k_new = k_new.to(k_cache_ptr.dtype.element_ty)
+        v_new = v_new.to(v_cache_ptr.dtype.element_ty)
+        slot = tl.load(slot_ptr + seq, mask=own, other=-1).to(tl.int64)
+        if slot >= 0:  # padding tokens (slot -1) are never written
+            dst = (
+                (slot // PAGE) * cache_stride_block + (slot % PAGE) * cache_stride_pos
+                + kv_head * cache_stride_head + d
+            )  # fmt: skip
+            tl.store(k_cache_ptr + dst, k_new, mask=d_mask)
+            tl.store(v_cache_ptr + dst, v_new, mask=d_mask)
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1)  # [ROWS]
+        m_i = tl.where(own, _scores(s_new, scale_log2, soft_cap, SOFT_CAP), m_i)
+        l_i = tl.where(own, 1.0, l_i)
+        acc = tl.where(own, acc + v_new.to(tl.float32)[None, :], acc)
     for tile in range(split, num_tiles, num_splits):
         n = first + tile * BLOCK_N + keys
-        visible = (n >= lo) & (n < kv_len)
+        visible = (n >= lo) & (n < hi)
         offs = (
             page.to(tl.int64) * cache_stride_block + (n % PAGE) * cache_stride_pos
             + kv_head * cache_stride_head
@@ -143,17 +241,12 @@ def _splitkv_decode_kernel(
         k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
         n_next = n + num_splits * BLOCK_N  # the next tile's page ids, while this one computes
-        page = tl.load(table_row + (n_next // PAGE) * bt_stride_p, mask=n_next < kv_len, other=0)
+        page = tl.load(table_row + (n_next // PAGE) * bt_stride_p, mask=n_next < hi, other=0)
         if F32_DOT:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))  # [ROWS, BLOCK_N]
-        if SOFT_CAP:  # c * tanh(s / c) on the natural-log scale, tanh by exp
-            s = s * (scale_log2 / 1.4426950408889634)
-            s = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * s / soft_cap)) - 1.0)
-            s = s * 1.4426950408889634
-        else:
-            s = s * scale_log2
+        s = _scores(s, scale_log2, soft_cap, SOFT_CAP)
         s = tl.where(visible[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
@@ -167,6 +260,10 @@ def _splitkv_decode_kernel(
         m_i = m_new
 
     pair = seq * tl.num_programs(1) + kv_head
+    if NEW_KV:  # split 0 holds the new token even when no tile is dealt
+        live = tl.minimum(num_splits, tl.maximum(num_tiles, 1))
+    else:
+        live = tl.minimum(num_splits, num_tiles)
     if num_splits == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
@@ -189,7 +286,7 @@ def _splitkv_decode_kernel(
             tl.atomic_xchg(counter_ptr + pair, 0, sem="relaxed", scope="gpu")
             _merge(
                 part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
-                pair.to(tl.int64) * num_splits, tl.minimum(num_splits, num_tiles),
+                pair.to(tl.int64) * num_splits, live,
                 seq.to(tl.int64) * out_stride_b + kv_head * GROUP * out_stride_h, out_stride_h,
                 GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD, SPLITS_PAD, MERGE_CHUNK,
             )  # fmt: skip
@@ -251,6 +348,8 @@ def splitkv_decode(
     num_warps: int = 4,
     num_stages: int | None = None,
     block_n: int | None = None,
+    new: NewToken | None = None,
+    rotary: Rotary | None = None,
 ) -> torch.Tensor:
     """One query row per sequence: q ``[B, H, D]`` (strides free but the last), caches
     ``[num_blocks, block_size, Hkv, D]``, block_table int32 ``[B, max_pages]`` (strides free),
@@ -262,7 +361,11 @@ def splitkv_decode(
     layer) three stages beat two split (32 q / 8 kv heads D=128: 11.2 against 12.0 us at batch 1,
     16 splits; 48.1 against 49.0 at batch 16) and lost unsplit (batch 64: 156 against 131 us;
     32 / 4 heads 91.3 against 76.5; D=64 85.9 against 74.6), where the third 32 KB stage of
-    shared memory leaves fewer programs per SM."""
+    shared memory leaves fewer programs per SM.
+
+    ``new``: the step's key and value come with the launch and are written by it (no KV write
+    before); ``rotary`` (with ``new`` only): q and the new key are rotated first, q given
+    unrotated."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -279,8 +382,11 @@ def splitkv_decode(
         raise ValueError(
             f"scratch too small for {batch} sequences x {num_kv_heads} KV heads x {splits} splits"
         )
+    if rotary is not None and new is None:
+        raise ValueError("split-KV decode rotates q only with the new token (pass new=NewToken)")
     if num_stages is None:
         num_stages = 3 if splits > 1 else 2
+    new_args, rot_args, half, is_neox = _fused_args(q, k_cache, new, rotary)
     dim_pad = max(triton.next_power_of_2(head_dim), 16)
     group_pad = triton.next_power_of_2(group)
     splits_pad = triton.next_power_of_2(splits)
@@ -292,14 +398,53 @@ def splitkv_decode(
     _splitkv_decode_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, out, block_table, kv_lens,
         scratch.part_acc, scratch.part_max, scratch.part_sum, scratch.counters,
+        *new_args[:3], *rot_args[:2],
         scale * _LOG2E, float(soft_cap), int(window), splits, block_table.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0), block_table.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *new_args[3:], rot_args[2],
         GROUP=group, GROUP_PAD=group_pad, ROWS=ROWS, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         PAGE=page, BLOCK_N=block_n or block_keys(head_dim), SPLITS_PAD=splits_pad,
         MERGE_CHUNK=merge_chunk,
         SOFT_CAP=soft_cap > 0, WINDOW=window > 0, F32_DOT=f32_dot,
+        NEW_KV=new is not None, ROTARY=rotary is not None, HALF=half, IS_NEOX=is_neox,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
+
+
+def _fused_args(
+    q: torch.Tensor, k_cache: torch.Tensor, new: NewToken | None, rotary: Rotary | None
+) -> tuple[tuple, tuple, int, bool]:
+    """The kernel's new-token arguments (k, v, slots, then four strides) and rotary ones
+    (positions, table, row stride), with q's tensors standing in for the unused ones; HALF,
+    IS_NEOX."""
+    batch, _, head_dim = q.shape
+    new_args: tuple = (q, q, q, 0, 0, 0, 0)
+    rot_args: tuple = (q, q, 0)
+    half, is_neox = 0, True
+    if new is not None:
+        k, v = new.k, new.v
+        hkv = k_cache.shape[2]
+        if k.shape[0] < batch or k.shape[1:] != (hkv, head_dim) or v.shape != k.shape:
+            raise ValueError(
+                f"split-KV decode: new k and v must be [>= {batch}, {hkv}, {head_dim}], got "
+                f"{tuple(k.shape)} and {tuple(v.shape)}"
+            )
+        if k.stride(2) != 1 or v.stride(2) != 1:
+            raise ValueError("split-KV decode needs a contiguous last dimension of new k and v")
+        if new.slot_mapping.shape[0] < batch:
+            raise ValueError(f"split-KV decode: slot_mapping needs >= {batch} entries")
+        new_args = (k, v, new.slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1))
+    if rotary is not None:
+        table = rotary.cos_sin_cache
+        if table.dtype != torch.float32 or table.stride(-1) != 1:
+            table = table.float().contiguous()
+        half = table.shape[-1] // 2
+        if 2 * half > head_dim or rotary.positions.dim() != 1:
+            raise ValueError(
+                f"split-KV decode rotates with a [max_position, <= {head_dim}] table and 1-D "
+                f"positions, got {tuple(table.shape)} and {tuple(rotary.positions.shape)}"
+            )
+        rot_args, is_neox = (rotary.positions, table, table.stride(0)), rotary.is_neox
+    return new_args, rot_args, half, is_neox
