@@ -335,3 +335,15 @@ def test_a_lone_decode_matches_the_reference_in_place_or_gathered(blocks: list[i
             got, want = fast.forward(layer, q, k, v), ref.forward(layer, q, k, v)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             assert torch.equal(fast_caches[layer].key, ref_caches[layer].key)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_q_and_k_of_one_qkv_buffer_are_rotated_as_one_view(num_tokens: int) -> None:
+    from xhal.platforms.cpu_fast.attention import _joined
+
+    qkv = torch.randn(num_tokens, (8 + 2 * 2) * 32)
+    q, k, _ = (part.view(num_tokens, -1, 32) for part in qkv.split([256, 64, 64], dim=-1))
+    joined = _joined(q, k)
+    assert joined is not None and joined.shape == (num_tokens, 10, 32)
+    assert torch.equal(joined, torch.cat([q, k], dim=1))
+    assert _joined(q, k.clone()) is None and _joined(k, q) is None

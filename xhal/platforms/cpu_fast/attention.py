@@ -159,12 +159,13 @@ def _joined(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     num_tokens, heads, dim = q.shape
     if (
         k.shape[0] != num_tokens
-        or q.stride() != k.stride()
         or q.stride()[1:] != (dim, 1)
+        or k.stride()[1:] != (dim, 1)
+        or (num_tokens > 1 and q.stride(0) != k.stride(0))  # one row: its stride is arbitrary
         or k.data_ptr() != q.data_ptr() + heads * dim * q.element_size()
     ):
         return None
-    return q.as_strided((num_tokens, heads + k.shape[1], dim), q.stride())
+    return q.as_strided((num_tokens, heads + k.shape[1], dim), (q.stride(0), dim, 1))
 
 
 class FastCpuAttention(AttentionBackend):
