@@ -337,12 +337,17 @@ def test_a_lone_decode_matches_the_reference_in_place_or_gathered(blocks: list[i
             assert torch.equal(fast_caches[layer].key, ref_caches[layer].key)
 
 
+@pytest.mark.parametrize("inference", [False, True], ids=["grad-mode", "inference-mode"])
 @pytest.mark.parametrize("num_tokens", [1, 5])
-def test_q_and_k_of_one_qkv_buffer_are_rotated_as_one_view(num_tokens: int) -> None:
+def test_q_and_k_of_one_qkv_buffer_are_rotated_as_one_view(
+    num_tokens: int, inference: bool
+) -> None:
+    """As the layers pass them, served under inference mode (whose views record no base)."""
     from xhal.platforms.cpu_fast.attention import _joined
 
-    qkv = torch.randn(num_tokens, (8 + 2 * 2) * 32)
-    q, k, _ = (part.view(num_tokens, -1, 32) for part in qkv.split([256, 64, 64], dim=-1))
+    with torch.inference_mode(inference):
+        qkv = torch.randn(num_tokens, (8 + 2 * 2) * 32)
+        q, k, _ = (part.view(num_tokens, -1, 32) for part in qkv.split([256, 64, 64], dim=-1))
     joined = _joined(q, k)
     assert joined is not None and joined.shape == (num_tokens, 10, 32)
     assert torch.equal(joined, torch.cat([q, k], dim=1))

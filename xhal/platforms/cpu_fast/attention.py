@@ -153,16 +153,17 @@ def _attend(
 def _joined(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     """q ``[T, H, D]`` and k ``[T, Hkv, D]`` as one ``[T, H + Hkv, D]`` view when k's heads
     follow q's in the same rows of one buffer (the q and k columns of a fused qkv projection, as
-    the layers pass them), else None."""
-    if q._base is None or q._base is not k._base or q.dtype != k.dtype:
-        return None
+    the layers pass them), else None. (Same storage, not same ``_base``: views made under
+    inference mode do not record their base.)"""
     num_tokens, heads, dim = q.shape
     if (
-        k.shape[0] != num_tokens
+        q.dtype != k.dtype
+        or k.shape[0] != num_tokens
         or q.stride()[1:] != (dim, 1)
         or k.stride()[1:] != (dim, 1)
         or (num_tokens > 1 and q.stride(0) != k.stride(0))  # one row: its stride is arbitrary
         or k.data_ptr() != q.data_ptr() + heads * dim * q.element_size()
+        or k.untyped_storage().data_ptr() != q.untyped_storage().data_ptr()
     ):
         return None
     return q.as_strided((num_tokens, heads + k.shape[1], dim), (q.stride(0), dim, 1))
