@@ -1,15 +1,17 @@
-"""Where a batch-1 CPU decode step's time goes: the step against the matrix products it cannot
+"""Where a CPU decode step's time goes: the step against the matrix products it cannot
 do without, per layer, on each platform given, all in one run on one loaded model.
 
     python -m benchmarks.bench_cpu_step [--model builtin|random|DIR] [--platforms cpu-fast cpu]
-        [--threads N] [--steps 30] [--context 64] [--clock wall|thread] [--profile [--top N]]
+        [--threads N] [--batch 1] [--steps 30] [--context 64] [--clock wall|thread]
+        [--profile [--top N]]
 
 For each platform (in the order given; the model's weights are the ones the last
 ``prepare_weights`` left, so list ``cpu-fast`` first to time the reference on them too), on
-an executor with that platform's ops active: the median of ``--steps`` batch-1 decode steps
-(``execute`` then ``compute_logits``, as ``xhal-serve`` runs them) at ``--context`` tokens, and,
-interleaved with them, the same step's matrix products alone (``F.linear`` of one row on every
-projection of every layer and on the LM head, in step order, on the weights as stored): what is
+an executor with that platform's ops active: the median of ``--steps`` decode steps of
+``--batch`` sequences (``execute`` then ``compute_logits``, as ``xhal-serve`` runs them) at
+``--context`` tokens each, and, interleaved with them, the same step's matrix products alone (the
+platform's ``linear`` of ``--batch`` rows on every projection of every layer and on the LM head,
+in step order, on the weights as stored, packed copies included): what is
 left over, divided by the number of layers, is the per-layer overhead (norms, rotary, the KV
 write, attention, activation and every Python and dispatch layer around them). The floor is the
 bytes a step reads (weights once, the tied head's table once, K and V of the context) over the
@@ -30,7 +32,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks.bench_cpu_vs_hf import model_dir, read_ceiling
 
@@ -53,42 +54,46 @@ def _matrices(model: torch.nn.Module) -> list[torch.Tensor]:
     return [*mats, model.lm_head.weight]
 
 
-def _step_bytes(model: torch.nn.Module, context: int) -> int:
+def _step_bytes(model: torch.nn.Module, context: int, batch: int) -> int:
     params = {p.data_ptr(): p for p in model.parameters()}.values()  # the tied table once
     total = sum(p.numel() * p.element_size() for p in params)
     spec = model.model.layers[0].self_attn.attn
     kv_row = 2 * spec.num_kv_heads * spec.head_dim * 4
-    return total + len(model.model.layers) * context * kv_row
+    return total + len(model.model.layers) * context * kv_row * batch
 
 
 class DecodeStep:
-    """One executor on ``platform`` over ``model``, decoding one sequence at ``context``."""
+    """One executor on ``platform`` over ``model``, decoding ``batch`` sequences at ``context``
+    tokens each (each in blocks of its own, consecutive)."""
 
-    def __init__(self, model: torch.nn.Module, platform_name: str, context: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, platform_name: str, context: int, batch: int = 1
+    ) -> None:
         from xhal import platforms
         from xhal.executor import ExecutorConfig, ModelExecutor
         from xhal.interfaces.metadata import AttentionMetadata, BatchKind
 
         self.platform = platforms.get(platform_name)
         config = ExecutorConfig(
-            dtype=torch.float32, block_size=BLOCK, max_num_seqs=1, max_model_len=4 * context,
-            max_num_batched_tokens=4 * context, enforce_eager=True,
+            dtype=torch.float32, block_size=BLOCK, max_num_seqs=batch, max_model_len=4 * context,
+            max_num_batched_tokens=4 * context * batch, enforce_eager=True,
         )  # fmt: skip
+        blocks = -(-context // BLOCK)
         with self.active():
             self.executor = ModelExecutor(model, self.platform, config)
-            blocks = -(-context // BLOCK)
-            self.executor.bind_kv_caches(self.executor.allocate_kv_caches(blocks + 1))
-        table = torch.arange(blocks, dtype=torch.int32)[None]
-        slot = torch.tensor([(context - 1) // BLOCK * BLOCK + (context - 1) % BLOCK])
+            caches = self.executor.allocate_kv_caches(batch * blocks + 1)
+            self.executor.bind_kv_caches(caches)
+        table = torch.arange(batch * blocks, dtype=torch.int32).view(batch, blocks)
+        slots = table[:, (context - 1) // BLOCK] * BLOCK + (context - 1) % BLOCK
         self.metadata = AttentionMetadata.from_host_lengths(
             BatchKind.DECODE,
-            torch.ones(1, dtype=torch.int32),
-            torch.full((1,), context, dtype=torch.int32),
+            torch.ones(batch, dtype=torch.int32),
+            torch.full((batch,), context, dtype=torch.int32),
             table,
-            slot.int(),
+            slots.int(),
         )
-        self.ids = torch.tensor([5], dtype=torch.int32)
-        self.positions = torch.tensor([context - 1], dtype=torch.int32)
+        self.ids = torch.full((batch,), 5, dtype=torch.int32)
+        self.positions = torch.full((batch,), context - 1, dtype=torch.int32)
 
     def active(self):
         from xhal import ops
@@ -101,12 +106,12 @@ class DecodeStep:
             return self.executor.compute_logits(hidden)
 
 
-def products(mats: list[torch.Tensor]) -> Callable[[], None]:
-    rows = {m.shape[1]: torch.randn(1, m.shape[1]) for m in mats}
+def products(mats: list[torch.Tensor], batch: int, linear: Callable) -> Callable[[], None]:
+    rows = {m.shape[1]: torch.randn(batch, m.shape[1]) for m in mats}
 
     def run() -> None:
         for m in mats:
-            F.linear(rows[m.shape[1]], m)
+            linear(rows[m.shape[1]], m)
 
     return run
 
@@ -132,6 +137,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=1, help="sequences per decode step")
     parser.add_argument("--clock", choices=("wall", "thread"), default="wall")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--top", type=int, default=15, help="ops --profile lists")
@@ -148,12 +154,13 @@ def main() -> None:
         model = load_model(directory, torch.float32, "cpu", progress=False).eval()
     num_layers = len(model.model.layers)
     ceiling = read_ceiling()
-    floor_us = _step_bytes(model, args.context) / ceiling * 1e6
+    step_bytes = _step_bytes(model, args.context, args.batch)
+    floor_us = step_bytes / ceiling * 1e6
     results = {}
     with torch.inference_mode():
         for name in args.platforms:
-            step = DecodeStep(model, name, args.context)
-            gemv = products(_matrices(model))
+            step = DecodeStep(model, name, args.context, args.batch)
+            gemv = products(_matrices(model), args.batch, step.platform.ops.linear)
             for _ in range(3):  # warm-up: first calls allocate and pack
                 step(), gemv()
             step_us, gemv_us = [], []
@@ -165,18 +172,19 @@ def main() -> None:
                 print(f"{name}:")
                 profile(step, args.top)
     print(
-        f"CPU, {args.threads} thread(s), {directory.name} float32, batch 1, context "
+        f"CPU, {args.threads} thread(s), {directory.name} float32, batch {args.batch}, context "
         f"{args.context}, {args.clock} clock, median of {args.steps} steps; 1-min load average "
         f"{load_before:.2f} "
         f"before, {os.getloadavg()[0]:.2f} after, on {os.cpu_count()} CPUs"
     )
-    print(f"floor: {_step_bytes(model, args.context) / 1e6:.0f} MB per step / read ceiling "
+    print(f"floor: {step_bytes / 1e6:.0f} MB per step / read ceiling "
           f"{ceiling / 1e9:.1f} GB/s = {floor_us / 1e3:.1f} ms")  # fmt: skip
     print(f"{'platform':<12}{'step ms':>9}{'tok/s':>8}{'products ms':>13}"
           f"{'overhead/layer us':>19}{'floor/step':>12}")  # fmt: skip
     for name, (step_us, gemv_us) in results.items():
         print(
-            f"{name:<12}{step_us / 1e3:>9.1f}{1e6 / step_us:>8.1f}{gemv_us / 1e3:>13.1f}"
+            f"{name:<12}{step_us / 1e3:>9.1f}{args.batch * 1e6 / step_us:>8.1f}"
+            f"{gemv_us / 1e3:>13.1f}"
             f"{(step_us - gemv_us) / num_layers:>19.0f}{floor_us / step_us:>11.0%}"
         )
 

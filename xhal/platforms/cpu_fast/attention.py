@@ -40,6 +40,7 @@ class _Plan:
     decode_mask: torch.Tensor | None  # bool [Bd, 1, 1, Lmax]; None: every key visible
     decode_bias: torch.Tensor | None  # float32 [Bd * Hkv, 1, Lmax]: 0 or -inf, as decode_mask
     decode_start: int | None  # a lone decode's keys are flat rows start..start+L-1: read in place
+    decode_head_rows: torch.Tensor | None  # int64 [Bd * Hkv * Lmax] rows of the [N * Hkv, D] view
     chunks: tuple[_Chunk, ...]
     num_real_tokens: int  # rows past it are padding and come out as zeros
     decode_only: bool  # every row is a one-token sequence's, in order: no row shuffling needed
@@ -90,6 +91,7 @@ def make_plan(metadata: AttentionMetadata, spec: AttentionSpec) -> _Plan:
             chunks.append(_chunk(starts, q_len, kv_len, block_table[i], spec))
         starts += q_len
     decode_rows = decode_kv_rows = decode_mask = decode_bias = decode_start = None
+    decode_head_rows = None
     if decode:
         seqs = torch.tensor([i for i, _ in decode])
         decode_rows = torch.tensor([row for _, row in decode])
@@ -108,6 +110,10 @@ def make_plan(metadata: AttentionMetadata, spec: AttentionSpec) -> _Plan:
             first = int(decode_kv_rows[0, 0])
             if torch.equal(decode_kv_rows[0], positions + first):  # consecutive blocks
                 decode_start = first
+        # each (sequence, KV head)'s keys as rows of the cache viewed [N * Hkv, D]: one gather
+        # lands them in the [Bd * Hkv, Lmax, D] layout the batched products read
+        heads = torch.arange(spec.num_kv_heads)[None, :, None]
+        decode_head_rows = (decode_kv_rows[:, None, :] * spec.num_kv_heads + heads).view(-1)
     decode_only = not chunks and len(decode) == starts == metadata.num_tokens
     return _Plan(
         write_rows,
@@ -117,6 +123,7 @@ def make_plan(metadata: AttentionMetadata, spec: AttentionSpec) -> _Plan:
         decode_mask,
         decode_bias,
         decode_start,
+        decode_head_rows,
         tuple(chunks),
         starts,
         decode_only,
@@ -272,10 +279,11 @@ class FastCpuAttention(AttentionBackend):
             if plan.decode_start is not None:  # the keys in place: no gather
                 start = plan.decode_start
                 end = start + rows.shape[1]
-                kd, vd = k_flat[start:end][None], v_flat[start:end][None]  # [1, L, Hkv, D]
+                kd, vd = k_flat[start:end].transpose(0, 1), v_flat[start:end].transpose(0, 1)
             else:
-                kd = k_flat.index_select(0, rows.view(-1)).view(shape)
-                vd = v_flat.index_select(0, rows.view(-1)).view(shape)
+                head_rows, dim = plan.decode_head_rows, k_flat.shape[-1]
+                kd = k_flat.view(-1, dim).index_select(0, head_rows).view(-1, rows.shape[1], dim)
+                vd = v_flat.view(-1, dim).index_select(0, head_rows).view(-1, rows.shape[1], dim)
             return one_token_attention(
                 q.float(), kd, vd, self.spec.softmax_scale, plan.decode_bias
             )
