@@ -9,7 +9,7 @@ device whose tensors live on the CPU makes its own ops active for ``cpu`` this w
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,71 +25,39 @@ _active: dict[str, DeviceOps] = {}
 _kernels_registered: set[str] = set()
 
 
+# every op's kernel calls the DeviceOps method of the op's own name on the ops active for its
+# device type, read at each call (``using`` and ``activate`` swap them between calls)
+_OPS = (
+    "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "gelu_and_mul",
+    "add_rms_norm_linear", "silu_and_mul_linear", "qk_rms_norm", "moe_route",
+    "add_rms_norm_moe_route", "moe_experts",
+)
+
+
+def _kernel(device_type: str, op: str) -> Callable[..., object]:
+    def kernel(*args: object) -> object:
+        ops = _active.get(device_type)
+        if ops is None:  # only "cpu" gets here before a platform exists: ``active`` makes one
+            ops = active(device_type)
+        return getattr(ops, op)(*args)
+
+    kernel.__name__ = f"xhal_{op}_{device_type}"
+    return kernel
+
+
 def _register_kernels(device_type: str) -> None:
+    """Register the forwarding kernel of every op for ``device_type``'s dispatch key.
+
+    ``Library.impl`` rather than ``torch.library.register_kernel``: the latter wraps each kernel
+    in a ``torch._dynamo`` disable context that is entered on every call (about 3 us of the
+    ~5 us a custom op costs here, a hundred-odd times per eager decode step) against dynamo
+    tracing into the kernel; tracing never reaches it: torch.compile sees each op as one opaque
+    call through its fake implementation (``library.py``)."""
     if device_type in _kernels_registered:
         return
-    torch.library.register_kernel(
-        "xhal::rms_norm", device_type, lambda x, w, eps: active(x).rms_norm(x, w, eps), lib=LIBRARY
-    )
-    torch.library.register_kernel(
-        "xhal::fused_add_rms_norm",
-        device_type,
-        lambda x, r, w, eps: active(x).fused_add_rms_norm(x, r, w, eps),
-        lib=LIBRARY,
-    )
-    torch.library.register_kernel(
-        "xhal::rotary_embedding",
-        device_type,
-        lambda pos, q, k, cs, neox: active(q).rotary_embedding(pos, q, k, cs, neox),
-        lib=LIBRARY,
-    )
-    torch.library.register_kernel(
-        "xhal::silu_and_mul", device_type, lambda x: active(x).silu_and_mul(x), lib=LIBRARY
-    )
-    torch.library.register_kernel(
-        "xhal::gelu_and_mul",
-        device_type,
-        lambda x, approximate="none": active(x).gelu_and_mul(x, approximate),
-        lib=LIBRARY,
-    )
-    torch.library.register_kernel(
-        "xhal::add_rms_norm_linear",
-        device_type,
-        lambda x, r, g, eps, w, b=None: active(x).add_rms_norm_linear(x, r, g, eps, w, b),
-        lib=LIBRARY,
-    )
-    torch.library.register_kernel(
-        "xhal::silu_and_mul_linear",
-        device_type,
-        lambda x, w, b=None: active(x).silu_and_mul_linear(x, w, b),
-        lib=LIBRARY,
-    )
-    torch.library.register_kernel(
-        "xhal::qk_rms_norm",
-        device_type,
-        lambda q, k, qw, kw, eps: active(q).qk_rms_norm(q, k, qw, kw, eps),
-        lib=LIBRARY,
-    )
-    torch.library.register_kernel(
-        "xhal::moe_route",
-        device_type,
-        lambda logits, k, renorm: active(logits).moe_route(logits, k, renorm),
-        lib=LIBRARY,
-    )
-    torch.library.register_kernel(
-        "xhal::add_rms_norm_moe_route",
-        device_type,
-        lambda x, r, g, eps, w, k, renorm: active(x).add_rms_norm_moe_route(
-            x, r, g, eps, w, k, renorm
-        ),
-        lib=LIBRARY,
-    )
-    torch.library.register_kernel(
-        "xhal::moe_experts",
-        device_type,
-        lambda x, w13, w2, tw, ti: active(x).moe_experts(x, w13, w2, tw, ti),
-        lib=LIBRARY,
-    )
+    key = torch._C._dispatch_key_for_device(device_type)
+    for op in _OPS:
+        LIBRARY.impl(op, _kernel(device_type, op), key)
     _kernels_registered.add(device_type)
 
 

@@ -15,10 +15,12 @@ REQUIRED = (
 
 
 class SolvedOps(DeviceOps):
-    """Each op forwards to the implementation chosen for it once, at construction: a call costs
-    one extra Python call, never a selection. An op beyond ``REQUIRED`` with a chosen solution is
-    served by it directly (an instance attribute named by ``OPS``); without one, by the
-    ``DeviceOps`` default (a fused op's default is the plain sequence of chosen ops)."""
+    """Each op is the implementation chosen for it once, at construction, bound as an instance
+    attribute named by ``OPS`` (it shadows the forwarding method of the class): a call goes
+    straight to the implementation, never through a selection or an extra Python frame (op calls
+    are a decode step's hot path). An op beyond ``REQUIRED`` without a chosen solution is the
+    ``DeviceOps`` default (a fused op's default is the plain sequence of chosen ops). The methods
+    below forward the same way, for the ABC and for readers."""
 
     def __init__(self, impls: Mapping[str, Callable], names: Mapping[str, str]) -> None:
         missing = [op for op in REQUIRED if op not in impls]
@@ -38,8 +40,7 @@ class SolvedOps(DeviceOps):
         self._moe_experts = impls["moe_experts"]
         self._sample = impls["sampling"]
         for op, impl in impls.items():
-            if op not in REQUIRED:
-                setattr(self, OPS[op], impl)
+            setattr(self, OPS[op], impl)
 
     def linear(self, x, weight, bias=None):
         return self._linear(x, weight, bias)

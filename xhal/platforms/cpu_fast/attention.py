@@ -1,6 +1,7 @@
 """Paged attention on the CPU, planned once per step: vectorized KV writes (with the rotary
-embedding fused in, its tables gathered once per step), every one-token sequence of the batch in
-one SDPA call, each longer sequence in one SDPA call of its own."""
+embedding fused in, its tables gathered once per step, q and k rotated together), every
+one-token sequence of the batch in one batched attention (``decode.py``; read in place when a
+lone sequence's keys are consecutive cache rows), each longer sequence in one SDPA call."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from xhal.interfaces.attention import AttentionBackend, AttentionSpec
 from xhal.interfaces.cache import LayerCache, normalize_layer_caches
 from xhal.interfaces.metadata import AttentionMetadata
+from xhal.platforms.cpu_fast.decode import one_token_attention
 from xhal.platforms.cpu_fast.rotary import RotaryTables
 
 
@@ -36,6 +38,9 @@ class _Plan:
     decode_rows: torch.Tensor | None  # int64 [Bd] q rows of the one-token sequences
     decode_kv_rows: torch.Tensor | None  # int64 [Bd, Lmax] flat-cache rows, 0 where masked
     decode_mask: torch.Tensor | None  # bool [Bd, 1, 1, Lmax]; None: every key visible
+    decode_bias: torch.Tensor | None  # float32 [Bd * Hkv, 1, Lmax]: 0 or -inf, as decode_mask
+    decode_start: int | None  # a lone decode's keys are flat rows start..start+L-1: read in place
+    decode_head_rows: torch.Tensor | None  # int64 [Bd * Hkv * Lmax] rows of the [N * Hkv, D] view
     chunks: tuple[_Chunk, ...]
     num_real_tokens: int  # rows past it are padding and come out as zeros
     decode_only: bool  # every row is a one-token sequence's, in order: no row shuffling needed
@@ -85,7 +90,8 @@ def make_plan(metadata: AttentionMetadata, spec: AttentionSpec) -> _Plan:
         elif q_len > 1:
             chunks.append(_chunk(starts, q_len, kv_len, block_table[i], spec))
         starts += q_len
-    decode_rows = decode_kv_rows = decode_mask = None
+    decode_rows = decode_kv_rows = decode_mask = decode_bias = decode_start = None
+    decode_head_rows = None
     if decode:
         seqs = torch.tensor([i for i, _ in decode])
         decode_rows = torch.tensor([row for _, row in decode])
@@ -98,6 +104,16 @@ def make_plan(metadata: AttentionMetadata, spec: AttentionSpec) -> _Plan:
         )
         if not bool(visible.all()):
             decode_mask = visible[:, None, None, :]
+            bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+            decode_bias = bias.repeat_interleave(spec.num_kv_heads, dim=0)[:, None, :]
+        elif len(decode) == 1:
+            first = int(decode_kv_rows[0, 0])
+            if torch.equal(decode_kv_rows[0], positions + first):  # consecutive blocks
+                decode_start = first
+        # each (sequence, KV head)'s keys as rows of the cache viewed [N * Hkv, D]: one gather
+        # lands them in the [Bd * Hkv, Lmax, D] layout the batched products read
+        heads = torch.arange(spec.num_kv_heads)[None, :, None]
+        decode_head_rows = (decode_kv_rows[:, None, :] * spec.num_kv_heads + heads).view(-1)
     decode_only = not chunks and len(decode) == starts == metadata.num_tokens
     return _Plan(
         write_rows,
@@ -105,6 +121,9 @@ def make_plan(metadata: AttentionMetadata, spec: AttentionSpec) -> _Plan:
         decode_rows,
         decode_kv_rows,
         decode_mask,
+        decode_bias,
+        decode_start,
+        decode_head_rows,
         tuple(chunks),
         starts,
         decode_only,
@@ -136,6 +155,25 @@ def _attend(
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
+
+
+def _joined(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q ``[T, H, D]`` and k ``[T, Hkv, D]`` as one ``[T, H + Hkv, D]`` view when k's heads
+    follow q's in the same rows of one buffer (the q and k columns of a fused qkv projection, as
+    the layers pass them), else None. (Same storage, not same ``_base``: views made under
+    inference mode do not record their base.)"""
+    num_tokens, heads, dim = q.shape
+    if (
+        q.dtype != k.dtype
+        or k.shape[0] != num_tokens
+        or q.stride()[1:] != (dim, 1)
+        or k.stride()[1:] != (dim, 1)
+        or (num_tokens > 1 and q.stride(0) != k.stride(0))  # one row: its stride is arbitrary
+        or k.data_ptr() != q.data_ptr() + heads * dim * q.element_size()
+        or k.untyped_storage().data_ptr() != q.untyped_storage().data_ptr()
+    ):
+        return None
+    return q.as_strided((num_tokens, heads + k.shape[1], dim), (q.stride(0), dim, 1))
 
 
 class FastCpuAttention(AttentionBackend):
@@ -192,8 +230,14 @@ class FastCpuAttention(AttentionBackend):
     ) -> torch.Tensor:
         tables = self._rotary
         if tables is None or not tables.matches(positions, cos_sin_cache, is_neox):
-            tables = self._rotary = RotaryTables.build(positions, cos_sin_cache, is_neox)
-        return self.forward(layer_id, tables.rotate(q), tables.rotate(k), v)
+            tables = RotaryTables.build(positions, cos_sin_cache, is_neox, q.shape[-1])
+            self._rotary = tables
+        qk = _joined(q, k)
+        if qk is None:
+            return self.forward(layer_id, tables.rotate(q), tables.rotate(k), v)
+        rotated = tables.rotate(qk)  # [T, H + Hkv, D]: both in one call
+        heads = q.shape[1]
+        return self.forward(layer_id, rotated[:, :heads], rotated[:, heads:], v)
 
     def forward(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -231,6 +275,18 @@ class FastCpuAttention(AttentionBackend):
         rows = plan.decode_kv_rows  # [Bd, Lmax]
         assert rows is not None
         shape = (*rows.shape, *k_flat.shape[1:])  # [Bd, Lmax, Hkv, D]
+        if k_flat.dtype == torch.float32 and not self.spec.logits_soft_cap:
+            if plan.decode_start is not None:  # the keys in place: no gather
+                start = plan.decode_start
+                end = start + rows.shape[1]
+                kd, vd = k_flat[start:end].transpose(0, 1), v_flat[start:end].transpose(0, 1)
+            else:
+                head_rows, dim = plan.decode_head_rows, k_flat.shape[-1]
+                kd = k_flat.view(-1, dim).index_select(0, head_rows).view(-1, rows.shape[1], dim)
+                vd = v_flat.view(-1, dim).index_select(0, head_rows).view(-1, rows.shape[1], dim)
+            return one_token_attention(
+                q.float(), kd, vd, self.spec.softmax_scale, plan.decode_bias
+            )
         kd = k_flat.index_select(0, rows.view(-1)).view(shape).transpose(1, 2)  # [Bd, Hkv, Lmax, D]
         vd = v_flat.index_select(0, rows.view(-1)).view(shape).transpose(1, 2)
         return _attend(q.unsqueeze(2), kd, vd, plan.decode_mask, False, self.spec).squeeze(2)

@@ -18,8 +18,9 @@ if TYPE_CHECKING:
 
 class CpuFastPlatform(CpuPlatform):
     """``cpu-fast``: what the CPU serves with. Collectives and memory queries are the
-    reference's, the norms and rotary the reference's without its float32 no-op casts (solution
-    ``fast``, bit-identical); attention is planned once per step and batched (solution ``sdpa``).
+    reference's, the norms and rotary the reference's math in fewer torch calls (solution
+    ``fast``: float32 RMSNorm from one reduction, equal to the reference's to rounding); attention
+    is planned once per step and batched (solution ``sdpa``: decodes by batched matrix calls).
     No graphs: on the CPU a recorded "graph" replays the same kernels with more Python around
     them. Its ops serve "cpu" tensors only when it is the first CPU platform created in the
     process (``xhal.ops.register_platform``), as in ``xhal-serve``."""

@@ -1,8 +1,8 @@
 """The fast CPU solutions: ``FastCpuOps``' norms, rotary, SiLU gate and the fused ops built of
-them (the reference's without its float32 no-op casts, bit-identical) and ``FastCpuAttention``
-(planned once per step, every decode of a batch in one SDPA call over the paged cache, rotary
-fused into its KV write; eager only: it refuses a graph key). They rank below the reference, so
-the ``cpu`` platform stays the oracle; ``cpu-fast`` forces them."""
+them (the reference's math in fewer torch calls, equal to it to float32 rounding) and
+``FastCpuAttention`` (planned once per step, every decode of a batch in one batched attention
+over the paged cache, rotary fused into its KV write; eager only: it refuses a graph key). They
+rank below the reference, so the ``cpu`` platform stays the oracle; ``cpu-fast`` forces them."""
 
 from __future__ import annotations
 
