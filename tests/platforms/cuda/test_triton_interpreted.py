@@ -15,8 +15,10 @@ import pytest
 from tests.support.conformance_run import REPO, suite_env
 from tests.support.triton_env import NO_RUNTIME_LOOPS, RUNTIME_LOOPS
 
-# long contexts run compiled on the GPU: the interpreter takes minutes per thousand keys
-CASES = "bfloat16 and bs16 and not prefill and not d256 and not long_context"
+# long contexts run compiled on the GPU: the interpreter takes minutes per thousand keys. The
+# plugin builds the Triton backend whatever attention solution a case forces, so the CPU's second
+# attention solution ("sdpa", cpu-fast's) would run the same kernels again: its cases are left out.
+CASES = "bfloat16 and bs16 and not prefill and not d256 and not long_context and not sdpa"
 
 
 def _suite(*extra: str) -> subprocess.CompletedProcess[str]:
