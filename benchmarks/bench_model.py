@@ -8,7 +8,7 @@ embedding row per sequence instead of the whole table, unless it is tied to the 
 other weight; the KV) at the read-only streaming rate measured in the same run.
 
 ``--pdl off early late auto`` adds the same model's decode graphs captured once per programmatic
-dependent launch setting (``XHAL_CUDA_PDL`` / ``XHAL_CUDA_PDL_TRIGGER``, ``pdl_variant``) to the
+dependent launch setting (``XHAL_CUDA_PDL`` / ``XHAL_CUDA_PDL_TRIGGER``, ``pdl_variants.py``) to the
 same process, timed one after the other against the same floor, with their kernels per layer.
 
     python -m benchmarks.bench_model \\
@@ -19,13 +19,11 @@ same process, timed one after the other against the same floor, with their kerne
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-from collections.abc import Iterator
 
 import torch
 
 import xhal
+from benchmarks import pdl_variants
 from benchmarks.common import ceilings, table, time_cuda, time_cuda_pipelined
 from benchmarks.host_timing import call_breakdown, host_breakdown, host_time_us, profile_host
 from models.llama import LlamaForCausalLM
@@ -130,31 +128,6 @@ def prefill_metadata(
     return ids, torch.arange(tokens, dtype=torch.int32, device=device), meta
 
 
-PDL_VARIANTS = {
-    "off": ("0", "auto"),
-    "early": ("1", "early"),
-    "late": ("1", "late"),
-    "auto": ("1", "auto"),
-}
-
-
-@contextlib.contextmanager
-def pdl_variant(name: str) -> Iterator[None]:
-    """``XHAL_CUDA_PDL`` and ``XHAL_CUDA_PDL_TRIGGER`` set for one of ``PDL_VARIANTS`` while the
-    block runs (the kernels read them at launch, so a graph captured inside keeps them)."""
-    keys = ("XHAL_CUDA_PDL", "XHAL_CUDA_PDL_TRIGGER")
-    saved = {key: os.environ.get(key) for key in keys}
-    os.environ.update(zip(keys, PDL_VARIANTS[name]))
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def profile_kernels(
     step, title: str, iters: int = 5, num_layers: int | None = None
 ) -> tuple[float, float]:
@@ -241,25 +214,13 @@ def hf_decode_ms(batch: int, ctx: int, device, compiled: bool, config: dict = CO
 
 
 def pdl_peers(
-    model, platform, caches, batches: list[int], variants: list[str], config: dict,
-    rows: list[dict], kernels: bool,
+    model, platform, caches, variants: list[str], config: dict, rows: list[dict], kernels: bool,
+    executor_config: ExecutorConfig,
 ) -> list[dict]:
     """The decode graphs captured and timed once per PDL variant, against the floors of ``rows``
     (the default executor's), in variant order per batch; ``kernels`` adds each one's profile."""
     device = platform.device()
-    executors = {}
-    for name in variants:
-        with pdl_variant(name):
-            cfg = ExecutorConfig(
-                dtype=torch.bfloat16,
-                block_size=BLOCK,
-                max_num_seqs=max(batches),
-                max_model_len=CTX + 64,
-                decode_graph_sizes=tuple(batches),
-            )
-            executors[name] = ex = ModelExecutor(model, platform, cfg)
-            ex.bind_kv_caches(caches)
-            ex.capture_graphs()
+    executors = pdl_variants.capture_per_variant(model, platform, executor_config, caches, variants)
     out = []
     for row in rows:
         batch = row["batch"]
@@ -304,13 +265,7 @@ def main() -> None:
     parser.add_argument(
         "--kernels", action="store_true", help="only the per-step kernel profile of --profile"
     )
-    parser.add_argument(
-        "--pdl",
-        nargs="+",
-        choices=sorted(PDL_VARIANTS),
-        default=[],
-        help="also capture and time the decode graphs once per PDL setting (same process)",
-    )
+    pdl_variants.add_argument(parser)
     args = parser.parse_args()
     ceil = ceilings()
     platform = xhal.platforms.get("cuda")
@@ -376,7 +331,9 @@ def main() -> None:
         row["graph_speedup"] = row["eager_ms"] / row["graph_ms"]
         rows.append(row)
     if args.pdl:  # the PDL peers, timed before any profile
-        pdl_rows = pdl_peers(model, platform, caches, batches, args.pdl, config, rows, args.kernels)
+        pdl_rows = pdl_peers(
+            model, platform, caches, args.pdl, config, rows, args.kernels, executors[False].config
+        )
     if args.profile:  # after every timing: once CUPTI has run in a process, CUDA calls cost more
         ex = executors[False]
         for batch in batches:

@@ -11,7 +11,7 @@ attention and router weights, the LM head and one embedding row per token, and t
                                    [--pdl off early late auto]
 
 ``--pdl`` adds the decode graphs captured once per programmatic dependent launch setting
-(``bench_model.pdl_variant``), timed in the same process against the same floors.
+(``pdl_variants.py``), timed in the same process against the same floors.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 import xhal
-from benchmarks.bench_model import PDL_VARIANTS, decode_metadata, pdl_variant, profile_kernels
+from benchmarks import pdl_variants
+from benchmarks.bench_model import decode_metadata, profile_kernels
 from benchmarks.common import ceilings, table, time_cuda, time_cuda_pipelined, time_graph
 from models import load_model
 from xhal.executor import ExecutorConfig, ModelExecutor
@@ -257,13 +258,7 @@ def main() -> None:
         help="batches of the expert sweep (grouped GEMM tiles against the pair-GEMV path)",
     )
     parser.add_argument("--profile", action="store_true", help="kernels per graph step, per batch")
-    parser.add_argument(
-        "--pdl",
-        nargs="+",
-        choices=sorted(PDL_VARIANTS),
-        default=[],
-        help="also capture and time the decode graphs once per PDL setting (same process)",
-    )
+    pdl_variants.add_argument(parser)
     args = parser.parse_args()
     config = {**CONFIG, "num_hidden_layers": args.layers}
     ceil = ceilings()
@@ -290,12 +285,9 @@ def main() -> None:
         ex.bind_kv_caches(caches)
     capture = executors[False].capture_graphs(progress=False)
     print(f"decode graph capture: {capture['graphs']} buckets in {capture['seconds']:.1f} s")
-    peers = {}
-    for name in args.pdl:
-        with pdl_variant(name):
-            peers[name] = peer = ModelExecutor(model, platform, executors[False].config)
-            peer.bind_kv_caches(caches)
-            peer.capture_graphs(progress=False)
+    peers = pdl_variants.capture_per_variant(
+        model, platform, executors[False].config, caches, args.pdl
+    )
     rows, pdl_rows = [], []
     for batch in batches:
         ids, pos, meta = decode_metadata(batch, CTX, device)
