@@ -119,10 +119,14 @@ def measure_shape(
         if args.parts:  # where it goes, and how the way the call is entered changes it
             for name, ex in trees.items():
                 parts = host_breakdown(ex, ids, pos, meta, iters=args.steps)
+                inflight = host_breakdown(ex, ids, pos, meta, args.steps, "inflight")
+                step = [(ids, pos, meta)]
                 per_tree[name]["parts"] = {
                     **parts,
-                    "host_spun_us": host_time_us(ex, [(ids, pos, meta)], args.steps, "spun"),
-                    "host_busy_us": host_time_us(ex, [(ids, pos, meta)], 50, "busy"),
+                    **{f"inflight_{k}": v for k, v in inflight.items()},
+                    "host_spun_us": host_time_us(ex, step, args.steps, "spun"),
+                    "host_busy_us": host_time_us(ex, step, 50, "busy"),
+                    "host_inflight_us": host_time_us(ex, step, args.steps, "inflight"),
                 }
         for name, r in per_tree.items():
             rows.append({
@@ -151,8 +155,9 @@ def main() -> None:
     parser.add_argument(
         "--parts",
         action="store_true",
-        help="also the staging / plan / replay split (idle entry), and whole calls entered after "
-        "2 ms of spinning (spun) or with 20 ms of device work queued (busy, 50 calls)",
+        help="also the staging / plan / replay split (idle entry and with the same step in flight "
+        "ahead, the served regime), and whole calls entered after 2 ms of spinning (spun), with "
+        "20 ms of device work queued (busy, 50 calls) or with the step in flight (inflight)",
     )
     args = parser.parse_args()
     read_rate = read_bandwidth()["read"]

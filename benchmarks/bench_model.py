@@ -326,6 +326,7 @@ def main() -> None:
                 row["host_us"] = host_time_us(ex, [(ids, pos, meta)])
                 row["host_busy_us"] = host_time_us(ex, [(ids, pos, meta)], mode="busy")
                 row["host_spun_us"] = host_time_us(ex, [(ids, pos, meta)], mode="spun")
+                row["host_inflight_us"] = host_time_us(ex, [(ids, pos, meta)], mode="inflight")
                 longer = decode_metadata(batch, CTX + BLOCK, device, vocab)
                 row["host_replan_us"] = host_time_us(ex, [(ids, pos, meta), longer])
         row["graph_speedup"] = row["eager_ms"] / row["graph_ms"]

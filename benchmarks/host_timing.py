@@ -1,15 +1,17 @@
 """Host time of a graph decode step (device work excluded), for ``bench_model --profile``: the
 whole ``execute`` call, its three parts, and the calls inside it one by one.
 
-A step is entered three ways (``enter``): ``idle`` right after a synchronize, ``busy`` with ~20 ms
+A step is entered four ways (``enter``): ``idle`` right after a synchronize, ``busy`` with ~20 ms
 of device work queued ahead (the host never waits on the device), ``spun`` after a synchronize
-and 2 ms of Python spinning (a thread that was running rather than blocked in the synchronize).
+and 2 ms of Python spinning (a thread that was running rather than blocked in the synchronize),
+``inflight`` right after queueing the same step once (a server with async scheduling calls
+``execute`` while its previous step still runs: this is the served regime).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -17,11 +19,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from xhal.executor import ModelExecutor
 
+MODES = ("idle", "busy", "spun", "inflight")
 
-def enter(mode: str) -> None:
-    """Start a timed call the way ``mode`` (idle, busy, spun) names."""
+
+def enter(mode: str, ahead: Callable[[], object] | None = None) -> None:
+    """Start a timed call the way ``mode`` (one of ``MODES``) names; ``inflight`` queues
+    ``ahead()`` (the step itself) after the synchronize."""
+    if mode not in MODES:
+        raise ValueError(f"unknown entry mode {mode!r}; one of {', '.join(MODES)}")
     torch.cuda.synchronize()
-    if mode == "busy":
+    if mode == "inflight":
+        if ahead is None:
+            raise ValueError("entry mode 'inflight' needs the step to queue ahead")
+        ahead()
+    elif mode == "busy":
         torch.cuda._sleep(40_000_000)
     elif mode == "spun":
         end = time.perf_counter() + 2e-3
@@ -37,7 +48,7 @@ def host_time_us(
     samples = []
     for i in range(iters):
         ids, pos, meta = steps[i % len(steps)]
-        enter(mode)
+        enter(mode, lambda: executor.execute(ids, pos, meta))
         t0 = time.perf_counter()
         executor.execute(ids, pos, meta)
         samples.append(time.perf_counter() - t0)
@@ -69,7 +80,7 @@ def host_breakdown(
     key = ("decode", bucket)
     samples: dict[str, list[float]] = {"stage": [], "plan": [], "replay": []}
     for _ in range(iters):
-        enter(mode)
+        enter(mode, lambda: executor.execute(ids, pos, meta))
         t0 = time.perf_counter()
         padded = graphs._stage(ids, pos, meta, bucket)
         t1 = time.perf_counter()

@@ -76,3 +76,21 @@ def test_the_emulated_host_benchmark_runs_and_counts_one_op_per_steady_step() ->
     row = measure(2, 64, steps=20, shape=tiny)
     assert row["ops_per_step"] == 1 and row["ops_max"] > 1  # 20 steps from 65 tokens cross a page
     assert 0 < row["attention_plan_us"] and 0 < row["execute_us"]
+
+
+def test_enter_inflight_queues_the_step_after_the_synchronize(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import benchmarks.host_timing
+    from benchmarks.host_timing import enter
+
+    calls: list[str] = []
+    monkeypatch.setattr(
+        benchmarks.host_timing.torch.cuda, "synchronize", lambda: calls.append("synchronize")
+    )
+    enter("inflight", lambda: calls.append("step"))
+    assert calls == ["synchronize", "step"]
+    with pytest.raises(ValueError, match="needs the step"):
+        enter("inflight")
+    with pytest.raises(ValueError, match="unknown entry mode 'queued'"):
+        enter("queued")
