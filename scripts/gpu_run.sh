@@ -54,7 +54,8 @@ for stage in $stages; do
       timeout -k 10 "${STAGE_TIMEOUT:-0}" bash examples/cpp_host/bench_cuda.sh "$out" 2>&1 | tee "$out/cpp_host.txt" || status=1 ;;
     bench_*) py -m benchmarks.$stage ${BENCH_ARGS:-} 2>&1 | tee "$out/$stage.txt" || status=1 ;;
     serve)  # xhal-serve --device cuda on random Llama-3-shaped models (SERVE_SHAPES, default both
-      # the 3.2-1B and the 8B shapes), each at concurrency 1 and 64, under xhal-bench-serve
+      # the 3.2-1B and the 8B shapes), each at concurrency 1 and 64, under xhal-bench-serve;
+      # prompt and output lengths SERVE_INPUT_LEN / SERVE_OUTPUT_LEN (default 1024 / 128)
       for shape in ${SERVE_SHAPES:-llama3.2-1b llama3-8b}; do
         dir=$(python3 -m benchmarks.make_dummy_model "/tmp/dummy-$shape" "$shape" | tail -1)
         python3 -m serve_cli --device cuda --model "$dir" --load-format dummy --dtype bfloat16 \
@@ -64,7 +65,8 @@ for stage in $stages; do
         for c in 1 64; do
           echo "=== serve $shape concurrency $c" | tee -a "$out/serve_bench.txt"
           python3 -m benchmarks.bench_serve --base-url http://127.0.0.1:8100 --token-ids --vocab-size 800 \
-            --input-len 1024 --output-len 128 --num-prompts $((c == 1 ? 8 : 128)) --max-concurrency $c \
+            --input-len "${SERVE_INPUT_LEN:-1024}" --output-len "${SERVE_OUTPUT_LEN:-128}" \
+            --num-prompts $((c == 1 ? 8 : 128)) --max-concurrency $c \
             --no-progress 2>&1 | tee -a "$out/serve_bench.txt" || status=1
         done
         kill -TERM $server; wait $server

@@ -13,6 +13,9 @@
 #                 shape at batch 1, the 8B shape at batch 1 and 64, the MoE shape at batch 1, each
 #                 setting's graphs captured and timed in one process, kernels per layer
 #   pdl-conformance  the fused, graph, ops and attention families with XHAL_CUDA_PDL=1
+#   host          host time inside execute per graph decode step (bench_host_step: 8B and 1B
+#                 shapes, batch 1 and 64, five repeats, idle / spun / busy / in-flight entries)
+#   serve         xhal-serve on the random 1B and 8B shapes at concurrency 1 and 64 (gpu_run.sh serve)
 # Split the stages over two calls where one call's time limit is short, e.g.
 # `scripts/verify_h200.sh conformance model-8b model-8b-fi model-1b`, then `... moe solutions`.
 set -uo pipefail
@@ -49,9 +52,11 @@ for name in ${*:-conformance model-8b model-8b-fi model-1b model-1b-fi moe solut
     pdl-1b) stage $name "${MODEL_TIMEOUT:-90}" -- bench_model --shape llama3.2-1b --batches 1 $model --pdl $pdl ;;
     pdl-8b) stage $name "${MODEL_TIMEOUT:-90}" -- bench_model --shape llama3-8b --batches 1 64 $model --pdl $pdl ;;
     pdl-moe) stage $name "${MOE_TIMEOUT:-150}" -- bench_moe --batches 1 --no-hf --no-sweep --profile --pdl $pdl ;;
+    host) stage $name "${HOST_TIMEOUT:-150}" -- bench_host_step --shapes llama3-8b llama3.2-1b --parts ;;
+    serve) stage $name "${SERVE_TIMEOUT:-400}" -- serve ;;
     pdl-conformance) stage $name "${CONF_TIMEOUT:-240}" XHAL_CUDA_PDL=1 \
       CONF_ARGS="${PDL_FAMILIES:---family fused --family graph --family ops --family attention}" -- conformance-cuda ;;
-    *) echo "unknown stage $name (conformance model-8b model-8b-fi model-1b model-1b-fi moe solutions pdl-1b pdl-8b pdl-moe pdl-conformance)"; exit 2 ;;
+    *) echo "unknown stage $name (conformance model-8b model-8b-fi model-1b model-1b-fi moe solutions pdl-1b pdl-8b pdl-moe pdl-conformance host serve)"; exit 2 ;;
   esac
 done
 if [ -n "${OUT:-}" ]; then  # and the conformance reports
