@@ -8,9 +8,28 @@ hides each small kernel's launch and ramp behind its predecessor's tail.
 
 The rule every PDL kernel here follows:
 
-1. before its wait it reads only what no kernel of the step writes: weights, constant tables
-   (cos / sin), host-uploaded metadata (positions, slot mapping); it writes nothing, since its
-   outputs may reuse memory the kernel ahead still reads (graph pools recycle buffers);
+1. before its wait it writes nothing (its outputs may reuse memory the kernel ahead still reads:
+   graph pools recycle buffers), and it loads only what the kernel right ahead cannot be
+   writing: weights and constant tables (cos / sin), what the host staged before the step
+   (positions, slot mapping, kv lengths), and what a kernel two or more launches ahead wrote.
+   The last holds because every kernel of our decode chains is *gated*: its dependents launch
+   only after it knows the kernel ahead of it has finished. Ours trigger only after their own
+   wait; torch's kernels (embedding, copies, the in-graph block-table layout and KV prefix sums,
+   ``xhal/executor``), FlashInfer's and NCCL's trigger nothing, so whatever follows them launches
+   when they finish; a cuBLAS GEMM may trigger early (seen at batch 64), but torch launches it
+   without PDL, so it starts only once the kernel ahead of it has finished. Hence when kernel N
+   starts, kernel N-2 and everything before it have finished and their stores are visible. The
+   split-KV decode launch relies on this for the block table, laid out inside the graph by
+   ``staged_table.py`` before the embedding, which is a torch kernel: launched without PDL and
+   triggering nothing, it starts after the layout has finished and everything after it starts
+   after it has finished, so that table holds whatever cuBLAS does. A kernel added to a decode
+   chain must stay gated (trigger after its wait, or not at all), or this rule no longer holds
+   for the kernel two after it. L2 prefetches (``kernels/l2_prefetch.py``) may address anything,
+   since they load nothing into the program and L2 is coherent: the split-KV launch asks L2 for
+   its first K / V tiles of past positions before its wait, and reads them with ordinary loads
+   after it. (Past positions of a layer's cache are written only by that layer's attention in
+   an earlier step, or by the host's block copies between steps; the new token's slot, which
+   the launch itself writes, is a position no program of the launch reads.)
 2. every program waits, also one with nothing to read: a wait covers only the kernel right
    ahead, so a grid that could finish before its own predecessor would break the chain for the
    kernel after it;
