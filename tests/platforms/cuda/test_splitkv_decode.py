@@ -287,3 +287,60 @@ def test_fused_window_and_soft_cap() -> None:
     for got, want in ((dev[1].cpu(), want_k), (dev[2].cpu(), want_v)):  # the NaN block kept
         assert torch.equal(got.isnan(), want.isnan())
         assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+def _rms64(x: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """Per-head RMSNorm in float64 from its definition, rounded to ``dtype`` as the op stores."""
+    x = x.double()
+    return (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_qk_norm_before_rotary(dtype) -> None:
+    """Qwen3's q / k norm inside the launch: q and the new key RMS-normed per head (own weights)
+    before the rotation; the cache receives the normed, rotated key and the output attends with
+    the normed, rotated q (float64 reference; the padding row's slot -1 stays unwritten)."""
+    from xhal.platforms.cuda.kernels.splitkv_decode import NewToken, QKNorm, Rotary
+
+    kv_lens, num_heads, num_kv_heads, eps = [90, 1, 33, 1], 8, 2, 1e-6
+    case = _fused_case(kv_lens, num_heads, num_kv_heads, dtype, 9, HEAD_DIM, True)
+    q, k_cache, v_cache, table, lens, k_new, v_new, slots, positions, rot_table = case
+    g = torch.Generator().manual_seed(3)
+    q, k_new = q * 3.0, k_new * 0.5  # norms that differ from 1
+    qw, kw = (torch.rand(HEAD_DIM, generator=g) + 0.5).to(dtype), torch.rand(HEAD_DIM, generator=g)
+    kw = (kw + 0.5).to(dtype)
+    want_q = _rotate64(_rms64(q, qw, eps, dtype), positions, rot_table, True).to(dtype)
+    want_k = _rotate64(_rms64(k_new, kw, eps, dtype), positions, rot_table, True)
+    want_k_cache, want_v_cache = k_cache.clone(), v_cache.clone()
+    for i, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            want_k_cache[slot // PAGE, slot % PAGE] = want_k[i].to(dtype)
+            want_v_cache[slot // PAGE, slot % PAGE] = v_new[i]
+    splits = 3
+    scratch = Scratch.make(len(kv_lens), num_kv_heads, num_heads // num_kv_heads, HEAD_DIM,
+                           splits, torch.device(DEVICE))  # fmt: skip
+    dev = [t.to(DEVICE) for t in (q, k_cache, v_cache, table, lens, k_new, v_new, slots)]
+    out = torch.zeros(q.shape, dtype=dtype, device=DEVICE)
+    splitkv_decode(*dev[:5], out, scratch, splits, HEAD_DIM**-0.5, new=NewToken(*dev[5:]),
+                   rotary=Rotary(positions.to(DEVICE), rot_table.to(DEVICE), True),
+                   qk_norm=QKNorm(qw.to(DEVICE), kw.to(DEVICE), eps))  # fmt: skip
+    got_k = dev[1].cpu()
+    written = got_k.flatten(0, 1)[slots[:-1].long()].double()  # [B - 1, Hkv, D]
+    # within a rounding or two of the float64 norm + rotation (|k| ~ 1 after the norm)
+    assert (written - want_k[:-1]).abs().max().item() <= 2 * TOL[dtype] * 4
+    assert torch.equal(dev[2].cpu().nan_to_num(), want_v_cache.nan_to_num())
+    ref = _reference(want_q, got_k, want_v_cache, table, lens, HEAD_DIM**-0.5)
+    _check(out[:-1], ref[:-1], dtype)
+
+
+def test_qk_norm_needs_the_rotation() -> None:
+    from xhal.platforms.cuda.kernels.splitkv_decode import NewToken, QKNorm
+
+    q, k_cache, v_cache, table, lens, k_new, v_new, slots, _, _ = _fused_case(
+        [5], 4, 1, torch.float32, 1, 2, True
+    )
+    w = torch.ones(HEAD_DIM)
+    with pytest.raises(ValueError, match="only before a rotation"):
+        splitkv_decode(q, k_cache, v_cache, table, lens, torch.empty_like(q),
+                       Scratch.make(1, 1, 4, HEAD_DIM, 1, torch.device("cpu")), 1, 1.0,
+                       new=NewToken(k_new, v_new, slots), qk_norm=QKNorm(w, w, 1e-6))  # fmt: skip
