@@ -257,7 +257,7 @@ def pdl_chains(shape: str, batch: int, read: float) -> tuple[list[dict], list[di
     weights = ((heads + 2 * kv_heads) * dim + heads * dim) * HIDDEN[shape] * 2
     num_layers = max(4, min(16, -(-(512 << 20) // (weights + kv_bytes))))
     chain = Chain(shape, spec, Layers(spec, batch, num_layers, [CTX] * batch), num_layers)
-    rows = measure(chain, read, kv_bytes)
+    rows = measure(chain, read, kv_bytes, full=batch == 1)
     names = ("pdl off", "attn plain (tree before)", "attn early, prefetch 2")
     try:
         return rows, profile(chain, names) if batch == 1 else []
@@ -302,14 +302,15 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--pdl", action="store_true", help="time the PDL chains (batch <= 16)")
     parser.add_argument(
-        "--pdl-only", action="store_true", help="with --pdl: only correctness and the chains"
+        "--pdl-only", action="store_true",
+        help="with --pdl: only the chains (each checked against PDL off's output)",
     )
     args = parser.parse_args()
     t0 = time.perf_counter()
     read = read_bandwidth()["read"]
     print(f"read ceiling {read / 1e12:.2f} TB/s (read-only streaming kernel, this run)")
     checks, rows, tuned = [], [], []
-    for shape in args.shapes:
+    for shape in args.shapes if not (args.pdl and args.pdl_only) else []:
         checks += correctness(shape)
     for shape in args.shapes if not (args.pdl and args.pdl_only) else []:
         for batch in args.batches:
@@ -330,6 +331,7 @@ def main() -> None:
             for batch in [b for b in args.batches if b <= 16]:
                 got, prof = pdl_chains(shape, batch, read)
                 chains, kernels = chains + got, kernels + prof
+                print(table(got, f"{shape} batch {batch}: chain us per layer"), flush=True)
     for shape in [s for s in ("8b", "moe") if s in args.shapes and 1 in args.batches
                   and not args.pdl_only]:  # fmt: skip
         try:

@@ -42,27 +42,25 @@ class Variant:
 
 def variants(qkv_bytes: int, tiles_per_split: int, qk_norm: bool) -> dict[str, Variant]:
     """The variants worth timing for a qkv weight of ``qkv_bytes`` and a split of
-    ``tiles_per_split`` tiles: a forced qkv trigger only where it differs from ``AUTO``'s, a
-    4-tile prefetch only where a split has more than 2 tiles, the q / k norm folded (with and
-    without PDL) only where the layer has one."""
+    ``tiles_per_split`` tiles (more than 2: a 4-tile prefetch too): a forced qkv trigger only
+    where it differs from ``AUTO``'s, the q / k norm folded only where the layer has one."""
     from xhal.platforms.cuda import pdl
 
     off, early, late, auto = pdl.OFF, pdl.EARLY, pdl.LATE, pdl.AUTO
-    out = {
+    out = {  # the first three at every batch (``measure(full=False)``)
         "pdl off": Variant(off, 0, off, off),
         "attn plain (tree before)": Variant(off, 0, auto, auto),
         "attn early, prefetch 2": Variant(early, 2, auto, auto),
         "attn early, prefetch 0": Variant(early, 0, auto, auto),
         "attn late, prefetch 2": Variant(late, 2, auto, auto),
     }
-    if tiles_per_split > 2:
-        out["attn early, prefetch 4"] = Variant(early, 4, auto, auto)
     forced = late if pdl.gemv_trigger(auto, qkv_bytes) == early else early
     out[f"attn early p2, qkv {'late' if forced == late else 'early'}"] = Variant(
         early, 2, forced, auto
     )
+    if tiles_per_split > 2:
+        out["attn early, prefetch 4"] = Variant(early, 4, auto, auto)
     if qk_norm:
-        out["pdl off, q/k norm folded"] = Variant(off, 0, off, off, fold=True)
         out["attn early p2, q/k norm folded"] = Variant(early, 2, auto, auto, fold=True)
     return out
 
@@ -134,13 +132,14 @@ class Chain:
         return x
 
 
-def measure(chain: Chain, read: float, kv_bytes: int) -> list[dict]:
-    """Every variant's chain captured and timed (us per layer), its output against PDL off's,
-    and the floor: the layer's weight and KV bytes over the read ceiling of this run."""
+def measure(chain: Chain, read: float, kv_bytes: int, full: bool = True) -> list[dict]:
+    """Every variant's chain (the first three unless ``full``: each variant compiles kernels of
+    its own) captured and timed (us per layer), its output against PDL off's, and the floor:
+    the layer's weight and KV bytes over the read ceiling of this run."""
     num_layers = len(chain.w_qkv)
     floor_us = (chain.weight_bytes() + kv_bytes) / read * 1e6
     rows, base_us, base_out = [], 0.0, None
-    for name, v in chain.variants().items():
+    for name, v in list(chain.variants().items())[: None if full else 3]:
         graph = capture_graph(lambda v=v: chain.run(v))
         us = time_cuda(graph.replay, iters=30) * 1e3 / num_layers
         graph.replay()
