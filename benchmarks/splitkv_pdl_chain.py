@@ -8,8 +8,7 @@ add + RMSNorm + qkv GEMV (``fused_gemv.py``), Qwen3's q / k norm launch for the 
 whose output is the next layer's input (a real dependency chain). ``L`` layers with their own
 weights and caches in one CUDA graph stream their bytes past L2. Every variant runs on the same
 weights, caches and inputs, so their outputs must match the PDL-off chain exactly (PDL and L2
-prefetches change when things run, never what is computed); with the q / k norm folded into the
-attention launch, within bf16 roundings (the same math, compiled into another kernel).
+prefetches change when things run, never what is computed).
 """
 
 from __future__ import annotations
@@ -30,20 +29,18 @@ EPS = 1e-6
 class Variant:
     """Triggers of one chain: ``attention`` the split-KV launch's ``use_pdl``, ``prefetch`` its
     tiles asked of L2 before the wait, ``qkv`` the norm + qkv GEMV's (``pdl.AUTO`` resolves by
-    its weight bytes), ``gemvs`` the o GEMV's and the q / k norm's (off or auto); ``fold``: the
-    q / k norm inside the split-KV launch (``QKNorm``) instead of its own launch."""
+    its weight bytes), ``gemvs`` the o GEMV's and the q / k norm's (off or auto)."""
 
     attention: int
     prefetch: int
     qkv: int
     gemvs: int
-    fold: bool = False
 
 
-def variants(qkv_bytes: int, tiles_per_split: int, qk_norm: bool) -> dict[str, Variant]:
+def variants(qkv_bytes: int, tiles_per_split: int) -> dict[str, Variant]:
     """The variants worth timing for a qkv weight of ``qkv_bytes`` and a split of
     ``tiles_per_split`` tiles (more than 2: a 4-tile prefetch too): a forced qkv trigger only
-    where it differs from ``AUTO``'s, the q / k norm folded only where the layer has one."""
+    where it differs from ``AUTO``'s."""
     from xhal.platforms.cuda import pdl
 
     off, early, late, auto = pdl.OFF, pdl.EARLY, pdl.LATE, pdl.AUTO
@@ -60,8 +57,6 @@ def variants(qkv_bytes: int, tiles_per_split: int, qk_norm: bool) -> dict[str, V
     )
     if tiles_per_split > 2:
         out["attn early, prefetch 4"] = Variant(early, 4, auto, auto)
-    if qk_norm:
-        out["attn early p2, q/k norm folded"] = Variant(early, 2, auto, auto, fold=True)
     return out
 
 
@@ -81,7 +76,7 @@ class Chain:
                       for _ in range(num_layers)]  # fmt: skip
         self.w_o = [torch.randn(hidden, h * d, **bf16) * (h * d) ** -0.5 for _ in range(num_layers)]
         self.norm_w = torch.ones(hidden, **bf16)
-        self.q_w, self.k_w = (torch.rand(d, **bf16) + 0.5 for _ in range(2))
+        self.qk_w = torch.ones(d, **bf16)
         self.x = torch.randn(batch, hidden, **bf16)
         self.residual = torch.randn(batch, hidden, **bf16)
         m = layers.meta
@@ -97,8 +92,7 @@ class Chain:
 
         s = self.spec
         tiles = -(-self.layers.meta.max_seq_len // kernel.block_keys(s.head_dim))
-        per_split = -(-tiles // self.splits)
-        return variants(self.w_qkv[0].numel() * 2, per_split, self.shape in QK_NORM)
+        return variants(self.w_qkv[0].numel() * 2, -(-tiles // self.splits))
 
     def weight_bytes(self) -> int:
         return (self.w_qkv[0].numel() + self.w_o[0].numel()) * 2
@@ -115,17 +109,14 @@ class Chain:
             qkv, residual = add_rms_norm_gemv(x, residual, self.norm_w, EPS, self.w_qkv[i],
                                               use_pdl=v.qkv)  # fmt: skip
             q, k, val = qkv.split([h * d, hkv * d, hkv * d], dim=1)
-            norm = None
-            if self.shape in QK_NORM and v.fold:
-                norm = kernel.QKNorm(self.q_w, self.k_w, EPS)
-            elif self.shape in QK_NORM:
-                q, k = qk_rms_norm(q, k, self.q_w, self.k_w, EPS, use_pdl=v.gemvs)
+            if self.shape in QK_NORM:
+                q, k = qk_rms_norm(q, k, self.qk_w, self.qk_w, EPS, use_pdl=v.gemvs)
             q, k, val = q.view(-1, h, d), k.view(-1, hkv, d), val.view(-1, hkv, d)
             kernel.splitkv_decode(
                 q, cache.key, cache.value, m.block_table, m.kv_seq_lens, self.out, self.scratch,
                 self.splits, s.softmax_scale, new=kernel.NewToken(k, val, m.slot_mapping),
                 rotary=kernel.Rotary(lay.positions, lay.rot, True), use_pdl=v.attention,
-                prefetch=v.prefetch, qk_norm=norm,
+                prefetch=v.prefetch,
             )  # fmt: skip
             x = stream_gemv(self.out.view(-1, h * d), self.w_o[i], use_pdl=v.gemvs)
         self.final = x  # inside a capture: the graph's static output

@@ -59,8 +59,8 @@ _POINTERS = {
     "sq_ptr": "*fp32", "counter_ptr": "*i32", "weights_ptr": "*fp32", "ids_ptr": "*i32",
     "block_table_ptr": "*i32", "kv_lens_ptr": "*i32", "part_acc_ptr": "*fp32",
     "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "rot_ptr": "*fp32",
-}  # the rest: bf16 tensors
-_FLOATS = ("eps", "scale_log2", "soft_cap", "qk_eps")
+}
+_FLOATS = ("eps", "scale_log2", "soft_cap")
 _GEMV = dict(
     K=512, K_PER_SPLIT=512, M=1, BLOCK_M=1, BLOCK_N=8, BLOCK_K=128, PROLOGUE=1, SPLIT=False,
     HAS_BIAS=False, NUM_STAGES=2,
@@ -68,7 +68,7 @@ _GEMV = dict(
 _SPLITKV = dict(  # the fused decode layer (new token + rotary) of the 8B shape, 16 splits
     GROUP=4, GROUP_PAD=4, ROWS=16, HEAD_DIM=128, DIM_PAD=128, PAGE=16, BLOCK_N=64, SPLITS_PAD=16,
     MERGE_CHUNK=16, SOFT_CAP=False, WINDOW=False, F32_DOT=False, NEW_KV=True, ROTARY=True,
-    HALF=64, IS_NEOX=True, PREFETCH=2, LINES=2, LINE=64, QK_NORM=False,
+    HALF=64, IS_NEOX=True, PREFETCH=2, LINES=2, LINE=64,
 )
 CASES = {  # name: (module, kernel, constexprs)
     "gemv off": ("fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.OFF}),
@@ -92,11 +92,6 @@ CASES = {  # name: (module, kernel, constexprs)
     ),
     "splitkv late": (
         "splitkv_decode", "_splitkv_decode_kernel", {**_SPLITKV, "USE_PDL": pdl.LATE}
-    ),
-    "splitkv early qk_norm": (
-        "splitkv_decode",
-        "_splitkv_decode_kernel",
-        {**_SPLITKV, "USE_PDL": pdl.EARLY, "QK_NORM": True},
     ),
     "router": (
         "moe_router",
@@ -148,7 +143,7 @@ def ptx() -> dict[str, str]:
 @pytest.mark.parametrize(
     "case",
     ["norm+gemv early", "norm+gemv late", "rotary_kv", "add_rms_norm", "qk_norm", "router",
-     "splitkv early", "splitkv late", "splitkv early qk_norm"],
+     "splitkv early", "splitkv late"],
 )
 def test_a_pdl_kernel_waits_once_and_writes_nothing_before_its_wait(ptx, case) -> None:
     code = ptx[case]
@@ -170,7 +165,7 @@ def test_the_plain_kernel_has_no_pdl_instruction(ptx) -> None:
     assert "prefetch.global.L2" not in ptx["splitkv off"]
 
 
-@pytest.mark.parametrize("case", ["splitkv early", "splitkv late", "splitkv early qk_norm"])
+@pytest.mark.parametrize("case", ["splitkv early", "splitkv late"])
 def test_splitkv_asks_l2_for_its_tiles_before_the_wait_and_reads_q_after(ptx, case) -> None:
     """Before its wait the split-KV launch prefetches K and V (two tiles: one prefetch per L2
     line a thread holds, kept although its result is unused) and loads metadata only; q and the

@@ -43,18 +43,9 @@ import triton.language as tl
 from xhal.platforms.cuda import pdl
 from xhal.platforms.cuda.kernels.l2_prefetch import line_elements, lines, prefetch_l2
 from xhal.platforms.cuda.kernels.splitkv_merge import merge
-from xhal.platforms.cuda.kernels.splitkv_new_token import (
-    NewToken,
-    QKNorm,
-    Rotary,
-    fused_args,
-    norm_args,
-    norm_weights,
-    rms_normed,
-    rotation,
-)
+from xhal.platforms.cuda.kernels.splitkv_new_token import NewToken, Rotary, fused_args, rotation
 
-__all__ = ["NewToken", "QKNorm", "Rotary", "Scratch", "block_keys", "num_splits", "splitkv_decode"]
+__all__ = ["NewToken", "Rotary", "Scratch", "block_keys", "num_splits", "splitkv_decode"]
 
 _LOG2E = 1.4426950408889634
 ROWS = 16  # query-head rows per program: the smallest tensor-core tile (tl.dot needs 16)
@@ -138,7 +129,7 @@ def _scores(s, scale_log2, soft_cap, SOFT_CAP: tl.constexpr):
 def _splitkv_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, kv_lens_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr, counter_ptr,
-    k_new_ptr, v_new_ptr, slot_ptr, pos_ptr, rot_ptr, qn_w_ptr, kn_w_ptr, qk_eps,
+    k_new_ptr, v_new_ptr, slot_ptr, pos_ptr, rot_ptr,
     scale_log2, soft_cap, window, num_splits, max_pages,
     q_stride_b, q_stride_h, out_stride_b, out_stride_h, bt_stride_b, bt_stride_p,
     cache_stride_block, cache_stride_pos, cache_stride_head,
@@ -149,7 +140,6 @@ def _splitkv_decode_kernel(
     SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr, F32_DOT: tl.constexpr,
     NEW_KV: tl.constexpr, ROTARY: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr,
     USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr,
-    QK_NORM: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -184,8 +174,6 @@ def _splitkv_decode_kernel(
         if ROTARY:
             rot_row = rot_ptr + tl.load(pos_ptr + seq).to(tl.int64) * rot_stride
             partner, sin, cos = rotation(rot_row, d, HALF, IS_NEOX)
-            if QK_NORM:  # weights: no kernel writes them
-                wq, wq_p, wk, wk_p = norm_weights(qn_w_ptr, kn_w_ptr, d, partner, d_mask)
         line = tl.arange(0, LINES) * LINE
         for j in tl.static_range(PREFETCH):
             n_j = first + (split + j * num_splits) * BLOCK_N + keys
@@ -212,11 +200,7 @@ def _splitkv_decode_kernel(
         if not USE_PDL:
             rot_row = rot_ptr + tl.load(pos_ptr + seq).to(tl.int64) * rot_stride
             partner, sin, cos = rotation(rot_row, d, HALF, IS_NEOX)
-            if QK_NORM:
-                wq, wq_p, wk, wk_p = norm_weights(qn_w_ptr, kn_w_ptr, d, partner, d_mask)
         q_partner = tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0)
-        if QK_NORM:  # Qwen3's q norm first, as its own launch would store it
-            q, q_partner = rms_normed(q, q_partner, wq[None, :], wq_p[None, :], qk_eps, HEAD_DIM)
         # float32 math, rounded to q's dtype as the unfused rotary stores it
         q = (q.to(tl.float32) * cos[None, :] + q_partner.to(tl.float32) * sin[None, :]).to(
             q_ptr.dtype.element_ty
@@ -233,8 +217,6 @@ def _splitkv_decode_kernel(
         v_new = tl.load(v_row + d, mask=own_d, other=0.0)
         if ROTARY:
             k_partner = tl.load(k_row + partner, mask=own_d, other=0.0)
-            if QK_NORM:
-                k_new, k_partner = rms_normed(k_new, k_partner, wk, wk_p, qk_eps, HEAD_DIM)
             k_new = (k_new.to(tl.float32) * cos + k_partner.to(tl.float32) * sin).to(
                 k_cache_ptr.dtype.element_ty
             )
@@ -336,7 +318,6 @@ def splitkv_decode(
     rotary: Rotary | None = None,
     use_pdl: int | None = None,
     prefetch: int = PREFETCH_TILES,
-    qk_norm: QKNorm | None = None,
 ) -> torch.Tensor:
     """One query row per sequence: q ``[B, H, D]`` (strides free but the last), caches
     ``[num_blocks, block_size, Hkv, D]``, block_table int32 ``[B, max_pages]`` (strides free),
@@ -352,8 +333,7 @@ def splitkv_decode(
 
     ``new``: the step's key and value come with the launch and are written by it (no KV write
     before); ``rotary`` (with ``new`` only): q and the new key are rotated first, q given
-    unrotated. ``qk_norm`` (with ``rotary`` only): q and the new key are RMS-normed per head
-    before the rotation, in place of ``qk_norm.py``'s launch.
+    unrotated.
 
     ``use_pdl``: ``pdl.OFF`` (the plain kernel), ``pdl.EARLY`` (trigger right after the wait) or
     ``pdl.LATE`` (after the last K/V load); by default ``pdl.small_kernel(q.device)``. Under PDL
@@ -378,8 +358,6 @@ def splitkv_decode(
         )
     if rotary is not None and new is None:
         raise ValueError("split-KV decode rotates q only with the new token (pass new=NewToken)")
-    if qk_norm is not None and rotary is None:
-        raise ValueError("split-KV decode norms q and k only before a rotation (pass rotary=)")
     if num_stages is None:
         num_stages = 3 if splits > 1 else 2
     new_args, rot_args, half, is_neox = fused_args(q, k_cache, new, rotary)
@@ -400,7 +378,7 @@ def splitkv_decode(
     _splitkv_decode_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, out, block_table, kv_lens,
         scratch.part_acc, scratch.part_max, scratch.part_sum, scratch.counters,
-        *new_args[:3], *rot_args[:2], *norm_args(q, qk_norm),
+        *new_args[:3], *rot_args[:2],
         scale * _LOG2E, float(soft_cap), int(window), splits, block_table.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0), block_table.stride(1),
@@ -410,7 +388,7 @@ def splitkv_decode(
         MERGE_CHUNK=merge_chunk,
         SOFT_CAP=soft_cap > 0, WINDOW=window > 0, F32_DOT=f32_dot,
         NEW_KV=new is not None, ROTARY=rotary is not None, HALF=half, IS_NEOX=is_neox,
-        USE_PDL=use_pdl, PREFETCH=prefetch if use_pdl else 0, QK_NORM=qk_norm is not None,
+        USE_PDL=use_pdl, PREFETCH=prefetch if use_pdl else 0,
         LINES=lines(head_dim * k_cache.element_size()),
         LINE=line_elements(k_cache.element_size()),
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(use_pdl),

@@ -1,8 +1,7 @@
 """The step's own token in the split-KV decode launch (``splitkv_decode.py``): its key and value
 (``NewToken``), written by the launch at the token's slot and attended as its last position, and
 the rotary embedding of q and that key (``Rotary``) applied in registers first, so a decode layer
-needs no rotary or KV-write launch before its attention; Qwen3's per-head RMSNorm of q and k
-(``QKNorm``) can go first too, in place of ``qk_norm.py``'s launch."""
+needs no rotary or KV-write launch before its attention."""
 
 from __future__ import annotations
 
@@ -21,17 +20,6 @@ class NewToken:
     k: torch.Tensor
     v: torch.Tensor
     slot_mapping: torch.Tensor
-
-
-@dataclass(frozen=True)
-class QKNorm:
-    """RMS-norm each head of q and of the new key over its D channels (``DeviceOps.qk_rms_norm``:
-    ``x / sqrt(mean(x^2) + eps) * weight``, rounded to q's dtype as that op stores it) before the
-    rotation; weights ``[D]``."""
-
-    q_weight: torch.Tensor
-    k_weight: torch.Tensor
-    eps: float
 
 
 @dataclass(frozen=True)
@@ -63,40 +51,6 @@ def rotation(rot_ptr, d, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
     cos = tl.load(rot_ptr + freq, mask=rotated, other=1.0)
     sin = tl.load(rot_ptr + HALF + freq, mask=rotated, other=0.0)
     return partner, sign * sin, cos
-
-
-@triton.jit
-def norm_weights(qn_w_ptr, kn_w_ptr, d, partner, d_mask):
-    """The q and k norm weights per dim and per partner dim (float32)."""
-    wq = tl.load(qn_w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
-    wq_p = tl.load(qn_w_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)
-    wk = tl.load(kn_w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
-    wk_p = tl.load(kn_w_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)
-    return wq, wq_p, wk, wk_p
-
-
-@triton.jit
-def rms_normed(x, x_partner, w, w_partner, eps, HEAD_DIM: tl.constexpr):
-    """Rows of ``x`` (``[..., DIM_PAD]``, zero past HEAD_DIM) and the same rows with their dims
-    permuted (``x_partner``, for the rotation): each normed by its row's RMS and weighted, in
-    float32, then rounded to x's dtype, as ``qk_norm.py`` computes and stores them."""
-    xf = x.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=-1, keep_dims=True) / HEAD_DIM + eps)
-    return (xf * inv * w).to(x.dtype), (x_partner.to(tl.float32) * inv * w_partner).to(x.dtype)
-
-
-def norm_args(q: torch.Tensor, norm: QKNorm | None) -> tuple:
-    """The kernel's q / k norm arguments (weights, eps), q standing in when there is none."""
-    if norm is None:
-        return (q, q, 0.0)
-    d = q.shape[-1]
-    for name, w in (("q", norm.q_weight), ("k", norm.k_weight)):
-        if w.shape != (d,) or w.device != q.device:
-            raise ValueError(
-                f"split-KV decode: the {name} norm weight must be [{d}] on {q.device}, got "
-                f"{tuple(w.shape)} on {w.device}"
-            )
-    return (norm.q_weight.contiguous(), norm.k_weight.contiguous(), float(norm.eps))
 
 
 def fused_args(
