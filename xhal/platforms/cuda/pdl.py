@@ -34,7 +34,8 @@ The rule every PDL kernel here follows:
    ahead, so a grid that could finish before its own predecessor would break the chain for the
    kernel after it;
 3. it triggers its dependents ``EARLY`` (right after its wait) or ``LATE`` (after its weight
-   stream, before its stores); small kernels always trigger early. A GEMV triggers as
+   stream, before its stores); small kernels always trigger early, the split-KV decode launch
+   late (after its K / V tiles; ``kernels/splitkv_decode.py`` has the figures). A GEMV triggers as
    ``XHAL_CUDA_PDL_TRIGGER`` says, ``AUTO`` by default: early below ``EARLY_BYTES`` of weight,
    late above, since the next kernel's programs, parked on the SMs through a long weight stream,
    cost more than the ramp they hide, while a short stream gains from the earlier start.

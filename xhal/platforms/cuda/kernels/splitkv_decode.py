@@ -59,8 +59,14 @@ MAX_SPLITS = 64
 # splits (2-4 programs per SM) were best (47.4 us against 70.2 unsplit)
 PROGRAMS_PER_SM = 2
 MERGE_FLOATS = 8192
-# tiles of its split a program asks L2 for before its PDL wait (the cache past the new token is
-# final then; pdl.py, rule 1): 2 covers a 2K context's share at 16 splits of 64 keys
+# Under PDL: the trigger (after the tile loop, not right after the wait as small kernels do) and
+# the tiles of its split a program asks L2 for before its wait. H200, bf16, ctx 2K, batch 1, the
+# layer's norm+qkv GEMV -> (q/k norm) -> this launch -> o GEMV in a graph (bench_splitkv --pdl,
+# docs/h200-results.md, ninth session), us per layer, the plain launch / early trigger with 2
+# tiles / 0 tiles / late with 2: 8B 38.9 / 39.3 / 38.2 / 38.9, MoE 33.6 / 32.2 / 32.5 / 32.3,
+# 1B 22.6 / 21.1 / 21.2 / 20.6 (4 tiles at the MoE shape: 33.3). Late with 2 tiles is the one
+# setting measured at every shape and never behind the plain launch.
+TRIGGER = pdl.LATE
 PREFETCH_TILES = 2
 
 
@@ -336,10 +342,10 @@ def splitkv_decode(
     unrotated.
 
     ``use_pdl``: ``pdl.OFF`` (the plain kernel), ``pdl.EARLY`` (trigger right after the wait) or
-    ``pdl.LATE`` (after the last K/V load); by default ``pdl.small_kernel(q.device)``. Under PDL
-    a program loads the lengths, page ids and rotary row and asks L2 for ``prefetch`` tiles of its
-    split before waiting for the kernel ahead (pdl.py, rule 1), so that dependent chain runs
-    under that kernel's tail."""
+    ``pdl.LATE`` (after the last K/V load); by default ``TRIGGER`` where ``pdl.mode`` is on.
+    Under PDL a program loads the lengths, page ids and rotary row and asks L2 for ``prefetch``
+    tiles of its split before waiting for the kernel ahead (pdl.py, rule 1), so that dependent
+    chain runs under that kernel's tail."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -361,7 +367,9 @@ def splitkv_decode(
     if num_stages is None:
         num_stages = 3 if splits > 1 else 2
     new_args, rot_args, half, is_neox = fused_args(q, k_cache, new, rotary)
-    use_pdl = pdl.small_kernel(q.device) if use_pdl is None else int(use_pdl)
+    if use_pdl is None:
+        use_pdl = TRIGGER if pdl.mode(q.device) else pdl.OFF
+    use_pdl = int(use_pdl)
     if use_pdl not in (pdl.OFF, pdl.EARLY, pdl.LATE) or prefetch < 0:
         raise ValueError(
             f"split-KV decode: use_pdl must be pdl.OFF, EARLY or LATE (got {use_pdl}) and "
