@@ -12,9 +12,15 @@ rotary of q and k, the paged KV write and attention (``forward_rotary``).
    the split-KV kernel as the seventh session ran it (``splitkv-2launch``: rotary_kv.py's launch
    writes the cache, then the kernel reads the new key from it), the peer of the fused launch;
 3. a sweep of split counts (and launch shapes) at batch 1, which the split rule in
-   ``kernels/splitkv_decode.py`` and the bucket rule in ``solutions.py`` come from.
+   ``kernels/splitkv_decode.py`` and the bucket rule in ``solutions.py`` come from;
+4. with ``--pdl`` (batches up to 16), the launch's programmatic dependent launch between the
+   projections around it (``splitkv_pdl_chain.py``): PDL off, the plain launch after PDL
+   GEMVs, and its PDL triggers and prefetch depths, each chain's output against PDL off's.
 
-    python -m benchmarks.bench_splitkv [--batches 1 4 16 64] [--no-sweep]
+With PDL on (the default on sm_90), rows 1-3 run the launch's PDL path (early trigger), with
+no kernel ahead of it to overlap.
+
+    python -m benchmarks.bench_splitkv [--batches 1 4 16 64] [--no-sweep] [--pdl]
 
 Shapes (bf16, pages of 16, ctx 2048): Llama-3-8B attention (32 q / 8 kv heads, D=128), the
 Qwen3-30B-A3B MoE's (32 / 4, D=128), Llama-3.2-1B's (32 / 8, D=64).
@@ -240,6 +246,26 @@ def sweep(shape: str, batch: int, read: float) -> list[dict]:
     return rows
 
 
+def pdl_chains(shape: str, batch: int, read: float) -> tuple[list[dict], list[dict]]:
+    """The split-KV launch between its layer's projections, per PDL variant (``--pdl``), and at
+    batch 1 its kernels' device times with PDL off, before this launch had PDL, and now."""
+    from benchmarks.splitkv_pdl_chain import HIDDEN, Chain, measure, profile
+
+    heads, kv_heads, dim = SHAPES[shape]
+    spec = AttentionSpec(heads, kv_heads, dim, DTYPE, PAGE)
+    kv_bytes = batch * CTX * kv_heads * dim * 2 * 2
+    weights = ((heads + 2 * kv_heads) * dim + heads * dim) * HIDDEN[shape] * 2
+    num_layers = max(4, min(16, -(-(512 << 20) // (weights + kv_bytes))))
+    chain = Chain(shape, spec, Layers(spec, batch, num_layers, [CTX] * batch), num_layers)
+    rows = measure(chain, read, kv_bytes, full=batch == 1)
+    names = ("pdl off", "attn plain (tree before)", "attn early, prefetch 2")
+    try:
+        return rows, profile(chain, names) if batch == 1 else []
+    except Exception as e:  # noqa: BLE001  (the profile is extra; the timed rows stand)
+        print(f"chain profile failed: {e!r}")
+        return rows, []
+
+
 def profile(shape: str, batch: int) -> list[dict]:
     """Device time per kernel inside the timed graph (CUPTI), to split a layer's time into its
     kernels and the gaps between them."""
@@ -274,14 +300,19 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--pdl", action="store_true", help="time the PDL chains (batch <= 16)")
+    parser.add_argument(
+        "--pdl-only", action="store_true",
+        help="with --pdl: only the chains (each checked against PDL off's output)",
+    )
     args = parser.parse_args()
     t0 = time.perf_counter()
     read = read_bandwidth()["read"]
     print(f"read ceiling {read / 1e12:.2f} TB/s (read-only streaming kernel, this run)")
     checks, rows, tuned = [], [], []
-    for shape in args.shapes:
+    for shape in args.shapes if not (args.pdl and args.pdl_only) else []:
         checks += correctness(shape)
-    for shape in args.shapes:
+    for shape in args.shapes if not (args.pdl and args.pdl_only) else []:
         for batch in args.batches:
             got, replay = timing(shape, batch, read)
             rows += got
@@ -294,11 +325,25 @@ def main() -> None:
                         "key_err: the key written in the cache"))  # fmt: skip
     print(table(rows, "decode layer (rotary + KV write + attention), bf16 ctx 2048 page 16, in "
                       "a CUDA graph of L layers: us per layer"))  # fmt: skip
-    for shape in [s for s in ("8b", "moe") if s in args.shapes and 1 in args.batches]:
+    chains, kernels = [], []
+    if args.pdl:
+        for shape in args.shapes:
+            for batch in [b for b in args.batches if b <= 16]:
+                got, prof = pdl_chains(shape, batch, read)
+                chains, kernels = chains + got, kernels + prof
+                print(table(got, f"{shape} batch {batch}: chain us per layer"), flush=True)
+    for shape in [s for s in ("8b", "moe") if s in args.shapes and 1 in args.batches
+                  and not args.pdl_only]:  # fmt: skip
         try:
             print(table(profile(shape, 1), f"{shape} shape, batch 1: device time per kernel"))
         except Exception as e:  # noqa: BLE001  (the profile is extra; the tables above stand)
             print(f"profile failed: {e!r}")
+    if kernels:
+        print(table(kernels, "the chain's kernels at batch 1 (device us; under PDL a kernel's "
+                             "time includes its parked programs)"))  # fmt: skip
+    if chains:  # last: the table this session's PDL work reads
+        print(table(chains, "norm+qkv GEMV -> [q/k norm] -> split-KV -> o GEMV per layer, in a "
+                            "CUDA graph of L layers: us per layer by PDL variant"))  # fmt: skip
     print(f"total {time.perf_counter() - t0:.0f} s")
 
 

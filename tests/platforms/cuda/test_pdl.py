@@ -57,10 +57,18 @@ def test_auto_triggers_small_gemvs_early_and_large_ones_late() -> None:
 _POINTERS = {
     "pos_ptr": "*i32", "slot_ptr": "*i32", "cache_ptr": "*fp32", "part_ptr": "*fp32",
     "sq_ptr": "*fp32", "counter_ptr": "*i32", "weights_ptr": "*fp32", "ids_ptr": "*i32",
+    "block_table_ptr": "*i32", "kv_lens_ptr": "*i32", "part_acc_ptr": "*fp32",
+    "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "rot_ptr": "*fp32",
 }
+_FLOATS = ("eps", "scale_log2", "soft_cap")
 _GEMV = dict(
     K=512, K_PER_SPLIT=512, M=1, BLOCK_M=1, BLOCK_N=8, BLOCK_K=128, PROLOGUE=1, SPLIT=False,
     HAS_BIAS=False, NUM_STAGES=2,
+)
+_SPLITKV = dict(  # the fused decode layer (new token + rotary) of the 8B shape, 16 splits
+    GROUP=4, GROUP_PAD=4, ROWS=16, HEAD_DIM=128, DIM_PAD=128, PAGE=16, BLOCK_N=64, SPLITS_PAD=16,
+    MERGE_CHUNK=16, SOFT_CAP=False, WINDOW=False, F32_DOT=False, NEW_KV=True, ROTARY=True,
+    HALF=64, IS_NEOX=True, PREFETCH=2, LINES=2, LINE=64,
 )
 CASES = {  # name: (module, kernel, constexprs)
     "gemv off": ("fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.OFF}),
@@ -75,6 +83,15 @@ CASES = {  # name: (module, kernel, constexprs)
     "add_rms_norm": ("norm", "_fused_add_rms_norm_kernel", dict(N=256, BLOCK=256, USE_PDL=1)),
     "qk_norm": (
         "qk_norm", "_qk_norm_kernel", dict(H=4, HKV=2, D=64, BLOCK_D=64, HEADS=8, USE_PDL=1)
+    ),
+    "splitkv off": (
+        "splitkv_decode", "_splitkv_decode_kernel", {**_SPLITKV, "USE_PDL": pdl.OFF}
+    ),
+    "splitkv early": (
+        "splitkv_decode", "_splitkv_decode_kernel", {**_SPLITKV, "USE_PDL": pdl.EARLY}
+    ),
+    "splitkv late": (
+        "splitkv_decode", "_splitkv_decode_kernel", {**_SPLITKV, "USE_PDL": pdl.LATE}
     ),
     "router": (
         "moe_router",
@@ -104,7 +121,7 @@ def _compile_all() -> dict[str, str]:
             elif arg.endswith("_ptr"):
                 signature[arg] = _POINTERS.get(arg, "*bf16")
             else:
-                signature[arg] = "fp32" if arg == "eps" else "i32"
+                signature[arg] = "fp32" if arg in _FLOATS else "i32"
         source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
         out[case] = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     return out
@@ -124,7 +141,9 @@ def ptx() -> dict[str, str]:
 
 
 @pytest.mark.parametrize(
-    "case", ["norm+gemv early", "norm+gemv late", "rotary_kv", "add_rms_norm", "qk_norm", "router"]
+    "case",
+    ["norm+gemv early", "norm+gemv late", "rotary_kv", "add_rms_norm", "qk_norm", "router",
+     "splitkv early", "splitkv late"],
 )
 def test_a_pdl_kernel_waits_once_and_writes_nothing_before_its_wait(ptx, case) -> None:
     code = ptx[case]
@@ -133,7 +152,7 @@ def test_a_pdl_kernel_waits_once_and_writes_nothing_before_its_wait(ptx, case) -
     before_wait = code.split("griddepcontrol.wait")[0]
     for write in ("st.global", "atom.", "red.", "cp.async.bulk"):
         assert write not in before_wait, f"{case}: {write} before the wait"
-    if CASES[case][2]["USE_PDL"] == pdl.LATE:  # the trigger after the weight loop's last load
+    if case == "norm+gemv late":  # the trigger after the weight loop's last load
         after_wait = code.split("griddepcontrol.wait")[1]
         assert after_wait.index("griddepcontrol.launch_dependents") > after_wait.rfind(
             "ld.global"
@@ -142,6 +161,25 @@ def test_a_pdl_kernel_waits_once_and_writes_nothing_before_its_wait(ptx, case) -
 
 def test_the_plain_kernel_has_no_pdl_instruction(ptx) -> None:
     assert "griddepcontrol" not in ptx["gemv off"]
+    assert "griddepcontrol" not in ptx["splitkv off"]
+    assert "prefetch.global.L2" not in ptx["splitkv off"]
+
+
+@pytest.mark.parametrize("case", ["splitkv early", "splitkv late"])
+def test_splitkv_asks_l2_for_its_tiles_before_the_wait_and_reads_q_after(ptx, case) -> None:
+    """Before its wait the split-KV launch prefetches K and V (two tiles: one prefetch per L2
+    line a thread holds, kept although its result is unused) and loads metadata only; q and the
+    new token, which the kernel ahead writes, are loaded after it."""
+    before, after = ptx[case].split("griddepcontrol.wait")
+    assert before.count("prefetch.global.L2") >= 4  # K and V of two tiles
+    assert "prefetch.global.L2" not in after
+    assert "ld.global" in before  # kv_len, page ids, the rotary row
+    trigger = after.index("griddepcontrol.launch_dependents")
+    if case == "splitkv late":  # after the tile loop's K/V loads, before the splits' arrival
+        assert trigger > after.rfind("cp.async.wait_group")
+        assert trigger < after.index("atom.")
+    else:
+        assert trigger < after.index("ld.global")
 
 
 if __name__ == "__main__":

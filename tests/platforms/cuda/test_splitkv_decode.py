@@ -125,6 +125,20 @@ def test_scratch_too_small_is_refused() -> None:
         splitkv_decode(q, k_cache, v_cache, table, lens, torch.zeros(q.shape), scratch, 2, 1.0)
 
 
+def test_a_pdl_setting_other_than_off_early_late_is_refused() -> None:
+    """``use_pdl`` names the launch's trigger (``pdl.AUTO`` is a GEMV's size rule, not a
+    trigger), and a prefetch depth is a count of tiles."""
+    from xhal.platforms.cuda import pdl
+
+    q, k_cache, v_cache, table, lens = _case([20], 4, 1, torch.float32, seed=3)
+    scratch = Scratch.make(1, 1, 4, HEAD_DIM, 1, torch.device("cpu"))
+    args = (q, k_cache, v_cache, table, lens, torch.zeros(q.shape), scratch, 1, 1.0)
+    with pytest.raises(ValueError, match="use_pdl must be pdl.OFF, EARLY or LATE"):
+        splitkv_decode(*args, use_pdl=pdl.AUTO)
+    with pytest.raises(ValueError, match="prefetch >= 0 tiles"):
+        splitkv_decode(*args, prefetch=-1)
+
+
 def test_backend_takes_small_decodes_and_keeps_the_graph_key_policy() -> None:
     """Decode steps of ``min_seqs`` up to ``max_seqs`` sequences run split (two splits here), the
     others on the fallback; a graph key refuses metadata tensors other than those it was planned

@@ -8,17 +8,41 @@ hides each small kernel's launch and ramp behind its predecessor's tail.
 
 The rule every PDL kernel here follows:
 
-1. before its wait it reads only what no kernel of the step writes: weights, constant tables
-   (cos / sin), host-uploaded metadata (positions, slot mapping); it writes nothing, since its
-   outputs may reuse memory the kernel ahead still reads (graph pools recycle buffers);
+1. before its wait it writes nothing (its outputs may reuse memory the kernel ahead still reads:
+   graph pools recycle buffers), and it loads only what the kernel right ahead cannot be
+   writing: weights and constant tables (cos / sin), what the host staged before the step
+   (positions, slot mapping, kv lengths), and what a kernel two or more launches ahead wrote.
+   The last holds for a kernel whose predecessor is *gated*: one that lets its dependents
+   launch only once the kernel ahead of it has finished. Ours trigger only after their own
+   wait; torch's kernels (embedding, copies, the in-graph block-table layout and KV prefix sums,
+   ``xhal/executor``), FlashInfer's and NCCL's are launched without PDL and trigger nothing, so
+   whatever follows them launches when they finish. Then when kernel N starts, kernel N-2 and
+   everything before it have finished and their stores are visible. A cuBLAS GEMM may trigger
+   early (seen at batch 64); torch launches it without PDL, so it too starts only after the
+   kernel ahead of it has finished, but that is cuBLAS's launch, not ours: a read before the
+   wait should not rest on it. The split-KV decode launch's does not: its block table is laid
+   out inside the graph by ``staged_table.py`` before the embedding, a torch kernel launched
+   without PDL and triggering nothing, so the layout has finished before the embedding starts
+   and the embedding before anything after it starts, whatever kernels follow. A kernel added
+   to a decode chain must stay gated (trigger after its wait, or not at all), or this rule no
+   longer holds for the kernel two after it. L2 prefetches (``kernels/l2_prefetch.py``) may
+   address anything, since they load nothing into the program and L2 is coherent: the split-KV
+   launch asks L2 for its first K / V tiles of past positions before its wait, and reads them
+   with ordinary loads after it. (Past positions of a layer's cache are written only by that
+   layer's attention in an earlier step, or by the host's block copies between steps; the new
+   token's slot, which the launch itself writes, is a position no program of the launch reads.)
 2. every program waits, also one with nothing to read: a wait covers only the kernel right
    ahead, so a grid that could finish before its own predecessor would break the chain for the
    kernel after it;
 3. it triggers its dependents ``EARLY`` (right after its wait) or ``LATE`` (after its weight
-   stream, before its stores); small kernels always trigger early. A GEMV triggers as
+   stream, before its stores); small kernels always trigger early, the split-KV decode launch
+   late (after its K / V tiles; ``kernels/splitkv_decode.py`` has the figures). A GEMV triggers as
    ``XHAL_CUDA_PDL_TRIGGER`` says, ``AUTO`` by default: early below ``EARLY_BYTES`` of weight,
    late above, since the next kernel's programs, parked on the SMs through a long weight stream,
-   cost more than the ramp they hide, while a short stream gains from the earlier start.
+   cost more than the ramp they hide, while a short stream gains from the earlier start. Ahead
+   of the split-KV launch the measured exception is the norm + qkv GEMV: late won at every
+   size there (1B and MoE attention blocks 7% and 3% faster than under ``AUTO``'s early; docs/
+   h200-results.md, ninth session), not yet applied where that GEMV is chosen (``ops.py``).
 
 Measured on the H200 (2026-12-01, pipelined batch-1 decode steps, each setting's graphs captured
 and timed in one process, ``benchmarks/bench_model.py --pdl`` / ``bench_moe.py --pdl``; two runs,

@@ -20,7 +20,16 @@ The step's own key and value can come in with the launch (``NewToken``, optional
 ``Rotary``): then there is no KV-write launch before this one. Every program rotates its q rows
 in registers; split 0 of each (sequence, KV head) rotates the new key, stores key and value at
 the token's slot and seeds its online softmax with them, and no program reads the cache at
-position ``kv_len - 1``, so nothing in the launch reads what it writes.
+position ``kv_len - 1``, so nothing in the launch reads what it writes (``splitkv_new_token.py``;
+the merge is in ``splitkv_merge.py``).
+
+With programmatic dependent launch (sm_90, ``xhal/platforms/cuda/pdl.py``) the launch's dependent
+chain starts under the kernel ahead of it (the qkv projection): before its wait a program loads
+the sequence's length, its first page ids and the rotary row, and asks L2 for its split's first
+``prefetch`` K / V tiles; after the wait it loads q and the new token (the projection's output)
+and attends from L2. The rule that makes those early reads safe, and its argument, is pdl.py's
+rule 1. ``use_pdl=pdl.OFF`` compiles the plain kernel, instruction for instruction the kernel
+before PDL (checked on its sm_90 PTX).
 """
 
 from __future__ import annotations
@@ -30,6 +39,13 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from xhal.platforms.cuda import pdl
+from xhal.platforms.cuda.kernels.l2_prefetch import line_elements, lines, prefetch_l2
+from xhal.platforms.cuda.kernels.splitkv_merge import merge
+from xhal.platforms.cuda.kernels.splitkv_new_token import NewToken, Rotary, fused_args, rotation
+
+__all__ = ["NewToken", "Rotary", "Scratch", "block_keys", "num_splits", "splitkv_decode"]
 
 _LOG2E = 1.4426950408889634
 ROWS = 16  # query-head rows per program: the smallest tensor-core tile (tl.dot needs 16)
@@ -43,6 +59,15 @@ MAX_SPLITS = 64
 # splits (2-4 programs per SM) were best (47.4 us against 70.2 unsplit)
 PROGRAMS_PER_SM = 2
 MERGE_FLOATS = 8192
+# Under PDL: the trigger (after the tile loop, not right after the wait as small kernels do) and
+# the tiles of its split a program asks L2 for before its wait. H200, bf16, ctx 2K, batch 1, the
+# layer's norm+qkv GEMV -> (q/k norm) -> this launch -> o GEMV in a graph (bench_splitkv --pdl,
+# docs/h200-results.md, ninth session), us per layer, the plain launch / early trigger with 2
+# tiles / 0 tiles / late with 2: 8B 38.9 / 39.3 / 38.2 / 38.9, MoE 33.6 / 32.2 / 32.5 / 32.3,
+# 1B 22.6 / 21.1 / 21.2 / 20.6 (4 tiles at the MoE shape: 33.3). Late with 2 tiles is the one
+# setting measured at every shape and never behind the plain launch.
+TRIGGER = pdl.LATE
+PREFETCH_TILES = 2
 
 
 def block_keys(head_dim: int) -> int:
@@ -65,27 +90,6 @@ def num_splits(num_seqs: int, num_kv_heads: int, group: int, head_dim: int, max_
     wanted = -(-PROGRAMS_PER_SM * num_sms // programs)
     useful = max(-(-max_seq_len // block_keys(head_dim)), 1)
     return max(1, min(wanted, useful, merge_rounds_cap(group, head_dim), MAX_SPLITS))
-
-
-@dataclass(frozen=True)
-class NewToken:
-    """The step's key and value, ``[B', Hkv, D]`` (B' >= B, strides free but the last), written
-    at ``slot_mapping[i]`` (-1: not written) and attended as position ``kv_len - 1``."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    slot_mapping: torch.Tensor
-
-
-@dataclass(frozen=True)
-class Rotary:
-    """Rotate q and the new key first (``DeviceOps.rotary_embedding``: NeoX halves or GPT-J
-    pairs, float32 ``cos_sin_cache [max_position, rotary_dim]`` as cos | sin, the dims past
-    rotary_dim unrotated) at ``positions[i]`` (int32 / int64 ``[B']``)."""
-
-    positions: torch.Tensor
-    cos_sin_cache: torch.Tensor
-    is_neox: bool
 
 
 @dataclass
@@ -128,26 +132,6 @@ def _scores(s, scale_log2, soft_cap, SOFT_CAP: tl.constexpr):
 
 
 @triton.jit
-def _rotation(rot_ptr, d, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
-    """Per dim of one row: the partner dim, its sign and cos / sin, so that the rotated row is
-    ``x * cos + sign * x[partner] * sin`` (dims past rotary_dim: cos 1, sin 0, themselves)."""
-    rotated = d < 2 * HALF
-    if IS_NEOX:  # halves: (x[i], x[i + HALF])
-        low = d < HALF
-        partner = tl.where(low, d + HALF, d - HALF)
-        freq = tl.where(low, d, d - HALF)
-    else:  # GPT-J: interleaved pairs (x[2i], x[2i + 1])
-        low = d % 2 == 0
-        partner = d ^ 1
-        freq = d // 2
-    partner = tl.where(rotated, partner, d)
-    sign = tl.where(low, -1.0, 1.0)
-    cos = tl.load(rot_ptr + freq, mask=rotated, other=1.0)
-    sin = tl.load(rot_ptr + HALF + freq, mask=rotated, other=0.0)
-    return partner, sign * sin, cos
-
-
-@triton.jit
 def _splitkv_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, kv_lens_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr, counter_ptr,
@@ -161,6 +145,7 @@ def _splitkv_decode_kernel(
     SPLITS_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr, F32_DOT: tl.constexpr,
     NEW_KV: tl.constexpr, ROTARY: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -188,13 +173,39 @@ def _splitkv_decode_kernel(
     r = tl.arange(0, ROWS)
     d = tl.arange(0, DIM_PAD)
     d_mask = d < HEAD_DIM
+    if USE_PDL:
+        # before the wait, what the kernel ahead (the qkv projection) does not write (pdl.py,
+        # rule 1): the lengths, the page ids and the rotary row above, and L2 prefetches of this
+        # split's first tiles (loading nothing: L2 is coherent, so they cannot go stale)
+        if ROTARY:
+            rot_row = rot_ptr + tl.load(pos_ptr + seq).to(tl.int64) * rot_stride
+            partner, sin, cos = rotation(rot_row, d, HALF, IS_NEOX)
+        line = tl.arange(0, LINES) * LINE
+        for j in tl.static_range(PREFETCH):
+            n_j = first + (split + j * num_splits) * BLOCK_N + keys
+            if j == 0:
+                page_j = page
+            else:
+                page_j = tl.load(table_row + (n_j // PAGE) * bt_stride_p, mask=n_j < hi, other=0)
+            # keys past the split's last tile prefetch the cache's first line instead
+            offs_j = tl.where(
+                (n_j >= lo) & (n_j < hi),
+                page_j.to(tl.int64) * cache_stride_block + (n_j % PAGE) * cache_stride_pos
+                + kv_head * cache_stride_head, 0,
+            )[:, None] + tl.where(line < HEAD_DIM, line, 0)[None, :]  # fmt: skip
+            prefetch_l2(k_cache_ptr + offs_j)
+            prefetch_l2(v_cache_ptr + offs_j)
+        tl.extra.cuda.gdc_wait()  # every program waits (pdl.py, rule 2)
+        if USE_PDL == 1:  # EARLY: the o projection's programs may start now
+            tl.extra.cuda.gdc_launch_dependents()
     q_rows = q_ptr + seq.to(tl.int64) * q_stride_b + (kv_head * GROUP + r[:, None]) * q_stride_h
     q_mask = (r[:, None] < GROUP) & d_mask[None, :]
     # rows past the group are zero: their scores are 0, never stored
     q = tl.load(q_rows + d[None, :], mask=q_mask, other=0.0)
     if ROTARY:
-        rot_row = rot_ptr + tl.load(pos_ptr + seq).to(tl.int64) * rot_stride
-        partner, sin, cos = _rotation(rot_row, d, HALF, IS_NEOX)
+        if not USE_PDL:
+            rot_row = rot_ptr + tl.load(pos_ptr + seq).to(tl.int64) * rot_stride
+            partner, sin, cos = rotation(rot_row, d, HALF, IS_NEOX)
         q_partner = tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0)
         # float32 math, rounded to q's dtype as the unfused rotary stores it
         q = (q.to(tl.float32) * cos[None, :] + q_partner.to(tl.float32) * sin[None, :]).to(
@@ -258,6 +269,8 @@ def _splitkv_decode_kernel(
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+    if USE_PDL == 2:  # LATE: after the last K/V load, before the stores and the merge
+        tl.extra.cuda.gdc_launch_dependents()
 
     pair = seq * tl.num_programs(1) + kv_head
     if NEW_KV:  # split 0 holds the new token even when no tile is dealt
@@ -284,53 +297,12 @@ def _splitkv_decode_kernel(
         arrived = tl.atomic_add(counter_ptr + pair, 1, sem="acq_rel", scope="gpu")
         if arrived == num_splits - 1:  # the last split of this (sequence, KV head): merge
             tl.atomic_xchg(counter_ptr + pair, 0, sem="relaxed", scope="gpu")
-            _merge(
+            merge(
                 part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
                 pair.to(tl.int64) * num_splits, live,
                 seq.to(tl.int64) * out_stride_b + kv_head * GROUP * out_stride_h, out_stride_h,
                 GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD, SPLITS_PAD, MERGE_CHUNK,
             )  # fmt: skip
-
-
-@triton.jit
-def _merge(
-    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, first_part, live_splits, out_offset,
-    out_stride_h,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    SPLITS_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-):
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, DIM_PAD)
-    g_mask = g < GROUP
-    sp = tl.arange(0, SPLITS_PAD)
-    rows = (first_part + sp[:, None]) * GROUP + g[None, :]  # [SPLITS_PAD, GROUP_PAD]
-    mask = (sp[:, None] < live_splits) & g_mask[None, :]  # splits past the tiles hold nothing
-    # .cg: read from L2, where the other programs' stores are; never a stale L1 line
-    maxes = tl.load(part_max_ptr + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")
-    sums = tl.load(part_sum_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg")
-    top = tl.max(maxes, axis=0)
-    top = tl.where(top == float("-inf"), 0.0, top)  # no visible key at all: weights 0, output 0
-    total = tl.sum(tl.exp2(maxes - top[None, :]) * sums, axis=0)  # [GROUP_PAD]
-    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    for c in tl.static_range(0, SPLITS_PAD, MERGE_CHUNK):
-        sc = c + tl.arange(0, MERGE_CHUNK)
-        c_rows = (first_part + sc[:, None]) * GROUP + g[None, :]  # [MERGE_CHUNK, GROUP_PAD]
-        c_mask = (sc[:, None] < live_splits) & g_mask[None, :]
-        c_max = tl.load(part_max_ptr + c_rows, mask=c_mask, other=float("-inf"),
-                        cache_modifier=".cg")  # fmt: skip
-        weight = tl.exp2(c_max - top[None, :])
-        part = tl.load(
-            part_acc_ptr + c_rows[:, :, None] * HEAD_DIM + d[None, None, :],
-            mask=c_mask[:, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0,
-            cache_modifier=".cg",
-        )  # fmt: skip
-        acc += tl.sum(weight[:, :, None] * part, axis=0)
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(
-        out_ptr + out_offset + g[:, None] * out_stride_h + d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=g_mask[:, None] & (d < HEAD_DIM)[None, :],
-    )
 
 
 def splitkv_decode(
@@ -350,6 +322,8 @@ def splitkv_decode(
     block_n: int | None = None,
     new: NewToken | None = None,
     rotary: Rotary | None = None,
+    use_pdl: int | None = None,
+    prefetch: int = PREFETCH_TILES,
 ) -> torch.Tensor:
     """One query row per sequence: q ``[B, H, D]`` (strides free but the last), caches
     ``[num_blocks, block_size, Hkv, D]``, block_table int32 ``[B, max_pages]`` (strides free),
@@ -365,7 +339,13 @@ def splitkv_decode(
 
     ``new``: the step's key and value come with the launch and are written by it (no KV write
     before); ``rotary`` (with ``new`` only): q and the new key are rotated first, q given
-    unrotated."""
+    unrotated.
+
+    ``use_pdl``: ``pdl.OFF`` (the plain kernel), ``pdl.EARLY`` (trigger right after the wait) or
+    ``pdl.LATE`` (after the last K/V load); by default ``TRIGGER`` where ``pdl.mode`` is on.
+    Under PDL a program loads the lengths, page ids and rotary row and asks L2 for ``prefetch``
+    tiles of its split before waiting for the kernel ahead (pdl.py, rule 1), so that dependent
+    chain runs under that kernel's tail."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -386,7 +366,15 @@ def splitkv_decode(
         raise ValueError("split-KV decode rotates q only with the new token (pass new=NewToken)")
     if num_stages is None:
         num_stages = 3 if splits > 1 else 2
-    new_args, rot_args, half, is_neox = _fused_args(q, k_cache, new, rotary)
+    new_args, rot_args, half, is_neox = fused_args(q, k_cache, new, rotary)
+    if use_pdl is None:
+        use_pdl = TRIGGER if pdl.mode(q.device) else pdl.OFF
+    use_pdl = int(use_pdl)
+    if use_pdl not in (pdl.OFF, pdl.EARLY, pdl.LATE) or prefetch < 0:
+        raise ValueError(
+            f"split-KV decode: use_pdl must be pdl.OFF, EARLY or LATE (got {use_pdl}) and "
+            f"prefetch >= 0 tiles (got {prefetch})"
+        )
     dim_pad = max(triton.next_power_of_2(head_dim), 16)
     group_pad = triton.next_power_of_2(group)
     splits_pad = triton.next_power_of_2(splits)
@@ -408,43 +396,9 @@ def splitkv_decode(
         MERGE_CHUNK=merge_chunk,
         SOFT_CAP=soft_cap > 0, WINDOW=window > 0, F32_DOT=f32_dot,
         NEW_KV=new is not None, ROTARY=rotary is not None, HALF=half, IS_NEOX=is_neox,
-        num_warps=num_warps, num_stages=num_stages,
+        USE_PDL=use_pdl, PREFETCH=prefetch if use_pdl else 0,
+        LINES=lines(head_dim * k_cache.element_size()),
+        LINE=line_elements(k_cache.element_size()),
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(use_pdl),
     )  # fmt: skip
     return out
-
-
-def _fused_args(
-    q: torch.Tensor, k_cache: torch.Tensor, new: NewToken | None, rotary: Rotary | None
-) -> tuple[tuple, tuple, int, bool]:
-    """The kernel's new-token arguments (k, v, slots, then four strides) and rotary ones
-    (positions, table, row stride), with q's tensors standing in for the unused ones; HALF,
-    IS_NEOX."""
-    batch, _, head_dim = q.shape
-    new_args: tuple = (q, q, q, 0, 0, 0, 0)
-    rot_args: tuple = (q, q, 0)
-    half, is_neox = 0, True
-    if new is not None:
-        k, v = new.k, new.v
-        hkv = k_cache.shape[2]
-        if k.shape[0] < batch or k.shape[1:] != (hkv, head_dim) or v.shape != k.shape:
-            raise ValueError(
-                f"split-KV decode: new k and v must be [>= {batch}, {hkv}, {head_dim}], got "
-                f"{tuple(k.shape)} and {tuple(v.shape)}"
-            )
-        if k.stride(2) != 1 or v.stride(2) != 1:
-            raise ValueError("split-KV decode needs a contiguous last dimension of new k and v")
-        if new.slot_mapping.shape[0] < batch:
-            raise ValueError(f"split-KV decode: slot_mapping needs >= {batch} entries")
-        new_args = (k, v, new.slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1))
-    if rotary is not None:
-        table = rotary.cos_sin_cache
-        if table.dtype != torch.float32 or table.stride(-1) != 1:
-            table = table.float().contiguous()
-        half = table.shape[-1] // 2
-        if 2 * half > head_dim or rotary.positions.dim() != 1:
-            raise ValueError(
-                f"split-KV decode rotates with a [max_position, <= {head_dim}] table and 1-D "
-                f"positions, got {tuple(table.shape)} and {tuple(rotary.positions.shape)}"
-            )
-        rot_args, is_neox = (rotary.positions, table, table.stride(0)), rotary.is_neox
-    return new_args, rot_args, half, is_neox

@@ -1,0 +1,49 @@
+"""The merge of the split-KV decode launch (``splitkv_decode.py``): the program that arrives
+last for a (sequence, KV head) combines every split's partial (row max, row sum, unnormalized
+accumulator) into the output, in rounds of ``MERGE_CHUNK`` splits."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def merge(
+    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, first_part, live_splits, out_offset,
+    out_stride_h,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+):
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    g_mask = g < GROUP
+    sp = tl.arange(0, SPLITS_PAD)
+    rows = (first_part + sp[:, None]) * GROUP + g[None, :]  # [SPLITS_PAD, GROUP_PAD]
+    mask = (sp[:, None] < live_splits) & g_mask[None, :]  # splits past the tiles hold nothing
+    # .cg: read from L2, where the other programs' stores are; never a stale L1 line
+    maxes = tl.load(part_max_ptr + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")
+    sums = tl.load(part_sum_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg")
+    top = tl.max(maxes, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # no visible key at all: weights 0, output 0
+    total = tl.sum(tl.exp2(maxes - top[None, :]) * sums, axis=0)  # [GROUP_PAD]
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    for c in tl.static_range(0, SPLITS_PAD, MERGE_CHUNK):
+        sc = c + tl.arange(0, MERGE_CHUNK)
+        c_rows = (first_part + sc[:, None]) * GROUP + g[None, :]  # [MERGE_CHUNK, GROUP_PAD]
+        c_mask = (sc[:, None] < live_splits) & g_mask[None, :]
+        c_max = tl.load(part_max_ptr + c_rows, mask=c_mask, other=float("-inf"),
+                        cache_modifier=".cg")  # fmt: skip
+        weight = tl.exp2(c_max - top[None, :])
+        part = tl.load(
+            part_acc_ptr + c_rows[:, :, None] * HEAD_DIM + d[None, None, :],
+            mask=c_mask[:, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0,
+            cache_modifier=".cg",
+        )  # fmt: skip
+        acc += tl.sum(weight[:, :, None] * part, axis=0)
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(
+        out_ptr + out_offset + g[:, None] * out_stride_h + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=g_mask[:, None] & (d < HEAD_DIM)[None, :],
+    )
