@@ -26,8 +26,21 @@ def _errors(values: list[float]):
     return values.append
 
 
-# (M, K, N, config): the heuristic, and forced K splits (the reduce carries the sum of squares)
-CASES = [(1, 192, 40, None), (1, 320, 24, (8, 64, 2, 4, 2)), (3, 96, 17, (8, 32, 4, 4, 1))]
+# (M, K, N, config): the heuristic, and forced K splits (the reduce carries the sum of squares);
+# then (fused_gemv_config.StreamConfig) several row blocks per program, the last one partly past
+# N, a head of 2 or all K steps loaded before the PDL wait, both with a split, a head asked wider
+# than its split (trimmed to it), and loads one step ahead (persistent, and split with 3 rows)
+CASES = [
+    (1, 192, 40, None),
+    (1, 320, 24, (8, 64, 2, 4, 2)),
+    (3, 96, 17, (8, 32, 4, 4, 1)),
+    (1, 200, 37, (4, 64, 1, 4, 3, 3, 2)),
+    (2, 130, 21, (8, 32, 1, 4, 2, 1, 4)),
+    (1, 320, 45, (4, 32, 2, 4, 2, 4, 2)),
+    (1, 256, 19, (8, 64, 2, 4, 2, 1, 8)),
+    (1, 200, 37, (4, 64, 1, 4, 3, 3, 2, 1)),
+    (3, 130, 21, (8, 32, 2, 4, 2, 1, 1, 1)),
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

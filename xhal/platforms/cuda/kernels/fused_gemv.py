@@ -4,9 +4,10 @@ SiLU gate (``silu_and_mul_gemv``: the down projection). Also the plain GEMV on t
 layout (``stream_gemv``), with programmatic dependent launch as an option.
 
 The program layout is ``gemv.py``'s (BLOCK_N weight rows, one K range, products kept unreduced
-until the loop ends, a deterministic split-K reduce). What is fused is computed on the x tile a
-program loads anyway, so the weight stream is unchanged and one launch (plus the reduce when K is
-split) replaces two or three:
+until the loop ends, a deterministic split-K reduce), optionally with several row blocks per
+program and a wider first step (``fused_gemv_config.py`` says why and picks the shapes). What is
+fused is computed on the x tile a program loads anyway, so the weight stream is unchanged and one
+launch (plus the reduce when K is split) replaces two or three:
 
 - norm: each step adds the residual tile (rounded to the dtype, as the unfused op stores it),
   multiplies by the norm weight and accumulates the sum of squares next to the products; the
@@ -18,8 +19,9 @@ split) replaces two or three:
 
 Programmatic dependent launch (sm_90+, ``use_pdl``, the rule in ``xhal/platforms/cuda/pdl.py``):
 the kernel is launched with the PDL attribute, so it is scheduled while the previous kernel
-drains; it loads its first weight tile (weights never depend on earlier kernels) and then waits
-(``griddepcontrol``) before its first load of x; it lets the next kernel launch right after that
+drains; it loads its first weight tile, or its first ``prefetch`` K steps as one wide tile
+(weights never depend on earlier kernels), and then waits (``griddepcontrol``) before its first
+load of x; it lets the next kernel launch right after that
 wait (``pdl.EARLY``) or after its weight stream (``pdl.LATE``). ``use_pdl=0`` compiles the kernel
 without any of it.
 """
@@ -31,119 +33,56 @@ import triton
 import triton.language as tl
 
 from xhal.platforms.cuda import pdl
-from xhal.platforms.cuda.kernels.gemv import (
-    _DTYPES,
-    _TILES,
-    MAX_CORE_M,
-    GemvConfig,
-    _num_sms,
-    gemv_split_k,
+from xhal.platforms.cuda.kernels.fused_gemv_config import (
+    _NORM,
+    _PLAIN,
+    _SILU,
+    TUNED,
+    StreamConfig,
+    fused_gemv_config,
 )
+from xhal.platforms.cuda.kernels.gemv import _DTYPES, MAX_CORE_M, _num_sms
 
-_PLAIN, _NORM, _SILU = 0, 1, 2
+__all__ = ["TUNED", "StreamConfig", "fused_gemv_config"]  # with the three entry points below
 _REDUCE_BLOCK = 1024
 
 
 @triton.jit
-def _step(
-    acc, sq, w, ks, k_mask, xm, x_rows, res_ptr, res_stride, g_ptr, sum_ptr, ms, pid_n, dtype,
+def _input(
+    x_rows, ks, k_mask, xm, res_ptr, res_stride, g_ptr, sum_ptr, ms, store_sum, dtype,
     K: tl.constexpr, PROLOGUE: tl.constexpr,
 ):
-    """One K step: this tile's input (the fused op applied to the x tile) times the weight tile."""
+    """The GEMV's input at columns ``ks`` (the fused op applied to the x tile), fp32 [BLOCK_M, W],
+    and (norm only: callers ignore it otherwise) the squares of the summed input for 1/rms."""
     if PROLOGUE == 1:  # residual add + RMSNorm, 1/rms applied after the loop
         x = tl.load(x_rows + ks[None, :], mask=xm, other=0.0).to(tl.float32)
         r = tl.load(res_ptr + ms[:, None] * res_stride + ks[None, :], mask=xm, other=0.0)
         s = (x + r.to(tl.float32)).to(dtype)  # the residual stream keeps the input dtype
-        tl.store(sum_ptr + ms[:, None] * K + ks[None, :], s, mask=xm & (pid_n == 0))
+        tl.store(sum_ptr + ms[:, None] * K + ks[None, :], s, mask=xm & store_sum)
         s = s.to(tl.float32)
-        sq += s * s
         a = s * tl.load(g_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        return a, s * s
     elif PROLOGUE == 2:  # silu(gate) * up, rounded as the unfused op stores it
         gate = tl.load(x_rows + ks[None, :], mask=xm, other=0.0).to(tl.float32)
         up = tl.load(x_rows + K + ks[None, :], mask=xm, other=0.0).to(tl.float32)
         a = (gate * tl.sigmoid(gate) * up).to(dtype).to(tl.float32)
+        return a, a
     else:
         a = tl.load(x_rows + ks[None, :], mask=xm, other=0.0).to(tl.float32)
-    acc += a[:, None, :] * w.to(tl.float32)[None, :, :]
-    return acc, sq
+        return a, a
 
 
 @triton.jit
-def _fused_gemv_kernel(
-    x_ptr, res_ptr, g_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, sum_ptr, sq_ptr,
-    N, x_stride, res_stride, eps,
-    K: tl.constexpr, K_PER_SPLIT: tl.constexpr, M: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr, SPLIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+def _flush(
+    out, sumsq, block, ms, m_mask, rows, row_mask, N, pid_k, eps, bias_ptr, out_ptr, part_ptr,
+    sq_ptr, dtype, K: tl.constexpr, M: tl.constexpr, PROLOGUE: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    ms = tl.arange(0, BLOCK_M)
-    m_mask = ms < M
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
-    x_rows = x_ptr + ms[:, None] * x_stride
-    dtype = out_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    k_start = pid_k * K_PER_SPLIT
-    # the first step is peeled: its weight tile (weights never depend on the previous kernel) is
-    # loaded before waiting for that kernel under PDL, so the stream starts during its tail
-    ks = k_start + tl.arange(0, BLOCK_K)
-    k_mask = ks < K
-    w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # x (and the residual) come from the previous kernel
-    if USE_PDL == 1:
-        tl.extra.cuda.gdc_launch_dependents()
-    acc, sq = _step(
-        acc,
-        sq,
-        w,
-        ks,
-        k_mask,
-        m_mask[:, None] & k_mask[None, :],
-        x_rows,
-        res_ptr,
-        res_stride,
-        g_ptr,
-        sum_ptr,
-        ms,
-        pid_n,
-        dtype,
-        K,
-        PROLOGUE,
-    )
-    for k0 in tl.range(BLOCK_K, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
-        ks = k_start + k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < K
-        w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        acc, sq = _step(
-            acc,
-            sq,
-            w,
-            ks,
-            k_mask,
-            m_mask[:, None] & k_mask[None, :],
-            x_rows,
-            res_ptr,
-            res_stride,
-            g_ptr,
-            sum_ptr,
-            ms,
-            pid_n,
-            dtype,
-            K,
-            PROLOGUE,
-        )
-    if USE_PDL == 2:  # the weights are streamed: the next kernel's programs may take the SMs
-        tl.extra.cuda.gdc_launch_dependents()
-    out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
+    """One row block's epilogue: [BLOCK_M, BLOCK_N] fp32 dot products (and the rows' sum of
+    squares) scaled, biased and stored, or stored as this split's partials."""
     if PROLOGUE == 1:
-        sumsq = tl.sum(sq, axis=1)  # [BLOCK_M], this split's part
-        if SPLIT:
-            tl.store(sq_ptr + pid_k * M + ms, sumsq, mask=m_mask & (pid_n == 0))
+        if SPLIT:  # the split's sum of squares, the same for every row block: block 0 stores it
+            tl.store(sq_ptr + pid_k * M + ms, sumsq, mask=m_mask & (block == 0))
         else:
             out = out * tl.rsqrt(sumsq / K + eps)[:, None]
     offs = ms[:, None] * N + rows[None, :]
@@ -154,6 +93,129 @@ def _fused_gemv_kernel(
         if HAS_BIAS:
             out += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + offs, out.to(dtype), mask=mask)
+
+
+@triton.jit
+def _weight_tile(
+    w_ptr, t, first, k_start, N, K: tl.constexpr, STEPS: tl.constexpr, TOTAL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The [BLOCK_N, BLOCK_K] weight tile of a program's flat step ``t`` (zeros past its last)."""
+    rows = (first + t // STEPS) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = k_start + (t % STEPS) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < N)[:, None] & (ks < K)[None, :] & (t < TOTAL)
+    return tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _fused_gemv_kernel(
+    x_ptr, res_ptr, g_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, sum_ptr, sq_ptr,
+    N, x_stride, res_stride, eps,
+    K: tl.constexpr, K_PER_SPLIT: tl.constexpr, M: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCKS: tl.constexpr = 1, PREFETCH: tl.constexpr = 1, HEAD_K: tl.constexpr = 0,
+    AHEAD: tl.constexpr = 0,
+):
+    # a program owns BLOCKS consecutive row blocks of BLOCK_N rows and one K range of STEPS
+    # BLOCK_K steps, walked as one flat loop of BLOCKS * STEPS steps so the load pipeline runs
+    # across its row blocks instead of draining at each (a persistent grid when BLOCKS > 1)
+    STEPS: tl.constexpr = K_PER_SPLIT // BLOCK_K
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    first = pid_n * BLOCKS  # this program's first row block
+    rows = first * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    ms = tl.arange(0, BLOCK_M)
+    m_mask = ms < M
+    x_rows = x_ptr + ms[:, None] * x_stride
+    dtype = out_ptr.dtype.element_ty
+    k_start = pid_k * K_PER_SPLIT
+    # the first PREFETCH steps of the first row block are peeled into one wide tile, loaded
+    # before waiting for the previous kernel under PDL (weights never depend on it), so that
+    # many bytes per program are in flight during that kernel's tail
+    hk = k_start + tl.arange(0, HEAD_K)
+    hk_mask = hk < K
+    w0 = tl.load(
+        w_ptr + rows.to(tl.int64)[:, None] * K + hk[None, :],
+        mask=row_mask[:, None] & hk_mask[None, :],
+        other=0.0,
+    )
+    TOTAL: tl.constexpr = BLOCKS * STEPS
+    if AHEAD:  # the loop's loads run one step ahead of its products (Triton does not pipeline
+        # loads that feed no tl.dot: without this a program has one tile in flight at a time)
+        w_next = _weight_tile(w_ptr, PREFETCH, first, k_start, N, K, STEPS, TOTAL, BLOCK_N, BLOCK_K)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # x (and the residual) come from the previous kernel
+    if USE_PDL == 1:
+        tl.extra.cuda.gdc_launch_dependents()
+    a0, q0 = _input(
+        x_rows, hk, hk_mask, m_mask[:, None] & hk_mask[None, :], res_ptr, res_stride, g_ptr,
+        sum_ptr, ms, first == 0, dtype, K, PROLOGUE,
+    )
+    if PREFETCH == 1:  # the plain layout: the peeled step joins the unreduced accumulator
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc += a0[:, None, :] * w0.to(tl.float32)[None, :, :]
+        sq = q0 if PROLOGUE == 1 else tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        head = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        head_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    else:  # a wide head is reduced at once, added at its block's epilogue
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        head = tl.sum(a0[:, None, :] * w0.to(tl.float32)[None, :, :], axis=2)
+        head_sq = tl.sum(q0, axis=1) if PROLOGUE == 1 else tl.zeros([BLOCK_M], dtype=tl.float32)
+    block = first
+    for t in tl.range(PREFETCH, TOTAL, num_stages=NUM_STAGES):
+        if BLOCKS == 1:
+            s = t
+        else:
+            block = first + t // STEPS
+            s = t % STEPS
+            if s == 0:  # the previous row block is done
+                prev = block - 1
+                _flush(
+                    tl.sum(acc, axis=2) + tl.where(prev == first, head, 0.0),
+                    tl.sum(sq, axis=1) + tl.where(prev == first, head_sq, 0.0),
+                    prev, ms, m_mask, rows, row_mask, N, pid_k, eps, bias_ptr, out_ptr,
+                    part_ptr, sq_ptr, dtype, K, M, PROLOGUE, SPLIT, HAS_BIAS,
+                )
+                acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+                sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+            rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
+            row_mask = rows < N
+        ks = k_start + s * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        if AHEAD:
+            w = w_next
+            w_next = _weight_tile(
+                w_ptr, t + 1, first, k_start, N, K, STEPS, TOTAL, BLOCK_N, BLOCK_K
+            )
+        else:
+            w = tl.load(
+                w_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :],
+                mask=row_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )
+        a, q = _input(
+            x_rows, ks, k_mask, m_mask[:, None] & k_mask[None, :], res_ptr, res_stride, g_ptr,
+            sum_ptr, ms, block == 0, dtype, K, PROLOGUE,
+        )
+        acc += a[:, None, :] * w.to(tl.float32)[None, :, :]
+        if PROLOGUE == 1:
+            sq += q
+    if USE_PDL == 2:  # the weights are streamed: the next kernel's programs may take the SMs
+        tl.extra.cuda.gdc_launch_dependents()
+    out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
+    sumsq = tl.sum(sq, axis=1)  # [BLOCK_M], this split's part
+    if BLOCKS == 1 and PREFETCH > 1:
+        out += head
+        sumsq += head_sq
+    _flush(
+        out,
+        sumsq,
+        first + BLOCKS - 1, ms, m_mask, rows, row_mask, N, pid_k, eps, bias_ptr, out_ptr,
+        part_ptr, sq_ptr, dtype, K, M, PROLOGUE, SPLIT, HAS_BIAS,
+    )
 
 
 @triton.jit
@@ -190,30 +252,6 @@ def _fused_reduce_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-# one-row launch shapes measured best on the H200 (benchmarks/bench_solutions.py --tune), by
-# (prologue, N, K) with prologue 0 plain, 1 add + RMSNorm, 2 SiLU gate; others take the heuristic
-TUNED: dict[tuple[int, int, int], GemvConfig] = {
-    # Qwen3-30B-A3B's o projection (2048 x 4096): the heuristic's 256 row blocks split K in two
-    # and add a reduce launch; 4-row blocks give 512 programs and no split (bench_moe_ops,
-    # 2026-12-01 14:40 UTC: 7.3 us against 9.1 us, per call over 8 distinct weights)
-    (0, 2048, 4096): GemvConfig(4, 512, 1, 4, 4),
-}
-
-
-def fused_gemv_config(
-    M: int, N: int, K: int, num_sms: int = 132, prologue: int = _PLAIN
-) -> GemvConfig:
-    """``TUNED`` for one row where measured, else ``gemv_config``'s heuristic for the CUDA-core
-    path (M <= 16)."""
-    if M == 1 and (prologue, N, K) in TUNED:
-        return TUNED[(prologue, N, K)]
-    block_n, block_k = _TILES[triton.next_power_of_2(M)]
-    block_k = min(block_k, max(16, triton.next_power_of_2(K)))
-    split_k = gemv_split_k(N, K, block_n, block_k, num_sms)
-    steps = triton.cdiv(triton.cdiv(K, block_k), split_k)
-    return GemvConfig(block_n, block_k, split_k, 4, min(steps, 3))
 
 
 def _check(name: str, x: torch.Tensor, weight: torch.Tensor, k: int) -> None:
@@ -255,7 +293,7 @@ def _launch(
     residual: torch.Tensor | None,
     norm_weight: torch.Tensor | None,
     eps: float,
-    config: tuple[int, int, int, int, int] | None,
+    config: tuple[int, ...] | None,
     use_pdl: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     M, N, K = x.shape[0], weight.shape[0], weight.shape[1]
@@ -267,12 +305,25 @@ def _launch(
             f"{bias.device}"
         )
     cfg = (
-        GemvConfig(*config)
+        StreamConfig(*config)
         if config is not None
         else fused_gemv_config(M, N, K, _num_sms(x.device), prologue)
     )
+    if (
+        any(v < 1 or v & (v - 1) for v in (cfg.block_n, cfg.block_k))
+        or min(cfg[:-1]) < 1
+        or cfg.ahead not in (0, 1)
+    ):
+        raise ValueError(
+            f"fused_gemv: {cfg} needs power-of-2 block sizes, ahead 0 or 1 and every other "
+            "field >= 1"
+        )
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(K, k_per_split)
+    # the prefetched head must stay inside one split's K range (a power of two for its tile)
+    prefetch = min(cfg.prefetch, k_per_split // cfg.block_k)
+    prefetch = 1 << (prefetch.bit_length() - 1)
+    blocks = min(cfg.blocks, triton.cdiv(N, cfg.block_n))
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     summed = None
     res_arg, g_arg, sum_arg, res_stride = out, out, out, 0
@@ -292,7 +343,7 @@ def _launch(
     )
     use_pdl = pdl.gemv_trigger(int(use_pdl), weight.numel() * weight.element_size())
     pdl_options = pdl.launch_options(use_pdl)
-    _fused_gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
+    _fused_gemv_kernel[(triton.cdiv(triton.cdiv(N, cfg.block_n), blocks), split_k)](
         x,
         res_arg,
         g_arg,
@@ -317,6 +368,10 @@ def _launch(
         HAS_BIAS=bias is not None,
         NUM_STAGES=cfg.num_stages,
         USE_PDL=use_pdl,
+        BLOCKS=blocks,
+        PREFETCH=prefetch,
+        HEAD_K=prefetch * cfg.block_k,
+        AHEAD=cfg.ahead,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_options,
@@ -349,7 +404,7 @@ def add_rms_norm_gemv(
     eps: float,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    config: tuple[int, int, int, int, int] | None = None,
+    config: tuple[int, ...] | None = None,
     use_pdl: int = pdl.OFF,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) @ weight.T + bias, x + residual)`` in one launch (two when K is
@@ -371,7 +426,7 @@ def silu_and_mul_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    config: tuple[int, int, int, int, int] | None = None,
+    config: tuple[int, ...] | None = None,
     use_pdl: int = pdl.OFF,
 ) -> torch.Tensor:
     """``(silu(x[:, :I]) * x[:, I:]) @ weight.T + bias`` in one launch (two when K is split).
@@ -386,7 +441,7 @@ def stream_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    config: tuple[int, int, int, int, int] | None = None,
+    config: tuple[int, ...] | None = None,
     use_pdl: int = pdl.OFF,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` on this file's layout (``gemv.gemv`` without the tensor-core
