@@ -33,6 +33,9 @@ def load_gemv_table() -> None:
     path = os.environ.get("BENCH_GEMV_TABLE")
     if not path:
         return
+    if not os.path.exists(path):
+        print(f"BENCH_GEMV_TABLE={path} does not exist: the tree's TUNED table is timed")
+        return
     from xhal.platforms.cuda.kernels.fused_gemv_config import TUNED, StreamConfig
 
     with open(path) as f:

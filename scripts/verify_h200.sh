@@ -13,6 +13,11 @@
 #                 shape at batch 1, the 8B shape at batch 1 and 64, the MoE shape at batch 1, each
 #                 setting's graphs captured and timed in one process, kernels per layer
 #   pdl-conformance  the fused, graph, ops and attention families with XHAL_CUDA_PDL=1
+#   gemv          the batch-1 stream GEMVs and MoE pair GEMVs, previous launch shapes against the
+#                 new layouts (bench_decode_gemv; GEMV_JSON=FILE writes the winners, which
+#                 BENCH_GEMV_TABLE=FILE then loads into the model benchmarks' executors)
+#   gemv-1b, gemv-8b, gemv-moe  batch-1 steps with the tree's GEMVs against the previous ones
+#                 (--pdl auto auto-previous-gemv: both captured and timed in one process)
 # Split the stages over two calls where one call's time limit is short, e.g.
 # `scripts/verify_h200.sh conformance model-8b model-8b-fi model-1b`, then `... moe solutions`.
 set -uo pipefail
@@ -51,7 +56,11 @@ for name in ${*:-conformance model-8b model-8b-fi model-1b model-1b-fi moe solut
     pdl-moe) stage $name "${MOE_TIMEOUT:-150}" -- bench_moe --batches 1 --no-hf --no-sweep --profile --pdl $pdl ;;
     pdl-conformance) stage $name "${CONF_TIMEOUT:-240}" XHAL_CUDA_PDL=1 \
       CONF_ARGS="${PDL_FAMILIES:---family fused --family graph --family ops --family attention}" -- conformance-cuda ;;
-    *) echo "unknown stage $name (conformance model-8b model-8b-fi model-1b model-1b-fi moe solutions pdl-1b pdl-8b pdl-moe pdl-conformance)"; exit 2 ;;
+    gemv) stage $name "${GEMV_TIMEOUT:-120}" -- bench_decode_gemv ${GEMV_JSON:+--json $GEMV_JSON} ;;
+    gemv-1b) stage $name "${MODEL_TIMEOUT:-90}" -- bench_model --shape llama3.2-1b --batches 1 $model --pdl auto auto-previous-gemv ;;
+    gemv-8b) stage $name "${MODEL_TIMEOUT:-90}" -- bench_model --shape llama3-8b --batches 1 $model --pdl auto auto-previous-gemv ;;
+    gemv-moe) stage $name "${MOE_TIMEOUT:-150}" -- bench_moe --batches 1 --no-hf --no-sweep --profile --pdl auto auto-previous-gemv ;;
+    *) echo "unknown stage $name (conformance model-8b model-8b-fi model-1b model-1b-fi moe solutions pdl-1b pdl-8b pdl-moe pdl-conformance gemv gemv-1b gemv-8b gemv-moe)"; exit 2 ;;
   esac
 done
 if [ -n "${OUT:-}" ]; then  # and the conformance reports
