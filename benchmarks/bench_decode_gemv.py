@@ -1,9 +1,9 @@
 """The batch-1 stream GEMVs of the decode steps (``fused_gemv``: norm + qkv, o, norm + gate_up,
 silu + down) on the H200: each projection of the Llama-3.2-1B, Qwen3-30B-A3B (attention) and
 Llama-3-8B shapes, its previous launch shape (``fused_gemv_config.PREVIOUS``, the peer) against
-the prefetch, load-ahead and persistent layouts (``StreamConfig``), every one checked against a
-float64 reference first; and the MoE shape's routed-expert pair GEMVs (``moe_small``), previous
-layout against the default.
+wider tiles without a K split, every one checked against a float64 reference first. (The
+ninth session's runs also swept a whole slice loaded before the PDL wait, loads one step ahead
+and persistent grids, on the kernel of commit 445524e; ``fused_gemv_config.py`` has the result.)
 
     python -m benchmarks.bench_decode_gemv [--models 1b moe 8b] [--json FILE]
 
@@ -37,54 +37,30 @@ PROJECTIONS = {
     ("moe", "o"): (0, 2048, 4096),
     ("8b", "norm+qkv"): (1, 6144, 4096),
     ("8b", "o"): (0, 4096, 4096),
-}  # (the 8B shape's gate_up and down stream at 0.90-0.92 of the ceiling already)
+    ("8b", "norm+gate_up"): (1, 28672, 4096),
+    ("8b", "silu+down"): (2, 4096, 14336),
+}
 HEAD_ELEMENTS = 16384  # a prefetched head of at most this many weights (64 registers a thread)
 
 
-def candidates(prologue: int, N: int, K: int, num_sms: int, full: bool) -> list[tuple[int, ...]]:
-    """The previous shape first (the peer), it with loads one step ahead and a wider head,
-    narrow row blocks without a K split, wider K steps, and persistent grids of 1x and 2x the
-    SM count; ``full=False`` keeps four of them (the 8B shape's projections, already near the
-    ceiling)."""
-    import triton
-
+def candidates(prologue: int, N: int, K: int, num_sms: int) -> list[tuple[int, ...]]:
+    """The previous shape first (the peer), then wider weight tiles without a K split (more
+    bytes in flight per program: Triton pipelines no load that feeds no tl.dot, so a program
+    has about one tile in flight), and a split of the widest for long K."""
     from xhal.platforms.cuda.kernels.fused_gemv_config import PREVIOUS, fused_gemv_config
 
-    prev = fused_gemv_config(1, N, K, num_sms, prologue, table=PREVIOUS)
-    k_split = triton.cdiv(K, prev.split_k)
-    steps = triton.cdiv(k_split, prev.block_k)
-    ahead = prev._replace(ahead=1)
-    persistent = [
-        (block_n, 512, 1, warps, 1, triton.cdiv(triton.cdiv(N, block_n), waves * num_sms), 2, 1)
-        for block_n, warps, waves in ((8, 4, 2), (8, 4, 4), (16, 8, 2))
-    ]
-    if not full:
-        grid = [prev, ahead, (4, 512, 1, 4, 1, 1, 2, 1), persistent[0]]
-    else:
-        grid = [prev, ahead, ahead._replace(prefetch=2), (4, 512, 1, 4, 1, 1, 2, 1)]
-        grid.append((8, 1024, 1, 4, 1, 1, 1, 1))
-        if 4 * K <= HEAD_ELEMENTS:
-            grid.append((4, 512, 1, 4, 1, 1, triton.cdiv(K, 512), 1))
-        if prev.block_n * k_split <= HEAD_ELEMENTS:
-            grid.append(prev._replace(prefetch=steps))
-        grid += persistent
-    seen, out = set(), []
-    for c in grid:
-        c = tuple(c)
-        if c not in seen and (len(c) < 6 or c[5] >= 1):
-            seen.add(c)
-            out.append(c)
-    return out
+    grid = [tuple(fused_gemv_config(1, N, K, num_sms, prologue, table=PREVIOUS))]
+    for block_n, block_k, warps in ((8, 1024, 4), (4, 1024, 4), (4, 2048, 4), (2, 2048, 4)):
+        grid.append((block_n, block_k, 1, warps, 1))
+    for block_n, block_k in ((16, 1024), (8, 2048)):
+        grid.append((block_n, block_k, 1, 8, 1))
+    if K >= 8192:
+        grid += [(8, 1024, 2, 4, 1), (8, 2048, 2, 8, 1)]
+    return list(dict.fromkeys(grid))  # in order, once each
 
 
 def fmt(c: tuple[int, ...]) -> str:
-    from xhal.platforms.cuda.kernels.fused_gemv_config import StreamConfig
-
-    c = StreamConfig(*c)
-    return (
-        f"{c.block_n}x{c.block_k} split{c.split_k} w{c.num_warps} st{c.num_stages} "
-        f"blocks{c.blocks} pre{c.prefetch} ahead{c.ahead}"
-    )
+    return f"{c[0]}x{c[1]} split{c[2]} w{c[3]} st{c[4]}"
 
 
 def run_projection(
@@ -131,7 +107,7 @@ def run_projection(
 
     floor_us = N * K * 2 / read_bw * 1e6
     rows, prev_us = [], None
-    for config in candidates(prologue, N, K, num_sms, full=model != "8b"):
+    for config in candidates(prologue, N, K, num_sms):
         try:
             err = (call(config, 0).double() - ref).abs().max().item()  # compiles, outside capture
             us = graph_us(lambda i, c=config: call(c, i), CALLS, 30)
@@ -170,57 +146,6 @@ def run_projection(
     return rows
 
 
-def run_moe_pairs(read_bw: float, device: torch.device, shape=(128, 8, 2048, 768)) -> list[dict]:
-    """The routed experts of one token (Qwen3-30B-A3B: 128 experts, top-8, hidden 2048,
-    intermediate 768) by the pair GEMVs, the previous layout (``moe_small.PREVIOUS``) against
-    the default, each call routed to other experts (ids cycled over CALLS draws)."""
-    from xhal.platforms.cuda.kernels import moe_small
-
-    experts, top_k, hidden, inter = shape
-    g = torch.Generator(device=device).manual_seed(1)
-    w13 = (torch.randn(experts, 2 * inter, hidden, device=device, generator=g) * hidden**-0.5).to(
-        torch.bfloat16
-    )
-    w2 = (torch.randn(experts, hidden, inter, device=device, generator=g) * inter**-0.5).to(
-        torch.bfloat16
-    )
-    x = torch.randn(1, hidden, device=device, generator=g).to(torch.bfloat16)
-    ids = [
-        torch.randperm(experts, device=device, generator=g)[:top_k].view(1, top_k).int()
-        for _ in range(CALLS)
-    ]
-    weights = torch.softmax(torch.randn(1, top_k, device=device, generator=g), -1)
-    # float64 reference of the first routing (the activation rounded to bf16, as both paths do)
-    ref = torch.zeros(1, hidden, dtype=torch.float64, device=device)
-    for j, e in enumerate(ids[0][0].tolist()):
-        h = x.double() @ w13[e].double().T
-        act = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).to(torch.bfloat16)
-        ref += weights[0, j].double() * (act.double() @ w2[e].double().T)
-    tol = 2**-6 * ref.abs().max().item()
-    nbytes = top_k * (w13[0].numel() + w2[0].numel()) * 2
-    rows, prev_us = [], None
-    for name, base in (("previous", moe_small.PREVIOUS), ("default", moe_small.DEFAULT)):
-        config = moe_small.small_config(1, hidden)._replace(ahead=base.ahead)
-        out = moe_small.small_experts(x, w13, w2, weights, ids[0], config)
-        err = (out.double() - ref).abs().max().item()
-        us = graph_us(
-            lambda i, c=config: moe_small.small_experts(x, w13, w2, weights, ids[i], c), CALLS, 30
-        )
-        prev_us = prev_us or us
-        rows.append(
-            {
-                "layout": name,
-                "config": str(tuple(config)),
-                "us": us,
-                "of_ceiling": nbytes / read_bw * 1e6 / us,
-                "vs_previous": prev_us / us,
-                "err": err,
-                "ok": err <= tol,
-            }
-        )
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -249,7 +174,6 @@ def main() -> None:
         if ours:
             win = min(ours, key=lambda r: r["us"])
             best.append({**win, "previous_us": ours[0]["us"], "cublas_us": cublas["us"]})
-    moe_rows = run_moe_pairs(ceil["read_bandwidth"], device) if "moe" in args.models else []
     shown = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
     print(table(shown, f"every config, bf16, one row, {CALLS} calls per CUDA graph (PDL as set)"))
     if args.json:  # only what beats the previous shape by more than the run-to-run noise
@@ -257,14 +181,6 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump([[*r["_key"], *r["_config"]] for r in chosen], f)
         print(f"{args.json}: {len(chosen)} of {len(best)} projections take a new shape")
-    if moe_rows:
-        print(
-            table(
-                moe_rows,
-                "MoE routed experts of one token (pair GEMVs: gate-up + down/combine launches), "
-                "8 of 128 experts per call",
-            )
-        )
     print(
         f"({time.perf_counter() - started:.0f} s after the ceilings; read ceiling "
         f"{ceil['read_bandwidth'] / 1e12:.2f} TB/s)"

@@ -18,9 +18,8 @@ PDL_VARIANTS = {
     "early": ("1", "early"),
     "late": ("1", "late"),
     "auto": ("1", "auto"),
-    # auto with the stream GEMVs' launch shapes of the tree before the prefetch / persistent
-    # layouts (fused_gemv_config.PREVIOUS) and its MoE pair GEMVs (moe_small.PREVIOUS): the
-    # peer of this tree's TUNED table and pair-GEMV layout
+    # auto with the stream GEMVs' launch shapes of the tree before the ninth session's table
+    # (fused_gemv_config.PREVIOUS): the peer of this tree's TUNED table
     "auto-previous-gemv": ("1", "auto"),
 }
 PREVIOUS_GEMV = "auto-previous-gemv"
@@ -36,11 +35,12 @@ def load_gemv_table() -> None:
     if not os.path.exists(path):
         print(f"BENCH_GEMV_TABLE={path} does not exist: the tree's TUNED table is timed")
         return
-    from xhal.platforms.cuda.kernels.fused_gemv_config import TUNED, StreamConfig
+    from xhal.platforms.cuda.kernels.fused_gemv_config import TUNED
+    from xhal.platforms.cuda.kernels.gemv import GemvConfig
 
     with open(path) as f:
         for prologue, n, k, *config in json.load(f):
-            TUNED[(prologue, n, k)] = StreamConfig(*config)
+            TUNED[(prologue, n, k)] = GemvConfig(*config)
     print(f"stream GEMV launch shapes from {path}: {TUNED}")
 
 
@@ -66,18 +66,15 @@ def _compile_stream_gemv(prologue: int, n: int, k: int) -> None:
 
 @contextlib.contextmanager
 def _gemv_table(name: str) -> Iterator[None]:
-    """The previous GEMV table in place of TUNED, and the previous MoE pair-GEMV layout
-    (``moe_small.PREVIOUS``), while ``PREVIOUS_GEMV`` captures."""
+    """The previous GEMV table in place of TUNED while ``PREVIOUS_GEMV`` captures."""
     if name != PREVIOUS_GEMV:
         yield
         return
-    from xhal.platforms.cuda.kernels import moe_small
     from xhal.platforms.cuda.kernels.fused_gemv_config import PREVIOUS, TUNED
 
-    saved, saved_moe = dict(TUNED), moe_small.DEFAULT
+    saved = dict(TUNED)
     TUNED.clear()
     TUNED.update(PREVIOUS)
-    moe_small.DEFAULT = moe_small.PREVIOUS
     for key in saved:  # the shapes whose launch changes: compiled here, since not under capture
         _compile_stream_gemv(*key)
     try:
@@ -85,7 +82,6 @@ def _gemv_table(name: str) -> Iterator[None]:
     finally:
         TUNED.clear()
         TUNED.update(saved)
-        moe_small.DEFAULT = saved_moe
 
 
 def add_argument(parser: argparse.ArgumentParser) -> None:

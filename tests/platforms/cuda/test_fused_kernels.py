@@ -26,20 +26,14 @@ def _errors(values: list[float]):
     return values.append
 
 
-# (M, K, N, config): the heuristic, and forced K splits (the reduce carries the sum of squares);
-# then (fused_gemv_config.StreamConfig) several row blocks per program, the last one partly past
-# N, a head of 2 or all K steps loaded before the PDL wait, both with a split, a head asked wider
-# than its split (trimmed to it), and loads one step ahead (persistent, and split with 3 rows)
+# (M, K, N, config): the heuristic, forced K splits (the reduce carries the sum of squares), and
+# the TUNED tile shapes (fused_gemv_config) on K and N not multiples of their tiles
 CASES = [
     (1, 192, 40, None),
     (1, 320, 24, (8, 64, 2, 4, 2)),
     (3, 96, 17, (8, 32, 4, 4, 1)),
-    (1, 200, 37, (4, 64, 1, 4, 3, 3, 2)),
-    (2, 130, 21, (8, 32, 1, 4, 2, 1, 4)),
-    (1, 320, 45, (4, 32, 2, 4, 2, 4, 2)),
-    (1, 256, 19, (8, 64, 2, 4, 2, 1, 8)),
-    (1, 200, 37, (4, 64, 1, 4, 3, 3, 2, 1)),
-    (3, 130, 21, (8, 32, 2, 4, 2, 1, 1, 1)),
+    (1, 1500, 23, (4, 1024, 1, 4, 1)),
+    (1, 2100, 13, (8, 2048, 1, 8, 1)),
 ]
 
 
@@ -74,6 +68,26 @@ def test_fused_gemvs_match_the_unfused_sequence(m, k, n, config, dtype) -> None:
         plain_ref,
         dtype,
         _errors(errors),
+    )
+
+
+@pytest.mark.parametrize("key", sorted(fused_gemv.TUNED), ids=str)
+def test_a_tuned_shape_applies_to_one_row_of_its_own_op_only(key) -> None:
+    prologue, n, k = key
+    tuned = fused_gemv.TUNED[key]
+    assert fused_gemv.fused_gemv_config(1, n, k, 132, prologue) == tuned
+    heuristic = fused_gemv.fused_gemv_config(1, n, k, 132, prologue, table={})
+    two_rows = fused_gemv.fused_gemv_config(2, n, k, 132, prologue)
+    assert two_rows == fused_gemv.fused_gemv_config(2, n, k, 132, prologue, table={})
+    other = (prologue + 1) % 3
+    if (other, n, k) not in fused_gemv.TUNED:
+        assert fused_gemv.fused_gemv_config(1, n, k, 132, other) == fused_gemv.fused_gemv_config(
+            1, n, k, 132, other, table={}
+        )
+    # the benchmarks' peer: the table before these rows
+    previous = fused_gemv.PREVIOUS.get(key, heuristic)
+    assert fused_gemv.fused_gemv_config(1, n, k, 132, prologue, table=fused_gemv.PREVIOUS) == (
+        previous
     )
 
 

@@ -60,25 +60,12 @@ _POINTERS = {
 }
 _GEMV = dict(
     K=512, K_PER_SPLIT=512, M=1, BLOCK_M=1, BLOCK_N=8, BLOCK_K=128, PROLOGUE=1, SPLIT=False,
-    HAS_BIAS=False, NUM_STAGES=2, BLOCKS=1, PREFETCH=1, HEAD_K=128, AHEAD=0,
+    HAS_BIAS=False, NUM_STAGES=2,
 )
 CASES = {  # name: (module, kernel, constexprs)
     "gemv off": ("fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.OFF}),
     "norm+gemv early": ("fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.EARLY}),
     "norm+gemv late": ("fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.LATE}),
-    # fused_gemv_config.StreamConfig's layouts: 3 row blocks per program, a 2-step head (and
-    # loads one step ahead)
-    "persistent gemv early": (
-        "fused_gemv",
-        "_fused_gemv_kernel",
-        {**_GEMV, "BLOCKS": 3, "PREFETCH": 2, "HEAD_K": 256, "USE_PDL": pdl.EARLY},
-    ),
-    "persistent silu+gemv late": (
-        "fused_gemv",
-        "_fused_gemv_kernel",
-        {**_GEMV, "PROLOGUE": 2, "BLOCKS": 3, "PREFETCH": 2, "HEAD_K": 256, "AHEAD": 1,
-         "USE_PDL": pdl.LATE},
-    ),
     "rotary_kv": (
         "rotary_kv",
         "_rotary_kv_kernel",
@@ -137,17 +124,7 @@ def ptx() -> dict[str, str]:
 
 
 @pytest.mark.parametrize(
-    "case",
-    [
-        "norm+gemv early",
-        "norm+gemv late",
-        "persistent gemv early",
-        "persistent silu+gemv late",
-        "rotary_kv",
-        "add_rms_norm",
-        "qk_norm",
-        "router",
-    ],
+    "case", ["norm+gemv early", "norm+gemv late", "rotary_kv", "add_rms_norm", "qk_norm", "router"]
 )
 def test_a_pdl_kernel_waits_once_and_writes_nothing_before_its_wait(ptx, case) -> None:
     code = ptx[case]

@@ -111,18 +111,13 @@ def test_fused_experts_match_reference(case, dtype, config) -> None:
 # the pair-GEMV path for decode batches: 1..8 tokens at top-8 of 128 experts (hidden and
 # intermediate sizes cut for the interpreter, and not multiples of the tiles, so masks are hit)
 # "ragged": row tiles past I and H and K steps past both (24 = 16 + 8, 48 = 32 + 16)
-# (the default loads one step ahead; ahead=0 is the earlier layout)
-SMALL_CASES = (
-    [(n, moe_small.SmallMoeConfig()) for n in range(1, 9)]
-    + [(n, moe_small.SmallMoeConfig(16, 32, 32, 16, up_stages=2, down_stages=2)) for n in (1, 5)]
-    + [(n, moe_small.SmallMoeConfig(16, 32, 32, 16, ahead=0)) for n in (1, 3)]
-)
+SMALL_CASES = [(n, moe_small.SmallMoeConfig()) for n in range(1, 9)] + [
+    (n, moe_small.SmallMoeConfig(16, 32, 32, 16, up_stages=2, down_stages=2)) for n in (1, 5)
+]
 
 
 @pytest.mark.parametrize(
-    "num_tokens,config",
-    SMALL_CASES,
-    ids=[f"{n}-{c.up_block_k}-ahead{c.ahead}" for n, c in SMALL_CASES],
+    "num_tokens,config", SMALL_CASES, ids=[f"{n}-{c.up_block_k}" for n, c in SMALL_CASES]
 )
 def test_small_experts_match_float64(num_tokens, config) -> None:
     num_experts, top_k, hidden, inter = 128, 8, 48, 24

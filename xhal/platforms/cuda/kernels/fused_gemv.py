@@ -4,10 +4,9 @@ SiLU gate (``silu_and_mul_gemv``: the down projection). Also the plain GEMV on t
 layout (``stream_gemv``), with programmatic dependent launch as an option.
 
 The program layout is ``gemv.py``'s (BLOCK_N weight rows, one K range, products kept unreduced
-until the loop ends, a deterministic split-K reduce), optionally with several row blocks per
-program and a wider first step (``fused_gemv_config.py`` says why and picks the shapes). What is
-fused is computed on the x tile a program loads anyway, so the weight stream is unchanged and one
-launch (plus the reduce when K is split) replaces two or three:
+until the loop ends, a deterministic split-K reduce); its launch shapes are in
+``fused_gemv_config.py``. What is fused is computed on the x tile a program loads anyway, so the
+weight stream is unchanged and one launch (plus the reduce when K is split) replaces two or three:
 
 - norm: each step adds the residual tile (rounded to the dtype, as the unfused op stores it),
   multiplies by the norm weight and accumulates the sum of squares next to the products; the
@@ -19,9 +18,8 @@ launch (plus the reduce when K is split) replaces two or three:
 
 Programmatic dependent launch (sm_90+, ``use_pdl``, the rule in ``xhal/platforms/cuda/pdl.py``):
 the kernel is launched with the PDL attribute, so it is scheduled while the previous kernel
-drains; it loads its first weight tile, or its first ``prefetch`` K steps as one wide tile
-(weights never depend on earlier kernels), and then waits (``griddepcontrol``) before its first
-load of x; it lets the next kernel launch right after that
+drains; it loads its first weight tile (weights never depend on earlier kernels) and then waits
+(``griddepcontrol``) before its first load of x; it lets the next kernel launch right after that
 wait (``pdl.EARLY``) or after its weight stream (``pdl.LATE``). ``use_pdl=0`` compiles the kernel
 without any of it.
 """
@@ -37,13 +35,13 @@ from xhal.platforms.cuda.kernels.fused_gemv_config import (
     _NORM,
     _PLAIN,
     _SILU,
+    PREVIOUS,
     TUNED,
-    StreamConfig,
     fused_gemv_config,
 )
-from xhal.platforms.cuda.kernels.gemv import _DTYPES, MAX_CORE_M, _num_sms
+from xhal.platforms.cuda.kernels.gemv import _DTYPES, MAX_CORE_M, GemvConfig, _num_sms
 
-__all__ = ["TUNED", "StreamConfig", "fused_gemv_config"]  # with the three entry points below
+__all__ = ["PREVIOUS", "TUNED", "fused_gemv_config"]  # with the three entry points below
 _REDUCE_BLOCK = 1024
 
 
@@ -96,125 +94,65 @@ def _flush(
 
 
 @triton.jit
-def _weight_tile(
-    w_ptr, t, first, k_start, N, K: tl.constexpr, STEPS: tl.constexpr, TOTAL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """The [BLOCK_N, BLOCK_K] weight tile of a program's flat step ``t`` (zeros past its last)."""
-    rows = (first + t // STEPS) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = k_start + (t % STEPS) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows < N)[:, None] & (ks < K)[None, :] & (t < TOTAL)
-    return tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
 def _fused_gemv_kernel(
     x_ptr, res_ptr, g_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, sum_ptr, sq_ptr,
     N, x_stride, res_stride, eps,
     K: tl.constexpr, K_PER_SPLIT: tl.constexpr, M: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr, SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
-    BLOCKS: tl.constexpr = 1, PREFETCH: tl.constexpr = 1, HEAD_K: tl.constexpr = 0,
-    AHEAD: tl.constexpr = 0,
 ):
-    # a program owns BLOCKS consecutive row blocks of BLOCK_N rows and one K range of STEPS
-    # BLOCK_K steps, walked as one flat loop of BLOCKS * STEPS steps so the load pipeline runs
-    # across its row blocks instead of draining at each (a persistent grid when BLOCKS > 1)
     STEPS: tl.constexpr = K_PER_SPLIT // BLOCK_K
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    first = pid_n * BLOCKS  # this program's first row block
-    rows = first * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     ms = tl.arange(0, BLOCK_M)
     m_mask = ms < M
     x_rows = x_ptr + ms[:, None] * x_stride
     dtype = out_ptr.dtype.element_ty
     k_start = pid_k * K_PER_SPLIT
-    # the first PREFETCH steps of the first row block are peeled into one wide tile, loaded
-    # before waiting for the previous kernel under PDL (weights never depend on it), so that
-    # many bytes per program are in flight during that kernel's tail
-    hk = k_start + tl.arange(0, HEAD_K)
-    hk_mask = hk < K
-    w0 = tl.load(
-        w_ptr + rows.to(tl.int64)[:, None] * K + hk[None, :],
-        mask=row_mask[:, None] & hk_mask[None, :],
+    # the first step is peeled: its weight tile (weights never depend on the previous kernel) is
+    # loaded before waiting for that kernel under PDL, so the stream starts during its tail
+    ks = k_start + tl.arange(0, BLOCK_K)
+    k_mask = ks < K
+    w = tl.load(
+        w_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :],
+        mask=row_mask[:, None] & k_mask[None, :],
         other=0.0,
     )
-    TOTAL: tl.constexpr = BLOCKS * STEPS
-    if AHEAD:  # the loop's loads run one step ahead of its products (Triton does not pipeline
-        # loads that feed no tl.dot: without this a program has one tile in flight at a time)
-        w_next = _weight_tile(w_ptr, PREFETCH, first, k_start, N, K, STEPS, TOTAL, BLOCK_N, BLOCK_K)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x (and the residual) come from the previous kernel
     if USE_PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
-    a0, q0 = _input(
-        x_rows, hk, hk_mask, m_mask[:, None] & hk_mask[None, :], res_ptr, res_stride, g_ptr,
-        sum_ptr, ms, first == 0, dtype, K, PROLOGUE,
+    a, q = _input(
+        x_rows, ks, k_mask, m_mask[:, None] & k_mask[None, :], res_ptr, res_stride, g_ptr,
+        sum_ptr, ms, pid_n == 0, dtype, K, PROLOGUE,
     )
-    if PREFETCH == 1:  # the plain layout: the peeled step joins the unreduced accumulator
-        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc += a0[:, None, :] * w0.to(tl.float32)[None, :, :]
-        sq = q0 if PROLOGUE == 1 else tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-        head = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        head_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    else:  # a wide head is reduced at once, added at its block's epilogue
-        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-        head = tl.sum(a0[:, None, :] * w0.to(tl.float32)[None, :, :], axis=2)
-        head_sq = tl.sum(q0, axis=1) if PROLOGUE == 1 else tl.zeros([BLOCK_M], dtype=tl.float32)
-    block = first
-    for t in tl.range(PREFETCH, TOTAL, num_stages=NUM_STAGES):
-        if BLOCKS == 1:
-            s = t
-        else:
-            block = first + t // STEPS
-            s = t % STEPS
-            if s == 0:  # the previous row block is done
-                prev = block - 1
-                _flush(
-                    tl.sum(acc, axis=2) + tl.where(prev == first, head, 0.0),
-                    tl.sum(sq, axis=1) + tl.where(prev == first, head_sq, 0.0),
-                    prev, ms, m_mask, rows, row_mask, N, pid_k, eps, bias_ptr, out_ptr,
-                    part_ptr, sq_ptr, dtype, K, M, PROLOGUE, SPLIT, HAS_BIAS,
-                )
-                acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-                sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-            rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
-            row_mask = rows < N
-        ks = k_start + s * BLOCK_K + tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc += a[:, None, :] * w.to(tl.float32)[None, :, :]
+    sq = q if PROLOGUE == 1 else tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for t in tl.range(1, STEPS, num_stages=NUM_STAGES):
+        ks = k_start + t * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = ks < K
-        if AHEAD:
-            w = w_next
-            w_next = _weight_tile(
-                w_ptr, t + 1, first, k_start, N, K, STEPS, TOTAL, BLOCK_N, BLOCK_K
-            )
-        else:
-            w = tl.load(
-                w_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :],
-                mask=row_mask[:, None] & k_mask[None, :],
-                other=0.0,
-            )
+        w = tl.load(
+            w_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :],
+            mask=row_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
         a, q = _input(
             x_rows, ks, k_mask, m_mask[:, None] & k_mask[None, :], res_ptr, res_stride, g_ptr,
-            sum_ptr, ms, block == 0, dtype, K, PROLOGUE,
+            sum_ptr, ms, pid_n == 0, dtype, K, PROLOGUE,
         )
         acc += a[:, None, :] * w.to(tl.float32)[None, :, :]
         if PROLOGUE == 1:
             sq += q
     if USE_PDL == 2:  # the weights are streamed: the next kernel's programs may take the SMs
         tl.extra.cuda.gdc_launch_dependents()
-    out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
-    sumsq = tl.sum(sq, axis=1)  # [BLOCK_M], this split's part
-    if BLOCKS == 1 and PREFETCH > 1:
-        out += head
-        sumsq += head_sq
     _flush(
-        out,
-        sumsq,
-        first + BLOCKS - 1, ms, m_mask, rows, row_mask, N, pid_k, eps, bias_ptr, out_ptr,
-        part_ptr, sq_ptr, dtype, K, M, PROLOGUE, SPLIT, HAS_BIAS,
+        tl.sum(acc, axis=2),  # [BLOCK_M, BLOCK_N]
+        tl.sum(sq, axis=1),  # [BLOCK_M], this split's part
+        pid_n, ms, m_mask, rows, row_mask, N, pid_k, eps, bias_ptr, out_ptr, part_ptr, sq_ptr,
+        dtype, K, M, PROLOGUE, SPLIT, HAS_BIAS,
     )
 
 
@@ -293,7 +231,7 @@ def _launch(
     residual: torch.Tensor | None,
     norm_weight: torch.Tensor | None,
     eps: float,
-    config: tuple[int, ...] | None,
+    config: tuple[int, int, int, int, int] | None,
     use_pdl: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     M, N, K = x.shape[0], weight.shape[0], weight.shape[1]
@@ -305,25 +243,14 @@ def _launch(
             f"{bias.device}"
         )
     cfg = (
-        StreamConfig(*config)
+        GemvConfig(*config)
         if config is not None
         else fused_gemv_config(M, N, K, _num_sms(x.device), prologue)
     )
-    if (
-        any(v < 1 or v & (v - 1) for v in (cfg.block_n, cfg.block_k))
-        or min(cfg[:-1]) < 1
-        or cfg.ahead not in (0, 1)
-    ):
-        raise ValueError(
-            f"fused_gemv: {cfg} needs power-of-2 block sizes, ahead 0 or 1 and every other "
-            "field >= 1"
-        )
+    if any(v < 1 or v & (v - 1) for v in (cfg.block_n, cfg.block_k)) or min(cfg) < 1:
+        raise ValueError(f"fused_gemv: {cfg} needs power-of-2 block sizes and every field >= 1")
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(K, k_per_split)
-    # the prefetched head must stay inside one split's K range (a power of two for its tile)
-    prefetch = min(cfg.prefetch, k_per_split // cfg.block_k)
-    prefetch = 1 << (prefetch.bit_length() - 1)
-    blocks = min(cfg.blocks, triton.cdiv(N, cfg.block_n))
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     summed = None
     res_arg, g_arg, sum_arg, res_stride = out, out, out, 0
@@ -343,7 +270,7 @@ def _launch(
     )
     use_pdl = pdl.gemv_trigger(int(use_pdl), weight.numel() * weight.element_size())
     pdl_options = pdl.launch_options(use_pdl)
-    _fused_gemv_kernel[(triton.cdiv(triton.cdiv(N, cfg.block_n), blocks), split_k)](
+    _fused_gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
         x,
         res_arg,
         g_arg,
@@ -368,10 +295,6 @@ def _launch(
         HAS_BIAS=bias is not None,
         NUM_STAGES=cfg.num_stages,
         USE_PDL=use_pdl,
-        BLOCKS=blocks,
-        PREFETCH=prefetch,
-        HEAD_K=prefetch * cfg.block_k,
-        AHEAD=cfg.ahead,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_options,
@@ -404,7 +327,7 @@ def add_rms_norm_gemv(
     eps: float,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    config: tuple[int, ...] | None = None,
+    config: tuple[int, int, int, int, int] | None = None,
     use_pdl: int = pdl.OFF,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) @ weight.T + bias, x + residual)`` in one launch (two when K is
@@ -426,7 +349,7 @@ def silu_and_mul_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    config: tuple[int, ...] | None = None,
+    config: tuple[int, int, int, int, int] | None = None,
     use_pdl: int = pdl.OFF,
 ) -> torch.Tensor:
     """``(silu(x[:, :I]) * x[:, I:]) @ weight.T + bias`` in one launch (two when K is split).
@@ -441,7 +364,7 @@ def stream_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    config: tuple[int, ...] | None = None,
+    config: tuple[int, int, int, int, int] | None = None,
     use_pdl: int = pdl.OFF,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` on this file's layout (``gemv.gemv`` without the tensor-core

@@ -55,14 +55,6 @@ class SmallMoeConfig(NamedTuple):
     # the row blocks: deeper than gate-up, whose k-times-larger grid already keeps SMs full
     # (sm_90 build, batch 1: 32 KB of shared memory per program, ~56 KB in flight per SM)
     down_stages: int = 8
-    # 1: both launches load each step's weight tiles one step ahead of their products (Triton
-    # pipelines only loads that feed tl.dot, so otherwise a program has one step in flight)
-    ahead: int = 1
-
-
-# the tiles small_config starts from (benchmarks swap in PREVIOUS to time the earlier layout)
-DEFAULT = SmallMoeConfig()
-PREVIOUS = SmallMoeConfig(ahead=0)  # the launches before the loads ran one step ahead
 
 
 def small_config(num_tokens: int, hidden: int, num_sms: int = 132) -> SmallMoeConfig:
@@ -72,7 +64,7 @@ def small_config(num_tokens: int, hidden: int, num_sms: int = 132) -> SmallMoeCo
     block_n = 16
     while block_n > 4 and num_tokens * triton.cdiv(hidden, block_n) < num_sms:
         block_n //= 2
-    return DEFAULT._replace(down_block_n=block_n)
+    return SmallMoeConfig(down_block_n=block_n)
 
 
 @triton.jit
@@ -90,7 +82,6 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    AHEAD: tl.constexpr = 0,
 ):
     pair = tl.program_id(0)
     token = (pair // TOP_K).to(tl.int64)
@@ -103,47 +94,17 @@ def _gate_up_kernel(
     x_row = x_ptr + token * x_stride
     gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if AHEAD:
-        ks = tl.arange(0, BLOCK_K)
-        mask = row_mask[:, None] & (ks < HIDDEN)[None, :]
-        g_next = tl.load(gate_rows + ks[None, :], mask=mask, other=0.0)
-        u_next = tl.load(up_rows + ks[None, :], mask=mask, other=0.0)
     for k0 in tl.range(0, HIDDEN, BLOCK_K, num_stages=NUM_STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < HIDDEN
         mask = row_mask[:, None] & k_mask[None, :]
-        if AHEAD:  # this step's tiles were loaded by the step before; load the next step's
-            g_tile, u_tile = g_next, u_next
-            nks = ks + BLOCK_K
-            n_mask = row_mask[:, None] & (nks < HIDDEN)[None, :]
-            g_next = tl.load(gate_rows + nks[None, :], mask=n_mask, other=0.0)
-            u_next = tl.load(up_rows + nks[None, :], mask=n_mask, other=0.0)
-        else:
-            g_tile = tl.load(gate_rows + ks[None, :], mask=mask, other=0.0)
-            u_tile = tl.load(up_rows + ks[None, :], mask=mask, other=0.0)
         x = tl.load(x_row + ks, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-        gate += g_tile.to(tl.float32) * x
-        up += u_tile.to(tl.float32) * x
+        gate += tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * x
+        up += tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * x
     g = tl.sum(gate, axis=1)
     u = tl.sum(up, axis=1)
     act = g / (1.0 + tl.exp(-g)) * u
     tl.store(act_ptr + pair * act_stride + rows, act.to(act_ptr.dtype.element_ty), mask=row_mask)
-
-
-@triton.jit
-def _down_tile(
-    w2_ptr, ids_ptr, token, step, rows, row_mask, w_stride_e, INTER: tl.constexpr,
-    TOP_K: tl.constexpr, K_STEPS: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """This program's [BLOCK_N, BLOCK_K] tile of w2[e] ([H, I]) at flat step ``step`` (expert
-    j = step // K_STEPS of the token; zeros past the last step)."""
-    live = step < TOP_K * K_STEPS
-    pair = token * TOP_K + tl.minimum(step // K_STEPS, TOP_K - 1)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    ks = (step % K_STEPS) * BLOCK_K + tl.arange(0, BLOCK_K)
-    w_rows = w2_ptr + expert * w_stride_e + rows.to(tl.int64)[:, None] * INTER
-    mask = row_mask[:, None] & (ks < INTER)[None, :] & live
-    return tl.load(w_rows + ks[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
@@ -163,20 +124,16 @@ def _down_combine_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    AHEAD: tl.constexpr = 0,
 ):
     token = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < HIDDEN
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    STEPS: tl.constexpr = TOP_K * K_STEPS
-    if AHEAD:
-        w_next = _down_tile(w2_ptr, ids_ptr, token, 0, rows, row_mask, w_stride_e, INTER, TOP_K,
-                            K_STEPS, BLOCK_K)
     # one flat loop over (expert j, K step), so that the load pipeline runs across the k
     # experts instead of draining at each expert's few K steps (I = 768 is 3 steps of 256)
-    for step in tl.range(0, STEPS, num_stages=NUM_STAGES):
+    for step in tl.range(0, TOP_K * K_STEPS, num_stages=NUM_STAGES):
         pair = token * TOP_K + step // K_STEPS
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
         weight = tl.load(weights_ptr + pair)
         ks = (step % K_STEPS) * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = ks < INTER
@@ -184,13 +141,9 @@ def _down_combine_kernel(
             tl.load(act_ptr + pair * act_stride + ks, mask=k_mask, other=0.0).to(tl.float32)
             * weight
         )
-        if AHEAD:  # this step's tile came with the step before (its expert id too)
-            w = w_next
-            w_next = _down_tile(w2_ptr, ids_ptr, token, step + 1, rows, row_mask, w_stride_e,
-                                INTER, TOP_K, K_STEPS, BLOCK_K)
-        else:
-            w = _down_tile(w2_ptr, ids_ptr, token, step, rows, row_mask, w_stride_e, INTER, TOP_K,
-                           K_STEPS, BLOCK_K)
+        # w2[e]: [H, I]; this program's BLOCK_N rows of it
+        w_rows = w2_ptr + expert * w_stride_e + rows.to(tl.int64)[:, None] * INTER
+        w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         acc += w.to(tl.float32) * a[None, :]
     out = tl.sum(acc, axis=1)
     tl.store(out_ptr + token * out_stride + rows, out.to(out_ptr.dtype.element_ty), mask=row_mask)
@@ -235,7 +188,6 @@ def small_experts(
         BLOCK_N=config.up_block_n,
         BLOCK_K=config.up_block_k,
         NUM_STAGES=config.up_stages,
-        AHEAD=config.ahead,
         num_warps=config.num_warps,
     )
     _down_combine_kernel[(num_tokens, triton.cdiv(hidden, config.down_block_n))](
@@ -254,7 +206,6 @@ def small_experts(
         BLOCK_N=config.down_block_n,
         BLOCK_K=config.down_block_k,
         NUM_STAGES=config.down_stages,
-        AHEAD=config.ahead,
         num_warps=config.num_warps,
     )
     return out
