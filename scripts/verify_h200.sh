@@ -13,8 +13,8 @@
 #                 shape at batch 1, the 8B shape at batch 1 and 64, the MoE shape at batch 1, each
 #                 setting's graphs captured and timed in one process, kernels per layer
 #   pdl-conformance  the fused, graph, ops and attention families with XHAL_CUDA_PDL=1
-#   gemv          the batch-1 stream GEMVs and MoE pair GEMVs, previous launch shapes against the
-#                 new layouts (bench_decode_gemv; GEMV_JSON=FILE writes the winners, which
+#   gemv          the batch-1 stream GEMVs, previous launch shapes against wider tiles and cuBLAS
+#                 (bench_decode_gemv; GEMV_JSON=FILE writes the winners, which
 #                 BENCH_GEMV_TABLE=FILE then loads into the model benchmarks' executors)
 #   gemv-1b, gemv-8b, gemv-moe  batch-1 steps with the tree's GEMVs against the previous ones
 #                 (--pdl auto auto-previous-gemv: both captured and timed in one process)

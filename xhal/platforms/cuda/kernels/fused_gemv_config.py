@@ -12,7 +12,7 @@ Tried on the H200 and not used (``benchmarks/bench_decode_gemv.py``, 2026-12-01,
 20:24 UTC, sweeps of every batch-1 projection of the 1B, MoE and 8B shapes, kernel of commit
 445524e): loading a program's whole weight slice before the PDL wait (at best a tie: 1B o 3.68
 us against 3.67), each step's tile loaded one step ahead of its products (0.77-1.11x the same
-tile without; never the fastest shape), and persistent grids of 1-4 waves walking several row
+tile without; never the fastest shape), and persistent grids of 2-4 waves walking several row
 blocks in one flat loop (0.65-0.91x the previous shape): fewer programs hold fewer bytes in
 flight.
 """
