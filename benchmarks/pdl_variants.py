@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 from collections.abc import Iterator, Sequence
 
@@ -17,11 +18,76 @@ PDL_VARIANTS = {
     "early": ("1", "early"),
     "late": ("1", "late"),
     "auto": ("1", "auto"),
+    # auto with the stream GEMVs' launch shapes of the tree before the ninth session's table
+    # (fused_gemv_config.PREVIOUS): the peer of this tree's TUNED table
+    "auto-previous-gemv": ("1", "auto"),
 }
+PREVIOUS_GEMV = "auto-previous-gemv"
+
+
+def load_gemv_table() -> None:
+    """``BENCH_GEMV_TABLE=FILE`` (bench_decode_gemv --json) replaces the rows of the stream
+    GEMVs' TUNED table it names, for every executor this process captures: the model step timed
+    with configs chosen by a sweep of the same run."""
+    path = os.environ.get("BENCH_GEMV_TABLE")
+    if not path:
+        return
+    if not os.path.exists(path):
+        print(f"BENCH_GEMV_TABLE={path} does not exist: the tree's TUNED table is timed")
+        return
+    from xhal.platforms.cuda.kernels.fused_gemv_config import TUNED
+    from xhal.platforms.cuda.kernels.gemv import GemvConfig
+
+    with open(path) as f:
+        for prologue, n, k, *config in json.load(f):
+            TUNED[(prologue, n, k)] = GemvConfig(*config)
+    print(f"stream GEMV launch shapes from {path}: {TUNED}")
+
+
+def _compile_stream_gemv(prologue: int, n: int, k: int) -> None:
+    """One call of the bf16 one-row stream GEMV of this shape as the current table launches it
+    (the CudaOps warm-up of a shape it has seen does not launch it again)."""
+    import torch
+
+    from xhal.platforms.cuda import pdl
+    from xhal.platforms.cuda.kernels import fused_gemv
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    use_pdl = pdl.mode(device)
+    w = torch.zeros(n, k, dtype=torch.bfloat16, device=device)
+    x = torch.zeros(1, 2 * k if prologue == 2 else k, dtype=torch.bfloat16, device=device)
+    if prologue == 1:
+        fused_gemv.add_rms_norm_gemv(x, x, x[0], 1e-5, w, use_pdl=use_pdl)
+    elif prologue == 2:
+        fused_gemv.silu_and_mul_gemv(x, w, use_pdl=use_pdl)
+    else:
+        fused_gemv.stream_gemv(x, w, use_pdl=use_pdl)
+
+
+@contextlib.contextmanager
+def _gemv_table(name: str) -> Iterator[None]:
+    """The previous GEMV table in place of TUNED while ``PREVIOUS_GEMV`` captures."""
+    if name != PREVIOUS_GEMV:
+        yield
+        return
+    from xhal.platforms.cuda.kernels.fused_gemv_config import PREVIOUS, TUNED
+
+    saved = dict(TUNED)
+    TUNED.clear()
+    TUNED.update(PREVIOUS)
+    for key in saved:  # the shapes whose launch changes: compiled here, since not under capture
+        _compile_stream_gemv(*key)
+    try:
+        yield
+    finally:
+        TUNED.clear()
+        TUNED.update(saved)
 
 
 def add_argument(parser: argparse.ArgumentParser) -> None:
-    """``--pdl NAME ...``: the settings to capture and time besides the default executor."""
+    """``--pdl NAME ...``: the settings to capture and time besides the default executor. Also
+    loads ``BENCH_GEMV_TABLE``, before the benchmark builds any executor."""
+    load_gemv_table()
     parser.add_argument(
         "--pdl",
         nargs="+",
@@ -39,7 +105,8 @@ def pdl_variant(name: str) -> Iterator[None]:
     saved = {key: os.environ.get(key) for key in keys}
     os.environ.update(zip(keys, PDL_VARIANTS[name]))
     try:
-        yield
+        with _gemv_table(name):
+            yield
     finally:
         for key, value in saved.items():
             if value is None:

@@ -16,6 +16,11 @@
 #   host          host time inside execute per graph decode step (bench_host_step: 8B and 1B
 #                 shapes, batch 1 and 64, five repeats, idle / spun / busy / in-flight entries)
 #   serve         xhal-serve on the random 1B and 8B shapes at concurrency 1 and 64 (gpu_run.sh serve)
+#   gemv          the batch-1 stream GEMVs, previous launch shapes against wider tiles and cuBLAS
+#                 (bench_decode_gemv; GEMV_JSON=FILE writes the winners, which
+#                 BENCH_GEMV_TABLE=FILE then loads into the model benchmarks' executors)
+#   gemv-1b, gemv-8b, gemv-moe  batch-1 steps with the tree's GEMVs against the previous ones
+#                 (--pdl auto auto-previous-gemv: both captured and timed in one process)
 # Split the stages over two calls where one call's time limit is short, e.g.
 # `scripts/verify_h200.sh conformance model-8b model-8b-fi model-1b`, then `... moe solutions`.
 set -uo pipefail
@@ -56,7 +61,11 @@ for name in ${*:-conformance model-8b model-8b-fi model-1b model-1b-fi moe solut
     serve) stage $name "${SERVE_TIMEOUT:-400}" -- serve ;;
     pdl-conformance) stage $name "${CONF_TIMEOUT:-240}" XHAL_CUDA_PDL=1 \
       CONF_ARGS="${PDL_FAMILIES:---family fused --family graph --family ops --family attention}" -- conformance-cuda ;;
-    *) echo "unknown stage $name (conformance model-8b model-8b-fi model-1b model-1b-fi moe solutions pdl-1b pdl-8b pdl-moe pdl-conformance host serve)"; exit 2 ;;
+    gemv) stage $name "${GEMV_TIMEOUT:-120}" -- bench_decode_gemv ${GEMV_JSON:+--json $GEMV_JSON} ;;
+    gemv-1b) stage $name "${MODEL_TIMEOUT:-90}" -- bench_model --shape llama3.2-1b --batches 1 $model --pdl auto auto-previous-gemv ;;
+    gemv-8b) stage $name "${MODEL_TIMEOUT:-90}" -- bench_model --shape llama3-8b --batches 1 $model --pdl auto auto-previous-gemv ;;
+    gemv-moe) stage $name "${MOE_TIMEOUT:-150}" -- bench_moe --batches 1 --no-hf --no-sweep --profile --pdl auto auto-previous-gemv ;;
+    *) echo "unknown stage $name (conformance model-8b model-8b-fi model-1b model-1b-fi moe solutions pdl-1b pdl-8b pdl-moe pdl-conformance host serve gemv gemv-1b gemv-8b gemv-moe)"; exit 2 ;;
   esac
 done
 if [ -n "${OUT:-}" ]; then  # and the conformance reports

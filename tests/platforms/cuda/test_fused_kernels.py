@@ -26,8 +26,15 @@ def _errors(values: list[float]):
     return values.append
 
 
-# (M, K, N, config): the heuristic, and forced K splits (the reduce carries the sum of squares)
-CASES = [(1, 192, 40, None), (1, 320, 24, (8, 64, 2, 4, 2)), (3, 96, 17, (8, 32, 4, 4, 1))]
+# (M, K, N, config): the heuristic, forced K splits (the reduce carries the sum of squares), and
+# the TUNED tile shapes (fused_gemv_config) on K and N not multiples of their tiles
+CASES = [
+    (1, 192, 40, None),
+    (1, 320, 24, (8, 64, 2, 4, 2)),
+    (3, 96, 17, (8, 32, 4, 4, 1)),
+    (1, 1500, 23, (4, 1024, 1, 4, 1)),
+    (1, 2100, 13, (8, 2048, 1, 8, 1)),
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -61,6 +68,26 @@ def test_fused_gemvs_match_the_unfused_sequence(m, k, n, config, dtype) -> None:
         plain_ref,
         dtype,
         _errors(errors),
+    )
+
+
+@pytest.mark.parametrize("key", sorted(fused_gemv.TUNED), ids=str)
+def test_a_tuned_shape_applies_to_one_row_of_its_own_op_only(key) -> None:
+    prologue, n, k = key
+    tuned = fused_gemv.TUNED[key]
+    assert fused_gemv.fused_gemv_config(1, n, k, 132, prologue) == tuned
+    heuristic = fused_gemv.fused_gemv_config(1, n, k, 132, prologue, table={})
+    two_rows = fused_gemv.fused_gemv_config(2, n, k, 132, prologue)
+    assert two_rows == fused_gemv.fused_gemv_config(2, n, k, 132, prologue, table={})
+    other = (prologue + 1) % 3
+    if (other, n, k) not in fused_gemv.TUNED:
+        assert fused_gemv.fused_gemv_config(1, n, k, 132, other) == fused_gemv.fused_gemv_config(
+            1, n, k, 132, other, table={}
+        )
+    # the benchmarks' peer: the table before these rows
+    previous = fused_gemv.PREVIOUS.get(key, heuristic)
+    assert fused_gemv.fused_gemv_config(1, n, k, 132, prologue, table=fused_gemv.PREVIOUS) == (
+        previous
     )
 
 

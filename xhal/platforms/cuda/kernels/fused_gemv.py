@@ -4,9 +4,9 @@ SiLU gate (``silu_and_mul_gemv``: the down projection). Also the plain GEMV on t
 layout (``stream_gemv``), with programmatic dependent launch as an option.
 
 The program layout is ``gemv.py``'s (BLOCK_N weight rows, one K range, products kept unreduced
-until the loop ends, a deterministic split-K reduce). What is fused is computed on the x tile a
-program loads anyway, so the weight stream is unchanged and one launch (plus the reduce when K is
-split) replaces two or three:
+until the loop ends, a deterministic split-K reduce); its launch shapes are in
+``fused_gemv_config.py``. What is fused is computed on the x tile a program loads anyway, so the
+weight stream is unchanged and one launch (plus the reduce when K is split) replaces two or three:
 
 - norm: each step adds the residual tile (rounded to the dtype, as the unfused op stores it),
   multiplies by the norm weight and accumulates the sum of squares next to the products; the
@@ -31,119 +31,56 @@ import triton
 import triton.language as tl
 
 from xhal.platforms.cuda import pdl
-from xhal.platforms.cuda.kernels.gemv import (
-    _DTYPES,
-    _TILES,
-    MAX_CORE_M,
-    GemvConfig,
-    _num_sms,
-    gemv_split_k,
+from xhal.platforms.cuda.kernels.fused_gemv_config import (
+    _NORM,
+    _PLAIN,
+    _SILU,
+    PREVIOUS,
+    TUNED,
+    fused_gemv_config,
 )
+from xhal.platforms.cuda.kernels.gemv import _DTYPES, MAX_CORE_M, GemvConfig, _num_sms
 
-_PLAIN, _NORM, _SILU = 0, 1, 2
+__all__ = ["PREVIOUS", "TUNED", "fused_gemv_config"]  # with the three entry points below
 _REDUCE_BLOCK = 1024
 
 
 @triton.jit
-def _step(
-    acc, sq, w, ks, k_mask, xm, x_rows, res_ptr, res_stride, g_ptr, sum_ptr, ms, pid_n, dtype,
+def _input(
+    x_rows, ks, k_mask, xm, res_ptr, res_stride, g_ptr, sum_ptr, ms, store_sum, dtype,
     K: tl.constexpr, PROLOGUE: tl.constexpr,
 ):
-    """One K step: this tile's input (the fused op applied to the x tile) times the weight tile."""
+    """The GEMV's input at columns ``ks`` (the fused op applied to the x tile), fp32 [BLOCK_M, W],
+    and (norm only: callers ignore it otherwise) the squares of the summed input for 1/rms."""
     if PROLOGUE == 1:  # residual add + RMSNorm, 1/rms applied after the loop
         x = tl.load(x_rows + ks[None, :], mask=xm, other=0.0).to(tl.float32)
         r = tl.load(res_ptr + ms[:, None] * res_stride + ks[None, :], mask=xm, other=0.0)
         s = (x + r.to(tl.float32)).to(dtype)  # the residual stream keeps the input dtype
-        tl.store(sum_ptr + ms[:, None] * K + ks[None, :], s, mask=xm & (pid_n == 0))
+        tl.store(sum_ptr + ms[:, None] * K + ks[None, :], s, mask=xm & store_sum)
         s = s.to(tl.float32)
-        sq += s * s
         a = s * tl.load(g_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        return a, s * s
     elif PROLOGUE == 2:  # silu(gate) * up, rounded as the unfused op stores it
         gate = tl.load(x_rows + ks[None, :], mask=xm, other=0.0).to(tl.float32)
         up = tl.load(x_rows + K + ks[None, :], mask=xm, other=0.0).to(tl.float32)
         a = (gate * tl.sigmoid(gate) * up).to(dtype).to(tl.float32)
+        return a, a
     else:
         a = tl.load(x_rows + ks[None, :], mask=xm, other=0.0).to(tl.float32)
-    acc += a[:, None, :] * w.to(tl.float32)[None, :, :]
-    return acc, sq
+        return a, a
 
 
 @triton.jit
-def _fused_gemv_kernel(
-    x_ptr, res_ptr, g_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, sum_ptr, sq_ptr,
-    N, x_stride, res_stride, eps,
-    K: tl.constexpr, K_PER_SPLIT: tl.constexpr, M: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr, SPLIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+def _flush(
+    out, sumsq, block, ms, m_mask, rows, row_mask, N, pid_k, eps, bias_ptr, out_ptr, part_ptr,
+    sq_ptr, dtype, K: tl.constexpr, M: tl.constexpr, PROLOGUE: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    ms = tl.arange(0, BLOCK_M)
-    m_mask = ms < M
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
-    x_rows = x_ptr + ms[:, None] * x_stride
-    dtype = out_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    k_start = pid_k * K_PER_SPLIT
-    # the first step is peeled: its weight tile (weights never depend on the previous kernel) is
-    # loaded before waiting for that kernel under PDL, so the stream starts during its tail
-    ks = k_start + tl.arange(0, BLOCK_K)
-    k_mask = ks < K
-    w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # x (and the residual) come from the previous kernel
-    if USE_PDL == 1:
-        tl.extra.cuda.gdc_launch_dependents()
-    acc, sq = _step(
-        acc,
-        sq,
-        w,
-        ks,
-        k_mask,
-        m_mask[:, None] & k_mask[None, :],
-        x_rows,
-        res_ptr,
-        res_stride,
-        g_ptr,
-        sum_ptr,
-        ms,
-        pid_n,
-        dtype,
-        K,
-        PROLOGUE,
-    )
-    for k0 in tl.range(BLOCK_K, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
-        ks = k_start + k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < K
-        w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        acc, sq = _step(
-            acc,
-            sq,
-            w,
-            ks,
-            k_mask,
-            m_mask[:, None] & k_mask[None, :],
-            x_rows,
-            res_ptr,
-            res_stride,
-            g_ptr,
-            sum_ptr,
-            ms,
-            pid_n,
-            dtype,
-            K,
-            PROLOGUE,
-        )
-    if USE_PDL == 2:  # the weights are streamed: the next kernel's programs may take the SMs
-        tl.extra.cuda.gdc_launch_dependents()
-    out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
+    """One row block's epilogue: [BLOCK_M, BLOCK_N] fp32 dot products (and the rows' sum of
+    squares) scaled, biased and stored, or stored as this split's partials."""
     if PROLOGUE == 1:
-        sumsq = tl.sum(sq, axis=1)  # [BLOCK_M], this split's part
-        if SPLIT:
-            tl.store(sq_ptr + pid_k * M + ms, sumsq, mask=m_mask & (pid_n == 0))
+        if SPLIT:  # the split's sum of squares, the same for every row block: block 0 stores it
+            tl.store(sq_ptr + pid_k * M + ms, sumsq, mask=m_mask & (block == 0))
         else:
             out = out * tl.rsqrt(sumsq / K + eps)[:, None]
     offs = ms[:, None] * N + rows[None, :]
@@ -154,6 +91,69 @@ def _fused_gemv_kernel(
         if HAS_BIAS:
             out += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + offs, out.to(dtype), mask=mask)
+
+
+@triton.jit
+def _fused_gemv_kernel(
+    x_ptr, res_ptr, g_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, sum_ptr, sq_ptr,
+    N, x_stride, res_stride, eps,
+    K: tl.constexpr, K_PER_SPLIT: tl.constexpr, M: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    STEPS: tl.constexpr = K_PER_SPLIT // BLOCK_K
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    ms = tl.arange(0, BLOCK_M)
+    m_mask = ms < M
+    x_rows = x_ptr + ms[:, None] * x_stride
+    dtype = out_ptr.dtype.element_ty
+    k_start = pid_k * K_PER_SPLIT
+    # the first step is peeled: its weight tile (weights never depend on the previous kernel) is
+    # loaded before waiting for that kernel under PDL, so the stream starts during its tail
+    ks = k_start + tl.arange(0, BLOCK_K)
+    k_mask = ks < K
+    w = tl.load(
+        w_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :],
+        mask=row_mask[:, None] & k_mask[None, :],
+        other=0.0,
+    )
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # x (and the residual) come from the previous kernel
+    if USE_PDL == 1:
+        tl.extra.cuda.gdc_launch_dependents()
+    a, q = _input(
+        x_rows, ks, k_mask, m_mask[:, None] & k_mask[None, :], res_ptr, res_stride, g_ptr,
+        sum_ptr, ms, pid_n == 0, dtype, K, PROLOGUE,
+    )
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc += a[:, None, :] * w.to(tl.float32)[None, :, :]
+    sq = q if PROLOGUE == 1 else tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for t in tl.range(1, STEPS, num_stages=NUM_STAGES):
+        ks = k_start + t * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        w = tl.load(
+            w_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :],
+            mask=row_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        a, q = _input(
+            x_rows, ks, k_mask, m_mask[:, None] & k_mask[None, :], res_ptr, res_stride, g_ptr,
+            sum_ptr, ms, pid_n == 0, dtype, K, PROLOGUE,
+        )
+        acc += a[:, None, :] * w.to(tl.float32)[None, :, :]
+        if PROLOGUE == 1:
+            sq += q
+    if USE_PDL == 2:  # the weights are streamed: the next kernel's programs may take the SMs
+        tl.extra.cuda.gdc_launch_dependents()
+    _flush(
+        tl.sum(acc, axis=2),  # [BLOCK_M, BLOCK_N]
+        tl.sum(sq, axis=1),  # [BLOCK_M], this split's part
+        pid_n, ms, m_mask, rows, row_mask, N, pid_k, eps, bias_ptr, out_ptr, part_ptr, sq_ptr,
+        dtype, K, M, PROLOGUE, SPLIT, HAS_BIAS,
+    )
 
 
 @triton.jit
@@ -190,30 +190,6 @@ def _fused_reduce_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-# one-row launch shapes measured best on the H200 (benchmarks/bench_solutions.py --tune), by
-# (prologue, N, K) with prologue 0 plain, 1 add + RMSNorm, 2 SiLU gate; others take the heuristic
-TUNED: dict[tuple[int, int, int], GemvConfig] = {
-    # Qwen3-30B-A3B's o projection (2048 x 4096): the heuristic's 256 row blocks split K in two
-    # and add a reduce launch; 4-row blocks give 512 programs and no split (bench_moe_ops,
-    # 2026-12-01 14:40 UTC: 7.3 us against 9.1 us, per call over 8 distinct weights)
-    (0, 2048, 4096): GemvConfig(4, 512, 1, 4, 4),
-}
-
-
-def fused_gemv_config(
-    M: int, N: int, K: int, num_sms: int = 132, prologue: int = _PLAIN
-) -> GemvConfig:
-    """``TUNED`` for one row where measured, else ``gemv_config``'s heuristic for the CUDA-core
-    path (M <= 16)."""
-    if M == 1 and (prologue, N, K) in TUNED:
-        return TUNED[(prologue, N, K)]
-    block_n, block_k = _TILES[triton.next_power_of_2(M)]
-    block_k = min(block_k, max(16, triton.next_power_of_2(K)))
-    split_k = gemv_split_k(N, K, block_n, block_k, num_sms)
-    steps = triton.cdiv(triton.cdiv(K, block_k), split_k)
-    return GemvConfig(block_n, block_k, split_k, 4, min(steps, 3))
 
 
 def _check(name: str, x: torch.Tensor, weight: torch.Tensor, k: int) -> None:
@@ -271,6 +247,8 @@ def _launch(
         if config is not None
         else fused_gemv_config(M, N, K, _num_sms(x.device), prologue)
     )
+    if any(v < 1 or v & (v - 1) for v in (cfg.block_n, cfg.block_k)) or min(cfg) < 1:
+        raise ValueError(f"fused_gemv: {cfg} needs power-of-2 block sizes and every field >= 1")
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(K, k_per_split)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)

@@ -1,0 +1,40 @@
+"""``benchmarks/bench_decode_gemv.py``'s sweep grid and the table ``BENCH_GEMV_TABLE`` loads into
+the model benchmarks (``pdl_variants.load_gemv_table``), on the CPU (the timings need the H200)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import bench_decode_gemv, pdl_variants
+from xhal.platforms.cuda.kernels import fused_gemv
+from xhal.platforms.cuda.kernels.gemv import GemvConfig
+
+
+@pytest.mark.parametrize("key", sorted(bench_decode_gemv.PROJECTIONS.values()), ids=str)
+def test_the_grid_starts_with_the_previous_shape_and_holds_every_tuned_one(key) -> None:
+    prologue, n, k = key
+    grid = bench_decode_gemv.candidates(prologue, n, k, 132)
+    previous = fused_gemv.fused_gemv_config(1, n, k, 132, prologue, table=fused_gemv.PREVIOUS)
+    assert grid[0] == tuple(previous)
+    assert len(set(grid)) == len(grid)
+    for c in grid:
+        assert len(c) == 5 and all(v >= 1 for v in c)
+        assert c[0] & (c[0] - 1) == 0 and c[1] & (c[1] - 1) == 0
+    if key in fused_gemv.TUNED:  # a re-run can confirm (or replace) each row of the table
+        assert tuple(fused_gemv.TUNED[key]) in grid
+
+
+def test_a_table_file_replaces_the_rows_it_names(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps([[1, 640, 4096, 2, 2048, 1, 4, 1]]))
+    monkeypatch.setenv("BENCH_GEMV_TABLE", str(path))
+    saved = dict(fused_gemv.TUNED)
+    try:
+        pdl_variants.load_gemv_table()
+        assert fused_gemv.fused_gemv_config(1, 640, 4096, 132, 1) == GemvConfig(2, 2048, 1, 4, 1)
+        assert {k: v for k, v in fused_gemv.TUNED.items() if k != (1, 640, 4096)} == saved
+    finally:
+        fused_gemv.TUNED.clear()
+        fused_gemv.TUNED.update(saved)
