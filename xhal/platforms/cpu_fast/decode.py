@@ -1,11 +1,20 @@
 """Attention of one-token sequences (decodes) over their keys in three batched matrix calls:
 every query head of a KV head's group against that head's keys at once. For float32 caches;
 cheaper than SDPA at these sizes, whose CPU kernel sets up query blocks and threads for long
-queries (a decode has one row per head)."""
+queries (a decode has one row per head). ``NativeDecode``: the same, with the layer's rotary and
+KV write, in one native call (``kernels/decode_kernels.c``) for steps of few keys."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
+
+from xhal.platforms.cpu_fast.kernels.native import library
+
+if TYPE_CHECKING:
+    from xhal.interfaces.attention import AttentionSpec
 
 
 def one_token_attention(
@@ -28,3 +37,77 @@ def one_token_attention(
     if bias is not None:
         scores += bias
     return torch.bmm(torch.softmax(scores, dim=-1), v).view(batch, heads, dim)
+
+
+# a step's decodes go to the native kernel when their keys together are at most this many (per
+# KV head): past it, torch's threaded batched products beat the kernel's single thread
+NATIVE_MAX_KEYS = 4096
+
+
+@dataclass(frozen=True)
+class NativeDecode:
+    """A decode-only step's host arrays in the layout ``xhal_decode_attention`` reads (kept
+    alive here for the pointers): token b is sequence b."""
+
+    slots: torch.Tensor  # int64 [B] flat-cache rows of the new keys, -1: not written
+    kv_rows: torch.Tensor  # int64 [B, Lmax] flat-cache rows of each sequence's keys
+    lens: torch.Tensor  # int64 [B] keys of each sequence, the new one included
+
+    @classmethod
+    def build(
+        cls, slots: torch.Tensor, kv_rows: torch.Tensor, lens: torch.Tensor
+    ) -> NativeDecode | None:
+        """None when the native kernels are not built or the step is too long for them."""
+        if library() is None or int(lens.sum()) > NATIVE_MAX_KEYS:
+            return None
+        return cls(slots.contiguous(), kv_rows.contiguous(), lens.long().contiguous())
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_flat: torch.Tensor,
+        v_flat: torch.Tensor,
+        spec: AttentionSpec,
+        positions: torch.Tensor | None = None,
+        cos_sin_cache: torch.Tensor | None = None,
+        is_neox: bool = True,
+    ) -> torch.Tensor | None:
+        """Rotate q and k (when ``cos_sin_cache`` is given), write k and v to the cache and
+        attend: ``[B, H, D]`` float32, or None when the inputs are not laid out as the kernel
+        reads them (float32, unit channel and head strides)."""
+        lib = library()
+        num_tokens, heads, dim = q.shape
+        if (
+            lib is None
+            or num_tokens != self.lens.shape[0]
+            or any(t.dtype != torch.float32 or t.stride()[1:] != (dim, 1) for t in (q, k, v))
+            or k.stride(0) != v.stride(0)
+            or k_flat.dtype != torch.float32
+        ):
+            return None
+        rotary_dim, cos_sin = 0, None
+        if cos_sin_cache is not None:
+            assert positions is not None
+            if (
+                positions.dtype != torch.int32
+                or not positions.is_contiguous()
+                or cos_sin_cache.dtype != torch.float32
+                or not cos_sin_cache.is_contiguous()
+                or cos_sin_cache.shape[1] > dim
+            ):
+                return None
+            rotary_dim, cos_sin = cos_sin_cache.shape[1], cos_sin_cache.data_ptr()
+        out = torch.empty(num_tokens, heads, dim)
+        status = lib.xhal_decode_attention(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), num_tokens,
+            heads, k.shape[1], dim, None if positions is None else positions.data_ptr(),
+            cos_sin, rotary_dim, int(is_neox), self.slots.data_ptr(), k_flat.data_ptr(),
+            v_flat.data_ptr(), self.kv_rows.data_ptr(), self.lens.data_ptr(),
+            self.kv_rows.shape[1], spec.sliding_window or 0, spec.softmax_scale,
+            spec.logits_soft_cap or 0.0, out.data_ptr(),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("cpu-fast's native decode attention could not allocate scratch")
+        return out
