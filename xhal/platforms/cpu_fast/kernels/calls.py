@@ -9,11 +9,15 @@ import torch
 from xhal.platforms.cpu_fast.kernels.native import library
 
 _F32 = torch.float32
+# the kernels are single-threaded with a scalar exp: they pay where the torch calls they replace
+# are mostly dispatch (decode steps); at prefill sizes torch's threaded, vectorized ops win
+MAX_ROWS = 64
 
 
 def _rows(x: torch.Tensor) -> bool:
-    """A 2-D float32 CPU tensor of contiguous rows."""
-    return x.dtype == _F32 and x.dim() == 2 and x.is_contiguous() and x.device.type == "cpu"
+    """A 2-D float32 tensor of at most ``MAX_ROWS`` contiguous rows (CPU tensors only come
+    here: cpu-fast serves the CPU)."""
+    return x.dtype == _F32 and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.is_contiguous()
 
 
 def add_rms_norm(
@@ -26,31 +30,37 @@ def add_rms_norm(
         lib is None
         or not _rows(x)
         or weight.dtype != _F32
-        or not weight.is_contiguous()
         or weight.shape != x.shape[1:]
+        or not weight.is_contiguous()
         or (residual is not None and (not _rows(residual) or residual.shape != x.shape))
     ):
         return None
+    rows, width = x.shape
     normed = torch.empty_like(x)
     if residual is None:
-        summed = x
         lib.xhal_add_rms_norm(
-            x.data_ptr(), None, weight.data_ptr(), eps, x.shape[0], x.shape[1],
-            normed.data_ptr(), None,
-        )  # fmt: skip
-    else:
-        summed = torch.empty_like(x)
-        lib.xhal_add_rms_norm(
-            x.data_ptr(), residual.data_ptr(), weight.data_ptr(), eps, x.shape[0], x.shape[1],
-            normed.data_ptr(), summed.data_ptr(),
-        )  # fmt: skip
+            x.data_ptr(), None, weight.data_ptr(), eps, rows, width, normed.data_ptr(), None
+        )
+        return normed, x
+    summed = torch.empty_like(x)
+    lib.xhal_add_rms_norm(
+        x.data_ptr(), residual.data_ptr(), weight.data_ptr(), eps, rows, width,
+        normed.data_ptr(), summed.data_ptr(),
+    )  # fmt: skip
     return normed, summed
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor | None:
     """``silu(gate) * up`` of float32 rows ``[T, 2 I]`` laid out gate | up -> ``[T, I]``."""
     lib = library()
-    if lib is None or x.dtype != _F32 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] % 2:
+    if (
+        lib is None
+        or x.dtype != _F32
+        or x.dim() != 2
+        or x.shape[0] > MAX_ROWS
+        or x.stride(1) != 1
+        or x.shape[1] % 2
+    ):
         return None
     num_tokens, width = x.shape
     out = torch.empty(num_tokens, width // 2, dtype=_F32)
