@@ -1,7 +1,7 @@
 """cpu-fast's native C kernels against independent references: the decode attention (rotary, KV
 write and attention in one call) against the reference platform's rotary and attention, the norm
-and the SiLU gate against their float64 definitions, and the torch path taking over, with one log
-line, when no compiler is there."""
+against its float64 definition, and the torch path taking over, with one log line, when no
+compiler is there."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tests.support.paged_host import PagedHost
 from xhal import platforms
@@ -83,7 +82,7 @@ def test_decode_matches_the_reference_rotation_and_attention(
 
 
 @needs_native
-def test_norm_and_gate_match_their_float64_definitions() -> None:
+def test_norm_matches_its_float64_definition() -> None:
     g = torch.Generator().manual_seed(5)
     x, residual = torch.randn(4, 200, generator=g), torch.randn(4, 200, generator=g)
     weight = torch.randn(200, generator=g)
@@ -98,15 +97,9 @@ def test_norm_and_gate_match_their_float64_definitions() -> None:
     want = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
     assert same is x
     torch.testing.assert_close(plain.double(), want, rtol=2e-6, atol=2e-6)
-    gate_up = torch.randn(3, 2 * 70, generator=g) * 4
-    gate, up = gate_up.double().chunk(2, dim=-1)
-    torch.testing.assert_close(
-        calls.silu_mul(gate_up).double(), F.silu(gate) * up, rtol=2e-6, atol=2e-6
-    )
     # inputs the kernels do not read come back None: the caller's torch path serves them
     assert calls.add_rms_norm(x.t().contiguous().t(), None, weight, 1e-5) is None
     assert calls.add_rms_norm(x.bfloat16(), None, weight, 1e-5) is None
-    assert calls.silu_mul(gate_up.double()) is None
 
 
 def test_without_a_compiler_the_torch_path_serves_and_says_so(

@@ -4,7 +4,7 @@ dispatch, paid ~100 times per decode step), so float32 results agree with ``CpuO
 ulps, not bit for bit (RMSNorm's mean of squares is the squared 2-norm over the width, and GEMMs
 on the packed copies of a served model's widest matrices, ``packed.py``, sum in another order).
 The fused ops are the plain sequence of these, as the reference composes them. RMSNorm (with its
-residual add) and the SiLU gate run as one native C call each where the kernels are built
+residual add) of a decode step's rows runs as one native C call where the kernels are built
 (``kernels/``), the torch calls below otherwise."""
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ class FastCpuOps(CpuOps):
     ) -> torch.Tensor:
         if x.dtype != torch.float32:
             return super().silu_and_mul_linear(x, weight, bias)
-        return self.linear(self.silu_and_mul(x), weight, bias)
+        gate, up = x.chunk(2, dim=-1)
+        return self.linear(F.silu(gate).mul_(up), weight, bias)
 
     def rotary_embedding(
         self,
@@ -110,8 +111,5 @@ class FastCpuOps(CpuOps):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
             return super().silu_and_mul(x)
-        native = calls.silu_mul(x)
-        if native is not None:
-            return native
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)  # in place: one [T, I] buffer fewer to allocate and fault in

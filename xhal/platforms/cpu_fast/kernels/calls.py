@@ -9,7 +9,7 @@ import torch
 from xhal.platforms.cpu_fast.kernels.native import library
 
 _F32 = torch.float32
-# the kernels are single-threaded with a scalar exp: they pay where the torch calls they replace
+# the kernels are single-threaded: they pay where the torch calls they replace
 # are mostly dispatch (decode steps); at prefill sizes torch's threaded, vectorized ops win
 MAX_ROWS = 64
 
@@ -48,21 +48,3 @@ def add_rms_norm(
         normed.data_ptr(), summed.data_ptr(),
     )  # fmt: skip
     return normed, summed
-
-
-def silu_mul(x: torch.Tensor) -> torch.Tensor | None:
-    """``silu(gate) * up`` of float32 rows ``[T, 2 I]`` laid out gate | up -> ``[T, I]``."""
-    lib = library()
-    if (
-        lib is None
-        or x.dtype != _F32
-        or x.dim() != 2
-        or x.shape[0] > MAX_ROWS
-        or x.stride(1) != 1
-        or x.shape[1] % 2
-    ):
-        return None
-    num_tokens, width = x.shape
-    out = torch.empty(num_tokens, width // 2, dtype=_F32)
-    lib.xhal_silu_mul(x.data_ptr(), num_tokens, width // 2, x.stride(0), out.data_ptr())
-    return out

@@ -3,6 +3,8 @@
  * dispatch on a small row; these rows take nanoseconds of arithmetic). Built and loaded by
  * native.py; every input is float32 and row-contiguous (native.py checks before calling).
  *
+ * (No SiLU gate: torch's vectorized exp beats a scalar expf even on one row.)
+ *
  * Reductions run in SIMD lanes (omp simd reduction, enabled by -fopenmp-simd alone: no OpenMP
  * runtime is linked), so sums are float32 in another order than torch's: results agree with the
  * reference to float32 rounding, not bit for bit. Single-threaded: native.py sends only steps
@@ -38,18 +40,6 @@ void xhal_add_rms_norm(const float *x, const float *residual, const float *weigh
         float *nr = normed + r * width;
 #pragma omp simd
         for (int64_t i = 0; i < width; i++) nr[i] = src[i] * scale * weight[i];
-    }
-}
-
-/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]: the gated activation of rows laid out
- * gate | up, rows `stride` floats apart. */
-void xhal_silu_mul(const float *gate_up, int64_t rows, int64_t inter, int64_t stride,
-                   float *out) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *gate = gate_up + r * stride;
-        const float *up = gate + inter;
-        float *o = out + r * inter;
-        for (int64_t i = 0; i < inter; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
     }
 }
 
