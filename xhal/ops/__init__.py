@@ -71,7 +71,7 @@ __all__ = [
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     # routed in Python, not a custom op: the default is torch's own GEMM, whose dispatch a
     # custom op would only add to
-    return active(x).linear(x, weight, bias)
+    return (active_cpu() if x.is_cpu else active(x)).linear(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

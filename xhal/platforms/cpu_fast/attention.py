@@ -118,7 +118,7 @@ def make_plan(metadata: AttentionMetadata, spec: AttentionSpec) -> _Plan:
     decode_only = not chunks and len(decode) == starts == metadata.num_tokens
     native = None
     if decode_only and decode:
-        native = NativeDecode.build(slots, decode_kv_rows, lens)
+        native = NativeDecode.build(slots, decode_kv_rows, lens, spec)
     return _Plan(
         write_rows,
         write_slots,
@@ -236,7 +236,7 @@ class FastCpuAttention(AttentionBackend):
         plan = self._plan
         if plan is not None and plan.native is not None:
             k_flat, v_flat = self._flat[layer_id]
-            out = plan.native(q, k, v, k_flat, v_flat, self.spec, positions, cos_sin_cache, is_neox)
+            out = plan.native(q, k, v, k_flat, v_flat, positions, cos_sin_cache, is_neox)
             if out is not None:  # float32, as q
                 return out
         tables = self._rotary
@@ -258,7 +258,7 @@ class FastCpuAttention(AttentionBackend):
             raise RuntimeError("FastCpuAttention.forward called before plan(metadata)")
         k_flat, v_flat = self._flat[layer_id]
         if plan.native is not None:
-            out = plan.native(q, k, v, k_flat, v_flat, self.spec)
+            out = plan.native(q, k, v, k_flat, v_flat)
             if out is not None:  # float32, as q
                 return out
         if plan.write_rows is None:
