@@ -121,3 +121,26 @@ def test_without_a_compiler_the_torch_path_serves_and_says_so(
     torch.testing.assert_close(
         FastCpuOps().rms_norm(x, weight, 1e-6), CpuOps().rms_norm(x, weight, 1e-6)
     )
+
+
+@needs_native
+def test_the_build_is_cached_and_can_be_switched_off(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setenv("XHAL_CACHE_DIR", str(tmp_path))
+    assert native.library() is not None
+    assert len(list((tmp_path / "cpu_fast").glob("decode_kernels-*.so"))) == 1
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))  # a second process: no compile
+    assert native.library() is not None
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setenv("XHAL_CPU_NATIVE", "0")
+    with caplog.at_level(logging.INFO, logger=native.__name__):
+        assert native.library() is None
+    assert "XHAL_CPU_NATIVE=0" in caplog.records[-1].getMessage()
+    with native.torch_path():  # benchmarks' switch, whatever was loaded
+        monkeypatch.setattr(native, "_tried", False)
+        monkeypatch.delenv("XHAL_CPU_NATIVE")
+        assert native.library() is None
