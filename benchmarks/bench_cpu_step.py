@@ -2,7 +2,7 @@
 do without, per layer, on each platform given, all in one run on one loaded model.
 
     python -m benchmarks.bench_cpu_step [--model builtin|random|narrow|DIR]
-        [--platforms cpu-fast cpu]
+        [--platforms cpu-fast cpu-fast/torch cpu]
         [--threads N] [--batch 1] [--steps 30] [--context 64] [--clock wall|thread]
         [--profile [--top N]]
 
@@ -17,6 +17,8 @@ left over, divided by the number of layers, is the per-layer overhead (norms, ro
 write, attention, activation and every Python and dispatch layer around them). The floor is the
 bytes a step reads (weights once, the tied head's table once, K and V of the context) over the
 streaming-read ceiling measured in the same run (``bench_cpu_vs_hf.read_ceiling``).
+``cpu-fast/torch`` is cpu-fast with its native kernels off (``native.torch_path``): the torch
+path it had before them, for a before / after in one run.
 ``--model narrow`` is SmolLM2-135M's layer count, heads and head dim with hidden and intermediate
 sizes of 72 and 64 (seeded random weights, 12 MB): its step is almost all per-op overhead, which
 shared machines disturb far less than the memory-bound products; the ``min`` column (the fastest
@@ -29,11 +31,12 @@ products). ``--profile`` adds torch.profiler's op count per step and its top ops
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -88,7 +91,11 @@ class DecodeStep:
         from xhal.executor import ExecutorConfig, ModelExecutor
         from xhal.interfaces.metadata import AttentionMetadata, BatchKind
 
-        self.platform = platforms.get(platform_name)
+        base, _, variant = platform_name.partition("/")
+        if variant not in ("", "torch"):
+            raise SystemExit(f"{platform_name!r}: the only variant is cpu-fast/torch")
+        self.torch_path = variant == "torch"
+        self.platform = platforms.get(base)
         config = ExecutorConfig(
             dtype=torch.float32, block_size=BLOCK, max_num_seqs=batch, max_model_len=4 * context,
             max_num_batched_tokens=4 * context * batch, enforce_eager=True,
@@ -110,10 +117,17 @@ class DecodeStep:
         self.ids = torch.full((batch,), 5, dtype=torch.int32)
         self.positions = torch.full((batch,), context - 1, dtype=torch.int32)
 
-    def active(self):
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
         from xhal import ops
+        from xhal.platforms.cpu_fast.kernels import native
 
-        return ops.using("cpu", self.platform.ops)
+        with ops.using("cpu", self.platform.ops):
+            if not self.torch_path:
+                yield
+                return
+            with native.torch_path():
+                yield
 
     def __call__(self) -> torch.Tensor:
         with self.active():
@@ -148,7 +162,7 @@ def profile(step: DecodeStep, top: int, steps: int = 5) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="builtin", help="builtin | random | checkpoint dir")
-    parser.add_argument("--platforms", nargs="+", default=["cpu-fast", "cpu"])
+    parser.add_argument("--platforms", nargs="+", default=["cpu-fast", "cpu-fast/torch", "cpu"])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--context", type=int, default=64)
@@ -176,15 +190,18 @@ def main() -> None:
     floor_us = step_bytes / ceiling * 1e6
     results = {}
     with torch.inference_mode():
+        runs = {}
         for name in args.platforms:
             step = DecodeStep(model, name, args.context, args.batch)
             gemv = products(_matrices(model), args.batch, step.platform.ops.linear)
             for _ in range(3):  # warm-up: first calls allocate and pack
                 step(), gemv()
-            step_us, gemv_us = [], []
-            for _ in range(args.steps):  # interleaved: load changes hit both
+            runs[name] = (step, gemv, [], [])
+        for _ in range(args.steps):  # interleaved, platforms too: load changes hit them all
+            for step, gemv, step_us, gemv_us in runs.values():
                 step_us.append(_us(step, clock))
                 gemv_us.append(_us(gemv, clock))
+        for name, (step, _, step_us, gemv_us) in runs.items():
             results[name] = (
                 statistics.median(step_us), statistics.median(gemv_us), min(step_us)
             )
@@ -199,12 +216,13 @@ def main() -> None:
     )
     print(f"floor: {step_bytes / 1e6:.0f} MB per step / read ceiling "
           f"{ceiling / 1e9:.1f} GB/s = {floor_us / 1e3:.1f} ms")  # fmt: skip
-    print(f"{'platform':<12}{'step ms':>9}{'min ms':>8}{'tok/s':>8}{'products ms':>13}"
-          f"{'overhead/layer us':>19}{'floor/step':>12}")  # fmt: skip
+    print(f"{'platform':<16}{'step ms':>9}{'min ms':>8}{'tok/s':>8}{'products ms':>13}"
+          f"{'overhead/step ms':>18}{'overhead/layer us':>19}{'floor/step':>12}")  # fmt: skip
     for name, (step_us, gemv_us, fastest_us) in results.items():
         print(
-            f"{name:<12}{step_us / 1e3:>9.1f}{fastest_us / 1e3:>8.1f}"
+            f"{name:<16}{step_us / 1e3:>9.1f}{fastest_us / 1e3:>8.1f}"
             f"{args.batch * 1e6 / step_us:>8.1f}{gemv_us / 1e3:>13.1f}"
+            f"{(step_us - gemv_us) / 1e3:>18.1f}"
             f"{(step_us - gemv_us) / num_layers:>19.0f}{floor_us / step_us:>11.0%}"
         )
 

@@ -19,6 +19,12 @@ def cache_dir() -> str:
     return os.environ.get("XHAL_CACHE_DIR", default)
 
 
+def cpu_native() -> bool:
+    """``XHAL_CPU_NATIVE=0``: cpu-fast runs without its C kernels (built with the machine's C
+    compiler on first use, cached under ``XHAL_CACHE_DIR``), on its torch path; on by default."""
+    return _flag("XHAL_CPU_NATIVE", True)
+
+
 def npu_kv_layout() -> str:
     """``XHAL_NPU_KV_LAYOUT``: the NPU backend's paged KV cache layout, ``"NHD"`` (default: the
     executor's ``[num_blocks, block_size, num_kv_heads, head_dim]``, which FIA reads as

@@ -82,6 +82,12 @@ def active(x: torch.Tensor | str) -> DeviceOps:
     return _active[device_type]
 
 
+def active_cpu() -> DeviceOps:
+    """``active("cpu")`` with the common case first (the eager CPU route of ``xhal.ops``)."""
+    ops = _active.get("cpu")
+    return active("cpu") if ops is None else ops
+
+
 def activate(device_type: str, ops: DeviceOps) -> DeviceOps | None:
     """Make ``ops`` serve ``device_type`` from now on; returns what served it before (if any).
     An emulated device whose tensors live on the CPU activates its ops for "cpu" this way."""

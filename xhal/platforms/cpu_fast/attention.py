@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from xhal.interfaces.attention import AttentionBackend, AttentionSpec
 from xhal.interfaces.cache import LayerCache, normalize_layer_caches
 from xhal.interfaces.metadata import AttentionMetadata
-from xhal.platforms.cpu_fast.decode import one_token_attention
+from xhal.platforms.cpu_fast.decode import NativeDecode, one_token_attention
 from xhal.platforms.cpu_fast.rotary import RotaryTables
 
 
@@ -44,6 +44,7 @@ class _Plan:
     chunks: tuple[_Chunk, ...]
     num_real_tokens: int  # rows past it are padding and come out as zeros
     decode_only: bool  # every row is a one-token sequence's, in order: no row shuffling needed
+    native: NativeDecode | None  # a decode-only step for the native kernel (rotary, write, attend)
 
 
 def _visible(kv_lens: torch.Tensor, positions: torch.Tensor, window: int) -> torch.Tensor:
@@ -115,6 +116,9 @@ def make_plan(metadata: AttentionMetadata, spec: AttentionSpec) -> _Plan:
         heads = torch.arange(spec.num_kv_heads)[None, :, None]
         decode_head_rows = (decode_kv_rows[:, None, :] * spec.num_kv_heads + heads).view(-1)
     decode_only = not chunks and len(decode) == starts == metadata.num_tokens
+    native = None
+    if decode_only and decode:
+        native = NativeDecode.build(slots, decode_kv_rows, lens, spec)
     return _Plan(
         write_rows,
         write_slots,
@@ -127,6 +131,7 @@ def make_plan(metadata: AttentionMetadata, spec: AttentionSpec) -> _Plan:
         tuple(chunks),
         starts,
         decode_only,
+        native,
     )
 
 
@@ -228,6 +233,12 @@ class FastCpuAttention(AttentionBackend):
         cos_sin_cache: torch.Tensor,
         is_neox: bool,
     ) -> torch.Tensor:
+        plan = self._plan
+        if plan is not None and plan.native is not None:
+            k_flat, v_flat = self._flat[layer_id]
+            out = plan.native(q, k, v, k_flat, v_flat, positions, cos_sin_cache, is_neox)
+            if out is not None:  # float32, as q
+                return out
         tables = self._rotary
         if tables is None or not tables.matches(positions, cos_sin_cache, is_neox):
             tables = RotaryTables.build(positions, cos_sin_cache, is_neox, q.shape[-1])
@@ -246,6 +257,10 @@ class FastCpuAttention(AttentionBackend):
         if plan is None:
             raise RuntimeError("FastCpuAttention.forward called before plan(metadata)")
         k_flat, v_flat = self._flat[layer_id]
+        if plan.native is not None:
+            out = plan.native(q, k, v, k_flat, v_flat)
+            if out is not None:  # float32, as q
+                return out
         if plan.write_rows is None:
             k_flat.index_copy_(0, plan.write_slots, k)
             v_flat.index_copy_(0, plan.write_slots, v)

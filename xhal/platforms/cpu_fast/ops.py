@@ -3,13 +3,16 @@ and RMSNorm from one reduction: the same math in fewer torch calls (each costs m
 dispatch, paid ~100 times per decode step), so float32 results agree with ``CpuOps``'s to a few
 ulps, not bit for bit (RMSNorm's mean of squares is the squared 2-norm over the width, and GEMMs
 on the packed copies of a served model's widest matrices, ``packed.py``, sum in another order).
-The fused ops are the plain sequence of these, as the reference composes them."""
+The fused ops are the plain sequence of these, as the reference composes them. RMSNorm (with its
+residual add) of a decode step's rows runs as one native C call where the kernels are built
+(``kernels/``), the torch calls below otherwise."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from xhal.platforms.cpu_fast.kernels import calls
 from xhal.platforms.cpu_fast.packed import PACKED
 from xhal.platforms.cpu_ref.ops import CpuOps, _rotate
 
@@ -48,13 +51,17 @@ class FastCpuOps(CpuOps):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype != torch.float32 or weight.dtype != torch.float32:
             return super().rms_norm(x, weight, eps)
-        return _rms_norm(x, weight, eps)
+        native = calls.add_rms_norm(x, None, weight, eps)
+        return _rms_norm(x, weight, eps) if native is None else native[0]
 
     def fused_add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if x.dtype != torch.float32 or residual.dtype != torch.float32:
             return super().fused_add_rms_norm(x, residual, weight, eps)
+        native = calls.add_rms_norm(x, residual, weight, eps)
+        if native is not None:
+            return native
         summed = x + residual
         return self.rms_norm(summed, weight, eps), summed
 
@@ -73,6 +80,9 @@ class FastCpuOps(CpuOps):
             norm_weight.dtype != torch.float32
         ):
             return super().add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
+        native = calls.add_rms_norm(x, residual, norm_weight, eps)
+        if native is not None:
+            return self.linear(native[0], weight, bias), native[1]
         summed = x + residual
         return self.linear(_rms_norm(summed, norm_weight, eps), weight, bias), summed
 

@@ -1,0 +1,146 @@
+"""cpu-fast's native C kernels against independent references: the decode attention (rotary, KV
+write and attention in one call) against the reference platform's rotary and attention, the norm
+against its float64 definition, and the torch path taking over, with one log line, when no
+compiler is there."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.paged_host import PagedHost
+from xhal import platforms
+from xhal.interfaces.attention import AttentionSpec
+from xhal.interfaces.cache import LayerCache
+from xhal.platforms.cpu_fast.kernels import calls, native
+from xhal.platforms.cpu_ref.ops import CpuOps
+
+NUM_BLOCKS = 32
+
+needs_native = pytest.mark.skipif(
+    native.library() is None, reason="the native kernels did not build (no C compiler?)"
+)
+
+
+def _caches(spec: AttentionSpec) -> LayerCache:
+    shape = (NUM_BLOCKS, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    return LayerCache(torch.zeros(shape), torch.zeros(shape))
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "features, rotary_dim, is_neox",
+    [
+        ({}, 32, True),
+        ({}, 16, False),  # partial GPT-J rotary
+        ({"sliding_window": 5, "logits_soft_cap": 8.0}, 32, True),
+        ({}, None, True),  # no rotary: plain forward
+    ],
+    ids=["neox", "gptj-partial", "window-cap", "no-rotary"],
+)
+def test_decode_matches_the_reference_rotation_and_attention(
+    features: dict, rotary_dim: int | None, is_neox: bool
+) -> None:
+    """Decodes of unequal lengths on permuted blocks, one padding row first: the native step
+    writes the reference's rotated keys and values and attends as the reference platform does
+    on its own caches (float32, to rounding)."""
+    spec = AttentionSpec(
+        num_heads=6, num_kv_heads=2, head_dim=32, dtype=torch.float32, block_size=4,
+        scale=32**-0.5, **features,
+    )  # fmt: skip
+    fast = platforms.get("cpu-fast").attention_backend(spec)
+    ref = platforms.get("cpu").attention_backend(spec)
+    fast_cache, ref_cache = _caches(spec), _caches(spec)
+    fast.bind_kv_caches([fast_cache])
+    ref.bind_kv_caches([ref_cache])
+    host = PagedHost(NUM_BLOCKS, spec.block_size, seed=7)
+    g = torch.Generator().manual_seed(3)
+    table = torch.randn(64, rotary_dim, generator=g) if rotary_dim else None
+    heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    for step, chunks in enumerate(([(0, 9), (1, 3), (2, 14)], [(0, 1), (1, 1), (2, 1)],
+                                   [(2, 1), (0, 1), (1, 1)])):  # fmt: skip
+        _, positions, metadata = host.step([(s, [0] * n) for s, n in chunks])
+        positions = positions.int()
+        fast.plan(metadata)
+        ref.plan(metadata)
+        assert (fast._plan.native is not None) == (step > 0)  # decode-only steps go native
+        qkv = torch.randn(len(positions), (heads + 2 * kv_heads) * dim, generator=g)
+        q, k, v = (part.view(len(positions), -1, dim) for part in
+                   qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))  # fmt: skip
+        if table is None:
+            got, q_rot, k_rot = fast.forward(0, q, k, v), q, k
+        else:
+            got = fast.forward_rotary(0, q, k, v, positions, table, is_neox)
+            q_rot, k_rot = CpuOps().rotary_embedding(positions, q, k, table, is_neox)
+        want = ref.forward(0, q_rot, k_rot, v)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fast_cache.key, ref_cache.key, rtol=1e-6, atol=1e-6)
+        assert torch.equal(fast_cache.value, ref_cache.value)
+
+
+@needs_native
+def test_norm_matches_its_float64_definition() -> None:
+    g = torch.Generator().manual_seed(5)
+    x, residual = torch.randn(4, 200, generator=g), torch.randn(4, 200, generator=g)
+    weight = torch.randn(200, generator=g)
+    x[2] *= 1e-3  # a small row: eps matters there
+    normed, summed = calls.add_rms_norm(x, residual, weight, 1e-5)
+    s64 = x.double() + residual.double()
+    want = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+    torch.testing.assert_close(summed.double(), s64, rtol=1e-7, atol=1e-7)
+    torch.testing.assert_close(normed.double(), want, rtol=2e-6, atol=2e-6)
+    plain, same = calls.add_rms_norm(x, None, weight, 1e-5)
+    x64 = x.double()
+    want = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+    assert same is x
+    torch.testing.assert_close(plain.double(), want, rtol=2e-6, atol=2e-6)
+    # inputs the kernels do not read come back None: the caller's torch path serves them
+    assert calls.add_rms_norm(x.t().contiguous().t(), None, weight, 1e-5) is None
+    assert calls.add_rms_norm(x.bfloat16(), None, weight, 1e-5) is None
+
+
+def test_without_a_compiler_the_torch_path_serves_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XHAL_CACHE_DIR", str(tmp_path))  # no build cached there
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert native.library() is None
+        assert native.library() is None  # tried once, logged once
+    assert len(caplog.records) == 1
+    assert "did not build" in caplog.records[0].getMessage()
+    from xhal.platforms.cpu_fast.ops import FastCpuOps
+
+    g = torch.Generator().manual_seed(6)
+    x, weight = torch.randn(3, 40, generator=g), torch.randn(40, generator=g)
+    torch.testing.assert_close(
+        FastCpuOps().rms_norm(x, weight, 1e-6), CpuOps().rms_norm(x, weight, 1e-6)
+    )
+
+
+@needs_native
+def test_the_build_is_cached_and_can_be_switched_off(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setenv("XHAL_CACHE_DIR", str(tmp_path))
+    assert native.library() is not None
+    assert len(list((tmp_path / "cpu_fast").glob("decode_kernels-*.so"))) == 1
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))  # a second process: no compile
+    assert native.library() is not None
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setenv("XHAL_CPU_NATIVE", "0")
+    with caplog.at_level(logging.INFO, logger=native.__name__):
+        assert native.library() is None
+    assert "XHAL_CPU_NATIVE=0" in caplog.records[-1].getMessage()
+    with native.torch_path():  # benchmarks' switch, whatever was loaded
+        monkeypatch.setattr(native, "_tried", False)
+        monkeypatch.delenv("XHAL_CPU_NATIVE")
+        assert native.library() is None

@@ -1,0 +1,50 @@
+"""Tensor-level calls into the native kernels. Each returns None when it does not serve the
+call (no kernels built, or inputs that are not float32 rows laid out as the kernel reads them),
+and the caller then runs its torch path."""
+
+from __future__ import annotations
+
+import torch
+
+from xhal.platforms.cpu_fast.kernels.native import library
+
+_F32 = torch.float32
+# the kernels are single-threaded: they pay where the torch calls they replace
+# are mostly dispatch (decode steps); at prefill sizes torch's threaded, vectorized ops win
+MAX_ROWS = 64
+
+
+def _rows(x: torch.Tensor) -> bool:
+    """A 2-D float32 tensor of at most ``MAX_ROWS`` contiguous rows (CPU tensors only come
+    here: cpu-fast serves the CPU)."""
+    return x.dtype == _F32 and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.is_contiguous()
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(rms_norm(x + residual), x + residual)`` (``residual`` None: ``(rms_norm(x), x)``) for
+    float32 rows ``[T, K]`` and a float32 weight ``[K]``."""
+    lib = library()
+    if (
+        lib is None
+        or not _rows(x)
+        or weight.dtype != _F32
+        or weight.shape != x.shape[1:]
+        or not weight.is_contiguous()
+        or (residual is not None and (not _rows(residual) or residual.shape != x.shape))
+    ):
+        return None
+    rows, width = x.shape
+    normed = torch.empty_like(x)
+    if residual is None:
+        lib.xhal_add_rms_norm(
+            x.data_ptr(), None, weight.data_ptr(), eps, rows, width, normed.data_ptr(), None
+        )
+        return normed, x
+    summed = torch.empty_like(x)
+    lib.xhal_add_rms_norm(
+        x.data_ptr(), residual.data_ptr(), weight.data_ptr(), eps, rows, width,
+        normed.data_ptr(), summed.data_ptr(),
+    )  # fmt: skip
+    return normed, summed

@@ -1,0 +1,138 @@
+/* cpu-fast's native float32 kernels for the small per-layer work of a decode step: each is one
+ * call where the torch path makes five to fifteen (every torch call costs microseconds of
+ * dispatch on a small row; these rows take nanoseconds of arithmetic). Built and loaded by
+ * native.py; every input is float32 and row-contiguous (native.py checks before calling).
+ *
+ * (No SiLU gate: torch's vectorized exp beats a scalar expf even on one row.)
+ *
+ * Reductions run in SIMD lanes (omp simd reduction, enabled by -fopenmp-simd alone: no OpenMP
+ * runtime is linked), so sums are float32 in another order than torch's: results agree with the
+ * reference to float32 rounding, not bit for bit. Single-threaded: native.py sends only steps
+ * small enough that torch's threads would not pay for their start. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static float dot(const float *a, const float *b, int64_t n) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* RMSNorm of rows, after adding residual when it is given:
+ * summed = x + residual (when residual != NULL; written to summed), normed = summed / rms * w. */
+void xhal_add_rms_norm(const float *x, const float *residual, const float *weight, float eps,
+                       int64_t rows, int64_t width, float *normed, float *summed) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * width;
+        const float *src = xr;
+        if (residual != NULL) {
+            const float *rr = residual + r * width;
+            float *sr = summed + r * width;
+#pragma omp simd
+            for (int64_t i = 0; i < width; i++) sr[i] = xr[i] + rr[i];
+            src = sr;
+        }
+        float scale = 1.0f / sqrtf(dot(src, src, width) / (float)width + eps);
+        float *nr = normed + r * width;
+#pragma omp simd
+        for (int64_t i = 0; i < width; i++) nr[i] = src[i] * scale * weight[i];
+    }
+}
+
+/* Rotate the first `rotary_dim` channels of one head (x: D floats) into dst by the cos / sin
+ * row of its position (cos then sin, rotary_dim / 2 each); channels past rotary_dim are copied.
+ * NeoX pairs i with i + R/2, GPT-J 2i with 2i + 1. */
+static void rotate(const float *x, const float *cos_sin, int64_t rotary_dim, int64_t dim,
+                   int neox, float *dst) {
+    int64_t half = rotary_dim / 2;
+    const float *cos = cos_sin, *sin = cos_sin + half;
+    for (int64_t i = 0; i < half; i++) {
+        int64_t a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+        float x1 = x[a], x2 = x[b];
+        dst[a] = x1 * cos[i] - x2 * sin[i];
+        dst[b] = x2 * cos[i] + x1 * sin[i];
+    }
+    for (int64_t i = rotary_dim; i < dim; i++) dst[i] = x[i];
+}
+
+/* One decode step of one layer for num_seqs one-token sequences, token b being sequence b:
+ *   1. rotate q_b and k_b (when cos_sin != NULL) and write k_b, v_b to flat cache row slots[b]
+ *      (skipped for slot -1); k_cache / v_cache are [rows, kv_heads, dim];
+ *   2. attend: query head h of token b against kv head h / (heads / kv_heads) at the key
+ *      positions p of [lo_b, lens[b]) (lo_b = lens[b] - window when window > 0, else 0), read
+ *      from cache rows kv_rows[b * max_len + p]; scores scaled, capped by soft_cap * tanh(s /
+ *      soft_cap) when soft_cap > 0, softmax, weighted sum of values -> out [num_seqs, heads, dim].
+ * q, k, v rows are q_stride / kv_stride floats apart, heads dim floats apart. Returns 0, or -1
+ * when scratch memory could not be had (nothing was written then). */
+int xhal_decode_attention(const float *q, const float *k, const float *v, int64_t q_stride,
+                          int64_t kv_stride, int64_t num_seqs, int64_t heads, int64_t kv_heads,
+                          int64_t dim, const int32_t *positions, const float *cos_sin,
+                          int64_t rotary_dim, int neox, const int64_t *slots, float *k_cache,
+                          float *v_cache, const int64_t *kv_rows, const int64_t *lens,
+                          int64_t max_len, int64_t window, float scale, float soft_cap,
+                          float *out) {
+    int64_t group = heads / kv_heads, row = kv_heads * dim;
+    float *q_rot = malloc(sizeof(float) * (size_t)(heads * dim));
+    float *scores = malloc(sizeof(float) * (size_t)(group * (max_len > 0 ? max_len : 1)));
+    if (q_rot == NULL || scores == NULL) {
+        free(q_rot);
+        free(scores);
+        return -1;
+    }
+    for (int64_t b = 0; b < num_seqs; b++) {
+        if (slots[b] < 0) continue;
+        const float *kb = k + b * kv_stride, *vb = v + b * kv_stride;
+        float *kc = k_cache + slots[b] * row, *vc = v_cache + slots[b] * row;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            if (cos_sin != NULL)
+                rotate(kb + h * dim, cos_sin + (int64_t)positions[b] * rotary_dim, rotary_dim,
+                       dim, neox, kc + h * dim);
+            else
+                memcpy(kc + h * dim, kb + h * dim, sizeof(float) * (size_t)dim);
+        }
+        memcpy(vc, vb, sizeof(float) * (size_t)row);
+    }
+    for (int64_t b = 0; b < num_seqs; b++) {
+        const float *qb = q + b * q_stride;
+        for (int64_t h = 0; h < heads; h++) {
+            if (cos_sin != NULL)
+                rotate(qb + h * dim, cos_sin + (int64_t)positions[b] * rotary_dim, rotary_dim,
+                       dim, neox, q_rot + h * dim);
+            else
+                memcpy(q_rot + h * dim, qb + h * dim, sizeof(float) * (size_t)dim);
+        }
+        int64_t hi = lens[b], lo = window > 0 && hi > window ? hi - window : 0;
+        const int64_t *rows_b = kv_rows + b * max_len;
+        for (int64_t kh = 0; kh < kv_heads; kh++) {
+            for (int64_t p = lo; p < hi; p++) {  // every query head of the group, key by key
+                const float *key = k_cache + rows_b[p] * row + kh * dim;
+                for (int64_t g = 0; g < group; g++) {
+                    float s = dot(q_rot + (kh * group + g) * dim, key, dim) * scale;
+                    if (soft_cap > 0.0f) s = soft_cap * tanhf(s / soft_cap);
+                    scores[g * max_len + p] = s;
+                }
+            }
+            for (int64_t g = 0; g < group; g++) {
+                float *sg = scores + g * max_len;
+                float *o = out + (b * heads + kh * group + g) * dim;
+                float top = -INFINITY, total = 0.0f;
+                for (int64_t p = lo; p < hi; p++) top = sg[p] > top ? sg[p] : top;
+                for (int64_t p = lo; p < hi; p++) total += sg[p] = expf(sg[p] - top);
+                memset(o, 0, sizeof(float) * (size_t)dim);
+                for (int64_t p = lo; p < hi; p++) {
+                    const float *value = v_cache + rows_b[p] * row + kh * dim;
+                    float weight = sg[p] / total;
+#pragma omp simd
+                    for (int64_t i = 0; i < dim; i++) o[i] += weight * value[i];
+                }
+            }
+        }
+    }
+    free(q_rot);
+    free(scores);
+    return 0;
+}
