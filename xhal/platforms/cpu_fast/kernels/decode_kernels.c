@@ -59,6 +59,25 @@ static void rotate(const float *x, const float *cos_sin, int64_t rotary_dim, int
     for (int64_t i = rotary_dim; i < dim; i++) dst[i] = x[i];
 }
 
+/* rotate() over `heads` heads laid out dim floats apart, by the cos / sin row of one position;
+ * a plain copy when cos_sin_row is NULL (no rotary). */
+static void rotate_heads(const float *x, int64_t heads, const float *cos_sin_row,
+                         int64_t rotary_dim, int64_t dim, int neox, float *dst) {
+    if (cos_sin_row == NULL) {
+        memcpy(dst, x, sizeof(float) * (size_t)(heads * dim));
+        return;
+    }
+    for (int64_t h = 0; h < heads; h++)
+        rotate(x + h * dim, cos_sin_row, rotary_dim, dim, neox, dst + h * dim);
+}
+
+/* The cos / sin row of token b's position; NULL when there is no rotary table (positions is
+ * then not read: it may be NULL too). */
+static const float *position_row(const float *cos_sin, const int32_t *positions, int64_t b,
+                                 int64_t rotary_dim) {
+    return cos_sin == NULL ? NULL : cos_sin + (int64_t)positions[b] * rotary_dim;
+}
+
 /* One decode step of one layer for num_seqs one-token sequences, token b being sequence b:
  *   1. rotate q_b and k_b (when cos_sin != NULL) and write k_b, v_b to flat cache row slots[b]
  *      (skipped for slot -1); k_cache / v_cache are [rows, kv_heads, dim];
@@ -87,24 +106,13 @@ int xhal_decode_attention(const float *q, const float *k, const float *v, int64_
         if (slots[b] < 0) continue;
         const float *kb = k + b * kv_stride, *vb = v + b * kv_stride;
         float *kc = k_cache + slots[b] * row, *vc = v_cache + slots[b] * row;
-        for (int64_t h = 0; h < kv_heads; h++) {
-            if (cos_sin != NULL)
-                rotate(kb + h * dim, cos_sin + (int64_t)positions[b] * rotary_dim, rotary_dim,
-                       dim, neox, kc + h * dim);
-            else
-                memcpy(kc + h * dim, kb + h * dim, sizeof(float) * (size_t)dim);
-        }
+        rotate_heads(kb, kv_heads, position_row(cos_sin, positions, b, rotary_dim), rotary_dim,
+                     dim, neox, kc);
         memcpy(vc, vb, sizeof(float) * (size_t)row);
     }
     for (int64_t b = 0; b < num_seqs; b++) {
-        const float *qb = q + b * q_stride;
-        for (int64_t h = 0; h < heads; h++) {
-            if (cos_sin != NULL)
-                rotate(qb + h * dim, cos_sin + (int64_t)positions[b] * rotary_dim, rotary_dim,
-                       dim, neox, q_rot + h * dim);
-            else
-                memcpy(q_rot + h * dim, qb + h * dim, sizeof(float) * (size_t)dim);
-        }
+        rotate_heads(q + b * q_stride, heads, position_row(cos_sin, positions, b, rotary_dim),
+                     rotary_dim, dim, neox, q_rot);
         int64_t hi = lens[b], lo = window > 0 && hi > window ? hi - window : 0;
         const int64_t *rows_b = kv_rows + b * max_len;
         for (int64_t kh = 0; kh < kv_heads; kh++) {
