@@ -24,7 +24,7 @@ import torch
 
 import xhal
 from benchmarks import pdl_variants
-from benchmarks.common import ceilings, table, time_cuda, time_cuda_pipelined
+from benchmarks.common import ceilings, cuda_kernel_events, table, time_cuda, time_cuda_pipelined
 from benchmarks.host_timing import call_breakdown, host_breakdown, host_time_us, profile_host
 from models.llama import LlamaForCausalLM
 from xhal.executor import ExecutorConfig, ModelExecutor
@@ -133,15 +133,7 @@ def profile_kernels(
 ) -> tuple[float, float]:
     """Which kernels a step runs and their device time (CUPTI sees inside graph replays); returns
     (launches, device us) per step."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            step()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    events = cuda_kernel_events(step, iters)
     events.sort(key=lambda e: e.self_device_time_total, reverse=True)
     total = sum(e.self_device_time_total for e in events) / iters
     launches = sum(e.count for e in events) / iters

@@ -35,7 +35,14 @@ import torch
 
 import xhal
 from benchmarks.bench_attention_solutions import make_decode, reference
-from benchmarks.common import capture_graph, read_bandwidth, table, time_cuda, time_graph
+from benchmarks.common import (
+    capture_graph,
+    cuda_kernel_events,
+    read_bandwidth,
+    table,
+    time_cuda,
+    time_graph,
+)
 from xhal.interfaces import AttentionSpec, LayerCache
 
 SHAPES = {"8b": (32, 8, 128), "moe": (32, 4, 128), "1b": (32, 8, 64)}
@@ -269,9 +276,6 @@ def pdl_chains(shape: str, batch: int, read: float) -> tuple[list[dict], list[di
 def profile(shape: str, batch: int) -> list[dict]:
     """Device time per kernel inside the timed graph (CUPTI), to split a layer's time into its
     kernels and the gaps between them."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
     heads, kv_heads, dim = SHAPES[shape]
     spec = AttentionSpec(heads, kv_heads, dim, DTYPE, PAGE)
     num_layers = _layers_for(batch * CTX * kv_heads * dim * 4)
@@ -281,14 +285,8 @@ def profile(shape: str, batch: int) -> list[dict]:
         backend.bind_kv_caches(layers.caches)
         backend.plan(layers.meta, graph_key=("decode", batch))
         graph = capture_graph(lambda b=backend, lay=layers: lay.run(b))
-        graph.replay()
-        torch.cuda.synchronize()
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                graph.replay()
-            torch.cuda.synchronize()
-        for e in prof.key_averages():
-            if e.device_type.name == "CUDA" and e.count >= 5:
+        for e in cuda_kernel_events(graph.replay, 5):
+            if e.count >= 5:
                 rows.append({"backend": name, "kernel": e.key[:60],
                              "calls/layer": e.count / 5 / num_layers,
                              "us each": e.device_time_total / e.count})  # fmt: skip

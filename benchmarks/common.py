@@ -59,6 +59,21 @@ def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def cuda_kernel_events(fn: Callable[[], object], iters: int = 5) -> list:
+    """The CUDA kernels of ``iters`` calls of ``fn`` (CUPTI sees inside graph replays), as the
+    profiler's per-kernel averages (``key``, ``count``, device times summed over the calls);
+    ``fn`` runs once first, outside the profile."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+
+
 def time_graph(fn: Callable[[], object], iters: int = 50) -> float:
     """Median ms of ``fn`` captured in one CUDA graph (launch overhead removed)."""
     return time_cuda(capture_graph(fn).replay, iters=iters)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.common import capture_graph, time_cuda
+from benchmarks.common import capture_graph, cuda_kernel_events, time_cuda
 from xhal.interfaces import AttentionSpec
 
 HIDDEN = {"8b": 4096, "moe": 2048, "1b": 2048}
@@ -153,21 +153,12 @@ def profile(chain: Chain, names: tuple[str, ...]) -> list[dict]:
     """Device time per kernel of the chain under some variants (CUPTI): under PDL a kernel's
     time includes the time its programs sit launched before their wait, so compare the GEMVs
     across variants to see whether parked attention programs slow their weight stream."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
     rows, every = [], chain.variants()
     for name in names:
         graph = capture_graph(lambda v=every[name]: chain.run(v))
-        graph.replay()
-        torch.cuda.synchronize()
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                graph.replay()
-            torch.cuda.synchronize()
         calls = 5 * len(chain.w_qkv)
-        for e in prof.key_averages():
-            if e.device_type.name == "CUDA" and e.count >= calls:
+        for e in cuda_kernel_events(graph.replay, 5):
+            if e.count >= calls:
                 rows.append({"shape": chain.shape, "variant": name, "kernel": e.key[:40],
                              "calls/layer": e.count / calls,
                              "us each": e.device_time_total / e.count})  # fmt: skip
