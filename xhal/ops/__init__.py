@@ -24,7 +24,7 @@ the dispatcher, and non-CPU devices always do.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +45,16 @@ def _eager_cpu(x: torch.Tensor) -> DeviceOps | None:
     if type(x) is _Tensor and x.is_cpu and not _dispatch_modes() and not _is_compiling():
         return active_cpu()
     return None
+
+
+def _route(op: str, x: torch.Tensor, *args: Any) -> Any:
+    """``op(*args)``: the active CPU ops' method when ``_eager_cpu(x)`` serves the call, else the
+    custom op's overload (``torch.ops.xhal.<op>.default``) through the dispatcher."""
+    ops = _eager_cpu(x)
+    if ops is not None:
+        return getattr(ops, op)(*args)
+    return getattr(_XHAL, op).default(*args)
+
 
 __all__ = [
     "activate",
@@ -75,19 +85,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    ops = _eager_cpu(x)
-    if ops is not None:
-        return ops.rms_norm(x, weight, eps)
-    return _XHAL.rms_norm.default(x, weight, eps)
+    return _route("rms_norm", x, x, weight, eps)
 
 
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    ops = _eager_cpu(x)
-    if ops is not None:
-        return ops.fused_add_rms_norm(x, residual, weight, eps)
-    return _XHAL.fused_add_rms_norm.default(x, residual, weight, eps)
+    return _route("fused_add_rms_norm", x, x, residual, weight, eps)
 
 
 def rotary_embedding(
@@ -97,24 +101,16 @@ def rotary_embedding(
     cos_sin_cache: torch.Tensor,
     is_neox: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    ops = _eager_cpu(q)  # q, not positions: a CPU positions tensor may go with device q
-    if ops is not None:
-        return ops.rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
-    return _XHAL.rotary_embedding.default(positions, q, k, cos_sin_cache, is_neox)
+    # q, not positions: a CPU positions tensor may go with device q
+    return _route("rotary_embedding", q, positions, q, k, cos_sin_cache, is_neox)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    ops = _eager_cpu(x)
-    if ops is not None:
-        return ops.silu_and_mul(x)
-    return _XHAL.silu_and_mul.default(x)
+    return _route("silu_and_mul", x, x)
 
 
 def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    ops = _eager_cpu(x)
-    if ops is not None:
-        return ops.gelu_and_mul(x, approximate)
-    return _XHAL.gelu_and_mul.default(x, approximate)
+    return _route("gelu_and_mul", x, x, approximate)
 
 
 def add_rms_norm_linear(
@@ -125,37 +121,25 @@ def add_rms_norm_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    ops = _eager_cpu(x)
-    if ops is not None:
-        return ops.add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
-    return _XHAL.add_rms_norm_linear.default(x, residual, norm_weight, eps, weight, bias)
+    return _route("add_rms_norm_linear", x, x, residual, norm_weight, eps, weight, bias)
 
 
 def silu_and_mul_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    ops = _eager_cpu(x)
-    if ops is not None:
-        return ops.silu_and_mul_linear(x, weight, bias)
-    return _XHAL.silu_and_mul_linear.default(x, weight, bias)
+    return _route("silu_and_mul_linear", x, x, weight, bias)
 
 
 def qk_rms_norm(
     q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    ops = _eager_cpu(q)
-    if ops is not None:
-        return ops.qk_rms_norm(q, k, q_weight, k_weight, eps)
-    return _XHAL.qk_rms_norm.default(q, k, q_weight, k_weight, eps)
+    return _route("qk_rms_norm", q, q, k, q_weight, k_weight, eps)
 
 
 def moe_route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    ops = _eager_cpu(router_logits)
-    if ops is not None:
-        return ops.moe_route(router_logits, top_k, renormalize)
-    return _XHAL.moe_route.default(router_logits, top_k, renormalize)
+    return _route("moe_route", router_logits, router_logits, top_k, renormalize)
 
 
 def add_rms_norm_moe_route(
@@ -168,13 +152,8 @@ def add_rms_norm_moe_route(
     renormalize: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(router_logits, normed, new residual, topk_weights, topk_ids)``: see ``DeviceOps``."""
-    ops = _eager_cpu(x)
-    if ops is not None:
-        return ops.add_rms_norm_moe_route(
-            x, residual, norm_weight, eps, gate_weight, top_k, renormalize
-        )
-    return _XHAL.add_rms_norm_moe_route.default(
-        x, residual, norm_weight, eps, gate_weight, top_k, renormalize
+    return _route(
+        "add_rms_norm_moe_route", x, x, residual, norm_weight, eps, gate_weight, top_k, renormalize
     )
 
 
@@ -185,10 +164,7 @@ def moe_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
-    ops = _eager_cpu(x)
-    if ops is not None:
-        return ops.moe_experts(x, w13, w2, topk_weights, topk_ids)
-    return _XHAL.moe_experts.default(x, w13, w2, topk_weights, topk_ids)
+    return _route("moe_experts", x, x, w13, w2, topk_weights, topk_ids)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
