@@ -238,7 +238,9 @@ def test_cuda_declarations_keep_the_choices_made_before_solutions(installed, mon
     monkeypatch.setattr(selection, "_importable", lambda module: module in installed)
     h200 = solutions.DeviceInfo("cuda", "NVIDIA H200", (9, 0))
     fallback = {"rms_norm": "torch", "silu_and_mul": "torch", "gelu_and_mul": "torch"}
-    expected = LEGACY_CUDA if "flashinfer" in installed else {**LEGACY_CUDA, **fallback}
+    # the one new choice without FlashInfer since: our Triton gated activations, not torch's
+    without_fi = {**fallback, "silu_and_mul": "triton", "gelu_and_mul": "triton"}
+    expected = LEGACY_CUDA if "flashinfer" in installed else {**LEGACY_CUDA, **without_fi}
     assert {op: solutions.select(op, h200).name for op in LEGACY_CUDA} == expected
     for dtype, name in (
         (torch.bfloat16, "flashinfer"),

@@ -1,6 +1,7 @@
 """The CUDA platform's solutions. Priorities keep the choices made before solutions existed:
 FlashInfer's norm and activations and attention when installed, our Triton GEMV / fused add+norm
-/ rotary / fused MoE, cuBLAS and torch as the fallbacks."""
+/ rotary / fused MoE, cuBLAS and torch as the fallbacks; since: our Triton gated activations
+ahead of torch's where FlashInfer is missing (and inside FlashInfer's where it cannot run)."""
 
 from __future__ import annotations
 
@@ -203,7 +204,15 @@ SOLUTIONS = (
         _FI_OPS,
         _req(FLASHINFER),
         20,
-        description="FlashInfer's for aligned fp16/bf16, torch otherwise",
+        description="FlashInfer's for aligned fp16/bf16, ours (triton) otherwise",
+    ),
+    Solution(
+        "silu_and_mul",
+        "triton",
+        _OPS,
+        _req(TRITON),
+        15,
+        description="one launch for every fp16/bf16/fp32 shape (kernels/activation.py)",
     ),
     Solution("silu_and_mul", "torch", _TORCH, _req(), 10),
     Solution(
@@ -212,7 +221,15 @@ SOLUTIONS = (
         _FI_OPS,
         _req(FLASHINFER),
         20,
-        description="FlashInfer's exact-erf form for aligned fp16/bf16, torch otherwise",
+        description="FlashInfer's exact-erf form for aligned fp16/bf16, ours (triton) otherwise",
+    ),
+    Solution(
+        "gelu_and_mul",
+        "triton",
+        _OPS,
+        _req(TRITON),
+        15,
+        description="erf and tanh forms, one launch for every fp16/bf16/fp32 shape",
     ),
     Solution("gelu_and_mul", "torch", _TORCH, _req(), 10),
     # the fused decode ops: our fused GEMVs for a graph-captured row (XHAL_CUDA_FUSED=0: the
