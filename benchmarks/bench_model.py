@@ -214,16 +214,26 @@ def pdl_peers(
     executor_config: ExecutorConfig,
 ) -> list[dict]:
     """The decode graphs captured and timed once per PDL variant, against the floors of ``rows``
-    (the default executor's), in variant order per batch; ``kernels`` adds each one's profile."""
+    (the default executor's), in variant order per batch; ``kernels`` adds each one's profile.
+    ``logits_vs_first``: the largest logit difference from the first variant's step (same
+    inputs and caches), relative to its largest logit."""
     device = platform.device()
     executors = pdl_variants.capture_per_variant(model, platform, executor_config, caches, variants)
     out = []
     for row in rows:
         batch = row["batch"]
         ids, pos, meta = decode_metadata(batch, CTX, device, config["vocab_size"])
+        first = None
         for name, ex in executors.items():
             step = lambda ex=ex: ex.compute_logits(ex.execute(ids, pos, meta))  # noqa: E731
-            r = {"batch": batch, "pdl": name, "graph_ms": time_cuda(step, iters=30, warmup=3)}
+            logits = step().float().clone()
+            first = logits if first is None else first
+            r = {
+                "batch": batch,
+                "pdl": name,
+                "logits_vs_first": ((logits - first).abs().max() / first.abs().max()).item(),
+                "graph_ms": time_cuda(step, iters=30, warmup=3),
+            }
             r["pipelined_ms"] = time_cuda_pipelined(step)
             r["x_read_floor"] = r["pipelined_ms"] / row["read_floor_ms"]
             out.append(r)

@@ -7,6 +7,10 @@ back) is four launches and three float32 intermediates; in a batch-64 decode ste
 16 us per layer against ~2 us for one pass over the gate | up tensor (docs/h200-results.md).
 FlashInfer's takes only 16-byte aligned, contiguous fp16 / bf16 halves, and its tanh form is off
 by more than a rounding in fp16; this one takes every row stride, width and dtype.
+
+With programmatic dependent launch (``pdl.py``: a small kernel, triggering right after its wait)
+its programs are scheduled while the gate_up GEMM ahead drains; they load nothing before the wait,
+since everything they read is that GEMM's output.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from xhal.platforms.cuda import pdl
 
 SILU, GELU, GELU_TANH = 0, 1, 2  # the ACT constexpr
 _ACTS = {"silu": SILU, "none": GELU, "tanh": GELU_TANH}
@@ -24,7 +30,11 @@ _BLOCK = 1024  # elements of the output row per program: 16-byte loads for 4 war
 @triton.jit
 def _gated_activation_kernel(
     x_ptr, out_ptr, x_stride, out_stride, D, ACT: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # every program waits (pdl.py, rule 2), then lets the next kernel launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
@@ -68,12 +78,13 @@ def gated_activation(x: torch.Tensor, activation: str) -> torch.Tensor:
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
+    use_pdl = pdl.small_kernel(x.device)
     if rows and d:
         block = min(_BLOCK, triton.next_power_of_2(d))
         grid = (rows, triton.cdiv(d, block))
         _gated_activation_kernel[grid](
-            x2, out, x2.stride(0), d, d, ACT=_ACTS[activation], BLOCK=block,
-            num_warps=max(1, min(4, block // 256)),
+            x2, out, x2.stride(0), d, d, ACT=_ACTS[activation], BLOCK=block, USE_PDL=use_pdl,
+            num_warps=max(1, min(4, block // 256)), **pdl.launch_options(use_pdl),
         )
     return out
 
