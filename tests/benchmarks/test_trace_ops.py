@@ -60,3 +60,15 @@ def test_the_activation_peer_captures_with_the_torch_sequence_and_restores(monke
     assert os.environ["XHAL_CUDA_PDL"] == "1"
     with pdl_variants.pdl_variant("off"):
         assert "XHAL_CUDA_TRITON_ACTIVATION" not in os.environ
+
+
+def test_an_unclaimed_kernel_goes_to_the_innermost_module_range_around_it() -> None:
+    from types import SimpleNamespace
+
+    def event(name, start, end):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))
+
+    ranges = [event("mod:layers.N", 0, 100), event("mod:layers.N.attn", 10, 40)]
+    assert trace_ops._innermost_range(event("k", 12, 30), ranges) == "layers.N.attn"
+    assert trace_ops._innermost_range(event("k", 50, 60), ranges) == "layers.N"
+    assert trace_ops._innermost_range(event("k", 90, 120), ranges) == "?"
