@@ -9,11 +9,15 @@ other weight; the KV) at the read-only streaming rate measured in the same run.
 
 ``--pdl off early late auto`` adds the same model's decode graphs captured once per programmatic
 dependent launch setting (``XHAL_CUDA_PDL`` / ``XHAL_CUDA_PDL_TRIGGER``, ``pdl_variants.py``) to the
-same process, timed one after the other against the same floor, with their kernels per layer.
+same process, timed one after the other against the same floor, with their kernels per layer;
+``auto-torch-activation`` is ``auto`` with the gated activation as the float32 torch sequence
+(``XHAL_CUDA_TRITON_ACTIVATION=0``), the peer of the Triton activation kernel. ``--trace`` prints
+every kernel of an eager decode step by the module and op that launched it (``trace_ops.py``), at
+the largest batch also with ``XHAL_CUDA_TRITON_ACTIVATION=0``.
 
     python -m benchmarks.bench_model \\
         [--shape llama3-8b|llama3.2-1b] [--quick] [--no-hf | --hf-eager-only] [--profile]
-        [--pdl off early late auto]
+        [--pdl off early late auto auto-torch-activation] [--trace]
 """
 
 from __future__ import annotations
@@ -210,16 +214,26 @@ def pdl_peers(
     executor_config: ExecutorConfig,
 ) -> list[dict]:
     """The decode graphs captured and timed once per PDL variant, against the floors of ``rows``
-    (the default executor's), in variant order per batch; ``kernels`` adds each one's profile."""
+    (the default executor's), in variant order per batch; ``kernels`` adds each one's profile.
+    ``logits_vs_first``: the largest logit difference from the first variant's step (same
+    inputs and caches), relative to its largest logit."""
     device = platform.device()
     executors = pdl_variants.capture_per_variant(model, platform, executor_config, caches, variants)
     out = []
     for row in rows:
         batch = row["batch"]
         ids, pos, meta = decode_metadata(batch, CTX, device, config["vocab_size"])
+        first = None
         for name, ex in executors.items():
             step = lambda ex=ex: ex.compute_logits(ex.execute(ids, pos, meta))  # noqa: E731
-            r = {"batch": batch, "pdl": name, "graph_ms": time_cuda(step, iters=30, warmup=3)}
+            logits = step().float().clone()
+            first = logits if first is None else first
+            r = {
+                "batch": batch,
+                "pdl": name,
+                "logits_vs_first": ((logits - first).abs().max() / first.abs().max()).item(),
+                "graph_ms": time_cuda(step, iters=30, warmup=3),
+            }
             r["pipelined_ms"] = time_cuda_pipelined(step)
             r["x_read_floor"] = r["pipelined_ms"] / row["read_floor_ms"]
             out.append(r)
@@ -235,6 +249,37 @@ def pdl_peers(
             )
             r["launches/layer"], r["device_us/layer"] = launches / layers, us / layers
     return out
+
+
+def trace_eager(model, ex: ModelExecutor, batches: list[int], config: dict) -> None:
+    """Each batch's eager decode step, kernel by kernel, by module and op; the largest batch
+    again with the gated activation as the torch sequence (read per call: eager takes it)."""
+    import os
+
+    from benchmarks.trace_ops import print_kernels_by_op
+
+    device = ex.platform.device()
+    layers = config["num_hidden_layers"]
+    cases = [(b, None) for b in batches] + [(max(batches), "0")]
+    for batch, activation in cases:
+        ids, pos, meta = decode_metadata(batch, CTX, device, config["vocab_size"])
+        saved = os.environ.get("XHAL_CUDA_TRITON_ACTIVATION")
+        if activation is not None:
+            os.environ["XHAL_CUDA_TRITON_ACTIVATION"] = activation
+        try:
+            print_kernels_by_op(
+                model,
+                lambda: ex.compute_logits(ex.execute(ids, pos, meta)),
+                f"eager decode, batch {batch}"
+                + (", XHAL_CUDA_TRITON_ACTIVATION=0" if activation else ""),
+                num_layers=layers,
+            )
+        finally:
+            if activation is not None:
+                if saved is None:
+                    os.environ.pop("XHAL_CUDA_TRITON_ACTIVATION")
+                else:
+                    os.environ["XHAL_CUDA_TRITON_ACTIVATION"] = saved
 
 
 def main() -> None:
@@ -256,6 +301,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="cProfile the host side of execute")
     parser.add_argument(
         "--kernels", action="store_true", help="only the per-step kernel profile of --profile"
+    )
+    parser.add_argument(
+        "--trace", action="store_true", help="every kernel of an eager decode step by module and op"
     )
     pdl_variants.add_argument(parser)
     args = parser.parse_args()
@@ -351,6 +399,8 @@ def main() -> None:
                 f"graph decode, batch {batch}",
                 num_layers=config["num_hidden_layers"],
             )
+    if args.trace:  # eager steps, after every timing
+        trace_eager(model, executors[True], batches, config)
     print(
         table(
             rows,

@@ -21,8 +21,13 @@ PDL_VARIANTS = {
     # auto with the stream GEMVs' launch shapes of the tree before the ninth session's table
     # (fused_gemv_config.PREVIOUS): the peer of this tree's TUNED table
     "auto-previous-gemv": ("1", "auto"),
+    # auto with the gated activation as the float32 torch sequence (XHAL_CUDA_TRITON_ACTIVATION=0):
+    # the peer of the Triton activation kernel
+    "auto-torch-activation": ("1", "auto"),
 }
 PREVIOUS_GEMV = "auto-previous-gemv"
+# variant -> further settings it captures under
+EXTRA_ENV = {"auto-torch-activation": {"XHAL_CUDA_TRITON_ACTIVATION": "0"}}
 
 
 def load_gemv_table() -> None:
@@ -99,11 +104,15 @@ def add_argument(parser: argparse.ArgumentParser) -> None:
 
 @contextlib.contextmanager
 def pdl_variant(name: str) -> Iterator[None]:
-    """``XHAL_CUDA_PDL`` and ``XHAL_CUDA_PDL_TRIGGER`` set for one of ``PDL_VARIANTS`` while the
-    block runs (the kernels read them at launch, so a graph captured inside keeps them)."""
-    keys = ("XHAL_CUDA_PDL", "XHAL_CUDA_PDL_TRIGGER")
-    saved = {key: os.environ.get(key) for key in keys}
-    os.environ.update(zip(keys, PDL_VARIANTS[name]))
+    """``XHAL_CUDA_PDL`` and ``XHAL_CUDA_PDL_TRIGGER`` (and the variant's ``EXTRA_ENV``) set for
+    one of ``PDL_VARIANTS`` while the block runs (the kernels read them at launch, so a graph
+    captured inside keeps them)."""
+    settings = {
+        **dict(zip(("XHAL_CUDA_PDL", "XHAL_CUDA_PDL_TRIGGER"), PDL_VARIANTS[name])),
+        **EXTRA_ENV.get(name, {}),
+    }
+    saved = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
     try:
         with _gemv_table(name):
             yield

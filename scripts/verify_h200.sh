@@ -21,6 +21,11 @@
 #                 BENCH_GEMV_TABLE=FILE then loads into the model benchmarks' executors)
 #   gemv-1b, gemv-8b, gemv-moe  batch-1 steps with the tree's GEMVs against the previous ones
 #                 (--pdl auto auto-previous-gemv: both captured and timed in one process)
+#   activation    the gated activation on the 8B / 1B decode shapes: Triton, FlashInfer's and the
+#                 torch sequence, checked against float64, then timed (bench_activation)
+#   act-8b        the 8B step at batch 1, 16 and 64 with the Triton activation against the torch
+#                 sequence (--pdl auto auto-torch-activation, one process), kernels per layer,
+#                 and every kernel of the eager steps by module and op (--trace)
 # Split the stages over two calls where one call's time limit is short, e.g.
 # `scripts/verify_h200.sh conformance model-8b model-8b-fi model-1b`, then `... moe solutions`.
 set -uo pipefail
@@ -65,7 +70,9 @@ for name in ${*:-conformance model-8b model-8b-fi model-1b model-1b-fi moe solut
     gemv-1b) stage $name "${MODEL_TIMEOUT:-90}" -- bench_model --shape llama3.2-1b --batches 1 $model --pdl auto auto-previous-gemv ;;
     gemv-8b) stage $name "${MODEL_TIMEOUT:-90}" -- bench_model --shape llama3-8b --batches 1 $model --pdl auto auto-previous-gemv ;;
     gemv-moe) stage $name "${MOE_TIMEOUT:-150}" -- bench_moe --batches 1 --no-hf --no-sweep --profile --pdl auto auto-previous-gemv ;;
-    *) echo "unknown stage $name (conformance model-8b model-8b-fi model-1b model-1b-fi moe solutions pdl-1b pdl-8b pdl-moe pdl-conformance host serve gemv gemv-1b gemv-8b gemv-moe)"; exit 2 ;;
+    activation) stage $name "${MODEL_TIMEOUT:-90}" -- bench_activation ;;
+    act-8b) stage $name "${ACT_TIMEOUT:-150}" -- bench_model --shape llama3-8b --batches 1 16 64 $model --trace --pdl auto auto-torch-activation ;;
+    *) echo "unknown stage $name (conformance model-8b model-8b-fi model-1b model-1b-fi moe solutions pdl-1b pdl-8b pdl-moe pdl-conformance host serve gemv gemv-1b gemv-8b gemv-moe activation act-8b)"; exit 2 ;;
   esac
 done
 if [ -n "${OUT:-}" ]; then  # and the conformance reports

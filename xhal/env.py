@@ -112,6 +112,14 @@ def cuda_fused() -> bool:
     return _flag("XHAL_CUDA_FUSED", True)
 
 
+def cuda_triton_activation() -> bool:
+    """``XHAL_CUDA_TRITON_ACTIVATION``: the CUDA platform's gated activations (``silu_and_mul``,
+    ``gelu_and_mul``, and the activation before the down projection at 2+ rows) as one Triton
+    launch; on by default, ``0`` runs the float32 torch sequence (the peer it is measured
+    against)."""
+    return _flag("XHAL_CUDA_TRITON_ACTIVATION", True)
+
+
 def cuda_pdl() -> bool:
     """``XHAL_CUDA_PDL``: launch the CUDA platform's decode kernels (GEMVs, fused GEMVs, rotary +
     KV write, norms, the MoE router) with programmatic dependent launch on sm_90+, so each is

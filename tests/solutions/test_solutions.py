@@ -220,8 +220,9 @@ LEGACY_CUDA = {
     "rms_norm": "flashinfer",
     "fused_add_rms_norm": "triton",
     "rotary_embedding": "triton",
-    "silu_and_mul": "flashinfer",
-    "gelu_and_mul": "flashinfer",
+    # since: our Triton gated activations, measured faster than FlashInfer's on the H200
+    "silu_and_mul": "triton",
+    "gelu_and_mul": "triton",
     "moe_route": "triton",
     "moe_experts": "triton",
     "sampling": "torch",
@@ -238,7 +239,7 @@ def test_cuda_declarations_keep_the_choices_made_before_solutions(installed, mon
     monkeypatch.setattr(selection, "_importable", lambda module: module in installed)
     h200 = solutions.DeviceInfo("cuda", "NVIDIA H200", (9, 0))
     fallback = {"rms_norm": "torch", "silu_and_mul": "torch", "gelu_and_mul": "torch"}
-    expected = LEGACY_CUDA if "flashinfer" in installed else {**LEGACY_CUDA, **fallback}
+    expected = LEGACY_CUDA if "flashinfer" in installed else {**LEGACY_CUDA, "rms_norm": "torch"}
     assert {op: solutions.select(op, h200).name for op in LEGACY_CUDA} == expected
     for dtype, name in (
         (torch.bfloat16, "flashinfer"),

@@ -1,6 +1,6 @@
 """CUDA DeviceOps: our Triton kernels for small-batch linear layers (GEMV, and fused with the
-RMSNorm or SiLU gate before them), the fused residual add + RMSNorm and rotary embedding (out of
-place, one launch each), the fused mixture of experts
+RMSNorm or SiLU gate before them), the fused residual add + RMSNorm, rotary embedding and gated
+activations (out of place, one launch each), the fused mixture of experts
 (top-k routing, grouped GEMMs over expert-sorted tokens), FlashInfer's RMSNorm /
 activation kernels when FlashInfer is present, vectorized torch otherwise; sampling without host
 syncs."""
@@ -15,6 +15,7 @@ from xhal.interfaces.ops import DeviceOps
 from xhal.platforms.common import sampling
 from xhal.platforms.cuda import pdl
 from xhal.platforms.cuda.kernels import (
+    activation,
     fused_gemv,
     gemv,
     moe,
@@ -131,6 +132,20 @@ class CudaOps(DeviceOps):
             return fused_gemv.silu_and_mul_gemv(x, weight, bias, use_pdl=use_pdl)
         return super().silu_and_mul_linear(x, weight, bias)
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """One Triton launch (kernels/activation.py) for every fp16 / bf16 / fp32 shape: also what
+        ``silu_and_mul_linear`` runs before cuBLAS at 2+ rows. ``XHAL_CUDA_TRITON_ACTIVATION=0``
+        (read per call, so a graph keeps the setting it was captured with) runs the torch
+        sequence, the peer a benchmark times it against."""
+        if env.cuda_triton_activation() and activation.supports(x):
+            return activation.silu_and_mul(x)
+        return super().silu_and_mul(x)
+
+    def gelu_and_mul(self, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+        if env.cuda_triton_activation() and activation.supports(x):
+            return activation.gelu_and_mul(x, approximate)
+        return super().gelu_and_mul(x, approximate)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(
@@ -207,7 +222,7 @@ class FlashInferOps(CudaOps):
 
     def gelu_and_mul(self, x, approximate="none"):
         # FlashInfer 0.5.3's gelu_tanh_and_mul is 1.6 ulp off in fp16 (conformance ops family on
-        # the H200, shape (7, 192)): the tanh form stays on the float32 path, rounded once
+        # the H200, shape (7, 192)): the tanh form takes ours, float32 rounded once
         if approximate == "tanh" or not self._fi_activation_fits(x):
             return super().gelu_and_mul(x, approximate)
         return self._fi.gelu_and_mul(x)

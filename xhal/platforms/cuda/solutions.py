@@ -1,6 +1,9 @@
 """The CUDA platform's solutions. Priorities keep the choices made before solutions existed:
 FlashInfer's norm and activations and attention when installed, our Triton GEMV / fused add+norm
-/ rotary / fused MoE, cuBLAS and torch as the fallbacks."""
+/ rotary / fused MoE, cuBLAS and torch as the fallbacks; since: our Triton gated activations
+ahead of FlashInfer's (bench_activation on the H200, silu_and_mul bf16 at 1 / 16 / 64 rows of the
+8B shape: 1.09 / 1.32 / 2.89 us against 3.58 / 3.61 / 4.36; 1B: 1.08 / 1.18 / 2.31 against 1.76 /
+1.84 / 2.45; docs/h200-results.md, tenth session), and inside FlashInfer's where it cannot run."""
 
 from __future__ import annotations
 
@@ -203,7 +206,15 @@ SOLUTIONS = (
         _FI_OPS,
         _req(FLASHINFER),
         20,
-        description="FlashInfer's for aligned fp16/bf16, torch otherwise",
+        description="FlashInfer's for aligned fp16/bf16, ours (triton) otherwise",
+    ),
+    Solution(
+        "silu_and_mul",
+        "triton",
+        _OPS,
+        _req(TRITON),
+        25,
+        description="one launch for every fp16/bf16/fp32 shape (kernels/activation.py)",
     ),
     Solution("silu_and_mul", "torch", _TORCH, _req(), 10),
     Solution(
@@ -212,7 +223,15 @@ SOLUTIONS = (
         _FI_OPS,
         _req(FLASHINFER),
         20,
-        description="FlashInfer's exact-erf form for aligned fp16/bf16, torch otherwise",
+        description="FlashInfer's exact-erf form for aligned fp16/bf16, ours (triton) otherwise",
+    ),
+    Solution(
+        "gelu_and_mul",
+        "triton",
+        _OPS,
+        _req(TRITON),
+        25,
+        description="erf and tanh forms, one launch for every fp16/bf16/fp32 shape",
     ),
     Solution("gelu_and_mul", "torch", _TORCH, _req(), 10),
     # the fused decode ops: our fused GEMVs for a graph-captured row (XHAL_CUDA_FUSED=0: the
