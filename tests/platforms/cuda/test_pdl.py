@@ -29,8 +29,10 @@ def test_the_switch_defaults_on_and_reads_its_values(monkeypatch) -> None:
         env.cuda_pdl()
     monkeypatch.setenv("XHAL_CUDA_PDL_TRIGGER", "Late")
     assert env.cuda_pdl_trigger() == "late"
+    monkeypatch.setenv("XHAL_CUDA_PDL_TRIGGER", "by-size")
+    assert env.cuda_pdl_trigger() == "by-size"
     monkeypatch.setenv("XHAL_CUDA_PDL_TRIGGER", "soon")
-    with pytest.raises(ValueError, match="use auto \\(default\\), early or late"):
+    with pytest.raises(ValueError, match="use auto \\(default\\), by-size, early or late"):
         env.cuda_pdl_trigger()
 
 
@@ -42,12 +44,19 @@ def test_cpu_tensors_never_take_pdl(monkeypatch) -> None:
     assert pdl.launch_options(pdl.EARLY) == {"launch_pdl": True}
 
 
-def test_auto_triggers_small_gemvs_early_and_large_ones_late() -> None:
+def test_auto_triggers_small_gemvs_early_and_large_ones_and_norm_gemvs_late() -> None:
     small, large = pdl.EARLY_BYTES - 2, pdl.EARLY_BYTES
-    assert pdl.gemv_trigger(pdl.AUTO, small) == pdl.EARLY
-    assert pdl.gemv_trigger(pdl.AUTO, large) == pdl.LATE
+    for rule in (pdl.AUTO, pdl.BY_SIZE):
+        assert pdl.gemv_trigger(rule, small) == pdl.EARLY
+        assert pdl.gemv_trigger(rule, large) == pdl.LATE
+    # the add + RMSNorm GEMVs (qkv ahead of attention, gate_up): late at every size under AUTO,
+    # by size under BY_SIZE (the rule before)
+    assert pdl.gemv_trigger(pdl.AUTO, small, norm=True) == pdl.LATE
+    assert pdl.gemv_trigger(pdl.BY_SIZE, small, norm=True) == pdl.EARLY
     for forced in (pdl.OFF, pdl.EARLY, pdl.LATE):
-        assert pdl.gemv_trigger(forced, small) == pdl.gemv_trigger(forced, large) == forced
+        for norm in (False, True):
+            assert pdl.gemv_trigger(forced, small, norm) == forced
+            assert pdl.gemv_trigger(forced, large, norm) == forced
 
 
 # -- the rule, on the compiled code --------------------------------------------------------------
@@ -63,8 +72,9 @@ _POINTERS = {
 _FLOATS = ("eps", "scale_log2", "soft_cap")
 _GEMV = dict(
     K=512, K_PER_SPLIT=512, M=1, BLOCK_M=1, BLOCK_N=8, BLOCK_K=128, PROLOGUE=1, SPLIT=False,
-    HAS_BIAS=False, NUM_STAGES=2,
+    HAS_BIAS=False, NUM_STAGES=2, L2_AHEAD=0, L2_LINES=1, L2_LINE=64,
 )
+_L2 = dict(L2_LINES=2, L2_LINE=64)
 _SPLITKV = dict(  # the fused decode layer (new token + rotary) of the 8B shape, 16 splits
     GROUP=4, GROUP_PAD=4, ROWS=16, HEAD_DIM=128, DIM_PAD=128, PAGE=16, BLOCK_N=64, SPLITS_PAD=16,
     MERGE_CHUNK=16, SOFT_CAP=False, WINDOW=False, F32_DOT=False, NEW_KV=True, ROTARY=True,
@@ -74,6 +84,16 @@ CASES = {  # name: (module, kernel, constexprs)
     "gemv off": ("fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.OFF}),
     "norm+gemv early": ("fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.EARLY}),
     "norm+gemv late": ("fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.LATE}),
+    # 4 weight tiles of 2 L2 lines a row: the next one asked of L2 each step, or all three ahead
+    "norm+gemv late l2+1": (
+        "fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.LATE, **_L2, "L2_AHEAD": 1}
+    ),
+    "norm+gemv early l2 whole": (
+        "fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.EARLY, **_L2, "L2_AHEAD": 3}
+    ),
+    "gemv off l2+1": (
+        "fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.OFF, **_L2, "L2_AHEAD": 1}
+    ),
     "rotary_kv": (
         "rotary_kv",
         "_rotary_kv_kernel",
@@ -142,7 +162,8 @@ def ptx() -> dict[str, str]:
 
 @pytest.mark.parametrize(
     "case",
-    ["norm+gemv early", "norm+gemv late", "rotary_kv", "add_rms_norm", "qk_norm", "router",
+    ["norm+gemv early", "norm+gemv late", "norm+gemv late l2+1", "norm+gemv early l2 whole",
+     "rotary_kv", "add_rms_norm", "qk_norm", "router",
      "splitkv early", "splitkv late"],
 )
 def test_a_pdl_kernel_waits_once_and_writes_nothing_before_its_wait(ptx, case) -> None:
@@ -152,7 +173,7 @@ def test_a_pdl_kernel_waits_once_and_writes_nothing_before_its_wait(ptx, case) -
     before_wait = code.split("griddepcontrol.wait")[0]
     for write in ("st.global", "atom.", "red.", "cp.async.bulk"):
         assert write not in before_wait, f"{case}: {write} before the wait"
-    if case == "norm+gemv late":  # the trigger after the weight loop's last load
+    if "late" in case and "gemv" in case:  # the trigger after the weight loop's last load
         after_wait = code.split("griddepcontrol.wait")[1]
         assert after_wait.index("griddepcontrol.launch_dependents") > after_wait.rfind(
             "ld.global"
@@ -161,6 +182,8 @@ def test_a_pdl_kernel_waits_once_and_writes_nothing_before_its_wait(ptx, case) -
 
 def test_the_plain_kernel_has_no_pdl_instruction(ptx) -> None:
     assert "griddepcontrol" not in ptx["gemv off"]
+    assert "griddepcontrol" not in ptx["gemv off l2+1"]
+    assert "prefetch.global.L2" not in ptx["gemv off"]
     assert "griddepcontrol" not in ptx["splitkv off"]
     assert "prefetch.global.L2" not in ptx["splitkv off"]
 
@@ -180,6 +203,17 @@ def test_splitkv_asks_l2_for_its_tiles_before_the_wait_and_reads_q_after(ptx, ca
         assert trigger < after.index("atom.")
     else:
         assert trigger < after.index("ld.global")
+
+
+def test_a_gemv_asks_l2_for_its_next_tiles_ahead_of_their_loads(ptx) -> None:
+    """``l2_ahead``: the tiles up to that depth asked of L2 before the wait (weights only, rule
+    1), then one tile a step in the loop; past the program's last tile, the whole slice before the
+    wait and nothing in the loop. Four tiles of 8 rows x 2 lines: one prefetch a thread a tile."""
+    before, after = ptx["norm+gemv late l2+1"].split("griddepcontrol.wait")
+    assert before.count("prefetch.global.L2") == 1 and after.count("prefetch.global.L2") >= 1
+    before, after = ptx["norm+gemv early l2 whole"].split("griddepcontrol.wait")
+    assert before.count("prefetch.global.L2") == 3 and "prefetch.global.L2" not in after
+    assert ptx["gemv off l2+1"].count("prefetch.global.L2") >= 2
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from xhal.platforms.cuda.kernels.fused_gemv_config import (
     fused_gemv_config,
 )
 from xhal.platforms.cuda.kernels.gemv import _DTYPES, MAX_CORE_M, GemvConfig, _num_sms
+from xhal.platforms.cuda.kernels.l2_prefetch import line_elements, lines, prefetch_l2
 
 __all__ = ["PREVIOUS", "TUNED", "fused_gemv_config"]  # with the three entry points below
 _REDUCE_BLOCK = 1024
@@ -94,12 +95,23 @@ def _flush(
 
 
 @triton.jit
+def _ask_l2(w_ptr, rows, N, k0, K: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr):
+    """An L2 prefetch of every line of the weight tile at columns [k0, k0 + LINES * LINE) of
+    ``rows``; rows past N and columns past K ask for the last row's / column's line instead (a
+    prefetch must address the allocation)."""
+    r = tl.minimum(rows, N - 1).to(tl.int64)
+    cols = tl.minimum(k0 + tl.arange(0, LINES) * LINE, K - 1)
+    prefetch_l2(w_ptr + r[:, None] * K + cols[None, :])
+
+
+@triton.jit
 def _fused_gemv_kernel(
     x_ptr, res_ptr, g_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, sum_ptr, sq_ptr,
     N, x_stride, res_stride, eps,
     K: tl.constexpr, K_PER_SPLIT: tl.constexpr, M: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr, SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+    L2_AHEAD: tl.constexpr = 0, L2_LINES: tl.constexpr = 1, L2_LINE: tl.constexpr = 64,
 ):
     STEPS: tl.constexpr = K_PER_SPLIT // BLOCK_K
     pid_n = tl.program_id(0)
@@ -120,6 +132,9 @@ def _fused_gemv_kernel(
         mask=row_mask[:, None] & k_mask[None, :],
         other=0.0,
     )
+    if L2_AHEAD > 0:  # the next tiles of the slice asked of L2 now, the rest one a step below
+        for j in tl.static_range(1, L2_AHEAD + 1):
+            _ask_l2(w_ptr, rows, N, k_start + j * BLOCK_K, K, L2_LINES, L2_LINE)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x (and the residual) come from the previous kernel
     if USE_PDL == 1:
@@ -132,6 +147,9 @@ def _fused_gemv_kernel(
     acc += a[:, None, :] * w.to(tl.float32)[None, :, :]
     sq = q if PROLOGUE == 1 else tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     for t in tl.range(1, STEPS, num_stages=NUM_STAGES):
+        if L2_AHEAD > 0 and L2_AHEAD < STEPS - 1:  # tile t + L2_AHEAD (the last one past the end)
+            ahead = tl.minimum(t + L2_AHEAD, STEPS - 1)
+            _ask_l2(w_ptr, rows, N, k_start + ahead * BLOCK_K, K, L2_LINES, L2_LINE)
         ks = k_start + t * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         w = tl.load(
@@ -247,8 +265,11 @@ def _launch(
         if config is not None
         else fused_gemv_config(M, N, K, _num_sms(x.device), prologue)
     )
-    if any(v < 1 or v & (v - 1) for v in (cfg.block_n, cfg.block_k)) or min(cfg) < 1:
-        raise ValueError(f"fused_gemv: {cfg} needs power-of-2 block sizes and every field >= 1")
+    pow2 = all(v >= 1 and not v & (v - 1) for v in (cfg.block_n, cfg.block_k))
+    if not pow2 or min(cfg[:5]) < 1 or cfg.l2_ahead < 0:
+        raise ValueError(
+            f"fused_gemv: {cfg} needs power-of-2 block sizes, every field >= 1 and l2_ahead >= 0"
+        )
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(K, k_per_split)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -268,8 +289,13 @@ def _launch(
         if split_k == 1 or prologue != _NORM
         else torch.empty((split_k, M), dtype=torch.float32, device=x.device)
     )
-    use_pdl = pdl.gemv_trigger(int(use_pdl), weight.numel() * weight.element_size())
+    use_pdl = pdl.gemv_trigger(
+        int(use_pdl), weight.numel() * weight.element_size(), norm=prologue == _NORM
+    )
     pdl_options = pdl.launch_options(use_pdl)
+    # L2 prefetches are inline PTX: compiled kernels only, never Triton's interpreter (CPU)
+    steps = k_per_split // cfg.block_k
+    l2_ahead = min(cfg.l2_ahead, steps - 1) if x.device.type == "cuda" else 0
     _fused_gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
         x,
         res_arg,
@@ -295,6 +321,9 @@ def _launch(
         HAS_BIAS=bias is not None,
         NUM_STAGES=cfg.num_stages,
         USE_PDL=use_pdl,
+        L2_AHEAD=l2_ahead,
+        L2_LINES=lines(cfg.block_k * weight.element_size()),
+        L2_LINE=line_elements(weight.element_size()),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_options,
