@@ -18,11 +18,26 @@ PDL_VARIANTS = {
     "early": ("1", "early"),
     "late": ("1", "late"),
     "auto": ("1", "auto"),
+    # the size rule alone: auto before it made the add + RMSNorm GEMVs trigger late (pdl.py)
+    "by-size": ("1", "by-size"),
     # auto with the stream GEMVs' launch shapes of the tree before the ninth session's table
     # (fused_gemv_config.PREVIOUS): the peer of this tree's TUNED table
     "auto-previous-gemv": ("1", "auto"),
+    # auto with TUNED's tiles but no L2 prefetch ahead of the loads (l2_ahead 0 in every row)
+    "auto-no-l2": ("1", "auto"),
+    # the tree as committed before BENCH_GEMV_TABLE loaded its rows, with the size rule alone:
+    # the ninth session's behaviour when the tree's TUNED has no l2_ahead
+    "tree-before": ("1", "by-size"),
 }
 PREVIOUS_GEMV = "auto-previous-gemv"
+_TREE_TUNED: dict = {}  # TUNED as the tree has it, before load_gemv_table
+
+
+def tree_table() -> dict:
+    """The stream GEMVs' TUNED table as committed, whatever ``BENCH_GEMV_TABLE`` loaded."""
+    from xhal.platforms.cuda.kernels.fused_gemv_config import TUNED
+
+    return dict(_TREE_TUNED) if _TREE_TUNED else dict(TUNED)
 
 
 def load_gemv_table() -> None:
@@ -38,6 +53,7 @@ def load_gemv_table() -> None:
     from xhal.platforms.cuda.kernels.fused_gemv_config import TUNED
     from xhal.platforms.cuda.kernels.gemv import GemvConfig
 
+    _TREE_TUNED.update(tree_table())
     with open(path) as f:
         for prologue, n, k, *config in json.load(f):
             TUNED[(prologue, n, k)] = GemvConfig(*config)
@@ -66,17 +82,25 @@ def _compile_stream_gemv(prologue: int, n: int, k: int) -> None:
 
 @contextlib.contextmanager
 def _gemv_table(name: str) -> Iterator[None]:
-    """The previous GEMV table in place of TUNED while ``PREVIOUS_GEMV`` captures."""
-    if name != PREVIOUS_GEMV:
-        yield
-        return
+    """Another table in place of TUNED while a variant that names one captures: the previous
+    one (``PREVIOUS_GEMV``), TUNED without its L2 prefetch (``auto-no-l2``), the tree's as
+    committed (``tree-before``)."""
     from xhal.platforms.cuda.kernels.fused_gemv_config import PREVIOUS, TUNED
 
     saved = dict(TUNED)
+    tables = {
+        PREVIOUS_GEMV: lambda: dict(PREVIOUS),
+        "auto-no-l2": lambda: {k: c._replace(l2_ahead=0) for k, c in saved.items()},
+        "tree-before": tree_table,
+    }
+    if name not in tables:
+        yield
+        return
+    replaced = tables[name]()
     TUNED.clear()
-    TUNED.update(PREVIOUS)
-    for key in saved:  # the shapes whose launch changes: compiled here, since not under capture
-        _compile_stream_gemv(*key)
+    TUNED.update(replaced)
+    for key in {**saved, **replaced}:  # the shapes whose launch changes: compiled here, since
+        _compile_stream_gemv(*key)  # not under capture
     try:
         yield
     finally:
