@@ -28,6 +28,10 @@ PDL_VARIANTS = {
     # the tree as committed before BENCH_GEMV_TABLE loaded its rows, with the size rule alone:
     # the ninth session's behaviour when the tree's TUNED has no l2_ahead
     "tree-before": ("1", "by-size"),
+    # auto with the split-KV launch triggering right after its wait (splitkv_decode.TRIGGER
+    # early): the o GEMV's programs start beside the attention and ask L2 for their weight tiles
+    # (l2_ahead) while it runs, where the late trigger starts them in its tail
+    "auto-attn-early": ("1", "auto"),
 }
 PREVIOUS_GEMV = "auto-previous-gemv"
 _TREE_TUNED: dict = {}  # TUNED as the tree has it, before load_gemv_table
@@ -108,6 +112,24 @@ def _gemv_table(name: str) -> Iterator[None]:
         TUNED.update(saved)
 
 
+@contextlib.contextmanager
+def _attention_trigger(name: str) -> Iterator[None]:
+    """The split-KV launch's trigger early while ``auto-attn-early`` captures (the launch reads
+    ``TRIGGER`` per call; the executor's warm-up before capture compiles it)."""
+    if name != "auto-attn-early":
+        yield
+        return
+    from xhal.platforms.cuda import pdl
+    from xhal.platforms.cuda.kernels import splitkv_decode
+
+    saved = splitkv_decode.TRIGGER
+    splitkv_decode.TRIGGER = pdl.EARLY
+    try:
+        yield
+    finally:
+        splitkv_decode.TRIGGER = saved
+
+
 def add_argument(parser: argparse.ArgumentParser) -> None:
     """``--pdl NAME ...``: the settings to capture and time besides the default executor. Also
     loads ``BENCH_GEMV_TABLE``, before the benchmark builds any executor."""
@@ -129,7 +151,7 @@ def pdl_variant(name: str) -> Iterator[None]:
     saved = {key: os.environ.get(key) for key in keys}
     os.environ.update(zip(keys, PDL_VARIANTS[name]))
     try:
-        with _gemv_table(name):
+        with _gemv_table(name), _attention_trigger(name):
             yield
     finally:
         for key, value in saved.items():
