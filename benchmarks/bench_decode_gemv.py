@@ -1,10 +1,11 @@
 """The batch-1 stream GEMVs of the decode steps (``fused_gemv``: norm + qkv, o, norm + gate_up,
 silu + down) on the H200: each projection of the Llama-3.2-1B, Qwen3-30B-A3B (attention) and
-Llama-3-8B shapes, the tree's launch shape (``fused_gemv_config.TUNED``, the peer) against its
-tiles with weight tiles asked of L2 ahead of their loads (``l2_ahead``) and a few other tiles,
-every one checked against a float64 reference first. (The ninth session's runs swept tile shapes,
-a whole slice loaded before the PDL wait, loads one step ahead and persistent grids, on the kernel
-of commit 445524e; ``fused_gemv_config.py`` has the result.)
+Llama-3-8B shapes, the tree's launch shape (``fused_gemv_config.TUNED``, the peer) against
+weight tiles loaded through TMA descriptors (``tma``, pipelined 2-4 stages deep) on its tiles
+and a few others, every one checked against a float64 reference first. (The ninth session's
+runs swept tile shapes, a whole slice loaded before the PDL wait, loads one step ahead and
+persistent grids, on the kernel of commit 445524e; the tenth asked L2 for tiles ahead of their
+loads; ``fused_gemv_config.py`` has the results.)
 
     python -m benchmarks.bench_decode_gemv [--models 1b moe 8b] [--json FILE]
 
@@ -45,27 +46,22 @@ PROJECTIONS = {
 HEAD_ELEMENTS = 16384  # a prefetched head of at most this many weights (64 registers a thread)
 
 
-L2_AHEAD = (1, 2, 1 << 10)  # tiles asked of L2 ahead of their loads; the last: whole slice
-
-
 def candidates(prologue: int, N: int, K: int, num_sms: int) -> list[tuple[int, ...]]:
     """The tree's shape first (the peer: ``TUNED`` as committed, before ``BENCH_GEMV_TABLE``),
-    then the same tiles and 4 x 1024 ones with their next weight tiles asked of L2 ahead of the
-    loads (Triton keeps about one tile per program in registers; a prefetch holds no register,
-    so the DRAM can have the whole slice in flight), each depth once: a depth past the
-    program's last tile is the whole slice."""
+    then weight tiles through TMA descriptors (``tma``: Triton's pipeliner keeps num_stages - 1
+    of them in flight in shared memory, where plain loads leave a program about one tile in
+    flight), on the tree's tiles and a few others, 2-4 stages."""
     from xhal.platforms.cuda.kernels.fused_gemv_config import fused_gemv_config
     from xhal.platforms.cuda.kernels.gemv import GemvConfig
 
     tree = fused_gemv_config(1, N, K, num_sms, prologue, table=tree_table())
-    bases = [tree]
-    bases.append(GemvConfig(4, min(1024, triton_pow2(K)), 1, 4, 1))
-    grid = []
-    for base in dict.fromkeys(bases):
-        steps = -(-K // base.split_k // base.block_k)
-        for ahead in (0, *L2_AHEAD):
-            grid.append(tuple(base._replace(l2_ahead=min(ahead, steps - 1))))
-    return list(dict.fromkeys(grid))  # in order, once each
+    grid = [tree]
+    if K % 8 == 0:  # TMA needs 16-byte rows (bf16)
+        grid += [tree._replace(num_stages=s, tma=1) for s in (3, 4)]
+        for block_n, block_k, stages in ((8, 512, 4), (4, 1024, 3), (8, 1024, 3), (16, 512, 4)):
+            block_k = min(block_k, triton_pow2(K))
+            grid.append(GemvConfig(block_n, block_k, 1, 4, stages, 1))
+    return list(dict.fromkeys(tuple(c) for c in grid))  # in order, once each
 
 
 def triton_pow2(n: int) -> int:
@@ -73,8 +69,8 @@ def triton_pow2(n: int) -> int:
 
 
 def fmt(c: tuple[int, ...]) -> str:
-    l2 = f" l2+{c[5]}" if len(c) > 5 and c[5] else ""
-    return f"{c[0]}x{c[1]} split{c[2]} w{c[3]} st{c[4]}{l2}"
+    tma = " tma" if len(c) > 5 and c[5] else ""
+    return f"{c[0]}x{c[1]} split{c[2]} w{c[3]} st{c[4]}{tma}"
 
 
 def run_projection(

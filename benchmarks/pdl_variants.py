@@ -23,14 +23,14 @@ PDL_VARIANTS = {
     # auto with the stream GEMVs' launch shapes of the tree before the ninth session's table
     # (fused_gemv_config.PREVIOUS): the peer of this tree's TUNED table
     "auto-previous-gemv": ("1", "auto"),
-    # auto with TUNED's tiles but no L2 prefetch ahead of the loads (l2_ahead 0 in every row)
-    "auto-no-l2": ("1", "auto"),
+    # auto with TUNED's tiles but plain weight loads (tma 0 in every row)
+    "auto-no-tma": ("1", "auto"),
     # the tree as committed before BENCH_GEMV_TABLE loaded its rows, with the size rule alone:
-    # the ninth session's behaviour when the tree's TUNED has no l2_ahead
+    # the ninth session's behaviour (its TUNED, plain weight loads)
     "tree-before": ("1", "by-size"),
     # auto with the split-KV launch triggering right after its wait (splitkv_decode.TRIGGER
-    # early): the o GEMV's programs start beside the attention and ask L2 for their weight tiles
-    # (l2_ahead) while it runs, where the late trigger starts them in its tail
+    # early): the o GEMV's programs start beside the attention and load their first weight tiles
+    # while it runs, where the late trigger starts them in its tail
     "auto-attn-early": ("1", "auto"),
 }
 PREVIOUS_GEMV = "auto-previous-gemv"
@@ -87,14 +87,14 @@ def _compile_stream_gemv(prologue: int, n: int, k: int) -> None:
 @contextlib.contextmanager
 def _gemv_table(name: str) -> Iterator[None]:
     """Another table in place of TUNED while a variant that names one captures: the previous
-    one (``PREVIOUS_GEMV``), TUNED without its L2 prefetch (``auto-no-l2``), the tree's as
+    one (``PREVIOUS_GEMV``), TUNED with plain weight loads (``auto-no-tma``), the tree's as
     committed (``tree-before``)."""
     from xhal.platforms.cuda.kernels.fused_gemv_config import PREVIOUS, TUNED
 
     saved = dict(TUNED)
     tables = {
         PREVIOUS_GEMV: lambda: dict(PREVIOUS),
-        "auto-no-l2": lambda: {k: c._replace(l2_ahead=0) for k, c in saved.items()},
+        "auto-no-tma": lambda: {k: c._replace(tma=0) for k, c in saved.items()},
         "tree-before": tree_table,
     }
     if name not in tables:

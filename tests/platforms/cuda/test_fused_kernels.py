@@ -27,19 +27,18 @@ def _errors(values: list[float]):
 
 
 # (M, K, N, config): the heuristic, forced K splits (the reduce carries the sum of squares), the
-# TUNED tile shapes (fused_gemv_config) on K and N not multiples of their tiles, and tiles asked
-# of L2 ahead of their loads (l2_ahead, the sixth field: compiled kernels only, so on a GPU; the
-# interpreter runs the same config without the prefetches), one step ahead, split, and past the
-# last tile, with rows past N and columns past K asking for the last row's / column's lines
+# TUNED tile shapes (fused_gemv_config) on K and N not multiples of their tiles, and weight tiles
+# through TMA descriptors (tma, the sixth field), pipelined, split, and on N and K past the tiles
+# (the descriptor reads zeros there; K a multiple of 16 bytes, as TMA needs)
 CASES = [
     (1, 192, 40, None),
     (1, 320, 24, (8, 64, 2, 4, 2)),
     (3, 96, 17, (8, 32, 4, 4, 1)),
     (1, 1500, 23, (4, 1024, 1, 4, 1)),
     (1, 2100, 13, (8, 2048, 1, 8, 1)),
-    (1, 1500, 23, (4, 256, 1, 4, 1, 1)),
-    (2, 700, 9, (8, 64, 2, 4, 1, 2)),
-    (1, 300, 11, (4, 64, 1, 4, 1, 64)),
+    (1, 1504, 23, (4, 256, 1, 4, 3, 1)),
+    (2, 704, 9, (8, 64, 2, 4, 2, 1)),
+    (1, 304, 11, (16, 64, 1, 4, 4, 1)),
 ]
 
 
@@ -97,10 +96,12 @@ def test_a_tuned_shape_applies_to_one_row_of_its_own_op_only(key) -> None:
     )
 
 
-def test_a_negative_l2_prefetch_depth_is_refused() -> None:
-    x, w = _rand(1, 64, dtype=torch.float32, seed=0), _rand(8, 64, dtype=torch.float32, seed=1)
-    with pytest.raises(ValueError, match="l2_ahead >= 0"):
-        fused_gemv.stream_gemv(x, w, config=(4, 64, 1, 4, 1, -1))
+def test_a_tma_config_needs_aligned_weight_rows() -> None:
+    x, w = _rand(1, 100, dtype=torch.bfloat16, seed=0), _rand(8, 100, dtype=torch.bfloat16, seed=1)
+    with pytest.raises(ValueError, match="16-byte aligned rows"):
+        fused_gemv.stream_gemv(x, w, config=(4, 64, 1, 4, 2, 1))
+    with pytest.raises(ValueError, match="tma 0 or 1"):
+        fused_gemv.stream_gemv(x, w, config=(4, 64, 1, 4, 2, 2))
 
 
 def test_the_fused_bound_rejects_a_gemv_that_drops_one_k_tile() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -72,9 +73,8 @@ _POINTERS = {
 _FLOATS = ("eps", "scale_log2", "soft_cap")
 _GEMV = dict(
     K=512, K_PER_SPLIT=512, M=1, BLOCK_M=1, BLOCK_N=8, BLOCK_K=128, PROLOGUE=1, SPLIT=False,
-    HAS_BIAS=False, NUM_STAGES=2, L2_AHEAD=0, L2_LINES=1, L2_LINE=64,
+    HAS_BIAS=False, NUM_STAGES=2, TMA=False,
 )
-_L2 = dict(L2_LINES=2, L2_LINE=64)
 _SPLITKV = dict(  # the fused decode layer (new token + rotary) of the 8B shape, 16 splits
     GROUP=4, GROUP_PAD=4, ROWS=16, HEAD_DIM=128, DIM_PAD=128, PAGE=16, BLOCK_N=64, SPLITS_PAD=16,
     MERGE_CHUNK=16, SOFT_CAP=False, WINDOW=False, F32_DOT=False, NEW_KV=True, ROTARY=True,
@@ -84,15 +84,14 @@ CASES = {  # name: (module, kernel, constexprs)
     "gemv off": ("fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.OFF}),
     "norm+gemv early": ("fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.EARLY}),
     "norm+gemv late": ("fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.LATE}),
-    # 4 weight tiles of 2 L2 lines a row: the next one asked of L2 each step, or all three ahead
-    "norm+gemv late l2+1": (
-        "fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.LATE, **_L2, "L2_AHEAD": 1}
+    # weight tiles through a TMA descriptor, pipelined (four tiles, num_stages 3)
+    "norm+gemv late tma": (
+        "fused_gemv", "_fused_gemv_kernel",
+        {**_GEMV, "USE_PDL": pdl.LATE, "TMA": True, "NUM_STAGES": 3},
     ),
-    "norm+gemv early l2 whole": (
-        "fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.EARLY, **_L2, "L2_AHEAD": 3}
-    ),
-    "gemv off l2+1": (
-        "fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.OFF, **_L2, "L2_AHEAD": 1}
+    "gemv off tma": (
+        "fused_gemv", "_fused_gemv_kernel",
+        {**_GEMV, "USE_PDL": pdl.OFF, "TMA": True, "NUM_STAGES": 3},
     ),
     "rotary_kv": (
         "rotary_kv",
@@ -138,12 +137,18 @@ def _compile_all() -> dict[str, str]:
         for arg in kernel.arg_names:
             if arg in constexprs:
                 signature[arg] = "constexpr"
+            elif arg == "w_ptr" and constexprs.get("TMA"):
+                block = (constexprs["BLOCK_N"], constexprs["BLOCK_K"])
+                signature[arg] = f"tensordesc<bf16[{block[0]}, {block[1]}]>"
             elif arg.endswith("_ptr"):
                 signature[arg] = _POINTERS.get(arg, "*bf16")
             else:
                 signature[arg] = "fp32" if arg in _FLOATS else "i32"
         source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-        out[case] = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        options = {"num_stages": constexprs.get("NUM_STAGES", 3)}
+        out[case] = triton.compile(
+            source, target=GPUTarget("cuda", 90, 32), options=options
+        ).asm["ptx"]
     return out
 
 
@@ -162,17 +167,21 @@ def ptx() -> dict[str, str]:
 
 @pytest.mark.parametrize(
     "case",
-    ["norm+gemv early", "norm+gemv late", "norm+gemv late l2+1", "norm+gemv early l2 whole",
-     "rotary_kv", "add_rms_norm", "qk_norm", "router",
-     "splitkv early", "splitkv late"],
+    ["norm+gemv early", "norm+gemv late", "norm+gemv late tma", "rotary_kv", "add_rms_norm",
+     "qk_norm", "router", "splitkv early", "splitkv late"],
 )
 def test_a_pdl_kernel_waits_once_and_writes_nothing_before_its_wait(ptx, case) -> None:
     code = ptx[case]
     assert code.count("griddepcontrol.wait") == 1
     assert code.count("griddepcontrol.launch_dependents") == 1
     before_wait = code.split("griddepcontrol.wait")[0]
-    for write in ("st.global", "atom.", "red.", "cp.async.bulk"):
-        assert write not in before_wait, f"{case}: {write} before the wait"
+    # a bulk copy into global memory is a write; one into shared memory (a TMA load of a
+    # weight tile, ``.shared::cluster.global``) is not
+    bulk_writes = re.findall(r"cp\.(?:reduce\.)?async\.bulk[\w:.]*\.global\.shared", before_wait)
+    assert not bulk_writes, f"{case}: {bulk_writes} before the wait"
+    for write in ("st.global", "atom.", "red."):  # as instructions (".shared." holds "red.")
+        found = re.findall(rf"^\s*(?:@!?%p\d+\s+)?{re.escape(write)}", before_wait, re.M)
+        assert not found, f"{case}: {write} before the wait"
     if "late" in case and "gemv" in case:  # the trigger after the weight loop's last load
         after_wait = code.split("griddepcontrol.wait")[1]
         assert after_wait.index("griddepcontrol.launch_dependents") > after_wait.rfind(
@@ -182,8 +191,7 @@ def test_a_pdl_kernel_waits_once_and_writes_nothing_before_its_wait(ptx, case) -
 
 def test_the_plain_kernel_has_no_pdl_instruction(ptx) -> None:
     assert "griddepcontrol" not in ptx["gemv off"]
-    assert "griddepcontrol" not in ptx["gemv off l2+1"]
-    assert "prefetch.global.L2" not in ptx["gemv off"]
+    assert "griddepcontrol" not in ptx["gemv off tma"]
     assert "griddepcontrol" not in ptx["splitkv off"]
     assert "prefetch.global.L2" not in ptx["splitkv off"]
 
@@ -205,15 +213,17 @@ def test_splitkv_asks_l2_for_its_tiles_before_the_wait_and_reads_q_after(ptx, ca
         assert trigger < after.index("ld.global")
 
 
-def test_a_gemv_asks_l2_for_its_next_tiles_ahead_of_their_loads(ptx) -> None:
-    """``l2_ahead``: the tiles up to that depth asked of L2 before the wait (weights only, rule
-    1), then one tile a step in the loop; past the program's last tile, the whole slice before the
-    wait and nothing in the loop. Four tiles of 8 rows x 2 lines: one prefetch a thread a tile."""
-    before, after = ptx["norm+gemv late l2+1"].split("griddepcontrol.wait")
-    assert before.count("prefetch.global.L2") == 1 and after.count("prefetch.global.L2") >= 1
-    before, after = ptx["norm+gemv early l2 whole"].split("griddepcontrol.wait")
-    assert before.count("prefetch.global.L2") == 3 and "prefetch.global.L2" not in after
-    assert ptx["gemv off l2+1"].count("prefetch.global.L2") >= 2
+def test_tma_weight_tiles_are_pipelined_and_the_first_is_asked_before_the_wait(ptx) -> None:
+    """The descriptor's tiles are bulk copies into shared memory, several in flight (the
+    pipeliner's prologue; plain weight loads have none), the peeled first one before the wait
+    (weights only, rule 1); x is read after it, as in the plain kernel."""
+    plain = ptx["gemv off"]
+    assert "cp.async.bulk.tensor" not in plain
+    copies = ptx["gemv off tma"].count("cp.async.bulk.tensor")
+    assert copies >= 3, copies  # the first tile, the pipeliner's prologue and the loop's
+    before, after = ptx["norm+gemv late tma"].split("griddepcontrol.wait")
+    assert "cp.async.bulk.tensor" in before and "cp.async.bulk.tensor" in after
+    assert "mbarrier.try_wait" in after
 
 
 if __name__ == "__main__":

@@ -30,15 +30,15 @@ _REDUCE_BLOCK = 1024
 
 class GemvConfig(NamedTuple):
     """Launch shape of ``gemv``; a plain 5-tuple in this order works wherever one is taken.
-    ``l2_ahead`` is read by ``fused_gemv.py``'s stream GEMV only: weight tiles asked of L2 ahead
-    of their loads (0: none; see that file)."""
+    ``tma`` is read by ``fused_gemv.py``'s stream GEMV only: 1 loads the weight tiles through a
+    TMA descriptor, pipelined ``num_stages`` deep (see that file)."""
 
     block_n: int
     block_k: int
     split_k: int
     num_warps: int
     num_stages: int
-    l2_ahead: int = 0
+    tma: int = 0
 
 
 @triton.jit
