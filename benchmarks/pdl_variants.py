@@ -29,7 +29,7 @@ PDL_VARIANTS = {
     # the ninth session's behaviour (its TUNED, plain weight loads)
     "tree-before": ("1", "by-size"),
     # auto with the split-KV launch triggering right after its wait (splitkv_decode.TRIGGER
-    # early): the o GEMV's programs start beside the attention and load their first weight tiles
+    # early): the o GEMV's programs start beside the attention and load their first weight tile
     # while it runs, where the late trigger starts them in its tail
     "auto-attn-early": ("1", "auto"),
 }

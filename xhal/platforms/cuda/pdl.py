@@ -42,10 +42,11 @@ The rule every PDL kernel here follows:
    cost more than the ramp they hide, while a short stream gains from the earlier start. The
    exception is the add + RMSNorm GEMV (qkv ahead of the split-KV launch, gate_up ahead of the
    SiLU + down GEMV), which ``AUTO`` triggers late at every size: ahead of the split-KV launch
-   late won at every size (1B and MoE attention blocks 7% and 3% faster than early; docs/
-   h200-results.md, ninth session), and gate_up streams 24 MiB or more in every model we
-   benchmark. ``BY_SIZE`` (``XHAL_CUDA_PDL_TRIGGER=by-size``) is the size rule alone, ``AUTO``
-   before this exception, kept as the benchmarks' peer.
+   late won at every size (1B and MoE attention blocks 7% and 3% faster than early, ninth
+   session; in the steps, one process each, 1B 0.972 against 0.988 ms, MoE 3.00 against 3.01,
+   8B 4.32 both: docs/h200-results.md, tenth session), and gate_up streams 24 MiB or more in
+   every model we benchmark. ``BY_SIZE`` (``XHAL_CUDA_PDL_TRIGGER=by-size``) is the size rule
+   alone, ``AUTO`` before this exception, kept as the benchmarks' peer.
 
 Measured on the H200 (2026-12-01, pipelined batch-1 decode steps, each setting's graphs captured
 and timed in one process, ``benchmarks/bench_model.py --pdl`` / ``bench_moe.py --pdl``; two runs,
