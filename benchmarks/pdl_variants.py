@@ -18,16 +18,35 @@ PDL_VARIANTS = {
     "early": ("1", "early"),
     "late": ("1", "late"),
     "auto": ("1", "auto"),
+    # the size rule alone: auto before it made the add + RMSNorm GEMVs trigger late (pdl.py)
+    "by-size": ("1", "by-size"),
     # auto with the stream GEMVs' launch shapes of the tree before the ninth session's table
     # (fused_gemv_config.PREVIOUS): the peer of this tree's TUNED table
     "auto-previous-gemv": ("1", "auto"),
     # auto with the gated activation as the float32 torch sequence (XHAL_CUDA_TRITON_ACTIVATION=0):
     # the peer of the Triton activation kernel
     "auto-torch-activation": ("1", "auto"),
+    # auto with TUNED's tiles but plain weight loads (tma 0 in every row)
+    "auto-no-tma": ("1", "auto"),
+    # the tree as committed before BENCH_GEMV_TABLE loaded its rows, with the size rule alone:
+    # the ninth session's behaviour (its TUNED, plain weight loads)
+    "tree-before": ("1", "by-size"),
+    # auto with the split-KV launch triggering right after its wait (splitkv_decode.TRIGGER
+    # early): the o GEMV's programs start beside the attention and load their first weight tile
+    # while it runs, where the late trigger starts them in its tail
+    "auto-attn-early": ("1", "auto"),
 }
 PREVIOUS_GEMV = "auto-previous-gemv"
 # variant -> further settings it captures under
 EXTRA_ENV = {"auto-torch-activation": {"XHAL_CUDA_TRITON_ACTIVATION": "0"}}
+_TREE_TUNED: dict = {}  # TUNED as the tree has it, before load_gemv_table
+
+
+def tree_table() -> dict:
+    """The stream GEMVs' TUNED table as committed, whatever ``BENCH_GEMV_TABLE`` loaded."""
+    from xhal.platforms.cuda.kernels.fused_gemv_config import TUNED
+
+    return dict(_TREE_TUNED) if _TREE_TUNED else dict(TUNED)
 
 
 def load_gemv_table() -> None:
@@ -43,6 +62,7 @@ def load_gemv_table() -> None:
     from xhal.platforms.cuda.kernels.fused_gemv_config import TUNED
     from xhal.platforms.cuda.kernels.gemv import GemvConfig
 
+    _TREE_TUNED.update(tree_table())
     with open(path) as f:
         for prologue, n, k, *config in json.load(f):
             TUNED[(prologue, n, k)] = GemvConfig(*config)
@@ -71,22 +91,48 @@ def _compile_stream_gemv(prologue: int, n: int, k: int) -> None:
 
 @contextlib.contextmanager
 def _gemv_table(name: str) -> Iterator[None]:
-    """The previous GEMV table in place of TUNED while ``PREVIOUS_GEMV`` captures."""
-    if name != PREVIOUS_GEMV:
-        yield
-        return
+    """Another table in place of TUNED while a variant that names one captures: the previous
+    one (``PREVIOUS_GEMV``), TUNED with plain weight loads (``auto-no-tma``), the tree's as
+    committed (``tree-before``)."""
     from xhal.platforms.cuda.kernels.fused_gemv_config import PREVIOUS, TUNED
 
     saved = dict(TUNED)
+    tables = {
+        PREVIOUS_GEMV: lambda: dict(PREVIOUS),
+        "auto-no-tma": lambda: {k: c._replace(tma=0) for k, c in saved.items()},
+        "tree-before": tree_table,
+    }
+    if name not in tables:
+        yield
+        return
+    replaced = tables[name]()
     TUNED.clear()
-    TUNED.update(PREVIOUS)
-    for key in saved:  # the shapes whose launch changes: compiled here, since not under capture
-        _compile_stream_gemv(*key)
+    TUNED.update(replaced)
+    for key in {**saved, **replaced}:  # the shapes whose launch changes: compiled here, since
+        _compile_stream_gemv(*key)  # not under capture
     try:
         yield
     finally:
         TUNED.clear()
         TUNED.update(saved)
+
+
+@contextlib.contextmanager
+def _attention_trigger(name: str) -> Iterator[None]:
+    """The split-KV launch's trigger early while ``auto-attn-early`` captures (the launch reads
+    ``TRIGGER`` per call; the executor's warm-up before capture compiles it)."""
+    if name != "auto-attn-early":
+        yield
+        return
+    from xhal.platforms.cuda import pdl
+    from xhal.platforms.cuda.kernels import splitkv_decode
+
+    saved = splitkv_decode.TRIGGER
+    splitkv_decode.TRIGGER = pdl.EARLY
+    try:
+        yield
+    finally:
+        splitkv_decode.TRIGGER = saved
 
 
 def add_argument(parser: argparse.ArgumentParser) -> None:
@@ -114,7 +160,7 @@ def pdl_variant(name: str) -> Iterator[None]:
     saved = {key: os.environ.get(key) for key in settings}
     os.environ.update(settings)
     try:
-        with _gemv_table(name):
+        with _gemv_table(name), _attention_trigger(name):
             yield
     finally:
         for key, value in saved.items():

@@ -28,8 +28,9 @@ EPS = 1e-6
 @dataclass(frozen=True)
 class Variant:
     """Triggers of one chain: ``attention`` the split-KV launch's ``use_pdl``, ``prefetch`` its
-    tiles asked of L2 before the wait, ``qkv`` the norm + qkv GEMV's (``pdl.AUTO`` resolves by
-    its weight bytes), ``gemvs`` the o GEMV's and the q / k norm's (off or auto)."""
+    tiles asked of L2 before the wait, ``qkv`` the norm + qkv GEMV's (``pdl.BY_SIZE`` resolves by
+    its weight bytes, as ``AUTO`` did for it before it made norm GEMVs late), ``gemvs`` the o
+    GEMV's and the q / k norm's (off or auto)."""
 
     attention: int
     prefetch: int
@@ -43,20 +44,20 @@ def variants(qkv_bytes: int, tiles_per_split: int) -> dict[str, Variant]:
     where it differs from ``AUTO``'s."""
     from xhal.platforms.cuda import pdl
 
-    off, early, late, auto = pdl.OFF, pdl.EARLY, pdl.LATE, pdl.AUTO
+    off, early, late, auto, size = pdl.OFF, pdl.EARLY, pdl.LATE, pdl.AUTO, pdl.BY_SIZE
     out = {  # the first three at every batch (``measure(full=False)``)
         "pdl off": Variant(off, 0, off, off),
-        "attn plain (tree before)": Variant(off, 0, auto, auto),
-        "attn early, prefetch 2": Variant(early, 2, auto, auto),
-        "attn early, prefetch 0": Variant(early, 0, auto, auto),
-        "attn late, prefetch 2": Variant(late, 2, auto, auto),
+        "attn plain (tree before)": Variant(off, 0, size, auto),
+        "attn early, prefetch 2": Variant(early, 2, size, auto),
+        "attn early, prefetch 0": Variant(early, 0, size, auto),
+        "attn late, prefetch 2": Variant(late, 2, size, auto),
     }
-    forced = late if pdl.gemv_trigger(auto, qkv_bytes) == early else early
+    forced = late if pdl.gemv_trigger(size, qkv_bytes) == early else early
     out[f"attn early p2, qkv {'late' if forced == late else 'early'}"] = Variant(
         early, 2, forced, auto
     )
     if tiles_per_split > 2:
-        out["attn early, prefetch 4"] = Variant(early, 4, auto, auto)
+        out["attn early, prefetch 4"] = Variant(early, 4, size, auto)
     return out
 
 

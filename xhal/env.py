@@ -130,9 +130,12 @@ def cuda_pdl() -> bool:
 
 def cuda_pdl_trigger() -> str:
     """``XHAL_CUDA_PDL_TRIGGER``: where a PDL GEMV lets the next kernel launch, ``auto`` (default:
-    right after its wait below ``pdl.EARLY_BYTES`` of weight, after its weight stream above),
-    ``early`` (always right after the wait) or ``late`` (always after the weight stream)."""
+    right after its wait below ``pdl.EARLY_BYTES`` of weight, after its weight stream above, and
+    always after it for the add + RMSNorm GEMVs), ``by-size`` (the size rule alone), ``early``
+    (always right after the wait) or ``late`` (always after the weight stream)."""
     value = os.environ.get("XHAL_CUDA_PDL_TRIGGER", "auto").strip().lower()
-    if value not in ("auto", "early", "late"):
-        raise ValueError(f"XHAL_CUDA_PDL_TRIGGER={value!r}: use auto (default), early or late")
+    if value not in ("auto", "by-size", "early", "late"):
+        raise ValueError(
+            f"XHAL_CUDA_PDL_TRIGGER={value!r}: use auto (default), by-size, early or late"
+        )
     return value

@@ -26,14 +26,19 @@ def _errors(values: list[float]):
     return values.append
 
 
-# (M, K, N, config): the heuristic, forced K splits (the reduce carries the sum of squares), and
-# the TUNED tile shapes (fused_gemv_config) on K and N not multiples of their tiles
+# (M, K, N, config): the heuristic, forced K splits (the reduce carries the sum of squares), the
+# TUNED tile shapes (fused_gemv_config) on K and N not multiples of their tiles, and weight tiles
+# through TMA descriptors (tma, the sixth field), pipelined, split, and on N and K past the tiles
+# (the descriptor reads zeros there; K a multiple of 16 bytes, as TMA needs)
 CASES = [
     (1, 192, 40, None),
     (1, 320, 24, (8, 64, 2, 4, 2)),
     (3, 96, 17, (8, 32, 4, 4, 1)),
     (1, 1500, 23, (4, 1024, 1, 4, 1)),
     (1, 2100, 13, (8, 2048, 1, 8, 1)),
+    (1, 1504, 23, (4, 256, 1, 4, 3, 1)),
+    (2, 704, 9, (8, 64, 2, 4, 2, 1)),
+    (1, 304, 11, (16, 64, 1, 4, 4, 1)),
 ]
 
 
@@ -89,6 +94,14 @@ def test_a_tuned_shape_applies_to_one_row_of_its_own_op_only(key) -> None:
     assert fused_gemv.fused_gemv_config(1, n, k, 132, prologue, table=fused_gemv.PREVIOUS) == (
         previous
     )
+
+
+def test_a_tma_config_needs_aligned_weight_rows() -> None:
+    x, w = _rand(1, 100, dtype=torch.bfloat16, seed=0), _rand(8, 100, dtype=torch.bfloat16, seed=1)
+    with pytest.raises(ValueError, match="16-byte aligned rows"):
+        fused_gemv.stream_gemv(x, w, config=(4, 64, 1, 4, 2, 1))
+    with pytest.raises(ValueError, match="tma 0 or 1"):
+        fused_gemv.stream_gemv(x, w, config=(4, 64, 1, 4, 2, 2))
 
 
 def test_the_fused_bound_rejects_a_gemv_that_drops_one_k_tile() -> None:

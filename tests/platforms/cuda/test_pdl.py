@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,8 +30,10 @@ def test_the_switch_defaults_on_and_reads_its_values(monkeypatch) -> None:
         env.cuda_pdl()
     monkeypatch.setenv("XHAL_CUDA_PDL_TRIGGER", "Late")
     assert env.cuda_pdl_trigger() == "late"
+    monkeypatch.setenv("XHAL_CUDA_PDL_TRIGGER", "by-size")
+    assert env.cuda_pdl_trigger() == "by-size"
     monkeypatch.setenv("XHAL_CUDA_PDL_TRIGGER", "soon")
-    with pytest.raises(ValueError, match="use auto \\(default\\), early or late"):
+    with pytest.raises(ValueError, match="use auto \\(default\\), by-size, early or late"):
         env.cuda_pdl_trigger()
 
 
@@ -42,12 +45,19 @@ def test_cpu_tensors_never_take_pdl(monkeypatch) -> None:
     assert pdl.launch_options(pdl.EARLY) == {"launch_pdl": True}
 
 
-def test_auto_triggers_small_gemvs_early_and_large_ones_late() -> None:
+def test_auto_triggers_small_gemvs_early_and_large_ones_and_norm_gemvs_late() -> None:
     small, large = pdl.EARLY_BYTES - 2, pdl.EARLY_BYTES
-    assert pdl.gemv_trigger(pdl.AUTO, small) == pdl.EARLY
-    assert pdl.gemv_trigger(pdl.AUTO, large) == pdl.LATE
+    for rule in (pdl.AUTO, pdl.BY_SIZE):
+        assert pdl.gemv_trigger(rule, small) == pdl.EARLY
+        assert pdl.gemv_trigger(rule, large) == pdl.LATE
+    # the add + RMSNorm GEMVs (qkv ahead of attention, gate_up): late at every size under AUTO,
+    # by size under BY_SIZE (the rule before)
+    assert pdl.gemv_trigger(pdl.AUTO, small, norm=True) == pdl.LATE
+    assert pdl.gemv_trigger(pdl.BY_SIZE, small, norm=True) == pdl.EARLY
     for forced in (pdl.OFF, pdl.EARLY, pdl.LATE):
-        assert pdl.gemv_trigger(forced, small) == pdl.gemv_trigger(forced, large) == forced
+        for norm in (False, True):
+            assert pdl.gemv_trigger(forced, small, norm) == forced
+            assert pdl.gemv_trigger(forced, large, norm) == forced
 
 
 # -- the rule, on the compiled code --------------------------------------------------------------
@@ -63,7 +73,7 @@ _POINTERS = {
 _FLOATS = ("eps", "scale_log2", "soft_cap")
 _GEMV = dict(
     K=512, K_PER_SPLIT=512, M=1, BLOCK_M=1, BLOCK_N=8, BLOCK_K=128, PROLOGUE=1, SPLIT=False,
-    HAS_BIAS=False, NUM_STAGES=2,
+    HAS_BIAS=False, NUM_STAGES=2, TMA=False,
 )
 _SPLITKV = dict(  # the fused decode layer (new token + rotary) of the 8B shape, 16 splits
     GROUP=4, GROUP_PAD=4, ROWS=16, HEAD_DIM=128, DIM_PAD=128, PAGE=16, BLOCK_N=64, SPLITS_PAD=16,
@@ -74,6 +84,15 @@ CASES = {  # name: (module, kernel, constexprs)
     "gemv off": ("fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.OFF}),
     "norm+gemv early": ("fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.EARLY}),
     "norm+gemv late": ("fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.LATE}),
+    # weight tiles through a TMA descriptor, pipelined (four tiles, num_stages 3)
+    "norm+gemv late tma": (
+        "fused_gemv", "_fused_gemv_kernel",
+        {**_GEMV, "USE_PDL": pdl.LATE, "TMA": True, "NUM_STAGES": 3},
+    ),
+    "gemv off tma": (
+        "fused_gemv", "_fused_gemv_kernel",
+        {**_GEMV, "USE_PDL": pdl.OFF, "TMA": True, "NUM_STAGES": 3},
+    ),
     "rotary_kv": (
         "rotary_kv",
         "_rotary_kv_kernel",
@@ -118,12 +137,18 @@ def _compile_all() -> dict[str, str]:
         for arg in kernel.arg_names:
             if arg in constexprs:
                 signature[arg] = "constexpr"
+            elif arg == "w_ptr" and constexprs.get("TMA"):
+                block = (constexprs["BLOCK_N"], constexprs["BLOCK_K"])
+                signature[arg] = f"tensordesc<bf16[{block[0]}, {block[1]}]>"
             elif arg.endswith("_ptr"):
                 signature[arg] = _POINTERS.get(arg, "*bf16")
             else:
                 signature[arg] = "fp32" if arg in _FLOATS else "i32"
         source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-        out[case] = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        options = {"num_stages": constexprs.get("NUM_STAGES", 3)}
+        out[case] = triton.compile(
+            source, target=GPUTarget("cuda", 90, 32), options=options
+        ).asm["ptx"]
     return out
 
 
@@ -142,17 +167,22 @@ def ptx() -> dict[str, str]:
 
 @pytest.mark.parametrize(
     "case",
-    ["norm+gemv early", "norm+gemv late", "rotary_kv", "add_rms_norm", "qk_norm", "router",
-     "splitkv early", "splitkv late"],
+    ["norm+gemv early", "norm+gemv late", "norm+gemv late tma", "rotary_kv", "add_rms_norm",
+     "qk_norm", "router", "splitkv early", "splitkv late"],
 )
 def test_a_pdl_kernel_waits_once_and_writes_nothing_before_its_wait(ptx, case) -> None:
     code = ptx[case]
     assert code.count("griddepcontrol.wait") == 1
     assert code.count("griddepcontrol.launch_dependents") == 1
     before_wait = code.split("griddepcontrol.wait")[0]
-    for write in ("st.global", "atom.", "red.", "cp.async.bulk"):
-        assert write not in before_wait, f"{case}: {write} before the wait"
-    if case == "norm+gemv late":  # the trigger after the weight loop's last load
+    # a bulk copy into global memory is a write; one into shared memory (a TMA load of a
+    # weight tile, ``.shared::cluster.global``) is not
+    bulk_writes = re.findall(r"cp\.(?:reduce\.)?async\.bulk[\w:.]*\.global\.shared", before_wait)
+    assert not bulk_writes, f"{case}: {bulk_writes} before the wait"
+    for write in ("st.global", "atom.", "red."):  # as instructions (".shared." holds "red.")
+        found = re.findall(rf"^\s*(?:@!?%p\d+\s+)?{re.escape(write)}", before_wait, re.M)
+        assert not found, f"{case}: {write} before the wait"
+    if "late" in case and "gemv" in case:  # the trigger after the weight loop's last load
         after_wait = code.split("griddepcontrol.wait")[1]
         assert after_wait.index("griddepcontrol.launch_dependents") > after_wait.rfind(
             "ld.global"
@@ -161,6 +191,7 @@ def test_a_pdl_kernel_waits_once_and_writes_nothing_before_its_wait(ptx, case) -
 
 def test_the_plain_kernel_has_no_pdl_instruction(ptx) -> None:
     assert "griddepcontrol" not in ptx["gemv off"]
+    assert "griddepcontrol" not in ptx["gemv off tma"]
     assert "griddepcontrol" not in ptx["splitkv off"]
     assert "prefetch.global.L2" not in ptx["splitkv off"]
 
@@ -180,6 +211,19 @@ def test_splitkv_asks_l2_for_its_tiles_before_the_wait_and_reads_q_after(ptx, ca
         assert trigger < after.index("atom.")
     else:
         assert trigger < after.index("ld.global")
+
+
+def test_tma_weight_tiles_are_pipelined_and_the_first_is_asked_before_the_wait(ptx) -> None:
+    """The descriptor's tiles are bulk copies into shared memory, several in flight (the
+    pipeliner's prologue; plain weight loads have none), the peeled first one before the wait
+    (weights only, rule 1); x is read after it, as in the plain kernel."""
+    plain = ptx["gemv off"]
+    assert "cp.async.bulk.tensor" not in plain
+    copies = ptx["gemv off tma"].count("cp.async.bulk.tensor")
+    assert copies >= 3, copies  # the first tile, the pipeliner's prologue and the loop's
+    before, after = ptx["norm+gemv late tma"].split("griddepcontrol.wait")
+    assert "cp.async.bulk.tensor" in before and "cp.async.bulk.tensor" in after
+    assert "mbarrier.try_wait" in after
 
 
 if __name__ == "__main__":

@@ -39,10 +39,14 @@ The rule every PDL kernel here follows:
    late (after its K / V tiles; ``kernels/splitkv_decode.py`` has the figures). A GEMV triggers as
    ``XHAL_CUDA_PDL_TRIGGER`` says, ``AUTO`` by default: early below ``EARLY_BYTES`` of weight,
    late above, since the next kernel's programs, parked on the SMs through a long weight stream,
-   cost more than the ramp they hide, while a short stream gains from the earlier start. Ahead
-   of the split-KV launch the measured exception is the norm + qkv GEMV: late won at every
-   size there (1B and MoE attention blocks 7% and 3% faster than under ``AUTO``'s early; docs/
-   h200-results.md, ninth session), not yet applied where that GEMV is chosen (``ops.py``).
+   cost more than the ramp they hide, while a short stream gains from the earlier start. The
+   exception is the add + RMSNorm GEMV (qkv ahead of the split-KV launch, gate_up ahead of the
+   SiLU + down GEMV), which ``AUTO`` triggers late at every size: ahead of the split-KV launch
+   late won at every size (1B and MoE attention blocks 7% and 3% faster than early, ninth
+   session; in the steps, one process each, 1B 0.972 against 0.988 ms, MoE 3.00 against 3.01,
+   8B 4.32 both: docs/h200-results.md, tenth session), and gate_up streams 24 MiB or more in
+   every model we benchmark. ``BY_SIZE`` (``XHAL_CUDA_PDL_TRIGGER=by-size``) is the size rule
+   alone, ``AUTO`` before this exception, kept as the benchmarks' peer.
 
 Measured on the H200 (2026-12-01, pipelined batch-1 decode steps, each setting's graphs captured
 and timed in one process, ``benchmarks/bench_model.py --pdl`` / ``bench_moe.py --pdl``; two runs,
@@ -73,9 +77,10 @@ import torch
 
 from xhal import env
 
-OFF, EARLY, LATE, AUTO = 0, 1, 2, 3  # USE_PDL constexprs (OFF: the plain kernel), and AUTO
-EARLY_BYTES = 24 << 20  # GEMVs with less weight than this trigger EARLY under AUTO
-_TRIGGERS = {"early": EARLY, "late": LATE, "auto": AUTO}
+# USE_PDL constexprs (OFF: the plain kernel), and the two rules resolved per GEMV before launch
+OFF, EARLY, LATE, AUTO, BY_SIZE = 0, 1, 2, 3, 4
+EARLY_BYTES = 24 << 20  # GEMVs with less weight than this trigger EARLY under AUTO and BY_SIZE
+_TRIGGERS = {"early": EARLY, "late": LATE, "auto": AUTO, "by-size": BY_SIZE}
 
 logger = logging.getLogger("xhal.platforms.cuda")
 
@@ -112,9 +117,13 @@ def small_kernel(device: torch.device) -> int:
     return EARLY if mode(device) else OFF
 
 
-def gemv_trigger(use_pdl: int, weight_bytes: int) -> int:
-    """``USE_PDL`` of a GEMV streaming ``weight_bytes``: ``AUTO`` resolved by size."""
-    if use_pdl == AUTO:
+def gemv_trigger(use_pdl: int, weight_bytes: int, norm: bool = False) -> int:
+    """``USE_PDL`` of a GEMV streaming ``weight_bytes`` (``norm``: with the add + RMSNorm
+    prologue): ``BY_SIZE`` resolved by size, ``AUTO`` likewise except that norm GEMVs trigger
+    late."""
+    if use_pdl == AUTO and norm:
+        return LATE
+    if use_pdl in (AUTO, BY_SIZE):
         return EARLY if weight_bytes < EARLY_BYTES else LATE
     return use_pdl
 

@@ -22,6 +22,11 @@ drains; it loads its first weight tile (weights never depend on earlier kernels)
 (``griddepcontrol``) before its first load of x; it lets the next kernel launch right after that
 wait (``pdl.EARLY``) or after its weight stream (``pdl.LATE``). ``use_pdl=0`` compiles the kernel
 without any of it.
+
+Weight tiles through TMA (``GemvConfig.tma``): Triton's pipeliner keeps ``num_stages - 1`` tiles
+of a tensor-descriptor load in flight in shared memory whether or not they feed a ``tl.dot``,
+where the plain loads leave a program about one tile in flight (``fused_gemv_config.py``). The
+descriptor is built on the host per launch (a kernel argument, so a captured graph keeps it).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from xhal.platforms.cuda import pdl
 from xhal.platforms.cuda.kernels.fused_gemv_config import (
@@ -94,12 +100,30 @@ def _flush(
 
 
 @triton.jit
+def _weight_tile(w_ptr, rows, row_mask, ks, k_mask, row0, k0, K: tl.constexpr, TMA: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile at rows ``row0``.., columns ``k0``..: through the TMA
+    descriptor ``w_ptr`` (out-of-range rows and columns read as zeros), which Triton's pipeliner
+    keeps ``num_stages - 1`` tiles ahead in shared memory (it pipelines plain loads only when they
+    feed a ``tl.dot``), or a masked plain load."""
+    if TMA:
+        w = w_ptr.load([row0, k0])
+    else:
+        w = tl.load(
+            w_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :],
+            mask=row_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+    return w
+
+
+@triton.jit
 def _fused_gemv_kernel(
     x_ptr, res_ptr, g_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, sum_ptr, sq_ptr,
     N, x_stride, res_stride, eps,
     K: tl.constexpr, K_PER_SPLIT: tl.constexpr, M: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr, SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+    TMA: tl.constexpr = False,
 ):
     STEPS: tl.constexpr = K_PER_SPLIT // BLOCK_K
     pid_n = tl.program_id(0)
@@ -115,11 +139,7 @@ def _fused_gemv_kernel(
     # loaded before waiting for that kernel under PDL, so the stream starts during its tail
     ks = k_start + tl.arange(0, BLOCK_K)
     k_mask = ks < K
-    w = tl.load(
-        w_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :],
-        mask=row_mask[:, None] & k_mask[None, :],
-        other=0.0,
-    )
+    w = _weight_tile(w_ptr, rows, row_mask, ks, k_mask, pid_n * BLOCK_N, k_start, K, TMA)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x (and the residual) come from the previous kernel
     if USE_PDL == 1:
@@ -134,10 +154,8 @@ def _fused_gemv_kernel(
     for t in tl.range(1, STEPS, num_stages=NUM_STAGES):
         ks = k_start + t * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = ks < K
-        w = tl.load(
-            w_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :],
-            mask=row_mask[:, None] & k_mask[None, :],
-            other=0.0,
+        w = _weight_tile(
+            w_ptr, rows, row_mask, ks, k_mask, pid_n * BLOCK_N, k_start + t * BLOCK_K, K, TMA
         )
         a, q = _input(
             x_rows, ks, k_mask, m_mask[:, None] & k_mask[None, :], res_ptr, res_stride, g_ptr,
@@ -247,8 +265,11 @@ def _launch(
         if config is not None
         else fused_gemv_config(M, N, K, _num_sms(x.device), prologue)
     )
-    if any(v < 1 or v & (v - 1) for v in (cfg.block_n, cfg.block_k)) or min(cfg) < 1:
-        raise ValueError(f"fused_gemv: {cfg} needs power-of-2 block sizes and every field >= 1")
+    pow2 = all(v >= 1 and not v & (v - 1) for v in (cfg.block_n, cfg.block_k))
+    if not pow2 or min(cfg[:5]) < 1 or cfg.tma not in (0, 1):
+        raise ValueError(
+            f"fused_gemv: {cfg} needs power-of-2 block sizes, every field >= 1 and tma 0 or 1"
+        )
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(K, k_per_split)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -268,13 +289,23 @@ def _launch(
         if split_k == 1 or prologue != _NORM
         else torch.empty((split_k, M), dtype=torch.float32, device=x.device)
     )
-    use_pdl = pdl.gemv_trigger(int(use_pdl), weight.numel() * weight.element_size())
+    use_pdl = pdl.gemv_trigger(
+        int(use_pdl), weight.numel() * weight.element_size(), norm=prologue == _NORM
+    )
     pdl_options = pdl.launch_options(use_pdl)
+    w_arg = weight
+    if cfg.tma:  # a host-side descriptor: a kernel argument by value, so graph capture keeps it
+        if (K * weight.element_size()) % 16 or weight.data_ptr() % 16:
+            raise ValueError(
+                f"fused_gemv: a TMA weight needs 16-byte aligned rows, got [{N}, {K}] "
+                f"{weight.dtype} at {weight.data_ptr():#x} (use tma=0)"
+            )
+        w_arg = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
     _fused_gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
         x,
         res_arg,
         g_arg,
-        weight,
+        w_arg,
         bias_arg,
         out,
         part,
@@ -295,6 +326,7 @@ def _launch(
         HAS_BIAS=bias is not None,
         NUM_STAGES=cfg.num_stages,
         USE_PDL=use_pdl,
+        TMA=bool(cfg.tma),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_options,

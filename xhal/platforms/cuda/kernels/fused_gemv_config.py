@@ -15,6 +15,16 @@ us against 3.67), each step's tile loaded one step ahead of its products (0.77-1
 tile without; never the fastest shape), and persistent grids of 2-4 waves walking several row
 blocks in one flat loop (0.65-0.91x the previous shape): fewer programs hold fewer bytes in
 flight.
+
+Tried on the H200 on 2026-12-02 and not taken (bench_decode_gemv, each config checked against
+float64 and timed against this table's shape in the same run): weight tiles asked of L2 ahead
+of their loads (``prefetch.global.L2``, which holds no register; 00:02 UTC, read 4.24 TB/s): one
+tile ahead 0.95-1.03x, two or more 0.61-0.87x on every projection, and the one row it won alone
+(1B o, 3.70 against 3.83 us) made the 1B step slower (0.979 against 0.972 ms, one process), so
+that code went again. Weight tiles through TMA descriptors (``GemvConfig.tma``: Triton's
+pipeliner does keep those ``num_stages - 1`` deep in shared memory without a ``tl.dot``; 00:11
+UTC, read 4.18 TB/s, the 1B projections): 0.77-1.02x, at best ties (o 3.86 against 3.94 us,
+gate_up 21.7 against 21.8, down 11.6 against 11.5; norm + qkv 0.81-0.98x), so no row takes it.
 """
 
 from __future__ import annotations

@@ -29,13 +29,16 @@ _REDUCE_BLOCK = 1024
 
 
 class GemvConfig(NamedTuple):
-    """Launch shape of ``gemv``; a plain 5-tuple in this order works wherever one is taken."""
+    """Launch shape of ``gemv``; a plain 5-tuple in this order works wherever one is taken.
+    ``tma`` is read by ``fused_gemv.py``'s stream GEMV only: 1 loads the weight tiles through a
+    TMA descriptor, pipelined ``num_stages`` deep (see that file)."""
 
     block_n: int
     block_k: int
     split_k: int
     num_warps: int
     num_stages: int
+    tma: int = 0
 
 
 @triton.jit
@@ -252,7 +255,7 @@ def gemv(
             f"got {bias.dtype} {tuple(bias.shape)} on {bias.device}"
         )
     cfg = GemvConfig(*config) if config is not None else gemv_config(M, N, K, _num_sms(x.device))
-    if any(v < 1 or v & (v - 1) for v in (cfg.block_n, cfg.block_k)) or min(cfg) < 1:
+    if any(v < 1 or v & (v - 1) for v in (cfg.block_n, cfg.block_k)) or min(cfg[:5]) < 1:
         raise ValueError(f"gemv: {cfg} needs power-of-2 block sizes and every field >= 1")
     if M > MAX_CORE_M and min(cfg.block_n, cfg.block_k) < 16:
         raise ValueError(
