@@ -60,6 +60,7 @@ class DecodeGraphs:
         self.input_ids, self.positions = views["input_ids"], views["positions"]
         self.slot_mapping, self.kv_seq_lens = views["slot_mapping"], views["kv_seq_lens"]
         self._table_at = self.packed.offsets["block_table"]  # a step copies up to its table's end
+        self._host_live = [0] * self.packed.slots  # per host buffer: rows its last step filled
         self._no_slots = torch.full((n,), -1, **i32)  # what padding rows' slots are reset to
         self.staged_table = StagedBlockTable(views["block_table"], views["table_width"], width)
         self.block_table = self.staged_table.table
@@ -134,18 +135,16 @@ class DecodeGraphs:
     @staticmethod
     def _from_host(input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata) -> bool:
         """Whether a step's tensors are all host tensors numpy can read (the pinned route)."""
+        # is_cpu: a flag read, where .device builds an object (0.15 against 0.8 us here)
         return (
-            input_ids.device.type == "cpu"
-            and positions.device.type == "cpu"
-            and m.slot_mapping.device.type == "cpu"
-            and m.block_table.device.type == "cpu"
+            input_ids.is_cpu and positions.is_cpu and m.slot_mapping.is_cpu and m.block_table.is_cpu
         )
 
     def _stage_host(
         self, input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata, kv_host
     ) -> None:
-        """numpy into the next pinned buffer, then its one copy. Every row past the step's is
-        rewritten as padding: the buffer's last step may have been larger."""
+        """numpy into the next pinned buffer, then its one copy. The rows this buffer's own last
+        step filled past this step's go back to padding."""
         b = m.num_seqs
         rows, width = m.block_table.shape
         host = self.packed.begin()
@@ -153,9 +152,12 @@ class DecodeGraphs:
         host["positions"][:b] = positions.numpy()
         slots, kv = host["slot_mapping"], host["kv_seq_lens"]
         slots[:b] = m.slot_mapping.numpy()
-        slots[b:] = -1  # a stale slot could belong to a block since given to another sequence
         kv[:b] = kv_host
-        kv[b:] = 1
+        live = self._host_live[self.packed.slot]  # rows of this buffer's last step
+        if live > b:  # a stale slot could belong to a block since given to another sequence
+            slots[b:live] = -1
+            kv[b:live] = 1
+        self._host_live[self.packed.slot] = b
         host["table_width"][0] = width
         host["block_table"][: rows * width] = m.block_table.numpy().reshape(-1)
         self.packed.upload(self._table_at + rows * width)

@@ -57,13 +57,18 @@ class PackedInputs:
         self.views = self._named(self.buffer, shapes)
         self._fences: list[torch.Event | None] = [None] * slots
         self._pairs: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in self._host]
-        self._slot = 0
+        self.slots, self._slot = slots, 0
 
     def _named(self, flat, shapes: Mapping[str, tuple[int, ...]]) -> dict:
         return {
             name: flat[self.offsets[name] : self.offsets[name] + int(np.prod(shape))].reshape(shape)
             for name, shape in shapes.items()
         }
+
+    @property
+    def slot(self) -> int:
+        """Which host buffer ``begin`` handed out last (for a caller's per-buffer state)."""
+        return self._slot
 
     def begin(self) -> dict[str, np.ndarray]:
         """The numpy views of the next host buffer, once the copy last queued from it has run.
