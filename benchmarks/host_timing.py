@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -172,13 +173,51 @@ def call_breakdown(executor: ModelExecutor, ids, pos, meta, iters: int = 50) -> 
     return rows
 
 
+def baseline_graphs(directory: Path):
+    """The ``DecodeGraphs`` class of the tree at ``directory``, as a module of its own, with that
+    tree's ``staged_table.py`` (and ``packed_inputs.py`` where it has one) in place of this
+    tree's while it loads: a before/after of the decode graphs in one process."""
+    import sys
+
+    executor = directory / "xhal" / "executor"
+    path = executor / "decode_graph.py"
+    if not path.is_file():
+        raise SystemExit(f"--baseline: {path} does not exist (give the root of a checkout)")
+    saved = {}
+    try:
+        for name in ("staged_table", "packed_inputs"):
+            if (executor / f"{name}.py").is_file():
+                full = f"xhal.executor.{name}"
+                saved[full] = sys.modules.get(full)
+                sys.modules[full] = _load(f"baseline_{name}", executor / f"{name}.py")
+        return _load("baseline_decode_graph", path).DecodeGraphs
+    finally:
+        for full, module in saved.items():
+            if module is None:
+                sys.modules.pop(full, None)
+            else:
+                sys.modules[full] = module
+
+
+def _load(name: str, path: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 class DeviceCalls(TorchDispatchMode):
     """Records the names of the tensor operations (device calls, on a GPU) dispatched while it is
-    active, views left out (they queue no device work), except while ``paused``."""
+    active, views left out (they queue no device work), except while ``paused``; and ``copies``,
+    the tensor pairs the copy ops among them moved (a multi-tensor copy from host tensors is one
+    ``cudaMemcpyAsync`` per pair on a GPU, from device tensors one kernel)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[str] = []
+        self.copies = 0
         self._paused = False
 
     @contextmanager
@@ -192,6 +231,11 @@ class DeviceCalls(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self._paused and not _is_view(func):
             self.ops.append(func.__name__)
+            name = func.__name__.split(".")[0]
+            if name in ("_foreach_copy_", "_foreach_copy"):
+                self.copies += len(args[0])
+            elif name in ("copy_", "_copy_from", "copy"):
+                self.copies += 1
         return func(*args, **(kwargs or {}))
 
 
