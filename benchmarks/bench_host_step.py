@@ -16,7 +16,7 @@ calls of one step, outside the graph, counted with the profiler (after every tim
 profiler has run in a process, CUDA calls cost more).
 
     python -m benchmarks.bench_host_step [--shapes llama3-8b llama3.2-1b] [--batches 1 64]
-        [--repeats 5] [--steps 200] [--baseline DIR] [--parts] [--inputs host device]
+        [--repeats 5] [--steps 200] [--baseline DIR] [--parts] [--inputs host device] [--calls]
 """
 
 from __future__ import annotations
@@ -38,7 +38,12 @@ from benchmarks.bench_model import (
     random_model,
 )
 from benchmarks.common import read_bandwidth, table, time_cuda_pipelined
-from benchmarks.host_timing import baseline_graphs, host_breakdown, host_time_us
+from benchmarks.host_timing import (
+    baseline_graphs,
+    call_breakdown,
+    host_breakdown,
+    host_time_us,
+)
 from xhal.executor import ExecutorConfig, ModelExecutor
 from xhal.interfaces import AttentionMetadata
 
@@ -132,6 +137,10 @@ def measure_shape(
                     "host_busy_us": host_time_us(ex, step, 50, "busy"),
                     "host_inflight_us": host_time_us(ex, step, args.steps, "inflight"),
                 }
+        if args.calls:  # every timed call's exclusive host time, per run (idle entry)
+            for name, inputs in runs:
+                calls = call_breakdown(trees[name], *handed[inputs], iters=50)
+                print(table(calls, f"--- {shape} batch {batch}, {name}, {inputs} inputs: calls"))
         for (name, inputs), r in per_run.items():
             rows.append({
                 "shape": shape, "batch": batch, "tree": name, "inputs": inputs,
@@ -170,6 +179,12 @@ def main() -> None:
         help="also the staging / plan / replay split (idle entry and with the same step in flight "
         "ahead, the served regime), and whole calls entered after 2 ms of spinning (spun), with "
         "20 ms of device work queued (busy, 50 calls) or with the step in flight (inflight)",
+    )
+    parser.add_argument(
+        "--calls",
+        action="store_true",
+        help="also each timed call's exclusive host time per step (host_timing.call_breakdown: "
+        "the staging routes, the event wait and record, copies, plan, replay)",
     )
     args = parser.parse_args()
     read_rate = read_bandwidth()["read"]

@@ -98,6 +98,7 @@ def host_breakdown(
 def _timed_calls() -> list[tuple[object, str, str]]:
     """(owner, attribute, label) of every call a graph decode step makes that may cost host time."""
     from xhal.executor.decode_graph import DecodeGraphs
+    from xhal.executor.packed_inputs import PackedInputs
     from xhal.platforms.cuda.flashinfer_decode_bucket import DecodeBucket
 
     return [
@@ -113,6 +114,12 @@ def _timed_calls() -> list[tuple[object, str, str]]:
         (DecodeBucket, "plan", "FlashInfer bucket plan (numpy)"),
         (DecodeBucket, "_schedule", "FlashInfer scheduler (C++)"),
         (DecodeGraphs, "_padded_metadata", "DecodeGraphs._padded_metadata"),
+        # the two staging routes: numpy into the pinned buffer, or the multi-tensor copy's lists
+        (DecodeGraphs, "_stage_host", "DecodeGraphs._stage_host (numpy)"),
+        (DecodeGraphs, "_stage_device", "DecodeGraphs._stage_device (lists)"),
+        # begin: the wait on the host buffer's event; upload: the event record (its copy_ apart)
+        (PackedInputs, "begin", "PackedInputs.begin (event wait)"),
+        (PackedInputs, "upload", "PackedInputs.upload (event record)"),
     ]
 
 
