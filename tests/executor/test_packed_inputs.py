@@ -13,7 +13,7 @@ SHAPES = {"ids": (3,), "slots": (3,), "width": (1,), "table": (2, 5)}
 
 
 def _packed(slots: int = 2) -> PackedInputs:
-    return PackedInputs(SHAPES, {"slots": -1}, torch.device("cpu"), slots=slots)
+    return PackedInputs(SHAPES, {"slots": -1}, torch.device("cpu"), slots=slots, group=1)
 
 
 def test_fields_are_aligned_apart_and_start_at_their_initial_values() -> None:

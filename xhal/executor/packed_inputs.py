@@ -6,9 +6,10 @@ its own runtime call, so staging a step field by field costs more than the graph
 fields sit back to back (each on a 64-byte boundary) in one device buffer, mirrored by ``slots``
 pinned host buffers that take turns: a step writes its values into the next host buffer through
 numpy views (well under a microsecond a field) and ``upload`` queues one copy of its first
-``count`` values. A host buffer is rewritten only once the copy last queued from it has run (an
-event per buffer, recorded after that copy): free unless the host runs ``slots`` steps ahead of
-the device, and never a torn step on the device.
+``count`` values. A host buffer is rewritten only once the copy last queued from it has run
+(``upload_fences.py``: an event per ``group`` uploads, since each event call costs as much host
+time as the copy): free unless the host runs ``slots - group`` steps ahead of the device, and
+never a torn step on the device.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
+
+from xhal.executor.upload_fences import UploadFences
 
 _ALIGN = 16  # int32 values: 64 bytes, the alignment a tensor of its own would have
 # (count -> device view, host views) pairs kept per slot; a long-running server's counts are
@@ -35,8 +38,11 @@ class PackedInputs:
         shapes: Mapping[str, tuple[int, ...]],
         initial: Mapping[str, int],
         device: torch.device,
-        slots: int = 4,
+        slots: int = 8,
+        group: int = 4,
     ) -> None:
+        if not 1 <= group <= slots:
+            raise ValueError(f"PackedInputs needs 1 <= group <= slots, got {group} and {slots}")
         self.offsets: dict[str, int] = {}
         total = 0
         for name, shape in shapes.items():
@@ -55,9 +61,13 @@ class PackedInputs:
         # every field at its initial value; a buffer of its own even on the CPU (no alias)
         self.buffer = self._host[0].to(device, copy=True)
         self.views = self._named(self.buffer, shapes)
-        self._fences: list[torch.Event | None] = [None] * slots
+        self._fences = (
+            UploadFences(slots, group, lambda: torch.Event(device=self.buffer.device))
+            if self._async
+            else None
+        )
         self._pairs: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in self._host]
-        self.slots, self._slot = slots, 0
+        self.slots, self._slot, self._uploads = slots, 0, 0
 
     def _named(self, flat, shapes: Mapping[str, tuple[int, ...]]) -> dict:
         return {
@@ -73,10 +83,9 @@ class PackedInputs:
     def begin(self) -> dict[str, np.ndarray]:
         """The numpy views of the next host buffer, once the copy last queued from it has run.
         Values a step does not write are what this buffer held after its last step."""
-        self._slot = (self._slot + 1) % len(self._host)
-        fence = self._fences[self._slot]
-        if fence is not None:
-            fence.synchronize()
+        self._slot = self._uploads % self.slots
+        if self._fences is not None:
+            self._fences.before(self._uploads)
         return self._host_views[self._slot]
 
     def upload(self, count: int) -> None:
@@ -88,8 +97,6 @@ class PackedInputs:
                 pairs.clear()
             pair = pairs[count] = self.buffer[:count], self._host[self._slot][:count]
         pair[0].copy_(pair[1], non_blocking=self._async)
-        if self._async:
-            fence = self._fences[self._slot]
-            if fence is None:  # one event per buffer, re-recorded: creating one costs host time
-                fence = self._fences[self._slot] = torch.Event(device=self.buffer.device)
-            fence.record()
+        if self._fences is not None:
+            self._fences.after(self._uploads)
+        self._uploads += 1
