@@ -9,19 +9,20 @@ The caller's block table is as wide as its sequences (128 pages), narrower than 
 persistent one, as a server's usually is. Every step is checked against the eager executor on
 the same weights and caches first. ``--baseline DIR`` also runs the decode graphs of an earlier
 tree (``DIR/xhal/executor/decode_graph.py``, loaded beside this tree's) on the same model,
-caches and kernels, repeats interleaved: a before/after in one process. Last, the CUDA runtime
+caches and kernels, repeats interleaved: a before/after in one process. ``--inputs`` says where
+the step's tensors are handed over: ``host`` (as a host builds them; the graphs stage them in one
+pinned copy) and ``device`` (already uploaded), both by default. Last, the CUDA runtime
 calls of one step, outside the graph, counted with the profiler (after every timing: once the
 profiler has run in a process, CUDA calls cost more).
 
     python -m benchmarks.bench_host_step [--shapes llama3-8b llama3.2-1b] [--batches 1 64]
-        [--repeats 5] [--steps 200] [--baseline DIR] [--parts]
+        [--repeats 5] [--steps 200] [--baseline DIR] [--parts] [--inputs host device] [--calls]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import statistics
 from pathlib import Path
 
@@ -37,22 +38,27 @@ from benchmarks.bench_model import (
     random_model,
 )
 from benchmarks.common import read_bandwidth, table, time_cuda_pipelined
-from benchmarks.host_timing import host_breakdown, host_time_us
+from benchmarks.host_timing import (
+    baseline_graphs,
+    call_breakdown,
+    host_breakdown,
+    host_time_us,
+)
 from xhal.executor import ExecutorConfig, ModelExecutor
+from xhal.interfaces import AttentionMetadata
 
 # runtime calls that queue device work (the graph launch included)
 _QUEUEING = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaMemcpyAsync", "cudaGraphLaunch")
 
 
-def _baseline_graphs(directory: Path):
-    """The ``DecodeGraphs`` class of the tree at ``directory``, as a module of its own."""
-    path = directory / "xhal" / "executor" / "decode_graph.py"
-    if not path.is_file():
-        raise SystemExit(f"--baseline: {path} does not exist (give the root of a checkout)")
-    spec = importlib.util.spec_from_file_location("baseline_decode_graph", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.DecodeGraphs
+def on_host(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> tuple:
+    """The step as a host builds it, every tensor in host memory (the decode graphs stage it in
+    one pinned copy)."""
+    host = AttentionMetadata.from_host_lengths(
+        meta.kind, meta.q_seq_lens_host, meta.kv_seq_lens_host, meta.block_table.cpu(),
+        meta.slot_mapping.cpu(), max_seq_len=meta.max_seq_len,
+    )  # fmt: skip
+    return ids.cpu(), pos.cpu(), host
 
 
 def _runtime_calls(executor: ModelExecutor, ids, pos, meta) -> str:
@@ -83,7 +89,7 @@ def measure_shape(
     trees = {"this tree": ModelExecutor(model, platform, cfg)}
     if args.baseline is not None:
         baseline = ModelExecutor(model, platform, cfg)
-        baseline.decode_graphs = _baseline_graphs(args.baseline)(
+        baseline.decode_graphs = baseline_graphs(args.baseline)(
             platform, baseline.backends, cfg, baseline._forward
         )
         trees["baseline"] = baseline
@@ -99,49 +105,56 @@ def measure_shape(
         reference = eager.compute_logits(eager.execute(ids, pos, meta))
         read = decode_read_bytes(config, weight_bytes, batch, CTX)
         read_floor_ms = read["honest"] / read_rate * 1e3
-        per_tree: dict[str, dict] = {}
-        first = None  # this tree's logits: the baseline's must be the same bits
-        for name, ex in trees.items():
-            logits = ex.compute_logits(ex.execute(ids, pos, meta))
+        handed = {"device": (ids, pos, meta), "host": on_host(ids, pos, meta)}
+        runs = [(name, inputs) for name in trees for inputs in args.inputs]
+        per_run: dict[tuple[str, str], dict] = {}
+        first = None  # the first run's logits: every other run's must be the same bits
+        for name, inputs in runs:
+            ex, step_args = trees[name], handed[inputs]
+            logits = ex.compute_logits(ex.execute(*step_args))
             err = float((logits - reference).abs().max() / reference.abs().max())
             first = logits if first is None else first
-            step = lambda ex=ex: ex.compute_logits(ex.execute(ids, pos, meta))  # noqa: E731
+            step = lambda ex=ex, a=step_args: ex.compute_logits(ex.execute(*a))  # noqa: E731
             pipelined = time_cuda_pipelined(step)
-            per_tree[name] = {
-                "err": err, "same_as_this_tree": bool(torch.equal(logits, first)),
+            per_run[name, inputs] = {
+                "err": err, "same_as_first": bool(torch.equal(logits, first)),
                 "pipelined_ms": pipelined, "host": [],
             }  # fmt: skip
-        for _ in range(args.repeats):  # interleaved, so a noisy spell hits both trees
-            for name, ex in trees.items():
-                per_tree[name]["host"].append(
-                    host_time_us(ex, [(ids, pos, meta)], iters=args.steps)
+        for _ in range(args.repeats):  # interleaved, so a noisy spell hits every run
+            for name, inputs in runs:
+                per_run[name, inputs]["host"].append(
+                    host_time_us(trees[name], [handed[inputs]], iters=args.steps)
                 )
         if args.parts:  # where it goes, and how the way the call is entered changes it
-            for name, ex in trees.items():
-                parts = host_breakdown(ex, ids, pos, meta, iters=args.steps)
-                inflight = host_breakdown(ex, ids, pos, meta, args.steps, "inflight")
-                step = [(ids, pos, meta)]
-                per_tree[name]["parts"] = {
+            for name, inputs in runs:
+                ex, step = trees[name], [handed[inputs]]
+                parts = host_breakdown(ex, *step[0], iters=args.steps)
+                inflight = host_breakdown(ex, *step[0], args.steps, "inflight")
+                per_run[name, inputs]["parts"] = {
                     **parts,
                     **{f"inflight_{k}": v for k, v in inflight.items()},
                     "host_spun_us": host_time_us(ex, step, args.steps, "spun"),
                     "host_busy_us": host_time_us(ex, step, 50, "busy"),
                     "host_inflight_us": host_time_us(ex, step, args.steps, "inflight"),
                 }
-        for name, r in per_tree.items():
+        if args.calls:  # every timed call's exclusive host time, per run (idle entry)
+            for name, inputs in runs:
+                calls = call_breakdown(trees[name], *handed[inputs], iters=50)
+                print(table(calls, f"--- {shape} batch {batch}, {name}, {inputs} inputs: calls"))
+        for (name, inputs), r in per_run.items():
             rows.append({
-                "shape": shape, "batch": batch, "tree": name,
+                "shape": shape, "batch": batch, "tree": name, "inputs": inputs,
                 "host_us_median": statistics.median(r["host"]),
                 "host_us_runs": " ".join(f"{v:.1f}" for v in r["host"]),
                 "pipelined_ms": r["pipelined_ms"], "read_floor_ms": read_floor_ms,
                 "x_read_floor": r["pipelined_ms"] / read_floor_ms,
-                "max_rel_err_vs_eager": r["err"], "bitwise_as_this_tree": r["same_as_this_tree"],
+                "max_rel_err_vs_eager": r["err"], "bitwise_as_first_run": r["same_as_first"],
                 **r.get("parts", {}),
             })  # fmt: skip
-    steps = [
-        (row, trees[row["tree"]], decode_metadata(row["batch"], CTX, device, config["vocab_size"]))
-        for row in rows
-    ]
+    steps = []
+    for row in rows:
+        step = decode_metadata(row["batch"], CTX, device, config["vocab_size"])
+        steps.append((row, trees[row["tree"]], on_host(*step) if row["inputs"] == "host" else step))
     return rows, steps
 
 
@@ -153,11 +166,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--baseline", type=Path, help="root of an earlier tree to compare with")
     parser.add_argument(
+        "--inputs",
+        nargs="+",
+        choices=["host", "device"],
+        default=["host", "device"],
+        help="where the step's tensors are handed to execute: host (as a host builds them: one "
+        "pinned copy inside execute) or device (already uploaded: one multi-tensor copy)",
+    )
+    parser.add_argument(
         "--parts",
         action="store_true",
         help="also the staging / plan / replay split (idle entry and with the same step in flight "
         "ahead, the served regime), and whole calls entered after 2 ms of spinning (spun), with "
         "20 ms of device work queued (busy, 50 calls) or with the step in flight (inflight)",
+    )
+    parser.add_argument(
+        "--calls",
+        action="store_true",
+        help="also each timed call's exclusive host time per step (host_timing.call_breakdown: "
+        "the staging routes, the event wait and record, copies, plan, replay)",
     )
     args = parser.parse_args()
     read_rate = read_bandwidth()["read"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -97,6 +98,7 @@ def host_breakdown(
 def _timed_calls() -> list[tuple[object, str, str]]:
     """(owner, attribute, label) of every call a graph decode step makes that may cost host time."""
     from xhal.executor.decode_graph import DecodeGraphs
+    from xhal.executor.packed_inputs import PackedInputs
     from xhal.platforms.cuda.flashinfer_decode_bucket import DecodeBucket
 
     return [
@@ -112,6 +114,12 @@ def _timed_calls() -> list[tuple[object, str, str]]:
         (DecodeBucket, "plan", "FlashInfer bucket plan (numpy)"),
         (DecodeBucket, "_schedule", "FlashInfer scheduler (C++)"),
         (DecodeGraphs, "_padded_metadata", "DecodeGraphs._padded_metadata"),
+        # the two staging routes: numpy into the pinned buffer, or the multi-tensor copy's lists
+        (DecodeGraphs, "_stage_host", "DecodeGraphs._stage_host (numpy)"),
+        (DecodeGraphs, "_stage_device", "DecodeGraphs._stage_device (lists)"),
+        # begin: the wait on the host buffer's event; upload: the event record (its copy_ apart)
+        (PackedInputs, "begin", "PackedInputs.begin (event wait)"),
+        (PackedInputs, "upload", "PackedInputs.upload (event record)"),
     ]
 
 
@@ -172,13 +180,51 @@ def call_breakdown(executor: ModelExecutor, ids, pos, meta, iters: int = 50) -> 
     return rows
 
 
+def baseline_graphs(directory: Path):
+    """The ``DecodeGraphs`` class of the tree at ``directory``, as a module of its own, with that
+    tree's ``staged_table.py`` (and ``packed_inputs.py`` where it has one) in place of this
+    tree's while it loads: a before/after of the decode graphs in one process."""
+    import sys
+
+    executor = directory / "xhal" / "executor"
+    path = executor / "decode_graph.py"
+    if not path.is_file():
+        raise SystemExit(f"--baseline: {path} does not exist (give the root of a checkout)")
+    saved = {}
+    try:
+        for name in ("staged_table", "packed_inputs"):
+            if (executor / f"{name}.py").is_file():
+                full = f"xhal.executor.{name}"
+                saved[full] = sys.modules.get(full)
+                sys.modules[full] = _load(f"baseline_{name}", executor / f"{name}.py")
+        return _load("baseline_decode_graph", path).DecodeGraphs
+    finally:
+        for full, module in saved.items():
+            if module is None:
+                sys.modules.pop(full, None)
+            else:
+                sys.modules[full] = module
+
+
+def _load(name: str, path: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 class DeviceCalls(TorchDispatchMode):
     """Records the names of the tensor operations (device calls, on a GPU) dispatched while it is
-    active, views left out (they queue no device work), except while ``paused``."""
+    active, views left out (they queue no device work), except while ``paused``; and ``copies``,
+    the tensor pairs the copy ops among them moved (a multi-tensor copy from host tensors is one
+    ``cudaMemcpyAsync`` per pair on a GPU, from device tensors one kernel)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[str] = []
+        self.copies = 0
         self._paused = False
 
     @contextmanager
@@ -192,6 +238,11 @@ class DeviceCalls(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self._paused and not _is_view(func):
             self.ops.append(func.__name__)
+            name = func.__name__.split(".")[0]
+            if name in ("_foreach_copy_", "_foreach_copy"):
+                self.copies += len(args[0])
+            elif name in ("copy_", "_copy_from", "copy"):
+                self.copies += 1
         return func(*args, **(kwargs or {}))
 
 

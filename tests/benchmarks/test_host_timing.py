@@ -94,3 +94,37 @@ def test_enter_inflight_queues_the_step_after_the_synchronize(
         enter("inflight")
     with pytest.raises(ValueError, match="unknown entry mode 'queued'"):
         enter("queued")
+
+
+def test_device_calls_count_the_pairs_copies_move() -> None:
+    import torch
+
+    from benchmarks.host_timing import DeviceCalls
+
+    dst, src = [torch.zeros(2) for _ in range(3)], [torch.ones(2) for _ in range(3)]
+    with DeviceCalls() as calls:
+        torch._foreach_copy_(dst, src)
+        dst[0].copy_(src[1])
+        dst[1][:1].add_(1)
+    assert calls.copies == 4  # three pairs, then one
+    assert len(calls.ops) == 3
+
+
+def test_baseline_graphs_load_with_their_own_tree_beside(tmp_path) -> None:
+    """An earlier tree's decode graphs import that tree's ``staged_table``, not this one's, and
+    this tree's module is back in place afterwards."""
+    import sys
+
+    import xhal.executor.staged_table as ours
+    from benchmarks.host_timing import baseline_graphs
+
+    executor = tmp_path / "xhal" / "executor"
+    executor.mkdir(parents=True)
+    (executor / "staged_table.py").write_text("TREE = 'earlier'\n")
+    (executor / "decode_graph.py").write_text(
+        "from xhal.executor.staged_table import TREE\n\n\nclass DecodeGraphs:\n    tree = TREE\n"
+    )
+    assert baseline_graphs(tmp_path).tree == "earlier"
+    assert sys.modules["xhal.executor.staged_table"] is ours
+    with pytest.raises(SystemExit, match="does not exist"):
+        baseline_graphs(tmp_path / "missing")

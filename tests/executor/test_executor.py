@@ -172,15 +172,21 @@ def test_graph_decode_batches_shrinking_in_a_bucket(checkpoint_factory):
             assert rel_err(cg.key, ce.key) < 1e-5 and rel_err(cg.value, ce.value) < 1e-5
 
 
-def test_decode_staging_resets_rows_a_larger_step_left():
+@pytest.mark.parametrize("routes", ["host", "device", "host-device", "device-host"])
+def test_decode_staging_resets_rows_a_larger_step_left(routes):
     """The persistent rows past a smaller batch carry slot -1 and one KV token again (a stale
-    slot could belong to a block since given to another sequence); the graph derives the KV
-    prefix sums from them."""
-    from xhal.executor.decode_graph import DecodeGraphs
+    slot could belong to a block since given to another sequence), whichever way each step is
+    staged (host: numpy into the pinned buffer; device: the multi-tensor copy); the graph derives
+    the KV prefix sums from them."""
+    from tests.support.routed_decode_graphs import RoutedGraphs
 
     config = ExecutorConfig(max_num_seqs=8, max_model_len=64, block_size=16)
-    graphs = DecodeGraphs(
-        xhal.platforms.get("cpu"), [], config, forward=lambda ids, pos, m: m.slot_mapping.clone()
+    graphs = RoutedGraphs(
+        routes,
+        xhal.platforms.get("cpu"),
+        [],
+        config,
+        forward=lambda ids, pos, m: m.slot_mapping.clone(),
     )
     host = PagedHost(64, 16)
     ids, pos, meta = host.step([(i, [1] * (3 + i)) for i in range(4)])

@@ -4,11 +4,12 @@ step staged."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import xhal
+from tests.support.routed_decode_graphs import RoutedGraphs
 from xhal.executor import ExecutorConfig
-from xhal.executor.decode_graph import DecodeGraphs
 from xhal.executor.staged_table import StagedBlockTable
 from xhal.interfaces import AttentionMetadata, BatchKind
 
@@ -24,8 +25,15 @@ def _decode(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionM
     return torch.arange(b, dtype=torch.int32), kv - 1, meta
 
 
+def _staged(num_rows: int, max_width: int) -> StagedBlockTable:
+    i32 = torch.int32
+    return StagedBlockTable(
+        torch.zeros(num_rows * max_width, dtype=i32), torch.zeros(1, dtype=i32), max_width
+    )
+
+
 def test_lay_out_gathers_each_width_into_the_persistent_rows() -> None:
-    staged = StagedBlockTable(num_rows=4, max_width=5, device=torch.device("cpu"))
+    staged = _staged(num_rows=4, max_width=5)
     wide = torch.arange(100, 120, dtype=torch.int32).view(4, 5)
     narrow = torch.tensor([[7, 8], [9, 10]], dtype=torch.int32)
     for table, bucket in ((wide, 4), (narrow, 2), (narrow[:1, :1].clone(), 4)):
@@ -36,12 +44,17 @@ def test_lay_out_gathers_each_width_into_the_persistent_rows() -> None:
         assert torch.equal(staged.table[:rows, :width], table)
 
 
-def test_graph_steps_see_every_caller_table_after_wider_and_longer_ones() -> None:
+ROUTES = ["host", "device", "host-device", "device-host"]
+
+
+@pytest.mark.parametrize("routes", ROUTES)
+def test_graph_steps_see_every_caller_table_after_wider_and_longer_ones(routes: str) -> None:
     """One bucket of 4 replays steps of 4, 2, 3 and 1 sequences with tables 6, 1, 3 and the full
     8 columns wide (new ids each step): inside the graph a real row's first columns are the
     caller's, and every other entry (later columns, padding rows) is an id some step staged."""
     config = ExecutorConfig(max_num_seqs=4, max_model_len=128, block_size=16)
-    graphs = DecodeGraphs(
+    graphs = RoutedGraphs(
+        routes,
         xhal.platforms.get("cpu"),
         [],
         config,
@@ -65,7 +78,7 @@ def test_graph_steps_see_every_caller_table_after_wider_and_longer_ones() -> Non
 def test_a_strided_caller_table_still_arrives_whole() -> None:
     """A caller's table that is a column slice of a wider one is not dense: the copy leaves the
     one-launch path but must still stage the right rows."""
-    staged = StagedBlockTable(num_rows=2, max_width=4, device=torch.device("cpu"))
+    staged = _staged(num_rows=2, max_width=4)
     wider = torch.arange(1, 13, dtype=torch.int32).view(2, 6)
     table = wider[:, 1:4]
     assert not table.is_contiguous()

@@ -10,6 +10,7 @@ from torch import nn
 
 from xhal.executor.config import ExecutorConfig
 from xhal.executor.decode_graph import DecodeGraphs
+from xhal.executor.host_step import on_device
 from xhal.executor.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from xhal.executor.layer_sync import LayerSynchronizer, record_every_layer, recording_layers
 from xhal.executor.piecewise import PiecewiseGraphs
@@ -197,7 +198,12 @@ class ModelExecutor:
             return torch.empty(
                 0, self.hidden_size, dtype=self.config.dtype, device=self.platform.device()
             )
-        hidden = self._run_graphs(input_ids, positions, metadata, input_embedding)
+        hidden = self._run_decode_graph(input_ids, positions, metadata, input_embedding)
+        if hidden is None:  # the other runners read device tensors: a host-built step moves
+            input_ids, positions, metadata = on_device(
+                input_ids, positions, metadata, self.platform.device()
+            )
+            hidden = self._run_piecewise(input_ids, positions, metadata, input_embedding)
         if hidden is not None:
             if layer_synchronizer is not None:  # a graph finishes every layer at once
                 record_every_layer(self._attention_layers, layer_synchronizer)
@@ -209,25 +215,36 @@ class ModelExecutor:
         with recording_layers(self._attention_layers, layer_synchronizer):
             return self._forward(input_ids, positions, metadata, input_embedding)
 
-    def _run_graphs(
+    def _run_decode_graph(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         metadata: AttentionMetadata,
         input_embedding: torch.Tensor | None,
     ) -> torch.Tensor | None:
-        """Full-graph decode or piecewise prefill when a bucket fits; None means run eagerly."""
-        if input_embedding is not None:
+        """Full-graph decode when a bucket fits (its tensors on the host or the device); None
+        means another runner."""
+        if input_embedding is not None or self.decode_graphs is None:
             return None
-        if self.decode_graphs is not None:
-            bucket = self.decode_graphs.bucket_for(metadata)
-            if bucket is not None:
-                return self.decode_graphs.run(input_ids, positions, metadata, bucket)
-        if self.piecewise is not None:
-            bucket = self.piecewise.bucket_for(metadata)
-            if bucket is not None:
-                return self.piecewise.run(input_ids, positions, metadata, bucket)
-        return None
+        bucket = self.decode_graphs.bucket_for(metadata)
+        if bucket is None:
+            return None
+        return self.decode_graphs.run(input_ids, positions, metadata, bucket)
+
+    def _run_piecewise(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        input_embedding: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """Piecewise prefill / mixed graphs when a bucket fits; None means run eagerly."""
+        if input_embedding is not None or self.piecewise is None:
+            return None
+        bucket = self.piecewise.bucket_for(metadata)
+        if bucket is None:
+            return None
+        return self.piecewise.run(input_ids, positions, metadata, bucket)
 
     def compute_logits(
         self, hidden: torch.Tensor, selected_idxes: torch.Tensor | None = None

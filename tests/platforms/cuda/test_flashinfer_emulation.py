@@ -248,9 +248,9 @@ def test_bucket_refuses_metadata_other_than_its_persistent_tensors(emulated) -> 
 def test_a_steady_graph_step_queues_one_device_op_besides_the_replay(
     emulated, model, full_width: bool
 ) -> None:
-    """Host time per graph step is mostly its device calls. Within pages, ``execute`` queues the
-    staging copy of the step's rows, its block table (as wide as the persistent one or narrower)
-    and the padding values, and the replay, nothing else."""
+    """Host time per graph step is mostly its device calls. Within pages, ``execute`` queues one
+    copy of one packed buffer holding the step's rows, its block table (as wide as the persistent
+    one or narrower) and the padding values, and the replay, nothing else."""
     executor = executor_on(
         emulated(use_tensor_cores=True), model, 2, max_model_len=64, num_blocks=8
     )
@@ -274,5 +274,5 @@ def test_a_steady_graph_step_queues_one_device_op_besides_the_replay(
         meta = dataclasses.replace(meta, block_table=table)
         with DeviceCalls() as calls:
             executor.execute(ids, pos, meta)
-        outside.append(calls.ops)
-    assert outside[1:] == [["_foreach_copy_.default"]] * 3, outside
+        outside.append((calls.ops, calls.copies))
+    assert outside[1:] == [(["copy_.default"], 1)] * 3, outside

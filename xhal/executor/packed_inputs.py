@@ -1,0 +1,102 @@
+"""A graph's persistent int32 inputs as views of one device buffer, filled from page-locked host
+buffers: a step written with numpy crosses to the device in one copy.
+
+On a GPU host every tensor operation costs 5-17 us of host time and every host-to-device pair is
+its own runtime call, so staging a step field by field costs more than the graph launch. Here the
+fields sit back to back (each on a 64-byte boundary) in one device buffer, mirrored by ``slots``
+pinned host buffers that take turns: a step writes its values into the next host buffer through
+numpy views (well under a microsecond a field) and ``upload`` queues one copy of its first
+``count`` values. A host buffer is rewritten only once the copy last queued from it has run
+(``upload_fences.py``: an event per ``group`` uploads, since each event call costs as much host
+time as the copy): free unless the host runs ``slots - group`` steps ahead of the device, and
+never a torn step on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from xhal.executor.upload_fences import UploadFences
+
+_ALIGN = 16  # int32 values: 64 bytes, the alignment a tensor of its own would have
+# (count -> device view, host views) pairs kept per slot; a long-running server's counts are
+# bounded by its batch sizes times its table widths, and past this many the cache starts over
+_MAX_COUNTS = 4096
+
+
+class PackedInputs:
+    """``views[name]`` (device, the shape given) are what a captured graph reads; ``begin`` hands
+    out the numpy views of the next host buffer by the same names, ``upload(count)`` copies its
+    first ``count`` values (the fields in the order given, so a step copies up to the last field
+    it wrote) into the device buffer."""
+
+    def __init__(
+        self,
+        shapes: Mapping[str, tuple[int, ...]],
+        initial: Mapping[str, int],
+        device: torch.device,
+        slots: int = 8,
+        group: int = 4,
+    ) -> None:
+        if not 1 <= group <= slots:
+            raise ValueError(f"PackedInputs needs 1 <= group <= slots, got {group} and {slots}")
+        self.offsets: dict[str, int] = {}
+        total = 0
+        for name, shape in shapes.items():
+            self.offsets[name] = total
+            total += -(-int(np.prod(shape)) // _ALIGN) * _ALIGN
+        self.size = total
+        # page-locked only for a device apart from the host: the copy is then asynchronous and the
+        # host goes on; on the CPU the copy is a memcpy, done when ``copy_`` returns
+        self._async = device.type not in ("cpu", "meta")
+        self._host = [torch.zeros(total, dtype=torch.int32, pin_memory=self._async)
+                      for _ in range(slots)]  # fmt: skip
+        self._host_views = [self._named(buffer.numpy(), shapes) for buffer in self._host]
+        for views in self._host_views:
+            for name, value in initial.items():
+                views[name][...] = value
+        # every field at its initial value; a buffer of its own even on the CPU (no alias)
+        self.buffer = self._host[0].to(device, copy=True)
+        self.views = self._named(self.buffer, shapes)
+        self._fences = (
+            UploadFences(slots, group, lambda: torch.Event(device=self.buffer.device))
+            if self._async
+            else None
+        )
+        self._pairs: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in self._host]
+        self.slots, self._slot, self._uploads = slots, 0, 0
+
+    def _named(self, flat, shapes: Mapping[str, tuple[int, ...]]) -> dict:
+        return {
+            name: flat[self.offsets[name] : self.offsets[name] + int(np.prod(shape))].reshape(shape)
+            for name, shape in shapes.items()
+        }
+
+    @property
+    def slot(self) -> int:
+        """Which host buffer ``begin`` handed out last (for a caller's per-buffer state)."""
+        return self._slot
+
+    def begin(self) -> dict[str, np.ndarray]:
+        """The numpy views of the next host buffer, once the copy last queued from it has run.
+        Values a step does not write are what this buffer held after its last step."""
+        self._slot = self._uploads % self.slots
+        if self._fences is not None:
+            self._fences.before(self._uploads)
+        return self._host_views[self._slot]
+
+    def upload(self, count: int) -> None:
+        """Queue the copy of the first ``count`` values of the buffer ``begin`` handed out."""
+        pairs = self._pairs[self._slot]
+        pair = pairs.get(count)
+        if pair is None:
+            if len(pairs) >= _MAX_COUNTS:
+                pairs.clear()
+            pair = pairs[count] = self.buffer[:count], self._host[self._slot][:count]
+        pair[0].copy_(pair[1], non_blocking=self._async)
+        if self._fences is not None:
+            self._fences.after(self._uploads)
+        self._uploads += 1
