@@ -124,8 +124,14 @@ class InputBuilder:
             "positions": step.positions,
             "selected_idxes": step.selected_idxes,
         }
-        if step.placeholder_idxes:
-            extra |= {"holes": step.placeholder_idxes, "sources": _rows(step, previous)}
+        holes = step.placeholder_idxes
+        sources = _rows(step, previous) if holes else []
+        # Steady decode: the placeholders are the step's first n tokens and the previous step's
+        # first n rows, in order, so one copy fills them; otherwise a gather through uploaded
+        # indices (five small device ops, each a launch on a GPU)
+        in_order = sources == holes == list(range(len(holes)))
+        if holes and not in_order:
+            extra |= {"holes": holes, "sources": sources}
         view, dev = to_xllm_step(
             step.q_seq_lens,
             step.kv_seq_lens,
@@ -138,10 +144,13 @@ class InputBuilder:
             extra=extra,
         )
         metadata = from_xllm(view, self.convention, check=self.check)
-        if step.placeholder_idxes:
+        if holes:
             assert previous is not None
-            tokens = previous.tokens.index_select(0, dev["sources"].long())
-            dev["input_ids"].index_copy_(0, dev["holes"].long(), tokens.to(torch.int32))
+            if in_order:  # int64 tokens into the int32 ids, converted by the copy
+                dev["input_ids"][: len(holes)].copy_(previous.tokens[: len(holes)])
+            else:
+                tokens = previous.tokens.index_select(0, dev["sources"].long())
+                dev["input_ids"].index_copy_(0, dev["holes"].long(), tokens.to(torch.int32))
         return ModelInput(
             dev["input_ids"],
             dev["positions"],
@@ -160,6 +169,9 @@ def require_previous(step: HostStep, previous: PreviousTokens | None) -> None:
 def _rows(step: HostStep, previous: PreviousTokens | None) -> list[int]:
     """Each placeholder's row in ``previous.tokens``."""
     require_previous(step, previous)
+    wanted = step.placeholder_request_ids
+    if list(previous.request_ids[: len(wanted)]) == wanted:  # steady decode: the same order
+        return list(range(len(wanted)))
     row_of = {rid: i for i, rid in enumerate(previous.request_ids)}
     missing = [r for r in step.placeholder_request_ids if r not in row_of]
     if missing:
