@@ -129,15 +129,15 @@ class _Probe:
     """Wraps one bound method of the engine's own objects, adding each call's wall time to a
     per-step total (the benchmark reads and resets it every step)."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn, self.total = fn, 0.0
+    def __init__(self, fn: Callable[..., Any], clock: Callable[[], float]) -> None:
+        self.fn, self.clock, self.total = fn, clock, 0.0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        t0 = self.clock()
         try:
             return self.fn(*args, **kwargs)
         finally:
-            self.total += time.perf_counter() - t0
+            self.total += self.clock() - t0
 
 
 def _zero_cost(executor: Any, batch: int, vocab_size: int) -> None:
@@ -151,9 +151,11 @@ def _zero_cost(executor: Any, batch: int, vocab_size: int) -> None:
 
 def measure_loop(
     model_dir: Path, batch: int, steps: int, prompt_len: int, device: str, zero_cost: bool,
-    **engine_args: Any,
+    clock: Callable[[], float] = time.perf_counter, **engine_args: Any,
 ) -> dict[str, float]:
-    """Median microseconds per served-loop step (async scheduling) and per stage within it."""
+    """Median microseconds per served-loop step (async scheduling) and per stage within it, on
+    ``clock`` (``time.thread_time``: this thread's CPU time, which a busy shared machine's other
+    processes disturb less than wall time; it leaves out the time blocked on the device)."""
     from serve_cli.engine.sampling import SamplingParams
     from serve_cli.process.messages import StepOutputs
 
@@ -177,7 +179,7 @@ def measure_loop(
     }
     probes = {}
     for name, (owner, attr) in owners.items():
-        probes[name] = _Probe(getattr(owner, attr))
+        probes[name] = _Probe(getattr(owner, attr), clock)
         setattr(owner, attr, probes[name])
     params = SamplingParams(max_tokens=steps + 16, temperature=0, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
@@ -190,11 +192,11 @@ def measure_loop(
     for _ in range(steps):
         for probe in probes.values():
             probe.total = 0.0
-        t0 = time.perf_counter()
+        t0 = clock()
         outputs = engine.step()
-        t1 = time.perf_counter()
+        t1 = clock()
         pickle.dumps(StepOutputs(outputs), pickle.HIGHEST_PROTOCOL)
-        t2 = time.perf_counter()
+        t2 = clock()
         for name, probe in probes.items():
             times[name].append(probe.total * 1e6)
         times["ipc send"].append((t2 - t1) * 1e6)
@@ -229,6 +231,10 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--no-stages", action="store_true", help="only the loop table")
     parser.add_argument(
+        "--clock", choices=("wall", "cpu"), default="wall",
+        help="loop table: wall time, or this thread's CPU time (steadier on a busy machine)",
+    )  # fmt: skip
+    parser.add_argument(
         "--label", default="", help="printed in the table's title (e.g. main, branch)"
     )
     args = parser.parse_args()
@@ -257,13 +263,15 @@ def main() -> None:
     loops = {
         b: measure_loop(
             model_dir, b, args.loop_steps, args.prompt_len, args.device, zero_cost,
+            time.thread_time if args.clock == "cpu" else time.perf_counter,
             load_format=args.load_format, dtype=args.dtype,
         )
         for b in args.batch
     }  # fmt: skip
     cost = "zero-cost executor" if zero_cost else "real executor"
     _table(
-        f"served loop (async scheduling, {args.device}, {cost}), median us per step ({label})",
+        f"served loop (async scheduling, {args.device}, {cost}), median {args.clock} us per step "
+        f"({label})",
         LOOP_TOTALS,
         loops,
     )
