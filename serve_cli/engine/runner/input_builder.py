@@ -25,8 +25,9 @@ class HostStep:
     """One step's inputs as host values: int32 numpy ``input_ids`` / ``positions`` /
     ``slot_mapping`` ``[T]``, per-sequence ``q_seq_lens`` / ``kv_seq_lens`` ``[B]`` and the
     ``block_tables`` rows (the scheduler's lists), the sampled rows ``selected_idxes`` ``[S]`` for
-    ``sampled_request_ids``. Small and picklable: rank 0 sends it to the tensor-parallel workers,
-    and every rank uploads it the same way.
+    ``sampled_request_ids`` (strictly increasing: the last token of each chunk that samples).
+    Small and picklable: rank 0 sends it to the tensor-parallel workers, and every rank uploads
+    it the same way.
 
     With async scheduling, ``input_ids[placeholder_idxes[i]]`` is ``PLACEHOLDER_TOKEN_ID``: the
     token the previous step samples for ``placeholder_request_ids[i]``, filled in on the device.
