@@ -50,6 +50,7 @@ STAGES = ENGINE_STAGES + API_STAGES
 LOOP_STAGES = ("schedule", "input build", "upload", "execute", "logits", "sample", "read back",
                "output", "ipc send")  # fmt: skip
 LOOP_TOTALS = (*LOOP_STAGES, "loop", "loop - read back")
+COUNTS = ("torch ops", "non-view ops", "python calls")
 
 
 def _engine(model_dir: Path, batch: int, **overrides: Any):
@@ -146,7 +147,9 @@ def _zero_cost(executor: Any, batch: int, vocab_size: int) -> None:
     hidden = torch.zeros(2048, 8)
     logits = torch.zeros(max(batch, 1), vocab_size)
     executor.execute = lambda input_ids, positions, metadata, **_: hidden[: input_ids.shape[0]]
-    executor.compute_logits = lambda h, selected: logits[: selected.shape[0]]
+    executor.compute_logits = lambda h, selected=None: logits[
+        : h.shape[0] if selected is None else selected.shape[0]
+    ]
 
 
 def measure_loop(
@@ -181,7 +184,8 @@ def measure_loop(
     for name, (owner, attr) in owners.items():
         probes[name] = _Probe(getattr(owner, attr), clock)
         setattr(owner, attr, probes[name])
-    params = SamplingParams(max_tokens=steps + 16, temperature=0, ignore_eos=True)
+    # enough tokens for the timed steps and the 40 counted after them
+    params = SamplingParams(max_tokens=steps + 64, temperature=0, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     for i in range(batch):
         prompt = torch.randint(3, engine.vocab_size, (prompt_len,), generator=g).tolist()
@@ -195,6 +199,8 @@ def measure_loop(
         t0 = clock()
         outputs = engine.step()
         t1 = clock()
+        if len(outputs) != batch or any(o.error for o in outputs):
+            raise RuntimeError(f"a measured step did not decode every request: {outputs[:2]}")
         pickle.dumps(StepOutputs(outputs), pickle.HIGHEST_PROTOCOL)
         t2 = clock()
         for name, probe in probes.items():
@@ -202,8 +208,41 @@ def measure_loop(
         times["ipc send"].append((t2 - t1) * 1e6)
         times["loop"].append((t2 - t0) * 1e6)
         times["loop - read back"].append(times["loop"][-1] - times["read back"][-1])
+    result = {name: statistics.median(v) for name, v in times.items()}
+    result |= _counts(engine, steps=20)
     engine.close()
-    return {name: statistics.median(v) for name, v in times.items()}
+    return result
+
+
+def _counts(engine: Any, steps: int) -> dict[str, float]:
+    """Torch ops (each a dispatcher call; every one that is not a view is a launch on a GPU) and
+    Python function calls per served-loop step: counts, which a busy machine cannot blur."""
+    import cProfile
+    import pstats
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.all = self.launching = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.all += 1
+            self.launching += not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:
+        for _ in range(steps):
+            engine.step()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(steps):
+        engine.step()
+    profile.disable()
+    calls = pstats.Stats(profile).total_calls
+    return {"torch ops": ops.all / steps, "non-view ops": ops.launching / steps,
+            "python calls": calls / steps}  # fmt: skip
 
 
 def _table(title: str, names: tuple[str, ...], results: dict[int, dict[str, float]]) -> None:
@@ -272,11 +311,11 @@ def main() -> None:
     _table(
         f"served loop (async scheduling, {args.device}, {cost}), median {args.clock} us per step "
         f"({label})",
-        LOOP_TOTALS,
+        (*LOOP_TOTALS, *COUNTS),
         loops,
     )
     print("(loop: EngineCore.step + the message's pickling; stages are medians on their own, so")
-    print(" they need not add up to it)")
+    print(" they need not add up to it; the counts are per step, not us)")
 
 
 if __name__ == "__main__":
