@@ -4,7 +4,8 @@
 # 64 (128), as `gpu_run.sh serve` runs them, with the CPU time per output token of the API
 # process, the engine process and the client (bench_serve --server-pid); then, unless
 # LOOP_STEPS=0, the served loop's per-stage host time on the device with the real executor
-# (bench_host_stages --device cuda --batch 1). Results in $OUT; a short table last.
+# (bench_host_stages --device cuda --batch 1). SERVE_CONCURRENCY (default "1 64") and
+# SERVE_MAX_SEQS (default 64) narrow it. Results in $OUT; a short table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -d /tmp/site/flashinfer ]; then
@@ -19,12 +20,12 @@ out=${OUT:-/tmp/xhal-gpu}; mkdir -p "$out"
 bound=${STAGE_TIMEOUT:-150}
 dir=$(python3 -m benchmarks.make_dummy_model /tmp/dummy-llama3.2-1b llama3.2-1b | tail -1)
 python3 -m serve_cli --device cuda --model "$dir" --load-format dummy --dtype bfloat16 \
-  --max-model-len 4096 --max-num-seqs 64 --port 8100 > "$out/serve-llama3.2-1b.log" 2>&1 &
+  --max-model-len 4096 --max-num-seqs "${SERVE_MAX_SEQS:-64}" --port 8100 > "$out/serve-llama3.2-1b.log" 2>&1 &
 server=$!
 for _ in $(seq 240); do curl -sf http://127.0.0.1:8100/health >/dev/null && break; sleep 0.5; done
 echo "server up at $(date +%T)"
 status=0
-for c in 1 64; do
+for c in ${SERVE_CONCURRENCY:-1 64}; do
   echo "=== serve llama3.2-1b concurrency $c" | tee -a "$out/serve_bench.txt"
   timeout -k 5 "$bound" python3 -m benchmarks.bench_serve --base-url http://127.0.0.1:8100 \
     --token-ids --vocab-size 800 --input-len 512 --output-len 256 --num-prompts $((c == 1 ? 8 : 128)) \
