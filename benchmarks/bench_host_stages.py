@@ -270,6 +270,14 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--no-stages", action="store_true", help="only the loop table")
     parser.add_argument(
+        "--max-num-seqs", type=int, default=None,
+        help="loop table: the engine's max_num_seqs, e.g. a server's 64 (default: the batch)",
+    )  # fmt: skip
+    parser.add_argument("--max-model-len", type=int, default=1024, help="loop table")
+    parser.add_argument(
+        "--prefix-caching", action="store_true", help="loop table: prefix caching on, as served"
+    )
+    parser.add_argument(
         "--clock", choices=("wall", "cpu"), default="wall",
         help="loop table: wall time, or this thread's CPU time (steadier on a busy machine)",
     )  # fmt: skip
@@ -303,7 +311,9 @@ def main() -> None:
         b: measure_loop(
             model_dir, b, args.loop_steps, args.prompt_len, args.device, zero_cost,
             time.thread_time if args.clock == "cpu" else time.perf_counter,
-            load_format=args.load_format, dtype=args.dtype,
+            load_format=args.load_format, dtype=args.dtype, max_model_len=args.max_model_len,
+            enable_prefix_caching=args.prefix_caching,
+            **({} if args.max_num_seqs is None else {"max_num_seqs": max(args.max_num_seqs, b)}),
         )
         for b in args.batch
     }  # fmt: skip
