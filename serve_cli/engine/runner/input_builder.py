@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -86,35 +85,46 @@ class InputBuilder:
 
     def describe(self, batch: ScheduledBatch) -> HostStep:
         """The batch flattened into host arrays (no torch)."""
-        seqs = batch.requests
-        b = len(seqs)
-        q = np.fromiter((s.num_tokens for s in seqs), dtype=np.int32, count=b)
-        kv = np.fromiter((s.end_position for s in seqs), dtype=np.int32, count=b)
-        q_cu = np.zeros(b + 1, dtype=np.int32)
-        np.cumsum(q, out=q_cu[1:])
-        t = int(q_cu[-1])
-        input_ids = np.fromiter(
-            chain.from_iterable(s.token_ids for s in seqs), dtype=np.int32, count=t
-        )
-        slots = np.fromiter(
-            chain.from_iterable(s.slot_mapping for s in seqs), dtype=np.int32, count=t
-        )
-        # token j of sequence i sits at kv_i - q_i + (j - q_cu_i)
-        positions = np.arange(t, dtype=np.int32) - np.repeat(q_cu[:-1] - (kv - q), q)
-        produces = np.fromiter((s.produces_token for s in seqs), dtype=bool, count=b)
-        holes = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN_ID)
-        owners = np.searchsorted(q_cu, holes, side="right") - 1  # the sequence of each hole
+        # One pass over the sequences into flat lists, then one array per field: a decode step
+        # holds a few ints each, for which every numpy call costs more than the values do.
+        q_lens: list[int] = []
+        kv_lens: list[int] = []
+        ids: list[int] = []
+        slots: list[int] = []
+        selected: list[int] = []
+        sampled: list[str] = []
+        holes: list[int] = []
+        owners: list[str] = []
+        for s in batch.requests:
+            offset, n, start = len(ids), len(s.token_ids), s.start_position
+            q_lens.append(n)
+            kv_lens.append(start + n)
+            ids += s.token_ids
+            slots += s.slot_mapping
+            if s.produces_token:
+                selected.append(offset + n - 1)
+                sampled.append(s.request_id)
+            if PLACEHOLDER_TOKEN_ID in s.token_ids:
+                found = [offset + j for j, t in enumerate(s.token_ids) if t == PLACEHOLDER_TOKEN_ID]
+                holes += found
+                owners += [s.request_id] * len(found)
+        q, kv = _int32(q_lens), _int32(kv_lens)
+        if len(ids) == len(q_lens):  # one token per sequence (decodes): each at its last position
+            positions = kv - 1
+        else:  # token j of sequence i sits at kv_i - q_i + (j - q_cu_i)
+            starts = np.cumsum(q) - q  # each sequence's first row
+            positions = np.arange(len(ids), dtype=np.int32) - np.repeat(starts - (kv - q), q)
         return HostStep(
-            input_ids,
-            positions,
+            _int32(ids),
+            positions.astype(np.int32, copy=False),
             q,
             kv,
-            [s.block_table for s in seqs],
-            slots,
-            q_cu[1:][produces] - 1,
-            [s.request_id for s in seqs if s.produces_token],
-            holes.tolist(),
-            [seqs[i].request_id for i in owners.tolist()],
+            [s.block_table for s in batch.requests],
+            _int32(slots),
+            _int32(selected),
+            sampled,
+            holes,
+            owners,
         )
 
     def upload(self, step: HostStep, previous: PreviousTokens | None = None) -> ModelInput:
@@ -159,6 +169,10 @@ class InputBuilder:
             dev["selected_idxes"],
             step.sampled_request_ids,
         )
+
+
+def _int32(values: list[int]) -> np.ndarray:
+    return np.fromiter(values, dtype=np.int32, count=len(values))  # a fifth faster than np.array
 
 
 def require_previous(step: HostStep, previous: PreviousTokens | None) -> None:
