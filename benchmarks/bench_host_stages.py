@@ -17,6 +17,17 @@ Medians over ``--steps`` decode steps, in microseconds.
 Before detokenization moved to the API process, the engine ran it inside its step (an
 ``IncrementalDetokenizer.add_token`` per token, between sampling and output): run this file from
 a checkout before that change for those figures (its stage names are the same where they match).
+
+Second table, the served loop: ``EngineCore.step`` with async scheduling, as the engine process
+runs it (step N+1 scheduled, built and launched before step N is read back), plus pickling its
+message; each stage timed by a probe around the engine's own method, ``loop`` the whole call.
+With ``--zero-cost`` (the default on the CPU) the executor's ``execute`` and ``compute_logits``
+return preallocated tensors, so the device is out of the picture and ``loop`` is the host's cost
+per step: the figure that must fit inside one device step for the device never to wait. On a
+device, ``read back`` includes the wait for the step in flight; ``loop - read back`` is then the
+host's share.
+
+    python -m benchmarks.bench_host_stages --device cuda --model DIR --load-format dummy
 """
 
 from __future__ import annotations
@@ -25,7 +36,9 @@ import argparse
 import pickle
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,17 +46,23 @@ ENGINE_STAGES = ("schedule", "input build", "upload", "execute", "logits", "samp
                  "ipc send")  # fmt: skip
 API_STAGES = ("ipc receive", "detokenize")
 STAGES = ENGINE_STAGES + API_STAGES
+# the served loop's stages, each the engine method of that name's calls within one step
+LOOP_STAGES = ("schedule", "input build", "upload", "execute", "logits", "sample", "read back",
+               "output", "ipc send")  # fmt: skip
+LOOP_TOTALS = (*LOOP_STAGES, "loop", "loop - read back")
+COUNTS = ("torch ops", "non-view ops", "python calls")
 
 
-def _engine(model_dir: Path, batch: int):
+def _engine(model_dir: Path, batch: int, **overrides: Any):
     from serve_cli.engine.config import EngineConfig
     from serve_cli.engine.core import EngineCore
 
-    return EngineCore(EngineConfig(
+    settings = dict(
         model_dir=model_dir, max_num_seqs=max(batch, 1), max_num_batched_tokens=2048,
         max_model_len=1024, num_kv_blocks=max(64, batch * 8), enable_prefix_caching=False,
-        async_scheduling=False, enforce_eager=True,
-    ))
+        async_scheduling=False, enforce_eager=True, log_stats_interval=0,
+    )
+    return EngineCore(EngineConfig(**(settings | overrides)))
 
 
 def measure(model_dir: Path, batch: int, steps: int, prompt_len: int = 32) -> dict[str, float]:
@@ -107,6 +126,132 @@ def measure(model_dir: Path, batch: int, steps: int, prompt_len: int = 32) -> di
     return {name: statistics.median(v) for name, v in times.items()}
 
 
+class _Probe:
+    """Wraps one bound method of the engine's own objects, adding each call's wall time to a
+    per-step total (the benchmark reads and resets it every step)."""
+
+    def __init__(self, fn: Callable[..., Any], clock: Callable[[], float]) -> None:
+        self.fn, self.clock, self.total = fn, clock, 0.0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = self.clock()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.total += self.clock() - t0
+
+
+def _zero_cost(executor: Any, batch: int, vocab_size: int) -> None:
+    """Make ``executor``'s two per-step calls free: the device (or the CPU's compute) leaves the
+    picture and what the loop still spends is the host's."""
+    hidden = torch.zeros(2048, 8)
+    logits = torch.zeros(max(batch, 1), vocab_size)
+    executor.execute = lambda input_ids, positions, metadata, **_: hidden[: input_ids.shape[0]]
+    executor.compute_logits = lambda h, selected=None: logits[
+        : h.shape[0] if selected is None else selected.shape[0]
+    ]
+
+
+def measure_loop(
+    model_dir: Path, batch: int, steps: int, prompt_len: int, device: str, zero_cost: bool,
+    clock: Callable[[], float] = time.perf_counter, **engine_args: Any,
+) -> dict[str, float]:
+    """Median microseconds per served-loop step (async scheduling) and per stage within it, on
+    ``clock`` (``time.thread_time``: this thread's CPU time, which a busy shared machine's other
+    processes disturb less than wall time; it leaves out the time blocked on the device)."""
+    from serve_cli.engine.sampling import SamplingParams
+    from serve_cli.process.messages import StepOutputs
+
+    engine = _engine(
+        model_dir, batch, device=device, async_scheduling=True,
+        enforce_eager=device == "cpu", num_kv_blocks=max(64, batch * (prompt_len + steps) // 8),
+        **engine_args,
+    )  # fmt: skip
+    runner = engine.runner
+    if zero_cost:
+        _zero_cost(runner.executor, batch, engine.vocab_size)
+    owners = {
+        "schedule": (engine.scheduler, "next_batch"),
+        "input build": (runner.input_builder, "describe"),
+        "upload": (runner.input_builder, "upload"),
+        "execute": (runner.executor, "execute"),
+        "logits": (runner.executor, "compute_logits"),
+        "sample": (runner.sampler, "launch"),
+        "read back": (runner, "collect"),
+        "output": (engine.postprocessor, "outputs"),
+    }
+    probes = {}
+    for name, (owner, attr) in owners.items():
+        probes[name] = _Probe(getattr(owner, attr), clock)
+        setattr(owner, attr, probes[name])
+    # enough tokens for the timed steps and the 40 counted after them
+    params = SamplingParams(max_tokens=steps + 64, temperature=0, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    for i in range(batch):
+        prompt = torch.randint(3, engine.vocab_size, (prompt_len,), generator=g).tolist()
+        engine.add_request(f"r{i}", prompt, params)
+    for _ in range(4):  # prefill, then decodes until every request is in steady decode
+        engine.step()
+    times: dict[str, list[float]] = {s: [] for s in LOOP_TOTALS}
+    for _ in range(steps):
+        for probe in probes.values():
+            probe.total = 0.0
+        t0 = clock()
+        outputs = engine.step()
+        t1 = clock()
+        if len(outputs) != batch or any(o.error for o in outputs):
+            raise RuntimeError(f"a measured step did not decode every request: {outputs[:2]}")
+        pickle.dumps(StepOutputs(outputs), pickle.HIGHEST_PROTOCOL)
+        t2 = clock()
+        for name, probe in probes.items():
+            times[name].append(probe.total * 1e6)
+        times["ipc send"].append((t2 - t1) * 1e6)
+        times["loop"].append((t2 - t0) * 1e6)
+        times["loop - read back"].append(times["loop"][-1] - times["read back"][-1])
+    result = {name: statistics.median(v) for name, v in times.items()}
+    result |= _counts(engine, steps=20)
+    engine.close()
+    return result
+
+
+def _counts(engine: Any, steps: int) -> dict[str, float]:
+    """Torch ops (each a dispatcher call; every one that is not a view is a launch on a GPU) and
+    Python function calls per served-loop step: counts, which a busy machine cannot blur."""
+    import cProfile
+    import pstats
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.all = self.launching = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.all += 1
+            self.launching += not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:
+        for _ in range(steps):
+            engine.step()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(steps):
+        engine.step()
+    profile.disable()
+    calls = pstats.Stats(profile).total_calls
+    return {"torch ops": ops.all / steps, "non-view ops": ops.launching / steps,
+            "python calls": calls / steps}  # fmt: skip
+
+
+def _table(title: str, names: tuple[str, ...], results: dict[int, dict[str, float]]) -> None:
+    print(title)
+    print(f"{'stage':<14}" + "".join(f"{'batch ' + str(b):>12}" for b in results))
+    for name in names:
+        print(f"{name:<14}" + "".join(f"{r[name]:>12.0f}" for r in results.values()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -114,6 +259,28 @@ def main() -> None:
     )
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--loop-steps", type=int, default=200, help="steps of the loop table")
+    parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens (loop table)")
+    parser.add_argument("--device", default="cpu", help="the engine's device (loop table)")
+    parser.add_argument("--load-format", default="auto", help="'dummy': random weights")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--zero-cost", action=argparse.BooleanOptionalAction, default=None,
+        help="execute and compute_logits cost nothing (default: on for the CPU only)",
+    )  # fmt: skip
+    parser.add_argument("--no-stages", action="store_true", help="only the loop table")
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=None,
+        help="loop table: the engine's max_num_seqs, e.g. a server's 64 (default: the batch)",
+    )  # fmt: skip
+    parser.add_argument("--max-model-len", type=int, default=1024, help="loop table")
+    parser.add_argument(
+        "--prefix-caching", action="store_true", help="loop table: prefix caching on, as served"
+    )
+    parser.add_argument(
+        "--clock", choices=("wall", "cpu"), default="wall",
+        help="loop table: wall time, or this thread's CPU time (steadier on a busy machine)",
+    )  # fmt: skip
     parser.add_argument(
         "--label", default="", help="printed in the table's title (e.g. main, branch)"
     )
@@ -124,24 +291,41 @@ def main() -> None:
         from serve_cli.default_model import ensure_default_model
 
         model_dir = ensure_default_model()
-    results = {b: measure(model_dir, b, args.steps) for b in args.batch}
-    print(
-        f"host time per decode step, median us ({args.label or 'this checkout'}, {model_dir.name})"
+    label = f"{args.label or 'this checkout'}, {model_dir.name}"
+    if not args.no_stages and args.device == "cpu":
+        results = {b: measure(model_dir, b, args.steps) for b in args.batch}
+        _table(f"host time per decode step, median us ({label})", STAGES, results)
+        host = [s for s in ENGINE_STAGES if s not in ("execute", "logits")]
+        print(
+            f"{'engine host':<14}"
+            + "".join(f"{sum(results[b][s] for s in host):>12.0f}" for b in args.batch)
+        )
+        print(
+            f"{'api process':<14}"
+            + "".join(f"{sum(results[b][s] for s in API_STAGES):>12.0f}" for b in args.batch)
+        )
+        print("(execute and logits include the CPU's compute; engine host leaves them out; the")
+        print(" API process's stages run there, off the engine's step loop)")
+    zero_cost = args.device == "cpu" if args.zero_cost is None else args.zero_cost
+    loops = {
+        b: measure_loop(
+            model_dir, b, args.loop_steps, args.prompt_len, args.device, zero_cost,
+            time.thread_time if args.clock == "cpu" else time.perf_counter,
+            load_format=args.load_format, dtype=args.dtype, max_model_len=args.max_model_len,
+            enable_prefix_caching=args.prefix_caching,
+            **({} if args.max_num_seqs is None else {"max_num_seqs": max(args.max_num_seqs, b)}),
+        )
+        for b in args.batch
+    }  # fmt: skip
+    cost = "zero-cost executor" if zero_cost else "real executor"
+    _table(
+        f"served loop (async scheduling, {args.device}, {cost}), median {args.clock} us per step "
+        f"({label})",
+        (*LOOP_TOTALS, *COUNTS),
+        loops,
     )
-    print(f"{'stage':<14}" + "".join(f"{'batch ' + str(b):>12}" for b in args.batch))
-    for name in STAGES:
-        print(f"{name:<14}" + "".join(f"{results[b][name]:>12.0f}" for b in args.batch))
-    host = [s for s in ENGINE_STAGES if s not in ("execute", "logits")]
-    print(
-        f"{'engine host':<14}"
-        + "".join(f"{sum(results[b][s] for s in host):>12.0f}" for b in args.batch)
-    )
-    print(
-        f"{'api process':<14}"
-        + "".join(f"{sum(results[b][s] for s in API_STAGES):>12.0f}" for b in args.batch)
-    )
-    print("(execute and logits include the CPU's compute; engine host leaves them out; the API")
-    print(" process's stages run there, off the engine's step loop)")
+    print("(loop: EngineCore.step + the message's pickling; stages are medians on their own, so")
+    print(" they need not add up to it; the counts are per step, not us)")
 
 
 if __name__ == "__main__":

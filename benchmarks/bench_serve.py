@@ -199,6 +199,27 @@ def print_table(summary: dict[str, float], errors: list[str]) -> None:
         print(f"error: {error}")
 
 
+def process_cpu_summary(
+    before: dict[int, float], after: dict[int, float], server_pid: int
+) -> dict[str, float]:
+    """CPU seconds each server process spent between two snapshots (children by pid)."""
+    out = {}
+    for pid, seconds in after.items():
+        name = "cpu_server" if pid == server_pid else f"cpu_child_{pid}"
+        out[name] = seconds - before.get(pid, 0.0)
+    return out
+
+
+def print_cpu(summary: dict[str, float], duration: float) -> None:
+    tokens = summary["total_output_tokens"] or 1
+    print("CPU per output token (us) and share of the run's wall time:")
+    for key in sorted(k for k in summary if k.startswith("cpu_")):
+        seconds = summary[key]
+        who = {"cpu_server": "server", "cpu_client": "client"}.get(key, key.removeprefix("cpu_"))
+        share = seconds / duration if duration else 0.0
+        print(f"  {who:<16}{1e6 * seconds / tokens:>10.0f} us {share:>8.0%}")
+
+
 def served_models(base_url: str, api_key: str | None) -> list[str]:
     """``GET /v1/models`` before any load is sent, so that a wrong key or URL is one line, not a
     failed request per prompt."""
@@ -286,6 +307,14 @@ def served_models(base_url: str, api_key: str | None) -> list[str]:
     help="Also write the summary here as JSON.",
 )
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
+@click.option(
+    "--server-pid",
+    default=None,
+    type=int,
+    help="Also print the CPU time per output token of this process (the server, e.g. "
+    "xhal-serve's API process), of each of its children (the engine process) and of this "
+    "client: a process near 100% of the run is what bounds the token rate. Linux only.",
+)
 def main(
     base_url: str,
     model: str | None,
@@ -300,6 +329,7 @@ def main(
     seed: int,
     result_json: str | None,
     no_progress: bool,
+    server_pid: int | None,
 ) -> None:
     """Benchmark an OpenAI-compatible server with streaming completions."""
     try:
@@ -309,6 +339,15 @@ def main(
     served = served_models(base_url, api_key)  # checks the key and URL even with --model
     model = model or served[0]
     prompts = make_prompts(num_prompts, input_len, token_ids, vocab_size, seed)
+    before = None
+    if server_pid is not None:
+        from benchmarks.process_cpu import snapshot
+
+        try:
+            before = snapshot(server_pid)
+        except ValueError as e:
+            raise click.ClickException(f"--server-pid: {e}") from e
+    client_before = time.process_time()
     results, duration = asyncio.run(
         run_workload(
             base_url,
@@ -323,7 +362,12 @@ def main(
         )
     )
     summary = summarize(results, duration)
+    if before is not None:
+        summary |= process_cpu_summary(before, snapshot(server_pid), server_pid)
+        summary["cpu_client"] = time.process_time() - client_before
     print_table(summary, [r.error for r in results if not r.ok])
+    if before is not None:
+        print_cpu(summary, duration)
     if result_json:
         with open(result_json, "w") as f:
             json.dump({"summary": summary, "results": [asdict(r) for r in results]}, f, indent=1)

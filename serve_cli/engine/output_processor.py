@@ -45,10 +45,11 @@ class OutputProcessor:
         return request_id in self._detokenizers
 
     def process(self, out: RequestOutput) -> tuple[RequestOutput | None, bool]:
-        """``out`` with its text filled in and stop strings applied, and whether the engine must
-        now be told to stop the request (a stop string, or a detokenizer failure, ended it here
-        while the engine still runs it). An output of a request no longer tracked (one that
-        ended here while the engine was a step or two behind) gives None: drop it."""
+        """``out`` with its text filled in (in place) and stop strings applied, and whether the
+        engine must now be told to stop the request (a stop string, or a detokenizer failure,
+        ended it here while the engine still runs it). An output of a request no longer
+        tracked (one that ended here while the engine was a step or two behind) gives None: drop
+        it."""
         detokenizer = self._detokenizers.get(out.request_id)
         if detokenizer is None:
             return None, False
@@ -79,7 +80,10 @@ class OutputProcessor:
                 break
         cut = len(out.new_token_ids) - kept  # tokens past the stop string
         if not (out.finished or detokenizer.stopped):
-            return dataclasses.replace(out, new_text=text)
+            # filled in place: the output is this process's own (received, or just made); a
+            # copy of its fifteen fields cost ~5.5 us per token on a CPU, a third of this call
+            out.new_text = text
+            return out
         text += detokenizer.flush()
         if detokenizer.stopped:
             # a stop token that is not EOS names itself; otherwise the stop string does
@@ -98,4 +102,5 @@ class OutputProcessor:
                 logprobs=logprobs,
                 num_output_tokens=out.num_output_tokens - cut,
             )
-        return dataclasses.replace(out, new_text=text)
+        out.new_text = text
+        return out

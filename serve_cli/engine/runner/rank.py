@@ -65,4 +65,7 @@ def forward(executor: ModelExecutor, inputs: ModelInput) -> torch.Tensor | None:
         hidden = executor.execute(inputs.input_ids, inputs.positions, inputs.metadata)
         if not inputs.sampled_request_ids:
             return None
-        return executor.compute_logits(hidden, inputs.selected_idxes)
+        # The sampled rows are strictly increasing, so as many as there are tokens means every
+        # row in order (a decode batch): no selection, which on a GPU is two launches per step
+        every_row = inputs.selected_idxes.shape[0] == inputs.input_ids.shape[0]
+        return executor.compute_logits(hidden, None if every_row else inputs.selected_idxes)

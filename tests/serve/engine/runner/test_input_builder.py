@@ -155,3 +155,41 @@ def test_placeholders_without_their_token_are_refused() -> None:
         builder.upload(_step_with_placeholder())
     with pytest.raises(ValueError, match=r"sampled no token for \['b'\]"):
         builder.upload(_step_with_placeholder(), PreviousTokens(["a"], torch.tensor([1])))
+
+
+class OpNames(TorchDispatchMode):
+    """Records the name of every aten op that runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_placeholders_in_the_previous_steps_order_are_filled_by_one_copy() -> None:
+    """Steady decode: a and b decode the tokens the step before samples for them, in that step's
+    order, ahead of c's prompt chunk; their ids come from one copy, no gather or index upload."""
+    builder = InputBuilder(torch.device("cpu"), "cuda", block_size=4)
+    step = HostStep(
+        input_ids=np.array([PLACEHOLDER_TOKEN_ID, PLACEHOLDER_TOKEN_ID, 5, 6, 7], dtype=np.int32),
+        positions=np.array([4, 2, 0, 1, 2], dtype=np.int32),
+        q_seq_lens=np.array([1, 1, 3], dtype=np.int32),
+        kv_seq_lens=np.array([5, 3, 3], dtype=np.int32),
+        block_tables=[[0, 1], [2], [3]],
+        slot_mapping=np.array([4, 10, 12, 13, 14], dtype=np.int32),
+        selected_idxes=np.array([0, 1, 4], dtype=np.int32),
+        sampled_request_ids=["a", "b", "c"],
+        placeholder_idxes=[0, 1],
+        placeholder_request_ids=["a", "b"],
+    )
+    previous = PreviousTokens(["a", "b", "d"], torch.tensor([11, 42, 99]))
+    with OpNames() as seen:
+        inputs = builder.upload(step, previous)
+    assert inputs.input_ids.tolist() == [11, 42, 5, 6, 7]
+    assert not {"index_select", "index_copy", "index_copy_"} & set(seen.ops), seen.ops
+    # the same step with the previous rows in another order takes the general gather
+    reordered = PreviousTokens(["d", "b", "a"], torch.tensor([99, 42, 11]))
+    assert builder.upload(step, reordered).input_ids.tolist() == [11, 42, 5, 6, 7]
