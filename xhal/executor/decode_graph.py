@@ -134,11 +134,16 @@ class DecodeGraphs:
 
     @staticmethod
     def _from_host(input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata) -> bool:
-        """Whether a step's tensors are all host tensors numpy can read (the pinned route)."""
+        """Whether a step's tensors are host tensors numpy can read (the pinned route); its
+        token ids may be on the device (a served step's ids are the tokens the step before
+        sampled there), and are then copied in after the pinned copy."""
         # is_cpu: a flag read, where .device builds an object (0.15 against 0.8 us here)
-        return (
-            input_ids.is_cpu and positions.is_cpu and m.slot_mapping.is_cpu and m.block_table.is_cpu
-        )
+        return positions.is_cpu and m.slot_mapping.is_cpu and m.block_table.is_cpu
+
+    @staticmethod
+    def _ids_from_host(input_ids: torch.Tensor) -> bool:
+        """Whether a host-staged step's token ids go through the pinned buffer too."""
+        return input_ids.is_cpu
 
     def _stage_host(
         self, input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata, kv_host
@@ -148,7 +153,9 @@ class DecodeGraphs:
         b = m.num_seqs
         rows, width = m.block_table.shape
         host = self.packed.begin()
-        host["input_ids"][:b] = input_ids.numpy()
+        ids_on_host = self._ids_from_host(input_ids)
+        if ids_on_host:
+            host["input_ids"][:b] = input_ids.numpy()
         host["positions"][:b] = positions.numpy()
         slots, kv = host["slot_mapping"], host["kv_seq_lens"]
         slots[:b] = m.slot_mapping.numpy()
@@ -161,6 +168,8 @@ class DecodeGraphs:
         host["table_width"][0] = width
         host["block_table"][: rows * width] = m.block_table.numpy().reshape(-1)
         self.packed.upload(self._table_at + rows * width)
+        if not ids_on_host:  # after the pinned copy in stream order, which carries stale ids
+            self._row_views(b)[0].copy_(input_ids, non_blocking=True)
 
     def _stage_device(
         self, input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata
@@ -168,11 +177,7 @@ class DecodeGraphs:
         """One multi-tensor copy of device tensors: the step's rows, its table and width, and
         the padding values back into rows an earlier, larger step left."""
         b = m.num_seqs
-        rows = self._rows.get(b)
-        if rows is None:
-            rows = self._rows[b] = [
-                self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], self.kv_seq_lens[:b]
-            ]  # fmt: skip
+        rows = self._row_views(b)
         table_dst, table_src = self.staged_table.pairs(m.block_table)
         dst = [*rows, *table_dst]
         src = [input_ids, positions, m.slot_mapping, m.kv_seq_lens, *table_src]
@@ -181,6 +186,15 @@ class DecodeGraphs:
             dst += [self.slot_mapping[b : self._live], self.kv_seq_lens[b : self._live]]
             src += [self._no_slots[:stale], self.q_seq_lens[:stale]]  # q_seq_lens: all ones
         torch._foreach_copy_(dst, src, non_blocking=True)
+
+    def _row_views(self, b: int) -> list[torch.Tensor]:
+        """The first ``b`` rows of the ids, positions, slots and KV lengths, made once per b."""
+        rows = self._rows.get(b)
+        if rows is None:
+            rows = self._rows[b] = [
+                self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], self.kv_seq_lens[:b]
+            ]  # fmt: skip
+        return rows
 
     def run(
         self,
