@@ -25,17 +25,20 @@ def host_metadata(
     slot_mapping: np.ndarray,
     *,
     block_size: int | None = None,
+    kind: BatchKind | None = None,
 ) -> AttentionMetadata:
     """The step's metadata on the host: int32 numpy ``q_seq_lens`` / ``kv_seq_lens`` ``[B]``
     (kv includes this step's tokens), ``block_table`` rows (ragged rows padded with 0) and
     ``slot_mapping`` ``[T]``. With ``block_size`` the paged-KV arrays and their host twins are
-    added, as xLLM's CUDA builder adds them, for the backends that plan on them."""
+    added, as xLLM's CUDA builder adds them, for the backends that plan on them. ``kind``
+    defaults to ``derive_kind`` of the lengths (a caller that knows it saves the look)."""
     q, kv = q_seq_lens, kv_seq_lens
     b = q.size
     table = _padded_table(block_table, b)
-    kind = derive_kind(q, kv)
+    kind = derive_kind(q, kv) if kind is None else kind
+    decode = kind == BatchKind.DECODE
     # one token per sequence: the query sums are a range
-    q_cu = np.arange(b + 1, dtype=np.int32) if kind == BatchKind.DECODE else _cumulative(q)
+    q_cu = np.arange(b + 1, dtype=np.int32) if decode else _cumulative(q)
     host = torch.from_numpy
     paged = {}
     if block_size is not None:
@@ -48,7 +51,7 @@ def host_metadata(
         kind=kind,
         num_seqs=b,
         num_tokens=slot_mapping.size,
-        max_query_len=int(q.max()) if b else 0,
+        max_query_len=1 if decode else int(q.max()) if b else 0,
         max_seq_len=int(kv.max()) if b else 0,
         q_cu_seq_lens=host(q_cu),
         kv_cu_seq_lens=host(_cumulative(kv)),

@@ -14,6 +14,7 @@ from xhal.adapter.from_xllm import from_xllm
 from xhal.adapter.host_metadata import host_metadata
 from xhal.adapter.to_xllm import to_xllm_step
 from xhal.env import check_metadata
+from xhal.interfaces.metadata import BatchKind
 
 if TYPE_CHECKING:
     from serve_cli.engine.batch import ScheduledBatch
@@ -154,8 +155,9 @@ class InputBuilder:
         # no paged-KV arrays: a decode graph stages none, an eager decode's backend plans from
         # the host lengths
         metadata = host_metadata(
-            step.q_seq_lens, step.kv_seq_lens, step.block_tables, step.slot_mapping
-        )
+            step.q_seq_lens, step.kv_seq_lens, step.block_tables, step.slot_mapping,
+            kind=BatchKind.DECODE,
+        )  # fmt: skip
         if self.check:
             metadata.validate()
         num_tokens = step.input_ids.size
