@@ -128,12 +128,13 @@ def measure(model_dir: Path, batch: int, steps: int, prompt_len: int = 32) -> di
 
 class _Probe:
     """Wraps one bound method of the engine's own objects, adding each call's wall time to a
-    per-step total (the benchmark reads and resets it every step)."""
+    per-step total (the benchmark reads and resets it every step) and counting the calls."""
 
     def __init__(self, fn: Callable[..., Any], clock: Callable[[], float]) -> None:
-        self.fn, self.clock, self.total = fn, clock, 0.0
+        self.fn, self.clock, self.total, self.calls = fn, clock, 0.0, 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
         t0 = self.clock()
         try:
             return self.fn(*args, **kwargs)
