@@ -143,9 +143,9 @@ class InputBuilder:
         holes = step.placeholder_idxes
         sources = _rows(step, previous) if holes else []
         in_order = sources == holes == list(range(len(holes)))
-        num_tokens = step.input_ids.size
+        num_tokens = len(step.input_ids)
         every_row = in_order and len(holes) == num_tokens
-        if num_tokens == step.q_seq_lens.size and (not holes or every_row):
+        if num_tokens == len(step.q_seq_lens) and (not holes or every_row):
             return self._host_decode(step, previous if holes else None)
         return self._device_step(step, previous, holes, sources, in_order)
 
@@ -154,19 +154,17 @@ class InputBuilder:
         row, still on the device (the executor copies them in with the rest)."""
         # no paged-KV arrays: a decode graph stages none, an eager decode's backend plans from
         # the host lengths
-        metadata = host_metadata(
-            step.q_seq_lens, step.kv_seq_lens, step.block_tables, step.slot_mapping,
-            kind=BatchKind.DECODE,
-        )  # fmt: skip
+        q, kv, slots = _array(step.q_seq_lens), _array(step.kv_seq_lens), _array(step.slot_mapping)
+        metadata = host_metadata(q, kv, step.block_tables, slots, kind=BatchKind.DECODE)
         if self.check:
             metadata.validate()
-        num_tokens = step.input_ids.size
-        ids = torch.from_numpy(step.input_ids) if previous is None else previous.tokens[:num_tokens]
+        n = slots.size
+        ids = torch.from_numpy(_array(step.input_ids)) if previous is None else previous.tokens[:n]
         return ModelInput(
             ids,
-            torch.from_numpy(step.positions),
+            torch.from_numpy(_array(step.positions)),
             metadata,
-            torch.from_numpy(step.selected_idxes),
+            torch.from_numpy(_array(step.selected_idxes)),
             step.sampled_request_ids,
         )
 
@@ -215,6 +213,14 @@ class InputBuilder:
             dev["selected_idxes"],
             step.sampled_request_ids,
         )
+
+
+def _array(values: np.ndarray | Sequence[int]) -> np.ndarray:
+    """int32 numpy values as they are; a host that filled a ``HostStep`` with lists (the C++
+    host's Python twin, examples/cpp_host) gets them converted once."""
+    if isinstance(values, np.ndarray) and values.dtype == np.int32:
+        return values
+    return np.asarray(values, dtype=np.int32)
 
 
 def _int32(values: list[int]) -> np.ndarray:
