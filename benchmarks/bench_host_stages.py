@@ -33,6 +33,7 @@ host's share.
 from __future__ import annotations
 
 import argparse
+import os
 import pickle
 import statistics
 import time
@@ -128,12 +129,13 @@ def measure(model_dir: Path, batch: int, steps: int, prompt_len: int = 32) -> di
 
 class _Probe:
     """Wraps one bound method of the engine's own objects, adding each call's wall time to a
-    per-step total (the benchmark reads and resets it every step)."""
+    per-step total (the benchmark reads and resets it every step) and counting the calls."""
 
     def __init__(self, fn: Callable[..., Any], clock: Callable[[], float]) -> None:
-        self.fn, self.clock, self.total = fn, clock, 0.0
+        self.fn, self.clock, self.total, self.calls = fn, clock, 0.0, 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
         t0 = self.clock()
         try:
             return self.fn(*args, **kwargs)
@@ -152,9 +154,17 @@ def _zero_cost(executor: Any, batch: int, vocab_size: int) -> None:
     ]
 
 
+def _no_op_replays(executor: Any) -> None:
+    """Decode graphs whose replay returns the captured outputs without running them: every
+    host-side part of a graph step (staging, plan, the calls around the replay) still runs, the
+    model's compute does not (the CPU stand-in for a device that replays in no host time)."""
+    runner = executor.decode_graphs.graphs
+    runner.replay = lambda key: runner._graphs[key].outputs
+
+
 def measure_loop(
     model_dir: Path, batch: int, steps: int, prompt_len: int, device: str, zero_cost: bool,
-    clock: Callable[[], float] = time.perf_counter, **engine_args: Any,
+    clock: Callable[[], float] = time.perf_counter, graphs: bool = False, **engine_args: Any,
 ) -> dict[str, float]:
     """Median microseconds per served-loop step (async scheduling) and per stage within it, on
     ``clock`` (``time.thread_time``: this thread's CPU time, which a busy shared machine's other
@@ -164,11 +174,14 @@ def measure_loop(
 
     engine = _engine(
         model_dir, batch, device=device, async_scheduling=True,
-        enforce_eager=device == "cpu", num_kv_blocks=max(64, batch * (prompt_len + steps) // 8),
+        enforce_eager=device == "cpu" and not graphs,
+        num_kv_blocks=max(64, batch * (prompt_len + steps) // 8),
         **engine_args,
     )  # fmt: skip
     runner = engine.runner
-    if zero_cost:
+    if graphs:
+        _no_op_replays(runner.executor)
+    elif zero_cost:
         _zero_cost(runner.executor, batch, engine.vocab_size)
     owners = {
         "schedule": (engine.scheduler, "next_batch"),
@@ -284,7 +297,16 @@ def main() -> None:
     parser.add_argument(
         "--label", default="", help="printed in the table's title (e.g. main, branch)"
     )
+    parser.add_argument(
+        "--graphs", action="store_true",
+        help="loop table on the CPU: the reference platform's decode graphs with no-op replays "
+        "instead of the zero-cost executor (execute's staging and the LM head's host part in)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.graphs:
+        if args.device != "cpu":
+            parser.error("--graphs is the CPU stand-in for a device's graphs: use it on the CPU")
+        os.environ["XHAL_SERVE_CPU_PLATFORM"] = "cpu"  # cpu-fast captures no graphs
     torch.set_num_threads(1)  # shared CI machines: comparable numbers, not peak ones
     model_dir = args.model
     if model_dir is None:
@@ -311,6 +333,7 @@ def main() -> None:
         b: measure_loop(
             model_dir, b, args.loop_steps, args.prompt_len, args.device, zero_cost,
             time.thread_time if args.clock == "cpu" else time.perf_counter,
+            graphs=args.graphs,
             load_format=args.load_format, dtype=args.dtype, max_model_len=args.max_model_len,
             enable_prefix_caching=args.prefix_caching,
             **({} if args.max_num_seqs is None else {"max_num_seqs": max(args.max_num_seqs, b)}),
@@ -318,6 +341,7 @@ def main() -> None:
         for b in args.batch
     }  # fmt: skip
     cost = "zero-cost executor" if zero_cost else "real executor"
+    cost = "no-op graph replays" if args.graphs else cost
     _table(
         f"served loop (async scheduling, {args.device}, {cost}), median {args.clock} us per step "
         f"({label})",

@@ -149,7 +149,14 @@ def test_graph_decode_equals_eager_with_padding(checkpoint_factory):
         a, _ = eager.step(new)
         b, _ = graph.step(new)
         assert rel_err(b, a) < 1e-5  # not bitwise: the bucket's GEMMs have 4 rows, eager's 3
-    assert ("decode", 4) in graph.executor.decode_graphs.graphs
+    graphs = graph.executor.decode_graphs
+    assert ("decode", 4) in graphs.graphs
+    assert ("logits", 4) in graphs.graphs  # the LM head ran from the bucket's graph too
+    # hidden states that are not the last replay's own (a copy) take the eager LM head
+    hidden = graph.executor.execute(*graph.host.step([(0, [1]), (1, [2]), (2, [3])]))
+    by_graph = graph.executor.compute_logits(hidden).clone()
+    assert graph.executor.decode_graphs.logits_of(hidden.clone()) is None
+    assert rel_err(graph.executor.compute_logits(hidden.clone()), by_graph) < 1e-5
 
 
 def test_graph_decode_batches_shrinking_in_a_bucket(checkpoint_factory):
@@ -200,6 +207,35 @@ def test_decode_staging_resets_rows_a_larger_step_left(routes):
     assert padded.kv_seq_lens.tolist() == [n, 1, 1, 1]
     assert padded.kv_seq_lens_host.tolist() == padded.kv_seq_lens.tolist()
     assert padded.kv_cu_seq_lens.tolist() == [0, n, n + 1, n + 2, n + 3]
+
+
+@pytest.mark.parametrize("routes", ["ids", "host-ids", "ids-device"])
+def test_decode_ids_handed_apart_are_copied_in_after_the_pinned_copy(routes):
+    """A served decode step hands its metadata on the host and its ids where the step before
+    sampled them (int64, on the device): the graph reads exactly those ids over the stale ones
+    the pinned buffer carries, with the step's own positions and slots, whichever route the
+    steps around it take."""
+    from tests.support.routed_decode_graphs import RoutedGraphs
+
+    config = ExecutorConfig(max_num_seqs=8, max_model_len=64, block_size=16)
+    graphs = RoutedGraphs(
+        routes,
+        xhal.platforms.get("cpu"),
+        [],
+        config,
+        forward=lambda ids, pos, m: torch.stack([ids, pos, m.slot_mapping], dim=1),
+    )
+    host = PagedHost(64, 16)
+    host.step([(i, [1] * (3 + i)) for i in range(3)])
+    for step in range(4):
+        ids, pos, meta = host.step([(i, [step]) for i in range(3)])
+        sampled = torch.tensor([100 + 10 * step + i for i in range(3)])  # int64, as sampled
+        route = graphs.routes[step % len(graphs.routes)]
+        out = graphs.run(sampled if route == "ids" else ids, pos, meta, bucket=4)
+        want = sampled if route == "ids" else ids
+        assert out[:, 0].tolist() == want.tolist()
+        assert out[:, 1].tolist() == pos.tolist()
+        assert out[:, 2].tolist() == meta.slot_mapping.tolist()
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "piecewise"])

@@ -157,6 +157,8 @@ def _padded_table(
         if (isinstance(rows, torch.Tensor) and rows.device.type != "cpu") or rows.ndim != 2:
             raise ValueError("block_table must be a 2-D CPU tensor or a list of rows (host values)")
         table = np.asarray(rows.numpy() if isinstance(rows, torch.Tensor) else rows, dtype=np.int32)
+    elif len(rows) == 1:  # a lone sequence (batch 1): its row as it is, no padding to work out
+        table = np.array(rows, dtype=np.int32).reshape(1, -1)
     else:
         row_lens = np.fromiter((len(r) for r in rows), dtype=np.int32, count=len(rows))
         width = int(row_lens.max()) if row_lens.size else 0

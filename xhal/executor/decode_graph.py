@@ -17,6 +17,12 @@ if TYPE_CHECKING:
     from xhal.interfaces.platform import Platform
 
 
+# Buckets up to this size also capture the LM head over their static output: at a few rows its
+# eager launch (GEMM, slice, float cast) costs the host more than the step's other calls do,
+# and the logits of larger buckets (float32, vocab wide) would cost more memory than they save
+LOGITS_MAX_BUCKET = 8
+
+
 class DecodeGraphs:
     """Captures one decode graph per bucket size and replays it.
 
@@ -34,6 +40,10 @@ class DecodeGraphs:
     written with numpy into a pinned buffer and crosses in one host-to-device copy, padding rows
     included; one already on the device goes in one multi-tensor copy. The graph derives the KV
     prefix sums and lays the block table out (``staged_table.py``) before its first layer.
+
+    With ``logits`` (hidden ``[N, hidden]`` -> float32 logits of every row), a bucket of at most
+    ``LOGITS_MAX_BUCKET`` rows also captures it over the bucket's static output, and
+    ``logits_of`` replays that graph for the hidden states ``run`` just returned.
     """
 
     def __init__(
@@ -42,8 +52,10 @@ class DecodeGraphs:
         backends: Sequence[AttentionBackend],
         config: ExecutorConfig,
         forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+        logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.config, self.backends, self.forward = config, backends, forward
+        self.logits = logits
         self.platform = platform
         self.graphs = platform.graph_runner()
         self.sizes = config.decode_capture_sizes
@@ -78,6 +90,8 @@ class DecodeGraphs:
         ] = {}  # bucket -> metadata, cu out
         # (bucket, b) -> (the bucket's static output, its first b rows): the view made once
         self._outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._last: tuple[int, torch.Tensor, torch.Tensor] | None = None  # bucket, static, rows
+        self._logit_rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def bucket_for(self, metadata: AttentionMetadata) -> int | None:
         """The bucket that can run this batch, or None when it must run eagerly."""
@@ -134,11 +148,16 @@ class DecodeGraphs:
 
     @staticmethod
     def _from_host(input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata) -> bool:
-        """Whether a step's tensors are all host tensors numpy can read (the pinned route)."""
+        """Whether a step's tensors are host tensors numpy can read (the pinned route); its
+        token ids may be on the device (a served step's ids are the tokens the step before
+        sampled there), and are then copied in after the pinned copy."""
         # is_cpu: a flag read, where .device builds an object (0.15 against 0.8 us here)
-        return (
-            input_ids.is_cpu and positions.is_cpu and m.slot_mapping.is_cpu and m.block_table.is_cpu
-        )
+        return positions.is_cpu and m.slot_mapping.is_cpu and m.block_table.is_cpu
+
+    @staticmethod
+    def _ids_from_host(input_ids: torch.Tensor) -> bool:
+        """Whether a host-staged step's token ids go through the pinned buffer too."""
+        return input_ids.is_cpu
 
     def _stage_host(
         self, input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata, kv_host
@@ -148,7 +167,9 @@ class DecodeGraphs:
         b = m.num_seqs
         rows, width = m.block_table.shape
         host = self.packed.begin()
-        host["input_ids"][:b] = input_ids.numpy()
+        ids_on_host = self._ids_from_host(input_ids)
+        if ids_on_host:
+            host["input_ids"][:b] = input_ids.numpy()
         host["positions"][:b] = positions.numpy()
         slots, kv = host["slot_mapping"], host["kv_seq_lens"]
         slots[:b] = m.slot_mapping.numpy()
@@ -161,6 +182,8 @@ class DecodeGraphs:
         host["table_width"][0] = width
         host["block_table"][: rows * width] = m.block_table.numpy().reshape(-1)
         self.packed.upload(self._table_at + rows * width)
+        if not ids_on_host:  # after the pinned copy in stream order, which carries stale ids
+            self._row_views(b)[0].copy_(input_ids, non_blocking=True)
 
     def _stage_device(
         self, input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata
@@ -168,11 +191,7 @@ class DecodeGraphs:
         """One multi-tensor copy of device tensors: the step's rows, its table and width, and
         the padding values back into rows an earlier, larger step left."""
         b = m.num_seqs
-        rows = self._rows.get(b)
-        if rows is None:
-            rows = self._rows[b] = [
-                self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], self.kv_seq_lens[:b]
-            ]  # fmt: skip
+        rows = self._row_views(b)
         table_dst, table_src = self.staged_table.pairs(m.block_table)
         dst = [*rows, *table_dst]
         src = [input_ids, positions, m.slot_mapping, m.kv_seq_lens, *table_src]
@@ -181,6 +200,15 @@ class DecodeGraphs:
             dst += [self.slot_mapping[b : self._live], self.kv_seq_lens[b : self._live]]
             src += [self._no_slots[:stale], self.q_seq_lens[:stale]]  # q_seq_lens: all ones
         torch._foreach_copy_(dst, src, non_blocking=True)
+
+    def _row_views(self, b: int) -> list[torch.Tensor]:
+        """The first ``b`` rows of the ids, positions, slots and KV lengths, made once per b."""
+        rows = self._rows.get(b)
+        if rows is None:
+            rows = self._rows[b] = [
+                self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], self.kv_seq_lens[:b]
+            ]  # fmt: skip
+        return rows
 
     def run(
         self,
@@ -212,6 +240,28 @@ class DecodeGraphs:
         cached = self._outputs.get((bucket, b))
         if cached is None or cached[0] is not static:  # a recapture makes a new static output
             cached = self._outputs[bucket, b] = static, static[:b]
+        self._last = bucket, static, cached[1]
+        return cached[1]
+
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits ``[b, vocab]`` of ``hidden`` by the bucket's captured LM head, when
+        ``hidden`` is what ``run`` last returned and its bucket is small; None otherwise. A view
+        of the graph's static output, valid until the next step."""
+        last = self._last
+        if self.logits is None or last is None or hidden is not last[2]:
+            return None
+        bucket, static, rows = last
+        if bucket > LOGITS_MAX_BUCKET:
+            return None
+        key = ("logits", bucket)
+        if key not in self.graphs:
+            logits = self.logits
+            self.graphs.capture(key, lambda: logits(static))
+        out = self.graphs.replay(key)
+        b = rows.shape[0]
+        cached = self._logit_rows.get((bucket, b))
+        if cached is None or cached[0] is not out:
+            cached = self._logit_rows[bucket, b] = out, out[:b]
         return cached[1]
 
     def capture_all(self, progress: bool = True) -> dict[str, float]:
@@ -237,7 +287,7 @@ class DecodeGraphs:
                 torch.full((bucket,), -1, **i32).to(device),
             )
             zeros = torch.zeros(bucket, **i32).to(device)
-            self.run(zeros, zeros, dummy, bucket)
+            self.logits_of(self.run(zeros, zeros, dummy, bucket))  # captures the LM head too
         self.platform.synchronize()
         stats = {"seconds": time.perf_counter() - start, "graphs": len(self.sizes)}
         if free_before is not None:
@@ -261,3 +311,5 @@ class DecodeGraphs:
     def reset(self) -> None:
         self.graphs.reset()
         self._outputs.clear()
+        self._logit_rows.clear()
+        self._last = None

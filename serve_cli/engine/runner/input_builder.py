@@ -11,8 +11,10 @@ import torch
 
 from serve_cli.engine.batch import PLACEHOLDER_TOKEN_ID
 from xhal.adapter.from_xllm import from_xllm
+from xhal.adapter.host_metadata import host_metadata
 from xhal.adapter.to_xllm import to_xllm_step
 from xhal.env import check_metadata
+from xhal.interfaces.metadata import BatchKind
 
 if TYPE_CHECKING:
     from serve_cli.engine.batch import ScheduledBatch
@@ -79,6 +81,8 @@ class InputBuilder:
     def __init__(self, device: torch.device, convention: str, block_size: int) -> None:
         self.device, self.convention, self.block_size = device, convention, block_size
         self.check = check_metadata()
+        # xLLM's CUDA builder also emits FlashInfer's paged-KV index arrays
+        self._paged_block_size = block_size if convention == "cuda" else None
 
     def build(self, batch: ScheduledBatch) -> ModelInput:
         return self.upload(self.describe(batch))
@@ -128,19 +132,60 @@ class InputBuilder:
         )
 
     def upload(self, step: HostStep, previous: PreviousTokens | None = None) -> ModelInput:
-        """``step`` on the device, its metadata in the C++ layout normalized by the adapter; its
-        placeholders gathered on the device from ``previous`` (no host round trip)."""
+        """``step``'s inputs for ``execute``, its placeholders filled on the device from
+        ``previous`` (no host round trip).
+
+        A decode step whose ids are all known, or all the previous step's tokens in its order
+        (steady decode), is handed on as host tensors (``host_metadata``): the executor stages it
+        itself, in one pinned copy for a decode graph or one packed upload otherwise, so an upload
+        here would be a second copy. Any other step goes on the device here, its metadata in the
+        C++ layout normalized by the adapter."""
+        holes = step.placeholder_idxes
+        sources = _rows(step, previous) if holes else []
+        in_order = sources == holes == list(range(len(holes)))
+        num_tokens = len(step.input_ids)
+        every_row = in_order and len(holes) == num_tokens
+        if num_tokens == len(step.q_seq_lens) and (not holes or every_row):
+            return self._host_decode(step, previous if holes else None)
+        return self._device_step(step, previous, holes, sources, in_order)
+
+    def _host_decode(self, step: HostStep, previous: PreviousTokens | None) -> ModelInput:
+        """A decode step as host tensors; with ``previous``, every id is its token of the same
+        row, still on the device (the executor copies them in with the rest)."""
+        # no paged-KV arrays: a decode graph stages none, an eager decode's backend plans from
+        # the host lengths
+        q, kv, slots = _array(step.q_seq_lens), _array(step.kv_seq_lens), _array(step.slot_mapping)
+        metadata = host_metadata(q, kv, step.block_tables, slots, kind=BatchKind.DECODE)
+        if self.check:
+            metadata.validate()
+        n = slots.size
+        ids = torch.from_numpy(_array(step.input_ids)) if previous is None else previous.tokens[:n]
+        return ModelInput(
+            ids,
+            torch.from_numpy(_array(step.positions)),
+            metadata,
+            torch.from_numpy(_array(step.selected_idxes)),
+            step.sampled_request_ids,
+        )
+
+    def _device_step(
+        self,
+        step: HostStep,
+        previous: PreviousTokens | None,
+        holes: list[int],
+        sources: list[int],
+        in_order: bool,
+    ) -> ModelInput:
+        """``step`` on the device in one packed copy, its metadata in the C++ layout normalized by
+        the adapter; its placeholders filled or gathered on the device from ``previous``."""
         extra = {
             "input_ids": step.input_ids,
             "positions": step.positions,
             "selected_idxes": step.selected_idxes,
         }
-        holes = step.placeholder_idxes
-        sources = _rows(step, previous) if holes else []
-        # Steady decode: the placeholders are the step's first n tokens and the previous step's
-        # first n rows, in order, so one copy fills them; otherwise a gather through uploaded
-        # indices (five small device ops, each a launch on a GPU)
-        in_order = sources == holes == list(range(len(holes)))
+        # The placeholders are the step's first n tokens and the previous step's first n rows,
+        # in order (decodes ahead of a prompt chunk), so one copy fills them; otherwise a gather
+        # through uploaded indices (five small device ops, each a launch on a GPU)
         if holes and not in_order:
             extra |= {"holes": holes, "sources": sources}
         view, dev = to_xllm_step(
@@ -150,8 +195,7 @@ class InputBuilder:
             step.slot_mapping,
             self.convention,
             self.device,
-            # xLLM's CUDA builder also emits FlashInfer's paged-KV index arrays
-            block_size=self.block_size if self.convention == "cuda" else None,
+            block_size=self._paged_block_size,
             extra=extra,
         )
         metadata = from_xllm(view, self.convention, check=self.check)
@@ -169,6 +213,14 @@ class InputBuilder:
             dev["selected_idxes"],
             step.sampled_request_ids,
         )
+
+
+def _array(values: np.ndarray | Sequence[int]) -> np.ndarray:
+    """int32 numpy values as they are; a host that filled a ``HostStep`` with lists (the C++
+    host's Python twin, examples/cpp_host) gets them converted once."""
+    if isinstance(values, np.ndarray) and values.dtype == np.int32:
+        return values
+    return np.asarray(values, dtype=np.int32)
 
 
 def _int32(values: list[int]) -> np.ndarray:

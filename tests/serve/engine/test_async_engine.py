@@ -105,6 +105,27 @@ def test_greedy_outputs_match_with_eos_max_tokens_and_chunked_prefill(engines) -
     assert "stop" in reasons and "length" in reasons
 
 
+def test_decode_graphs_fed_on_the_host_match_eager(
+    llama_gqa_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With decode graphs (the reference platform's), steady decode steps reach the executor as
+    host tensors with their ids still where the step before sampled them, staged by the graph
+    in one copy: greedy outputs equal a synchronous eager engine's on the same platform, over
+    batches that grow, shrink and change order (requests of different lengths finish apart)."""
+    monkeypatch.setenv("XHAL_SERVE_CPU_PLATFORM", "cpu")
+    prompts = _prompts([7, 19, 3, 30, 11], seed=13)
+    requests = {
+        f"g{i}": (p, SamplingParams(max_tokens=4 + 3 * i, temperature=0, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    }
+    eager = _run(_engine(llama_gqa_dir, False, enforce_eager=True), requests)
+    graphs = _engine(llama_gqa_dir, True, enforce_eager=False)
+    assert graphs.runner.executor.decode_graphs is not None
+    _assert_same(_run(graphs, requests), eager)
+    decode = graphs.runner.executor.decode_graphs
+    assert any(("decode", b) in decode.graphs for b in decode.sizes), "no decode graph ran"
+
+
 def test_stop_strings_cut_the_same_text(tmp_path_factory: pytest.TempPathFactory) -> None:
     from serve_cli.default_model import ensure_default_model
 

@@ -322,6 +322,7 @@ def test_input_builder_emits_the_xllm_layout(convention: str) -> None:
     inputs = builder.build(batch)
     assert inputs.sampled_request_ids == ["a"] and inputs.selected_idxes.tolist() == [2]
     assert inputs.metadata.kind.name == "PREFILL" and inputs.metadata.num_tokens == 12
+    assert (inputs.metadata.paged_kv_indptr is not None) == (convention == "cuda")
     scheduler.advance(batch, {"a": 7})
 
     batch = scheduler.next_batch()  # a: a decode; b: its last prompt token
@@ -334,4 +335,6 @@ def test_input_builder_emits_the_xllm_layout(convention: str) -> None:
     assert md.block_table.tolist() == [a.block_table + [0, 0], b.block_table]
     assert md.slot_mapping.tolist() == a.slot_mapping + b.slot_mapping
     assert inputs.selected_idxes.tolist() == [0, 1] and inputs.sampled_request_ids == ["a", "b"]
-    assert (md.paged_kv_indptr is not None) == (convention == "cuda")
+    # a decode step is handed on as host tensors (the executor stages it), without paged-KV
+    # arrays: a decode graph stages none and an eager decode plans from the host lengths
+    assert md.slot_mapping.is_cpu and md.paged_kv_indptr is None

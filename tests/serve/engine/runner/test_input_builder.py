@@ -193,3 +193,45 @@ def test_placeholders_in_the_previous_steps_order_are_filled_by_one_copy() -> No
     # the same step with the previous rows in another order takes the general gather
     reordered = PreviousTokens(["d", "b", "a"], torch.tensor([99, 42, 11]))
     assert builder.upload(step, reordered).input_ids.tolist() == [11, 42, 5, 6, 7]
+
+
+@pytest.mark.parametrize("convention", ["cuda", "npu"])
+def test_a_steady_decode_step_is_handed_on_as_host_tensors(convention: str) -> None:
+    """Steady decode (async scheduling): every id is the token the step before sampled for the
+    same row. The builder copies nothing to the device: the metadata, positions and slots stay
+    host tensors (the executor stages them in one copy of its own) and the ids are the previous
+    step's tokens where they are, with the lengths and layout written out by hand here."""
+    step = HostStep(
+        input_ids=np.array([PLACEHOLDER_TOKEN_ID] * 2, dtype=np.int32),
+        positions=np.array([4, 2], dtype=np.int32),
+        q_seq_lens=np.array([1, 1], dtype=np.int32),
+        kv_seq_lens=np.array([5, 3], dtype=np.int32),
+        block_tables=[[0, 1], [2]],
+        slot_mapping=np.array([4, 10], dtype=np.int32),
+        selected_idxes=np.array([0, 1], dtype=np.int32),
+        sampled_request_ids=["a", "b"],
+        placeholder_idxes=[0, 1],
+        placeholder_request_ids=["a", "b"],
+    )
+    tokens = torch.tensor([11, 42], device="meta")
+    builder = InputBuilder(torch.device("meta"), convention, block_size=4)
+    with HostToDevice() as counter:
+        inputs = builder.upload(step, PreviousTokens(["a", "b"], tokens))
+    assert counter.copies == []
+    assert inputs.input_ids.device.type == "meta" and inputs.input_ids.shape == (2,)
+    md = inputs.metadata
+    assert md.kind.name == "DECODE" and (md.num_seqs, md.num_tokens) == (2, 2)
+    assert (md.max_query_len, md.max_seq_len) == (1, 5)
+    assert md.q_cu_seq_lens.tolist() == [0, 1, 2] and md.kv_cu_seq_lens.tolist() == [0, 5, 8]
+    assert md.q_seq_lens.tolist() == [1, 1] and md.kv_seq_lens_host.tolist() == [5, 3]
+    assert md.block_table.tolist() == [[0, 1], [2, 0]] and md.slot_mapping.tolist() == [4, 10]
+    assert inputs.positions.tolist() == [4, 2] and inputs.positions.is_cpu
+    md.validate()
+    # ids known on the host: the step is handed on whole, ids included
+    known = dataclasses.replace(
+        step, input_ids=np.array([7, 8], dtype=np.int32), placeholder_idxes=[],
+        placeholder_request_ids=[],
+    )  # fmt: skip
+    with HostToDevice() as counter:
+        inputs = builder.upload(known)
+    assert counter.copies == [] and inputs.input_ids.tolist() == [7, 8]
