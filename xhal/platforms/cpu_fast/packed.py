@@ -1,7 +1,10 @@
-"""oneDNN-packed copies of a model's widest matrices (the gate / up projection, the LM head) for
-small decode batches: MKL's GEMM is compute-bound at 2-32 rows on those shapes (1.5-1.9x slower
-there than oneDNN on a weight reordered once; at one row MKL's GEMV on the column-major matrix
-is the faster one, so both copies are kept). Costs the packed matrices' bytes once more."""
+"""oneDNN-packed copies of a model's float32 matrices for small decode batches: MKL's GEMM on the
+column-major matrix is compute-bound at a few rows (oneDNN on a weight reordered once is 1.1-1.6x
+faster there), while at one row MKL's GEMV on the column-major matrix is the faster one, so both
+copies are kept. Where the packed copy starts to win depends on the shape (one thread, CPU
+time, interleaved, SmolLM2-135M's shapes): from 2 rows for the widest matrices (gate / up, the LM
+head: 1.5-1.9x at 4-32 rows), from about 6 rows for the others (q/k/v, o, down: 1.1-1.3x at 8
+rows, a tie or slower at 4). Costs the matrices' bytes once more."""
 
 from __future__ import annotations
 
@@ -9,14 +12,22 @@ import weakref
 
 import torch
 
-ROWS = range(2, 33)  # batch rows where the packed GEMM wins (measured, benchmarks/bench_cpu_vs_hf)
-MIN_WIDTH = 4  # pack [N, K] matrices with N >= MIN_WIDTH * K only
+MAX_ROWS = 32  # rows up to which a packed copy serves (the packing's batch-size hint)
+MIN_WIDTH = 4  # a "wide" matrix [N, K] has N >= MIN_WIDTH * K ...
+WIDE_MIN_ROWS = 2  # ... and its packed copy serves from 2 rows
+NARROW_MIN_ROWS = 6  # the others' from 6 rows (measured above)
 
 
 def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(
         torch.ops.mkldnn, "_reorder_linear_weight"
     )
+
+
+def min_rows(weight: torch.Tensor) -> int:
+    """The fewest rows for which ``weight``'s packed copy serves a product."""
+    out_features, in_features = weight.shape
+    return WIDE_MIN_ROWS if out_features >= MIN_WIDTH * in_features else NARROW_MIN_ROWS
 
 
 class PackedWeights:
@@ -28,30 +39,29 @@ class PackedWeights:
     version counter: they break the contract undetected."""
 
     def __init__(self) -> None:
-        self._packed: dict[int, tuple[weakref.ref, torch.Tensor, int, int]] = {}
+        self._packed: dict[int, tuple[weakref.ref, torch.Tensor, int, int, int]] = {}
 
     def add(self, weight: torch.Tensor) -> bool:
-        """Pack ``weight`` if it is a wide float32 matrix; returns whether it was packed."""
-        out_features, in_features = weight.shape
-        if weight.dtype != torch.float32 or out_features < MIN_WIDTH * in_features:
+        """Pack ``weight`` if it is a float32 matrix; returns whether it was packed."""
+        if weight.dtype != torch.float32 or weight.dim() != 2:
             return False
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS.stop - 1)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), MAX_ROWS)
         key = id(weight)
         owner = weakref.ref(weight, lambda _, key=key: self._packed.pop(key, None))
-        self._packed[key] = (owner, packed, weight.data_ptr(), weight._version)
+        self._packed[key] = (owner, packed, weight.data_ptr(), weight._version, min_rows(weight))
         return True
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor | None:
         """``x @ weight.T + bias`` by the packed copy, or None when none serves this call."""
-        if x.dim() != 2 or x.shape[0] not in ROWS or x.dtype != torch.float32:
+        if x.dim() != 2 or not 1 < x.shape[0] <= MAX_ROWS or x.dtype != torch.float32:
             return None
         entry = self._packed.get(id(weight))
         if entry is None:
             return None
-        owner, packed, data_ptr, version = entry
-        if owner() is not weight:
+        owner, packed, data_ptr, version, fewest = entry
+        if owner() is not weight or x.shape[0] < fewest:
             return None
         if weight.data_ptr() != data_ptr or weight._version != version:
             del self._packed[id(weight)]  # changed since it was packed

@@ -144,3 +144,29 @@ int xhal_decode_attention(const float *q, const float *k, const float *v, int64_
     free(scores);
     return 0;
 }
+
+/* The greedy pick of each row of logits [rows, width] (width >= 1, rows `stride` floats apart),
+ * as torch.argmax picks: the
+ * index of the largest value, the lowest on ties, and the first NaN's when the row has one
+ * (NaN counts as the largest). One vectorized pass for the maximum (and whether a NaN is there),
+ * then a scan for its first index: torch's reduction keeps an index per lane and runs far
+ * slower over a 49,152-wide vocabulary on this CPU. */
+void xhal_argmax_rows(const float *logits, int64_t rows, int64_t width, int64_t stride,
+                      int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = logits + r * stride;
+        float best = -INFINITY;
+        int nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+        for (int64_t i = 0; i < width; i++) {
+            best = x[i] > best ? x[i] : best;
+            nan |= x[i] != x[i];
+        }
+        int64_t at = 0;
+        if (nan)
+            while (x[at] == x[at]) at++;
+        else
+            while (x[at] != best) at++;
+        out[r] = at;
+    }
+}

@@ -30,6 +30,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11"
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "xhal_add_rms_norm": (None, (_P, _P, _P, _F, _I, _I, _P, _P)),
+    "xhal_argmax_rows": (None, (_P, _I, _I, _I, _P)),
     "xhal_decode_attention": (
         ctypes.c_int,
         (_P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P, _P, _I,
