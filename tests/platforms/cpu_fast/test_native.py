@@ -104,6 +104,41 @@ def test_norm_matches_its_float64_definition() -> None:
 
 
 @needs_native
+def test_decode_attention_is_the_same_on_one_thread_or_several() -> None:
+    """The (sequence, kv head) pairs split over threads each do the one-thread arithmetic: the
+    output is bit for bit the same at 1 and 2 threads, for a batch of unequal lengths."""
+    spec = AttentionSpec(
+        num_heads=6, num_kv_heads=2, head_dim=32, dtype=torch.float32, block_size=4,
+        scale=32**-0.5,
+    )  # fmt: skip
+    host = PagedHost(NUM_BLOCKS, spec.block_size, seed=9)
+    host.step([(s, [0] * n) for s, n in ((0, 11), (1, 2), (2, 17), (3, 5))])
+    _, positions, metadata = host.step([(s, [0]) for s in range(4)])
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(4, h, 32, generator=g) for h in (6, 2, 2))
+    table = torch.randn(64, 32, generator=g)
+    base = _caches(spec)
+    base.key.normal_(generator=g)
+    base.value.normal_(generator=g)
+    outs, threads = [], torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            fast = platforms.get("cpu-fast").attention_backend(spec)
+            cache = LayerCache(base.key.clone(), base.value.clone())
+            fast.bind_kv_caches([cache])
+            fast.plan(metadata)
+            assert fast._plan.native is not None
+            outs.append((fast.forward_rotary(0, q, k, v, positions.int(), table, True), cache))
+    finally:
+        torch.set_num_threads(threads)
+    (one, one_cache), (two, two_cache) = outs
+    assert torch.equal(one, two)
+    assert torch.equal(one_cache.key, two_cache.key)
+
+
+
+@needs_native
 def test_greedy_pick_is_the_lowest_index_of_the_maximum_and_a_nan_first() -> None:
     """The native argmax against a hand-built expectation: ties go to the lowest index, a row
     with a NaN picks its first NaN (torch's rule), an all ``-inf`` row picks 0; strided rows

@@ -8,7 +8,9 @@ rows, a tie or slower at 4). Costs the matrices' bytes once more."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 
 import torch
 
@@ -24,10 +26,24 @@ def available() -> bool:
     )
 
 
-def min_rows(weight: torch.Tensor) -> int:
-    """The fewest rows for which ``weight``'s packed copy serves a product."""
+_narrow_min_rows = NARROW_MIN_ROWS  # MAX_ROWS + 1 inside ``wide_only()``
+
+
+def is_wide(weight: torch.Tensor) -> bool:
     out_features, in_features = weight.shape
-    return WIDE_MIN_ROWS if out_features >= MIN_WIDTH * in_features else NARROW_MIN_ROWS
+    return out_features >= MIN_WIDTH * in_features
+
+
+@contextlib.contextmanager
+def wide_only() -> Iterator[None]:
+    """Inside the block only the wide matrices' copies serve (the narrow ones' MKL path, as
+    before they were packed): for benchmarks that compare the two in one process."""
+    global _narrow_min_rows
+    saved, _narrow_min_rows = _narrow_min_rows, MAX_ROWS + 1
+    try:
+        yield
+    finally:
+        _narrow_min_rows = saved
 
 
 class PackedWeights:
@@ -39,7 +55,7 @@ class PackedWeights:
     version counter: they break the contract undetected."""
 
     def __init__(self) -> None:
-        self._packed: dict[int, tuple[weakref.ref, torch.Tensor, int, int, int]] = {}
+        self._packed: dict[int, tuple[weakref.ref, torch.Tensor, int, int, bool]] = {}
 
     def add(self, weight: torch.Tensor) -> bool:
         """Pack ``weight`` if it is a float32 matrix; returns whether it was packed."""
@@ -48,7 +64,7 @@ class PackedWeights:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), MAX_ROWS)
         key = id(weight)
         owner = weakref.ref(weight, lambda _, key=key: self._packed.pop(key, None))
-        self._packed[key] = (owner, packed, weight.data_ptr(), weight._version, min_rows(weight))
+        self._packed[key] = (owner, packed, weight.data_ptr(), weight._version, is_wide(weight))
         return True
 
     def linear(
@@ -60,8 +76,8 @@ class PackedWeights:
         entry = self._packed.get(id(weight))
         if entry is None:
             return None
-        owner, packed, data_ptr, version, fewest = entry
-        if owner() is not weight or x.shape[0] < fewest:
+        owner, packed, data_ptr, version, wide = entry
+        if owner() is not weight or x.shape[0] < (WIDE_MIN_ROWS if wide else _narrow_min_rows):
             return None
         if weight.data_ptr() != data_ptr or weight._version != version:
             del self._packed[id(weight)]  # changed since it was packed

@@ -5,12 +5,16 @@
  *
  * (No SiLU gate: torch's vectorized exp beats a scalar expf even on one row.)
  *
- * Reductions run in SIMD lanes (omp simd reduction, enabled by -fopenmp-simd alone: no OpenMP
- * runtime is linked), so sums are float32 in another order than torch's: results agree with the
- * reference to float32 rounding, not bit for bit. Single-threaded: native.py sends only steps
- * small enough that torch's threads would not pay for their start. */
+ * Reductions run in SIMD lanes (omp simd reduction), so sums are float32 in another order than
+ * torch's: results agree with the reference to float32 rounding, not bit for bit. The decode
+ * attention splits its (sequence, kv head) pairs over OpenMP threads: built with -fopenmp, the
+ * library's libgomp.so.1 is the one torch loaded already (same soname), so these are torch's
+ * own pool and thread count (torch.set_num_threads), not a second pool competing for the cores.
+ * The rest is single-threaded: native.py sends only steps small enough that torch's threads
+ * would not pay for their start. */
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -94,14 +98,13 @@ int xhal_decode_attention(const float *q, const float *k, const float *v, int64_
                           float *v_cache, const int64_t *kv_rows, const int64_t *lens,
                           int64_t max_len, int64_t window, float scale, float soft_cap,
                           float *out) {
-    int64_t group = heads / kv_heads, row = kv_heads * dim;
-    float *q_rot = malloc(sizeof(float) * (size_t)(heads * dim));
-    float *scores = malloc(sizeof(float) * (size_t)(group * (max_len > 0 ? max_len : 1)));
-    if (q_rot == NULL || scores == NULL) {
-        free(q_rot);
-        free(scores);
-        return -1;
-    }
+    int64_t group = heads / kv_heads, row = kv_heads * dim, items = num_seqs * kv_heads;
+    /* scratch per thread, had before anything is written: a group's rotated queries and its
+     * scores */
+    int threads = items > 1 ? omp_get_max_threads() : 1;
+    size_t per_thread = (size_t)(group * dim + group * (max_len > 0 ? max_len : 1));
+    float *scratch = malloc(sizeof(float) * per_thread * (size_t)threads);
+    if (scratch == NULL) return -1;
     for (int64_t b = 0; b < num_seqs; b++) {
         if (slots[b] < 0) continue;
         const float *kb = k + b * kv_stride, *vb = v + b * kv_stride;
@@ -110,38 +113,42 @@ int xhal_decode_attention(const float *q, const float *k, const float *v, int64_
                      dim, neox, kc);
         memcpy(vc, vb, sizeof(float) * (size_t)row);
     }
-    for (int64_t b = 0; b < num_seqs; b++) {
-        rotate_heads(q + b * q_stride, heads, position_row(cos_sin, positions, b, rotary_dim),
-                     rotary_dim, dim, neox, q_rot);
+    /* every (sequence, kv head) pair on its own: the batch's pairs split over the threads
+     * (a batch-8 step's attention is a tenth of its time on one thread) */
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t item = 0; item < items; item++) {
+        int64_t b = item / kv_heads, kh = item % kv_heads;
+        float *q_rot = scratch + per_thread * (size_t)omp_get_thread_num();
+        float *scores = q_rot + group * dim;
+        rotate_heads(q + b * q_stride + kh * group * dim, group,
+                     position_row(cos_sin, positions, b, rotary_dim), rotary_dim, dim, neox,
+                     q_rot);
         int64_t hi = lens[b], lo = window > 0 && hi > window ? hi - window : 0;
         const int64_t *rows_b = kv_rows + b * max_len;
-        for (int64_t kh = 0; kh < kv_heads; kh++) {
-            for (int64_t p = lo; p < hi; p++) {  // every query head of the group, key by key
-                const float *key = k_cache + rows_b[p] * row + kh * dim;
-                for (int64_t g = 0; g < group; g++) {
-                    float s = dot(q_rot + (kh * group + g) * dim, key, dim) * scale;
-                    if (soft_cap > 0.0f) s = soft_cap * tanhf(s / soft_cap);
-                    scores[g * max_len + p] = s;
-                }
-            }
+        for (int64_t p = lo; p < hi; p++) {  // every query head of the group, key by key
+            const float *key = k_cache + rows_b[p] * row + kh * dim;
             for (int64_t g = 0; g < group; g++) {
-                float *sg = scores + g * max_len;
-                float *o = out + (b * heads + kh * group + g) * dim;
-                float top = -INFINITY, total = 0.0f;
-                for (int64_t p = lo; p < hi; p++) top = sg[p] > top ? sg[p] : top;
-                for (int64_t p = lo; p < hi; p++) total += sg[p] = expf(sg[p] - top);
-                memset(o, 0, sizeof(float) * (size_t)dim);
-                for (int64_t p = lo; p < hi; p++) {
-                    const float *value = v_cache + rows_b[p] * row + kh * dim;
-                    float weight = sg[p] / total;
+                float s = dot(q_rot + g * dim, key, dim) * scale;
+                if (soft_cap > 0.0f) s = soft_cap * tanhf(s / soft_cap);
+                scores[g * max_len + p] = s;
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            float *sg = scores + g * max_len;
+            float *o = out + (b * heads + kh * group + g) * dim;
+            float top = -INFINITY, total = 0.0f;
+            for (int64_t p = lo; p < hi; p++) top = sg[p] > top ? sg[p] : top;
+            for (int64_t p = lo; p < hi; p++) total += sg[p] = expf(sg[p] - top);
+            memset(o, 0, sizeof(float) * (size_t)dim);
+            for (int64_t p = lo; p < hi; p++) {
+                const float *value = v_cache + rows_b[p] * row + kh * dim;
+                float weight = sg[p] / total;
 #pragma omp simd
-                    for (int64_t i = 0; i < dim; i++) o[i] += weight * value[i];
-                }
+                for (int64_t i = 0; i < dim; i++) o[i] += weight * value[i];
             }
         }
     }
-    free(q_rot);
-    free(scores);
+    free(scratch);
     return 0;
 }
 
