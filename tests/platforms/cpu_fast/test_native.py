@@ -106,18 +106,21 @@ def test_norm_matches_its_float64_definition() -> None:
 @needs_native
 def test_decode_attention_is_the_same_on_one_thread_or_several() -> None:
     """The (sequence, kv head) pairs split over threads each do the one-thread arithmetic: the
-    output is bit for bit the same at 1 and 2 threads, for a batch of unequal lengths."""
+    output is bit for bit the same at 1 and 2 threads, for a batch of unequal lengths long
+    enough (488 keys over 2 kv heads) for the kernel to take threads."""
     spec = AttentionSpec(
-        num_heads=6, num_kv_heads=2, head_dim=32, dtype=torch.float32, block_size=4,
+        num_heads=6, num_kv_heads=2, head_dim=32, dtype=torch.float32, block_size=16,
         scale=32**-0.5,
     )  # fmt: skip
-    host = PagedHost(NUM_BLOCKS, spec.block_size, seed=9)
-    host.step([(s, [0] * n) for s, n in ((0, 11), (1, 2), (2, 17), (3, 5))])
+    num_blocks = 40
+    host = PagedHost(num_blocks, spec.block_size, seed=9)
+    host.step([(s, [0] * n) for s, n in ((0, 150), (1, 40), (2, 200), (3, 94))])
     _, positions, metadata = host.step([(s, [0]) for s in range(4)])
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(4, h, 32, generator=g) for h in (6, 2, 2))
-    table = torch.randn(64, 32, generator=g)
-    base = _caches(spec)
+    table = torch.randn(256, 32, generator=g)
+    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    base = LayerCache(torch.zeros(shape), torch.zeros(shape))
     base.key.normal_(generator=g)
     base.value.normal_(generator=g)
     outs, threads = [], torch.get_num_threads()
