@@ -222,11 +222,11 @@ def main() -> None:
     )
     print(f"floor: {step_bytes / 1e6:.0f} MB per step / read ceiling "
           f"{ceiling / 1e9:.1f} GB/s = {floor_us / 1e3:.1f} ms")  # fmt: skip
-    print(f"{'platform':<16}{'step ms':>9}{'min ms':>8}{'tok/s':>8}{'products ms':>13}"
+    print(f"{'platform':<22}{'step ms':>9}{'min ms':>8}{'tok/s':>8}{'products ms':>13}"
           f"{'overhead/step ms':>18}{'overhead/layer us':>19}{'floor/step':>12}")  # fmt: skip
     for name, (step_us, gemv_us, fastest_us) in results.items():
         print(
-            f"{name:<16}{step_us / 1e3:>9.1f}{fastest_us / 1e3:>8.1f}"
+            f"{name:<22}{step_us / 1e3:>9.1f}{fastest_us / 1e3:>8.1f}"
             f"{args.batch * 1e6 / step_us:>8.1f}{gemv_us / 1e3:>13.1f}"
             f"{(step_us - gemv_us) / 1e3:>18.1f}"
             f"{(step_us - gemv_us) / num_layers:>19.0f}{floor_us / step_us:>11.0%}"
