@@ -3,8 +3,11 @@ column-major matrix is compute-bound at a few rows (oneDNN on a weight reordered
 faster there), while at one row MKL's GEMV on the column-major matrix is the faster one, so both
 copies are kept. Where the packed copy starts to win depends on the shape (one thread, CPU
 time, interleaved, SmolLM2-135M's shapes): from 2 rows for the widest matrices (gate / up, the LM
-head: 1.5-1.9x at 4-32 rows), from about 6 rows for the others (q/k/v, o, down: 1.1-1.3x at 8
-rows, a tie or slower at 4). Costs the matrices' bytes once more."""
+head: 1.5-1.9x at 4-32 rows), from about 6 rows for the others (q/k/v, down: 1.1-1.3x at 8
+rows, a tie or slower at 4). Small matrices are left out: on two threads MKL's GEMM on SmolLM2's
+576 x 576 o projection was as fast or faster at 8 rows (103-138 against 118-171 us, three
+interleaved runs), while q/k/v (960 x 576: 213-233 against 197-209) and down (576 x 1536:
+mixed, 1.0-1.1x) gained. Costs the packed matrices' bytes once more."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ MAX_ROWS = 32  # rows up to which a packed copy serves (the packing's batch-size
 MIN_WIDTH = 4  # a "wide" matrix [N, K] has N >= MIN_WIDTH * K ...
 WIDE_MIN_ROWS = 2  # ... and its packed copy serves from 2 rows
 NARROW_MIN_ROWS = 6  # the others' from 6 rows (measured above)
+MIN_ELEMENTS = 1 << 19  # matrices smaller than this are not packed (measured above)
 
 
 def available() -> bool:
@@ -58,8 +62,9 @@ class PackedWeights:
         self._packed: dict[int, tuple[weakref.ref, torch.Tensor, int, int, bool]] = {}
 
     def add(self, weight: torch.Tensor) -> bool:
-        """Pack ``weight`` if it is a float32 matrix; returns whether it was packed."""
-        if weight.dtype != torch.float32 or weight.dim() != 2:
+        """Pack ``weight`` if it is a float32 matrix of at least ``MIN_ELEMENTS``; returns
+        whether it was packed."""
+        if weight.dtype != torch.float32 or weight.dim() != 2 or weight.numel() < MIN_ELEMENTS:
             return False
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), MAX_ROWS)
         key = id(weight)

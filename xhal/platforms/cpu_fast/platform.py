@@ -48,9 +48,9 @@ class CpuFastPlatform(CpuPlatform):
         GEMV and small-batch GEMM stream ``x @ W.T`` faster when W.T is the contiguous one (about
         1.2x over a decode step's projections and LM head here, ``benchmarks/bench_cpu_vs_hf``);
         the embedding lookup that shares the LM head's matrix reads strided rows, a few
-        microseconds per token. Every one also gets a oneDNN-packed copy for small decode
-        batches: from 2 rows for the widest (gate / up, LM head), from 6 for the others, up to
-        32 (``packed.py``)."""
+        microseconds per token. All but the small ones also get a oneDNN-packed copy for
+        small decode batches: from 2 rows for the widest (gate / up, LM head), from 6 for the
+        others, up to 32 (``packed.py``)."""
         from xhal.platforms.cpu_fast import packed
 
         for param in model.parameters():  # shared (tied) parameters come once
