@@ -9,16 +9,19 @@ do without, per layer, on each platform given, all in one run on one loaded mode
 For each platform (in the order given; the model's weights are the ones the last
 ``prepare_weights`` left, so list ``cpu-fast`` first to time the reference on them too), on
 an executor with that platform's ops active: the median of ``--steps`` decode steps of
-``--batch`` sequences (``execute`` then ``compute_logits``, as ``xhal-serve`` runs them) at
-``--context`` tokens each, and, interleaved with them, the same step's matrix products alone (the
-platform's ``linear`` of ``--batch`` rows on every projection of every layer and on the LM head,
-in step order, on the weights as stored, packed copies included): what is
-left over, divided by the number of layers, is the per-layer overhead (norms, rotary, the KV
+``--batch`` sequences (``execute``, ``compute_logits`` and the greedy pick, as ``xhal-serve``
+runs them) at ``--context`` tokens each, and, interleaved with them, the same step's matrix
+products alone (the platform's ``linear`` of ``--batch`` rows on every projection of every
+layer and on the LM head, in step order, on the weights as stored, packed copies included): what
+is left over, divided by the number of layers, is the per-layer overhead (norms, rotary, the KV
 write, attention, activation and every Python and dispatch layer around them). The floor is the
 bytes a step reads (weights once, the tied head's table once, K and V of the context) over the
 streaming-read ceiling measured in the same run (``bench_cpu_vs_hf.read_ceiling``).
 ``cpu-fast/torch`` is cpu-fast with its native kernels off (``native.torch_path``): the torch
-path it had before them, for a before / after in one run.
+path it had before them, for a before / after in one run; ``cpu-fast/wide-packed`` is cpu-fast
+with only the widest matrices' packed copies serving (``packed.wide_only``), as before the
+narrow ones were packed too. A step ends with the greedy pick of its logits, as in a served
+greedy request.
 ``--model narrow`` is SmolLM2-135M's layer count, heads and head dim with hidden and intermediate
 sizes of 72 and 64 (seeded random weights, 12 MB): its step is almost all per-op overhead, which
 shared machines disturb far less than the memory-bound products; the ``min`` column (the fastest
@@ -92,9 +95,11 @@ class DecodeStep:
         from xhal.interfaces.metadata import AttentionMetadata, BatchKind
 
         base, _, variant = platform_name.partition("/")
-        if variant not in ("", "torch"):
-            raise SystemExit(f"{platform_name!r}: the only variant is cpu-fast/torch")
-        self.torch_path = variant == "torch"
+        if variant not in ("", "torch", "wide-packed"):
+            raise SystemExit(
+                f"{platform_name!r}: the variants are cpu-fast/torch and cpu-fast/wide-packed"
+            )
+        self.variant = variant
         self.platform = platforms.get(base)
         config = ExecutorConfig(
             dtype=torch.float32, block_size=BLOCK, max_num_seqs=batch, max_model_len=4 * context,
@@ -120,19 +125,20 @@ class DecodeStep:
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         from xhal import ops
+        from xhal.platforms.cpu_fast import packed
         from xhal.platforms.cpu_fast.kernels import native
 
-        with ops.using("cpu", self.platform.ops):
-            if not self.torch_path:
-                yield
-                return
-            with native.torch_path():
-                yield
+        variants = {"torch": native.torch_path, "wide-packed": packed.wide_only}
+        variant = variants.get(self.variant, contextlib.nullcontext)
+        with ops.using("cpu", self.platform.ops), variant():
+            yield
 
     def __call__(self) -> torch.Tensor:
+        from xhal import ops
+
         with self.active():
             hidden = self.executor.execute(self.ids, self.positions, self.metadata)
-            return self.executor.compute_logits(hidden)
+            return ops.argmax(self.executor.compute_logits(hidden))
 
 
 def products(mats: list[torch.Tensor], batch: int, linear: Callable) -> Callable[[], None]:
@@ -216,11 +222,11 @@ def main() -> None:
     )
     print(f"floor: {step_bytes / 1e6:.0f} MB per step / read ceiling "
           f"{ceiling / 1e9:.1f} GB/s = {floor_us / 1e3:.1f} ms")  # fmt: skip
-    print(f"{'platform':<16}{'step ms':>9}{'min ms':>8}{'tok/s':>8}{'products ms':>13}"
+    print(f"{'platform':<22}{'step ms':>9}{'min ms':>8}{'tok/s':>8}{'products ms':>13}"
           f"{'overhead/step ms':>18}{'overhead/layer us':>19}{'floor/step':>12}")  # fmt: skip
     for name, (step_us, gemv_us, fastest_us) in results.items():
         print(
-            f"{name:<16}{step_us / 1e3:>9.1f}{fastest_us / 1e3:>8.1f}"
+            f"{name:<22}{step_us / 1e3:>9.1f}{fastest_us / 1e3:>8.1f}"
             f"{args.batch * 1e6 / step_us:>8.1f}{gemv_us / 1e3:>13.1f}"
             f"{(step_us - gemv_us) / 1e3:>18.1f}"
             f"{(step_us - gemv_us) / num_layers:>19.0f}{floor_us / step_us:>11.0%}"

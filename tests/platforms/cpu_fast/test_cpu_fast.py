@@ -272,30 +272,40 @@ def test_weights_are_laid_out_column_major_and_steps_match_the_reference(
 
 @pytest.mark.skipif(not __import__("xhal.platforms.cpu_fast.packed").platforms.cpu_fast.packed
                     .available(), reason="torch built without oneDNN")
-def test_packed_linear_serves_small_batches_of_wide_weights_only() -> None:
+def test_packed_linear_serves_the_small_batches_where_it_wins() -> None:
     """The oneDNN copy gives ``x @ W.T + b`` within float32 rounding of a float64 product for
-    2-32 rows; one row, 33 rows, a narrow weight, a weight changed in place since packing and a
-    weight that died are not served by it."""
-    from xhal.platforms.cpu_fast.packed import PackedWeights
+    2-32 rows of a wide weight and 6-32 rows of a narrow one; one row, 33 rows, a narrow weight
+    at 5 rows, a weight changed in place since packing and a weight that died are not served by
+    it, and small matrices are not packed."""
+    from xhal.platforms.cpu_fast.packed import MIN_ELEMENTS, PackedWeights
 
     g = torch.Generator().manual_seed(6)
     packed = PackedWeights()
-    wide = torch.randn(256, 48, generator=g).t().contiguous().t()  # column-major, as prepared
-    narrow = torch.randn(64, 48, generator=g)
-    bias = torch.randn(256, generator=g)
-    assert packed.add(wide) and not packed.add(narrow)
-    for rows in (2, 8, 32):
-        x = torch.randn(rows, 48, generator=g)
-        out = packed.linear(x, wide, bias)
-        assert out is not None
-        want = x.double() @ wide.double().T + bias.double()
-        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    k = 512
+    wide = torch.randn(4 * k, k, generator=g).t().contiguous().t()  # column-major, as prepared
+    narrow = torch.randn(MIN_ELEMENTS // k, k, generator=g).t().contiguous().t()
+    bias = torch.randn(4 * k, generator=g)
+    assert packed.add(wide) and packed.add(narrow)
+    assert not packed.add(torch.randn(MIN_ELEMENTS // k - 1, k))  # small: not packed
+    assert not packed.add(torch.randn(4 * k, k, dtype=torch.float64))
+    for weight, bias_, rows_served in ((wide, bias, (2, 8, 32)), (narrow, None, (6, 8, 32))):
+        for rows in rows_served:
+            x = torch.randn(rows, k, generator=g)
+            out = packed.linear(x, weight, bias_)
+            assert out is not None
+            want = x.double() @ weight.double().T
+            if bias_ is not None:
+                want += bias_.double()
+            # float32 sums of 512 unit-scale products: errors of ~K * 2^-24 * |sum|
+            torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=2e-4)
     for rows in (1, 33):
-        assert packed.linear(torch.randn(rows, 48), wide, None) is None
-    assert packed.linear(torch.randn(4, 48), narrow, None) is None
+        assert packed.linear(torch.randn(rows, k), wide, None) is None
+    for rows in (1, 5, 33):
+        assert packed.linear(torch.randn(rows, k), narrow, None) is None
     wide.mul_(2)  # an in-place change (it bumps the version counter): the copy is stale
-    assert packed.linear(torch.randn(4, 48), wide, None) is None
-    other = torch.randn(256, 48, generator=g)
+    assert packed.linear(torch.randn(4, k), wide, None) is None
+    del narrow, weight  # the loop variable held it too
+    other = torch.randn(4 * k, k, generator=g)
     assert packed.add(other) and len(packed._packed) == 1  # the stale entry is gone
     del other
     assert not packed._packed  # a weight that dies takes its copy along

@@ -1,6 +1,7 @@
 """cpu-fast's native C kernels against independent references: the decode attention (rotary, KV
 write and attention in one call) against the reference platform's rotary and attention, the norm
-against its float64 definition, and the torch path taking over, with one log line, when no
+against its float64 definition, the greedy pick against hand-built picks, and the torch path
+taking over, with one log line, when no
 compiler is there."""
 
 from __future__ import annotations
@@ -100,6 +101,73 @@ def test_norm_matches_its_float64_definition() -> None:
     # inputs the kernels do not read come back None: the caller's torch path serves them
     assert calls.add_rms_norm(x.t().contiguous().t(), None, weight, 1e-5) is None
     assert calls.add_rms_norm(x.bfloat16(), None, weight, 1e-5) is None
+
+
+@needs_native
+def test_decode_attention_is_the_same_on_one_thread_or_several() -> None:
+    """The (sequence, kv head) pairs split over threads each do the one-thread arithmetic: the
+    output is bit for bit the same at 1 and 2 threads, for a batch of unequal lengths long
+    enough (488 keys over 2 kv heads) for the kernel to take threads."""
+    spec = AttentionSpec(
+        num_heads=6, num_kv_heads=2, head_dim=32, dtype=torch.float32, block_size=16,
+        scale=32**-0.5,
+    )  # fmt: skip
+    num_blocks = 40
+    host = PagedHost(num_blocks, spec.block_size, seed=9)
+    host.step([(s, [0] * n) for s, n in ((0, 150), (1, 40), (2, 200), (3, 94))])
+    _, positions, metadata = host.step([(s, [0]) for s in range(4)])
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(4, h, 32, generator=g) for h in (6, 2, 2))
+    table = torch.randn(256, 32, generator=g)
+    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    base = LayerCache(torch.zeros(shape), torch.zeros(shape))
+    base.key.normal_(generator=g)
+    base.value.normal_(generator=g)
+    outs, threads = [], torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            fast = platforms.get("cpu-fast").attention_backend(spec)
+            cache = LayerCache(base.key.clone(), base.value.clone())
+            fast.bind_kv_caches([cache])
+            fast.plan(metadata)
+            assert fast._plan.native is not None
+            outs.append((fast.forward_rotary(0, q, k, v, positions.int(), table, True), cache))
+    finally:
+        torch.set_num_threads(threads)
+    (one, one_cache), (two, two_cache) = outs
+    assert torch.equal(one, two)
+    assert torch.equal(one_cache.key, two_cache.key)
+
+
+
+@needs_native
+def test_greedy_pick_is_the_lowest_index_of_the_maximum_and_a_nan_first() -> None:
+    """The native argmax against a hand-built expectation: ties go to the lowest index, a row
+    with a NaN picks its first NaN (torch's rule), an all ``-inf`` row picks 0; strided rows
+    (a slice of a wider buffer) are read in place; the platform's ops serve greedy picks by it."""
+    g = torch.Generator().manual_seed(11)
+    wide = torch.randn(6, 1100, generator=g)
+    logits = wide[:, :1000]  # rows 1100 floats apart
+    logits[0, 17] = logits[0, 900] = 40.0  # a tie: 17
+    logits[1, 999] = 41.0  # the last column
+    logits[2, 3] = logits[2, 5] = float("nan")  # NaN wins, the first one
+    logits[2, 4] = 50.0
+    logits[3] = float("-inf")
+    logits[4, 0] = 42.0  # the first column
+    logits[5, 500] = float("inf")
+    expected = [17, 999, 3, 0, 0, 500]
+    assert calls.argmax_rows(logits).tolist() == expected
+    assert calls.argmax_rows(logits[:1]).tolist() == expected[:1]
+    assert calls.argmax_rows(logits.contiguous()).tolist() == expected
+    cpu_fast = platforms.get("cpu-fast").ops
+    assert cpu_fast.argmax(logits).tolist() == expected
+    # what the kernel does not read (other dtypes, columns not unit-strided) comes back None,
+    # and the ops fall back to torch's argmax
+    assert calls.argmax_rows(logits.double()) is None
+    assert calls.argmax_rows(logits.t()) is None
+    assert cpu_fast.argmax(logits.double()).tolist() == expected
+
 
 
 def test_without_a_compiler_the_torch_path_serves_and_says_so(

@@ -38,11 +38,12 @@ def one_token_attention(
     return torch.bmm(torch.softmax(scores, dim=-1), v).view(batch, heads, dim)
 
 
-# a step's decodes go to the native kernel when their keys together are at most this many: past
-# it, torch's two-threaded batched products beat the kernel's single thread (measured here, 9
-# heads over 3 KV heads of 64: 1 x 64 keys 30 against 63 us, 8 x 96 154 against 192, 1 x 1000
-# 464 against 395)
-NATIVE_MAX_KEYS = 768
+# a step's decodes go to the native kernel when their keys together are at most this many. Its
+# (sequence, kv head) pairs run on torch's threads; against torch's batched products (2 threads,
+# 9 heads over 3 KV heads of 64, us per layer, best of 60-200 calls on a loaded machine): 1 x 64
+# keys 20 against 63, 8 x 96 150 against 247, 1 x 1000 176 against 209, 8 x 256 385 against 586,
+# 8 x 1024 1111 against 5254, 1 x 4000 837 against 3488. Longer steps were not measured.
+NATIVE_MAX_KEYS = 8192
 
 
 class NativeDecode:

@@ -36,17 +36,25 @@ class CpuFastPlatform(CpuPlatform):
         **{op: "sdpa" for op in ATTENTION_OPS},
     }
 
+    def __init__(self) -> None:
+        from xhal.platforms.cpu_fast.ops import FastSolvedOps
+
+        super().__init__()
+        chosen = self.kernels.ops  # the solutions' ops, with cpu-fast's greedy pick on top
+        self._ops = FastSolvedOps(chosen.impls, chosen.names)
+
     def prepare_weights(self, model: nn.Module) -> None:
         """Every float32 matrix is stored transposed (column-major, same shape and values): MKL's
         GEMV and small-batch GEMM stream ``x @ W.T`` faster when W.T is the contiguous one (about
         1.2x over a decode step's projections and LM head here, ``benchmarks/bench_cpu_vs_hf``);
         the embedding lookup that shares the LM head's matrix reads strided rows, a few
-        microseconds per token. The widest matrices (gate / up, LM head) also get a oneDNN-packed
-        copy that serves batches of 2-32 rows (``packed.py``)."""
+        microseconds per token. All but the small ones also get a oneDNN-packed copy for
+        small decode batches: from 2 rows for the widest (gate / up, LM head), from 6 for the
+        others, up to 32 (``packed.py``)."""
         from xhal.platforms.cpu_fast import packed
 
         for param in model.parameters():  # shared (tied) parameters come once
             if param.dim() == 2 and param.dtype == torch.float32 and param.is_contiguous():
                 param.data = param.data.t().contiguous().t()
-                if packed.available():  # the widest also get a copy for small batches
+                if packed.available():  # a copy for small batches
                     packed.PACKED.add(param)

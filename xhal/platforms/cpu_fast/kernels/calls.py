@@ -48,3 +48,23 @@ def add_rms_norm(
         normed.data_ptr(), summed.data_ptr(),
     )  # fmt: skip
     return normed, summed
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
+    """``logits.argmax(dim=-1)`` (int64 ``[S]``: lowest index on ties, a row's first NaN if it
+    has one) for float32 rows ``[S, V]`` with V >= 1 and unit column stride, any number of rows
+    (reading them is the whole cost, single-threaded suffices)."""
+    lib = library()
+    if (
+        lib is None
+        or logits.dtype != _F32
+        or logits.dim() != 2
+        or logits.shape[1] == 0
+        or logits.stride(1) != 1
+        or logits.stride(0) < logits.shape[1]
+    ):
+        return None
+    rows, width = logits.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    lib.xhal_argmax_rows(logits.data_ptr(), rows, width, logits.stride(0), out.data_ptr())
+    return out

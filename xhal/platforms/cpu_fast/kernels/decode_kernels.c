@@ -5,12 +5,16 @@
  *
  * (No SiLU gate: torch's vectorized exp beats a scalar expf even on one row.)
  *
- * Reductions run in SIMD lanes (omp simd reduction, enabled by -fopenmp-simd alone: no OpenMP
- * runtime is linked), so sums are float32 in another order than torch's: results agree with the
- * reference to float32 rounding, not bit for bit. Single-threaded: native.py sends only steps
- * small enough that torch's threads would not pay for their start. */
+ * Reductions run in SIMD lanes (omp simd reduction), so sums are float32 in another order than
+ * torch's: results agree with the reference to float32 rounding, not bit for bit. The decode
+ * attention splits its (sequence, kv head) pairs over OpenMP threads: built with -fopenmp, the
+ * library's libgomp.so.1 is the one torch loaded already (same soname), so these are torch's
+ * own pool and thread count (torch.set_num_threads), not a second pool competing for the cores.
+ * The rest is single-threaded: native.py sends only steps small enough that torch's threads
+ * would not pay for their start. */
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -87,6 +91,11 @@ static const float *position_row(const float *cos_sin, const int32_t *positions,
  *      soft_cap) when soft_cap > 0, softmax, weighted sum of values -> out [num_seqs, heads, dim].
  * q, k, v rows are q_stride / kv_stride floats apart, heads dim floats apart. Returns 0, or -1
  * when scratch memory could not be had (nothing was written then). */
+/* (key, kv head) pairs of a step from which its attention runs on several threads: 8 sequences
+ * of 32 keys over 3 kv heads (768) took 57 us on one thread, 37 on two; one of 64 (192), 22
+ * and 19 us, not worth the region */
+#define PARALLEL_MIN_KEY_HEADS 512
+
 int xhal_decode_attention(const float *q, const float *k, const float *v, int64_t q_stride,
                           int64_t kv_stride, int64_t num_seqs, int64_t heads, int64_t kv_heads,
                           int64_t dim, const int32_t *positions, const float *cos_sin,
@@ -94,14 +103,18 @@ int xhal_decode_attention(const float *q, const float *k, const float *v, int64_
                           float *v_cache, const int64_t *kv_rows, const int64_t *lens,
                           int64_t max_len, int64_t window, float scale, float soft_cap,
                           float *out) {
-    int64_t group = heads / kv_heads, row = kv_heads * dim;
-    float *q_rot = malloc(sizeof(float) * (size_t)(heads * dim));
-    float *scores = malloc(sizeof(float) * (size_t)(group * (max_len > 0 ? max_len : 1)));
-    if (q_rot == NULL || scores == NULL) {
-        free(q_rot);
-        free(scores);
-        return -1;
-    }
+    int64_t group = heads / kv_heads, row = kv_heads * dim, items = num_seqs * kv_heads;
+    int64_t keys = 0;
+    for (int64_t b = 0; b < num_seqs; b++) keys += lens[b];
+    /* threads only for steps worth a fork and join: a parallel region costs microseconds on an
+     * idle machine and a scheduler time slice when other processes hold the cores */
+    int threads = items > 1 && keys * kv_heads >= PARALLEL_MIN_KEY_HEADS ? omp_get_max_threads()
+                                                                          : 1;
+    /* scratch per thread, had before anything is written: a group's rotated queries and its
+     * scores */
+    size_t per_thread = (size_t)(group * dim + group * (max_len > 0 ? max_len : 1));
+    float *scratch = malloc(sizeof(float) * per_thread * (size_t)threads);
+    if (scratch == NULL) return -1;
     for (int64_t b = 0; b < num_seqs; b++) {
         if (slots[b] < 0) continue;
         const float *kb = k + b * kv_stride, *vb = v + b * kv_stride;
@@ -110,37 +123,67 @@ int xhal_decode_attention(const float *q, const float *k, const float *v, int64_
                      dim, neox, kc);
         memcpy(vc, vb, sizeof(float) * (size_t)row);
     }
-    for (int64_t b = 0; b < num_seqs; b++) {
-        rotate_heads(q + b * q_stride, heads, position_row(cos_sin, positions, b, rotary_dim),
-                     rotary_dim, dim, neox, q_rot);
+    /* every (sequence, kv head) pair on its own: the batch's pairs split over the threads
+     * (a batch-8 step's attention is a tenth of its time on one thread) */
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t item = 0; item < items; item++) {
+        int64_t b = item / kv_heads, kh = item % kv_heads;
+        float *q_rot = scratch + per_thread * (size_t)omp_get_thread_num();
+        float *scores = q_rot + group * dim;
+        rotate_heads(q + b * q_stride + kh * group * dim, group,
+                     position_row(cos_sin, positions, b, rotary_dim), rotary_dim, dim, neox,
+                     q_rot);
         int64_t hi = lens[b], lo = window > 0 && hi > window ? hi - window : 0;
         const int64_t *rows_b = kv_rows + b * max_len;
-        for (int64_t kh = 0; kh < kv_heads; kh++) {
-            for (int64_t p = lo; p < hi; p++) {  // every query head of the group, key by key
-                const float *key = k_cache + rows_b[p] * row + kh * dim;
-                for (int64_t g = 0; g < group; g++) {
-                    float s = dot(q_rot + (kh * group + g) * dim, key, dim) * scale;
-                    if (soft_cap > 0.0f) s = soft_cap * tanhf(s / soft_cap);
-                    scores[g * max_len + p] = s;
-                }
-            }
+        for (int64_t p = lo; p < hi; p++) {  // every query head of the group, key by key
+            const float *key = k_cache + rows_b[p] * row + kh * dim;
             for (int64_t g = 0; g < group; g++) {
-                float *sg = scores + g * max_len;
-                float *o = out + (b * heads + kh * group + g) * dim;
-                float top = -INFINITY, total = 0.0f;
-                for (int64_t p = lo; p < hi; p++) top = sg[p] > top ? sg[p] : top;
-                for (int64_t p = lo; p < hi; p++) total += sg[p] = expf(sg[p] - top);
-                memset(o, 0, sizeof(float) * (size_t)dim);
-                for (int64_t p = lo; p < hi; p++) {
-                    const float *value = v_cache + rows_b[p] * row + kh * dim;
-                    float weight = sg[p] / total;
+                float s = dot(q_rot + g * dim, key, dim) * scale;
+                if (soft_cap > 0.0f) s = soft_cap * tanhf(s / soft_cap);
+                scores[g * max_len + p] = s;
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            float *sg = scores + g * max_len;
+            float *o = out + (b * heads + kh * group + g) * dim;
+            float top = -INFINITY, total = 0.0f;
+            for (int64_t p = lo; p < hi; p++) top = sg[p] > top ? sg[p] : top;
+            for (int64_t p = lo; p < hi; p++) total += sg[p] = expf(sg[p] - top);
+            memset(o, 0, sizeof(float) * (size_t)dim);
+            for (int64_t p = lo; p < hi; p++) {
+                const float *value = v_cache + rows_b[p] * row + kh * dim;
+                float weight = sg[p] / total;
 #pragma omp simd
-                    for (int64_t i = 0; i < dim; i++) o[i] += weight * value[i];
-                }
+                for (int64_t i = 0; i < dim; i++) o[i] += weight * value[i];
             }
         }
     }
-    free(q_rot);
-    free(scores);
+    free(scratch);
     return 0;
+}
+
+/* The greedy pick of each row of logits [rows, width] (width >= 1, rows `stride` floats apart),
+ * as torch.argmax picks: the
+ * index of the largest value, the lowest on ties, and the first NaN's when the row has one
+ * (NaN counts as the largest). One vectorized pass for the maximum (and whether a NaN is there),
+ * then a scan for its first index: torch's reduction keeps an index per lane and runs far
+ * slower over a 49,152-wide vocabulary on this CPU. */
+void xhal_argmax_rows(const float *logits, int64_t rows, int64_t width, int64_t stride,
+                      int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = logits + r * stride;
+        float best = -INFINITY;
+        int nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+        for (int64_t i = 0; i < width; i++) {
+            best = x[i] > best ? x[i] : best;
+            nan |= x[i] != x[i];
+        }
+        int64_t at = 0;
+        if (nan)
+            while (x[at] == x[at]) at++;
+        else
+            while (x[at] != best) at++;
+        out[r] = at;
+    }
 }

@@ -24,12 +24,14 @@ from xhal import env
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_kernels.c")
-# -fopenmp-simd: the source's `omp simd` reductions vectorize without linking an OpenMP runtime
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
+# -fopenmp: the source's `omp simd` reductions and the decode attention's threads; the library
+# links libgomp.so.1, which resolves to the copy torch has loaded (its pool, its thread count)
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "xhal_add_rms_norm": (None, (_P, _P, _P, _F, _I, _I, _P, _P)),
+    "xhal_argmax_rows": (None, (_P, _I, _I, _I, _P)),
     "xhal_decode_attention": (
         ctypes.c_int,
         (_P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P, _P, _I,
