@@ -6,11 +6,10 @@ runs it for the plain ops and before the down projection at 2+ rows, the torch s
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
+from conformance_tests import ops_reference
 from tests.support.triton_env import DEVICE, assert_matches
 
 # triton_env sets TRITON_INTERPRET before any triton kernel is imported: keep it first
@@ -27,18 +26,11 @@ def _rand(*shape, dtype, seed, scale=3.0):
 
 
 def _reference(x: torch.Tensor, name: str) -> torch.Tensor:
-    """Written from the definitions in float64, independently of the kernel and of torch's F."""
-    xd = x.to("cpu", F64)
-    d = xd.shape[-1] // 2
-    gate, up = xd[..., :d], xd[..., d:]
+    """float64 on the CPU: the conformance suite's references, written from the definitions
+    independently of the kernel and of torch's F."""
     if name == "silu":
-        act = gate / (1.0 + torch.exp(-gate))
-    elif name == "none":
-        act = 0.5 * gate * (1.0 + torch.erf(gate / math.sqrt(2.0)))
-    else:
-        inner = math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate**3)
-        act = 0.5 * gate * (1.0 + torch.tanh(inner))
-    return act * up
+        return ops_reference.silu_and_mul(x)
+    return ops_reference.gelu_and_mul(x, name)
 
 
 # (shape): an odd width, leading dims, a width past one program (1024 outputs), one row
