@@ -11,15 +11,7 @@
 # a short summary of them (scripts/gpu_summary.py) comes last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -d /tmp/site/flashinfer ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
-fi
-aot=/tmp/site/flashinfer/data/aot
-if ls .fi_aot/fi_aot.tar.xz.* >/dev/null 2>&1 && [ ! -d "$aot" ]; then
-  mkdir -p "$aot" && cat .fi_aot/fi_aot.tar.xz.* | tar -xJ -C "$aot" && echo "FlashInfer AOT: $(ls "$aot" | wc -l) modules"
-fi
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} FLASHINFER_WORKSPACE_BASE=$PWD/.fi_cache
-export MAX_JOBS=16 PYTHONUNBUFFERED=1
+. scripts/gpu_setup.sh  # the wheels, FlashInfer's AOT kernels, the environment
 out=${OUT:-/tmp/xhal-gpu}; mkdir -p "$out"
 py() { timeout -k 10 "${STAGE_TIMEOUT:-0}" python3 "$@"; }  # STAGE_TIMEOUT=N bounds each stage
 stages=${*:-conformance bench_gemv bench_attention bench_model}

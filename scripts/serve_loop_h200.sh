@@ -9,14 +9,7 @@
 # table (a copied tree has no git of its own). Results in $OUT; a short table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -d /tmp/site/flashinfer ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
-fi
-aot=/tmp/site/flashinfer/data/aot
-if ls .fi_aot/fi_aot.tar.xz.* >/dev/null 2>&1 && [ ! -d "$aot" ]; then
-  mkdir -p "$aot" && cat .fi_aot/fi_aot.tar.xz.* | tar -xJ -C "$aot"
-fi
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} FLASHINFER_WORKSPACE_BASE=$PWD/.fi_cache PYTHONUNBUFFERED=1
+. scripts/gpu_setup.sh  # the wheels, FlashInfer's AOT kernels, the environment
 out=${OUT:-/tmp/xhal-gpu}; mkdir -p "$out"
 bound=${STAGE_TIMEOUT:-150}
 dir=$(python3 -m benchmarks.make_dummy_model /tmp/dummy-llama3.2-1b llama3.2-1b | tail -1)
