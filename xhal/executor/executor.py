@@ -198,12 +198,17 @@ class ModelExecutor:
             return torch.empty(
                 0, self.hidden_size, dtype=self.config.dtype, device=self.platform.device()
             )
-        hidden = self._run_decode_graph(input_ids, positions, metadata, input_embedding)
+        # the decode graphs take a step's tensors on the host or the device
+        hidden = self._run_graphs(
+            self.decode_graphs, input_ids, positions, metadata, input_embedding
+        )
         if hidden is None:  # the other runners read device tensors: a host-built step moves
             input_ids, positions, metadata = on_device(
                 input_ids, positions, metadata, self.platform.device()
             )
-            hidden = self._run_piecewise(input_ids, positions, metadata, input_embedding)
+            hidden = self._run_graphs(
+                self.piecewise, input_ids, positions, metadata, input_embedding
+            )
         if hidden is not None:
             if layer_synchronizer is not None:  # a graph finishes every layer at once
                 record_every_layer(self._attention_layers, layer_synchronizer)
@@ -215,36 +220,22 @@ class ModelExecutor:
         with recording_layers(self._attention_layers, layer_synchronizer):
             return self._forward(input_ids, positions, metadata, input_embedding)
 
-    def _run_decode_graph(
-        self,
+    @staticmethod
+    def _run_graphs(
+        graphs: DecodeGraphs | PiecewiseGraphs | None,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         metadata: AttentionMetadata,
         input_embedding: torch.Tensor | None,
     ) -> torch.Tensor | None:
-        """Full-graph decode when a bucket fits (its tensors on the host or the device); None
-        means another runner."""
-        if input_embedding is not None or self.decode_graphs is None:
+        """The step on ``graphs`` (full-graph decode, or piecewise prefill / mixed) when one of
+        its buckets fits; None means another runner."""
+        if input_embedding is not None or graphs is None:
             return None
-        bucket = self.decode_graphs.bucket_for(metadata)
+        bucket = graphs.bucket_for(metadata)
         if bucket is None:
             return None
-        return self.decode_graphs.run(input_ids, positions, metadata, bucket)
-
-    def _run_piecewise(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: AttentionMetadata,
-        input_embedding: torch.Tensor | None,
-    ) -> torch.Tensor | None:
-        """Piecewise prefill / mixed graphs when a bucket fits; None means run eagerly."""
-        if input_embedding is not None or self.piecewise is None:
-            return None
-        bucket = self.piecewise.bucket_for(metadata)
-        if bucket is None:
-            return None
-        return self.piecewise.run(input_ids, positions, metadata, bucket)
+        return graphs.run(input_ids, positions, metadata, bucket)
 
     def compute_logits(
         self, hidden: torch.Tensor, selected_idxes: torch.Tensor | None = None
