@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from xhal.adapter.kind import derive_kind
-from xhal.adapter.to_xllm import _cumulative, _padded_table, _paged_kv
+from xhal.adapter.to_xllm import cumulative, padded_table, paged_kv
 from xhal.interfaces.metadata import AttentionMetadata, BatchKind
 
 
@@ -34,15 +34,15 @@ def host_metadata(
     defaults to ``derive_kind`` of the lengths (a caller that knows it saves the look)."""
     q, kv = q_seq_lens, kv_seq_lens
     b = q.size
-    table = _padded_table(block_table, b)
+    table = padded_table(block_table, b)
     kind = derive_kind(q, kv) if kind is None else kind
     decode = kind == BatchKind.DECODE
     # one token per sequence: the query sums are a range
-    q_cu = np.arange(b + 1, dtype=np.int32) if decode else _cumulative(q)
+    q_cu = np.arange(b + 1, dtype=np.int32) if decode else cumulative(q)
     host = torch.from_numpy
     paged = {}
     if block_size is not None:
-        arrays = _paged_kv(kv, table, block_size)
+        arrays = paged_kv(kv, table, block_size)
         paged = {name: host(a) for name, a in arrays.items()}
         paged["paged_kv_indptr_host"] = paged["paged_kv_indptr"]
         paged["paged_kv_last_page_len_host"] = paged["paged_kv_last_page_len"]
@@ -54,7 +54,7 @@ def host_metadata(
         max_query_len=1 if decode else int(q.max()) if b else 0,
         max_seq_len=int(kv.max()) if b else 0,
         q_cu_seq_lens=host(q_cu),
-        kv_cu_seq_lens=host(_cumulative(kv)),
+        kv_cu_seq_lens=host(cumulative(kv)),
         q_seq_lens=q_host,
         kv_seq_lens=kv_host,
         q_seq_lens_host=q_host,

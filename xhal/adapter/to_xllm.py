@@ -82,10 +82,10 @@ def to_xllm_step(
         raise ValueError(
             "graph_mode (q_cu_seq_lens without leading 0) exists only in convention 'npu'"
         )
-    table = _padded_table(block_table, q.size)
+    table = padded_table(block_table, q.size)
     slots = _host_ints("slot_mapping", slot_mapping)
     kind = derive_kind(q, kv) if kind is None else BatchKind(kind)
-    q_cu, kv_cu = _cumulative(q), _cumulative(kv)
+    q_cu, kv_cu = cumulative(q), cumulative(kv)
 
     host: dict[str, np.ndarray] = {
         "slot_mapping": slots,
@@ -95,7 +95,7 @@ def to_xllm_step(
     }
     if not is_cumulative(conv):
         host |= {"q": q, "kv": kv}
-    paged = _paged_kv(kv, table, block_size) if block_size is not None else {}
+    paged = paged_kv(kv, table, block_size) if block_size is not None else {}
     host |= paged
     extras = {name: _host_ints(name, values) for name, values in (extra or {}).items()}
     dev = upload_packed(
@@ -149,7 +149,7 @@ def _host_ints(name: str, values: IntsLike) -> np.ndarray:
     return array
 
 
-def _padded_table(
+def padded_table(
     rows: Sequence[Sequence[int]] | np.ndarray | torch.Tensor, num_seqs: int
 ) -> np.ndarray:
     """The block table as an int32 ``[B, width]`` array, rows padded with 0 as xLLM pads them."""
@@ -172,13 +172,15 @@ def _padded_table(
     return table
 
 
-def _cumulative(per_seq: np.ndarray) -> np.ndarray:
+def cumulative(per_seq: np.ndarray) -> np.ndarray:
+    """Prefix sums with a leading 0, int32 ``[B + 1]``."""
     out = np.zeros(per_seq.size + 1, dtype=np.int32)
     np.cumsum(per_seq, out=out[1:])
     return out
 
 
-def _paged_kv(kv: np.ndarray, table: np.ndarray, block_size: int) -> dict[str, np.ndarray]:
+def paged_kv(kv: np.ndarray, table: np.ndarray, block_size: int) -> dict[str, np.ndarray]:
+    """FlashInfer's paged-KV CSR arrays (indptr, indices, last page lengths) of the KV lengths."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     pages = (kv + block_size - 1) // block_size
@@ -189,7 +191,7 @@ def _paged_kv(kv: np.ndarray, table: np.ndarray, block_size: int) -> dict[str, n
             f"needs {int(pages[i])} blocks of {block_size}"
         )
     return {
-        "paged_kv_indptr": _cumulative(pages),
+        "paged_kv_indptr": cumulative(pages),
         # row-major selection: each sequence's first ``pages`` ids, sequences in order
         "paged_kv_indices": table[np.arange(table.shape[1]) < pages[:, None]],
         # kv % block_size, or a full block (an empty sequence too: FlashInfer's convention)
