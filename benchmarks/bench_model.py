@@ -28,7 +28,14 @@ import torch
 
 import xhal
 from benchmarks import pdl_variants
-from benchmarks.common import ceilings, cuda_kernel_events, table, time_cuda, time_cuda_pipelined
+from benchmarks.common import (
+    ceilings,
+    cuda_kernel_events,
+    environment,
+    table,
+    time_cuda,
+    time_cuda_pipelined,
+)
 from benchmarks.host_timing import call_breakdown, host_breakdown, host_time_us, profile_host
 from models.llama import LlamaForCausalLM
 from xhal.executor import ExecutorConfig, ModelExecutor
@@ -254,32 +261,22 @@ def pdl_peers(
 def trace_eager(model, ex: ModelExecutor, batches: list[int], config: dict) -> None:
     """Each batch's eager decode step, kernel by kernel, by module and op; the largest batch
     again with the gated activation as the torch sequence (read per call: eager takes it)."""
-    import os
-
     from benchmarks.trace_ops import print_kernels_by_op
 
     device = ex.platform.device()
     layers = config["num_hidden_layers"]
-    cases = [(b, None) for b in batches] + [(max(batches), "0")]
-    for batch, activation in cases:
+    torch_activation = {"XHAL_CUDA_TRITON_ACTIVATION": "0"}
+    cases = [(b, {}) for b in batches] + [(max(batches), torch_activation)]
+    for batch, settings in cases:
         ids, pos, meta = decode_metadata(batch, CTX, device, config["vocab_size"])
-        saved = os.environ.get("XHAL_CUDA_TRITON_ACTIVATION")
-        if activation is not None:
-            os.environ["XHAL_CUDA_TRITON_ACTIVATION"] = activation
-        try:
+        with environment(settings):
             print_kernels_by_op(
                 model,
                 lambda: ex.compute_logits(ex.execute(ids, pos, meta)),
                 f"eager decode, batch {batch}"
-                + (", XHAL_CUDA_TRITON_ACTIVATION=0" if activation else ""),
+                + (", XHAL_CUDA_TRITON_ACTIVATION=0" if settings else ""),
                 num_layers=layers,
             )
-        finally:
-            if activation is not None:
-                if saved is None:
-                    os.environ.pop("XHAL_CUDA_TRITON_ACTIVATION")
-                else:
-                    os.environ["XHAL_CUDA_TRITON_ACTIVATION"] = saved
 
 
 def main() -> None:

@@ -2,10 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
+
+
+@contextlib.contextmanager
+def environment(settings: Mapping[str, str]) -> Iterator[None]:
+    """``settings`` in ``os.environ`` while the block runs, each variable as it was afterwards
+    (the xhal switches a benchmark compares are read per call or per launch)."""
+    saved = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def time_cuda(fn: Callable[[], object], iters: int = 50, warmup: int = 5) -> float:

@@ -10,6 +10,7 @@ import json
 import os
 from collections.abc import Iterator, Sequence
 
+from benchmarks.common import environment
 from xhal.executor import ExecutorConfig, ModelExecutor
 
 # name -> (XHAL_CUDA_PDL, XHAL_CUDA_PDL_TRIGGER)
@@ -157,17 +158,8 @@ def pdl_variant(name: str) -> Iterator[None]:
         **dict(zip(("XHAL_CUDA_PDL", "XHAL_CUDA_PDL_TRIGGER"), PDL_VARIANTS[name])),
         **EXTRA_ENV.get(name, {}),
     }
-    saved = {key: os.environ.get(key) for key in settings}
-    os.environ.update(settings)
-    try:
-        with _gemv_table(name), _attention_trigger(name):
-            yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with environment(settings), _gemv_table(name), _attention_trigger(name):
+        yield
 
 
 def capture_per_variant(
