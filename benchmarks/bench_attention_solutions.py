@@ -1,5 +1,6 @@
-"""Decode attention and fused add+RMSNorm solutions side by side on the GPU: TileLang
-(``cuda-tilelang``), Triton (``cuda-triton``) and FlashInfer (``cuda``, when installed), each
+"""Decode attention and fused add+RMSNorm solutions side by side on the GPU: every solution of
+paged decode attention on ``cuda`` (TileLang, the split-KV Triton kernel, the Triton fallback and
+FlashInfer when installed; ``XHAL_KERNEL_PAGED_DECODE_ATTENTION`` forces each), each
 checked against a float64 reference first, then timed inside a CUDA graph against the read
 ceiling measured in the same run.
 
@@ -12,14 +13,16 @@ Shapes: Llama-3-8B attention (32 q / 8 kv heads, head dim 128), bf16, batch 1 / 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import time
 
 import torch
 
 import xhal
-from benchmarks.common import read_bandwidth, table, time_graph
+from benchmarks.common import environment, read_bandwidth, table, time_graph
 from xhal.interfaces import AttentionSpec, BatchKind, LayerCache
 from xhal.interfaces.metadata import AttentionMetadata
+from xhal.platforms.cuda.platform import CudaPlatform
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -59,7 +62,7 @@ def reference(q, cache: LayerCache, m: AttentionMetadata, scale: float) -> torch
 
 
 def decode_case(
-    name: str,
+    solution: str,
     batch: int,
     ctx: int,
     block: int,
@@ -67,12 +70,14 @@ def decode_case(
     ragged: bool = False,
     block_h: int | None = None,
 ):
-    """(error vs float64, median us in a graph) of one KV write + decode attention layer;
-    ``block_h`` forces TileLang's row tile (query heads per CTA)."""
-    platform = xhal.platforms.get(name)
-    device = platform.device()
+    """(error vs float64, median us in a graph) of one KV write + decode attention layer on the
+    ``cuda`` platform with paged decode attention forced to ``solution``; ``block_h`` forces
+    TileLang's row tile (query heads per CTA)."""
     spec = AttentionSpec(HEADS, KV_HEADS, HEAD_DIM, dtype, block)
-    backend = platform.attention_backend(spec)
+    with environment({"XHAL_KERNEL_PAGED_DECODE_ATTENTION": solution}):
+        platform = CudaPlatform()  # a fresh one: it reads the setting when it is built
+        backend = platform.attention_backend(spec)
+    device = platform.device()
     if block_h is not None:
         from xhal.platforms.cuda.tilelang_attention import TileLangAttention
         from xhal.platforms.cuda.triton_attention import TritonAttention
@@ -119,16 +124,19 @@ def main() -> None:
     args = parser.parse_args()
     read = read_bandwidth()["read"]
     print(f"read ceiling {read / 1e12:.2f} TB/s (read-only streaming kernel, this run)")
-    # tilelang: the row tile chosen per step (16 query-head rows per CTA for split batches, 64 for
-    # unsplit ones); -h16 / -h64 force one
+    # label -> (solution of paged_decode_attention, TileLang's row tile): tilelang chooses its
+    # tile per step (16 query-head rows per CTA for split batches, 64 for unsplit ones), -h16 /
+    # -h64 force one; triton-splitkv is the default's (FlashInfer's decode past its buckets),
+    # triton the one-program-per-token fallback
     names = {
-        "tilelang": ("cuda-tilelang", None),
-        "tilelang-h16": ("cuda-tilelang", 16),
-        "tilelang-h64": ("cuda-tilelang", 64),
-        "triton": ("cuda-triton", None),
+        "tilelang": ("tilelang", None),
+        "tilelang-h16": ("tilelang", 16),
+        "tilelang-h64": ("tilelang", 64),
+        "triton-splitkv": ("triton-splitkv", None),
+        "triton": ("triton", None),
     }
-    if "cuda" in xhal.platforms.available() and xhal.platforms.get("cuda").has_flashinfer:
-        names["flashinfer"] = ("cuda", None)
+    if importlib.util.find_spec("flashinfer") is not None:
+        names["flashinfer"] = ("flashinfer", None)
     # correctness first: ragged lengths, both dtypes, both page sizes (TileLang only: the others
     # are proven by the conformance suite)
     checks = []
@@ -136,7 +144,7 @@ def main() -> None:
         for dtype in (torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float16):
             for batch in (1, 7, 64):
                 t0 = time.perf_counter()
-                err, _ = decode_case("cuda-tilelang", batch, 3000, block, dtype, ragged=True)
+                err, _ = decode_case("tilelang", batch, 3000, block, dtype, ragged=True)
                 checks.append(
                     {
                         "block": block,
@@ -151,10 +159,10 @@ def main() -> None:
     for block in (16,) if args.quick else (16, 128):
         for batch in (1, 16, 64):
             kv_bytes = batch * 2048 * KV_HEADS * HEAD_DIM * 2 * 2
-            for sol, (name, block_h) in names.items():
-                if sol == "flashinfer" and block != 16:
-                    continue  # FlashInfer's page-128 kernels are another JIT build
-                err, us = decode_case(name, batch, 2048, block, block_h=block_h)
+            for sol, (solution, block_h) in names.items():
+                if solution in ("flashinfer", "triton-splitkv") and block != 16:
+                    continue  # FlashInfer's page-128 kernels (split-KV's fallback too): another JIT
+                err, us = decode_case(solution, batch, 2048, block, block_h=block_h)
                 rows.append(
                     {
                         "solution": sol,
