@@ -36,6 +36,17 @@ PDL_VARIANTS = {
     # early): the o GEMV's programs start beside the attention and load their first weight tile
     # while it runs, where the late trigger starts them in its tail
     "auto-attn-early": ("1", "auto"),
+    # auto with the MoE pair GEMVs (moe_small.py) as plain launches: the tree before they took PDL
+    "auto-moe-plain": ("1", "auto"),
+    # auto with the down + combine kernel asking L2 for none / all of its experts before its wait
+    "auto-moe-no-prefetch": ("1", "auto"),
+    "auto-moe-prefetch-all": ("1", "auto"),
+}
+# variant -> moe_small's (TRIGGERS, PREFETCH_EXPERTS) while it captures (None: as the tree has it)
+_MOE_SMALL = {
+    "auto-moe-plain": ((0, 0), None),
+    "auto-moe-no-prefetch": (None, 0),
+    "auto-moe-prefetch-all": (None, 1 << 10),
 }
 PREVIOUS_GEMV = "auto-previous-gemv"
 # variant -> further settings it captures under
@@ -136,6 +147,25 @@ def _attention_trigger(name: str) -> Iterator[None]:
         splitkv_decode.TRIGGER = saved
 
 
+@contextlib.contextmanager
+def _moe_small(name: str) -> Iterator[None]:
+    """moe_small's PDL triggers or prefetch depth replaced while a variant of ``_MOE_SMALL``
+    captures (the pair GEMVs read both per call; the executor's warm-up compiles them)."""
+    if name not in _MOE_SMALL:
+        yield
+        return
+    from xhal.platforms.cuda.kernels import moe_small
+
+    saved = moe_small.TRIGGERS, moe_small.PREFETCH_EXPERTS
+    triggers, prefetch = _MOE_SMALL[name]
+    moe_small.TRIGGERS = saved[0] if triggers is None else triggers
+    moe_small.PREFETCH_EXPERTS = saved[1] if prefetch is None else prefetch
+    try:
+        yield
+    finally:
+        moe_small.TRIGGERS, moe_small.PREFETCH_EXPERTS = saved
+
+
 def add_argument(parser: argparse.ArgumentParser) -> None:
     """``--pdl NAME ...``: the settings to capture and time besides the default executor. Also
     loads ``BENCH_GEMV_TABLE``, before the benchmark builds any executor."""
@@ -158,7 +188,7 @@ def pdl_variant(name: str) -> Iterator[None]:
         **dict(zip(("XHAL_CUDA_PDL", "XHAL_CUDA_PDL_TRIGGER"), PDL_VARIANTS[name])),
         **EXTRA_ENV.get(name, {}),
     }
-    with environment(settings), _gemv_table(name), _attention_trigger(name):
+    with environment(settings), _gemv_table(name), _attention_trigger(name), _moe_small(name):
         yield
 
 

@@ -17,6 +17,15 @@ The pair index is the fastest grid dimension, so the programs that read the same
 an expert two tokens share run side by side (the second read tends to hit L2). Products stay
 unreduced until the loop ends (one cross-lane sum per program). Grids depend only on the shapes,
 so a decode graph captures the call once per bucket and replays it with any routing.
+
+Under programmatic dependent launch (``pdl.py``) both are PDL kernels. The gate-up kernel can load
+nothing before its wait (its weights depend on the ids the router right ahead of it writes), but
+its launch and ramp hide behind the router's latency chain. The down kernel runs two launches
+after the router, so before its wait it reads the token's ids and asks L2 for its first
+``PREFETCH_EXPERTS`` experts' down rows (``l2_prefetch.py``) while gate-up drains. Each triggers
+as ``TRIGGERS`` says, after its weight stream by default: the next kernel's programs parked
+through a stream cost more than the ramp they hide (down launched under PDL behind an early
+gate-up trigger lost 10 us a layer, docs/h200-results.md, seventh session).
 """
 
 from __future__ import annotations
@@ -27,9 +36,16 @@ import torch
 import triton
 import triton.language as tl
 
+from xhal.platforms.cuda import pdl
+from xhal.platforms.cuda.kernels.l2_prefetch import line_elements, lines, prefetch_l2
+
 # up to this many pairs (8 tokens at top-8) the pair GEMVs beat the grouped GEMM at decode;
 # bench_moe's tile sweep times both paths at batches 1-16 to check the crossover
 MAX_SMALL_PAIRS = 64
+# under PDL: (gate-up, down) triggers, and how many of a token's experts the down kernel asks L2
+# for before its wait (read per call, so a benchmark captures its peers with other values)
+TRIGGERS = (pdl.LATE, pdl.LATE)
+PREFETCH_EXPERTS = 1
 
 
 def use_small_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
@@ -82,9 +98,14 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
     pair = tl.program_id(0)
     token = (pair // TOP_K).to(tl.int64)
+    if USE_PDL:  # the ids and x come from the router, the kernel right ahead: nothing before
+        tl.extra.cuda.gdc_wait()
+    if USE_PDL == 1:
+        tl.extra.cuda.gdc_launch_dependents()
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < INTER
@@ -101,6 +122,8 @@ def _gate_up_kernel(
         x = tl.load(x_row + ks, mask=k_mask, other=0.0).to(tl.float32)[None, :]
         gate += tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * x
         up += tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * x
+    if USE_PDL == 2:  # the weights are streamed: the down kernel's programs may take the SMs
+        tl.extra.cuda.gdc_launch_dependents()
     g = tl.sum(gate, axis=1)
     u = tl.sum(up, axis=1)
     act = g / (1.0 + tl.exp(-g)) * u
@@ -124,10 +147,29 @@ def _down_combine_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = 0,
+    LINES: tl.constexpr = 1,
+    LINE: tl.constexpr = 1,
 ):
     token = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < HIDDEN
+    if USE_PDL:
+        # before the wait (pdl.py, rule 1): the token's ids, which the router wrote two launches
+        # ahead (the gate-up kernel between triggers only after its own wait), and L2 prefetches
+        # of this program's rows of the first PREFETCH (expert, K step) tiles
+        line = tl.arange(0, LINES) * LINE
+        for t in tl.static_range(PREFETCH):
+            ahead = tl.load(ids_ptr + token * TOP_K + t // K_STEPS).to(tl.int64)
+            cols = (t % K_STEPS) * BLOCK_K + line
+            inside = row_mask[:, None] & (cols < INTER)[None, :]
+            # lanes outside the expert's matrix ask for its first line instead
+            offs = tl.where(inside, rows.to(tl.int64)[:, None] * INTER + cols[None, :], 0)
+            prefetch_l2(w2_ptr + ahead * w_stride_e + offs)
+        tl.extra.cuda.gdc_wait()  # every program waits (rule 2): act comes from gate-up
+    if USE_PDL == 1:
+        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     # one flat loop over (expert j, K step), so that the load pipeline runs across the k
     # experts instead of draining at each expert's few K steps (I = 768 is 3 steps of 256)
@@ -145,6 +187,8 @@ def _down_combine_kernel(
         w_rows = w2_ptr + expert * w_stride_e + rows.to(tl.int64)[:, None] * INTER
         w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         acc += w.to(tl.float32) * a[None, :]
+    if USE_PDL == 2:  # after the last weight load: the next layer's GEMV may take the SMs
+        tl.extra.cuda.gdc_launch_dependents()
     out = tl.sum(acc, axis=1)
     tl.store(out_ptr + token * out_stride + rows, out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
@@ -156,12 +200,24 @@ def small_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: SmallMoeConfig | None = None,
+    triggers: tuple[int, int] | None = None,
+    prefetch_experts: int | None = None,
 ) -> torch.Tensor:
     """``DeviceOps.moe_experts`` by pair GEMVs: right for any batch, but an expert that several
     tokens pick is read once per pair (the grouped GEMM reads it once per step), hence
     ``use_small_path``. ``x [T, H]`` with unit stride along H; ``w13``, ``w2`` contiguous;
-    ``topk_weights`` float32 and ``topk_ids`` int32 ``[T, k]``."""
+    ``topk_weights`` float32 and ``topk_ids`` int32 ``[T, k]``. ``triggers`` (gate-up, down:
+    ``pdl.OFF``, ``EARLY`` or ``LATE``) and ``prefetch_experts`` default to ``TRIGGERS`` and
+    ``PREFETCH_EXPERTS`` where ``pdl.mode`` is on, to plain kernels where it is off."""
     num_tokens, top_k = topk_ids.shape
+    if triggers is None:
+        triggers = TRIGGERS if pdl.mode(x.device) else (pdl.OFF, pdl.OFF)
+    prefetch_experts = PREFETCH_EXPERTS if prefetch_experts is None else prefetch_experts
+    if not set(triggers) <= {pdl.OFF, pdl.EARLY, pdl.LATE} or prefetch_experts < 0:
+        raise ValueError(
+            f"triggers must be pdl.OFF, EARLY or LATE (got {triggers}) and prefetch_experts >= 0 "
+            f"(got {prefetch_experts})"
+        )
     _, two_inter, hidden = w13.shape
     config = config or small_config(num_tokens, hidden)
     inter = two_inter // 2
@@ -188,8 +244,11 @@ def small_experts(
         BLOCK_N=config.up_block_n,
         BLOCK_K=config.up_block_k,
         NUM_STAGES=config.up_stages,
+        USE_PDL=triggers[0],
         num_warps=config.num_warps,
+        **pdl.launch_options(triggers[0]),
     )
+    k_steps = triton.cdiv(inter, config.down_block_k)
     _down_combine_kernel[(num_tokens, triton.cdiv(hidden, config.down_block_n))](
         act,
         w2,
@@ -202,10 +261,15 @@ def small_experts(
         INTER=inter,
         HIDDEN=hidden,
         TOP_K=top_k,
-        K_STEPS=triton.cdiv(inter, config.down_block_k),
+        K_STEPS=k_steps,
         BLOCK_N=config.down_block_n,
         BLOCK_K=config.down_block_k,
         NUM_STAGES=config.down_stages,
+        USE_PDL=triggers[1],
+        PREFETCH=min(prefetch_experts, top_k) * k_steps if triggers[1] else 0,
+        LINES=lines(config.down_block_k * w2.element_size()),
+        LINE=line_elements(w2.element_size()),
         num_warps=config.num_warps,
+        **pdl.launch_options(triggers[1]),
     )
     return out
