@@ -355,6 +355,12 @@ def main() -> None:
             f"batch {batch}: floor parts (GB) "
             + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in parts.items())
         )
+        # as it goes, so that a run cut by its time limit keeps the batches it finished
+        print(
+            f"batch {batch}: floor {floor_ms:.3f} ms, graph {row['graph_ms']:.3f}, pipelined "
+            f"{row['pipelined_ms']:.3f} ({row['pipelined_x_floor']:.2f}x); "
+            + ", ".join(f"{r['pdl']} {r['pipelined_ms']:.3f}" for r, _ in timed)
+        )
     sweep = [] if args.no_sweep else sweep_layers(model, sorted(args.sweep_batches), rate)
     hf_rows = []
     if not args.no_hf and args.hf_batches:

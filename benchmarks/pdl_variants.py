@@ -41,12 +41,16 @@ PDL_VARIANTS = {
     # auto with the down + combine kernel asking L2 for none / all of its experts before its wait
     "auto-moe-no-prefetch": ("1", "auto"),
     "auto-moe-prefetch-all": ("1", "auto"),
+    # auto with the down + combine kernel triggering right after its wait: the next layer's
+    # norm + qkv GEMV loads its first weight tile beside the expert stream
+    "auto-moe-down-early": ("1", "auto"),
 }
 # variant -> moe_small's (TRIGGERS, PREFETCH_EXPERTS) while it captures (None: as the tree has it)
 _MOE_SMALL = {
-    "auto-moe-plain": ((0, 0), None),
+    "auto-moe-plain": ((0, 0), None),  # pdl.OFF twice; (2, 1) below: pdl.LATE, pdl.EARLY
     "auto-moe-no-prefetch": (None, 0),
     "auto-moe-prefetch-all": (None, 1 << 10),
+    "auto-moe-down-early": ((2, 1), None),
 }
 PREVIOUS_GEMV = "auto-previous-gemv"
 # variant -> further settings it captures under
