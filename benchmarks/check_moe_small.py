@@ -18,13 +18,14 @@ from xhal.platforms.cuda import pdl
 from xhal.platforms.cuda.kernels import moe_router, moe_small
 
 LAYERS = 8  # 8 x 76 MB of routed experts per replay: past L2, as in a step
-# name -> (gate-up, down) triggers and experts prefetched before the down kernel's wait
+# name -> (gate-up, down) triggers, experts asked of L2 and the routing loaded before the down
+# kernel's wait
 SETTINGS = {
-    "plain (tree before)": ((pdl.OFF, pdl.OFF), 0),
-    "late / late, 1 expert (default)": ((pdl.LATE, pdl.LATE), 1),
-    "late / late, no prefetch": ((pdl.LATE, pdl.LATE), 0),
-    "late / late, all experts": ((pdl.LATE, pdl.LATE), 1 << 10),
-    "late / early, 1 expert": ((pdl.LATE, pdl.EARLY), 1),
+    "plain (tree before)": ((pdl.OFF, pdl.OFF), 0, False),
+    "late / late, routing preloaded (default)": ((pdl.LATE, pdl.LATE), 0, True),
+    "late / late, routing in the loop": ((pdl.LATE, pdl.LATE), 0, False),
+    "late / late, 1 expert asked of L2": ((pdl.LATE, pdl.LATE), 1, True),
+    "late / early": ((pdl.LATE, pdl.EARLY), 0, True),
 }
 
 
@@ -63,7 +64,7 @@ def check_small_experts(model, rate: float) -> list[dict]:
         x.copy_(torch.randn(x.shape, device=device, generator=g))
         residual.copy_(torch.randn(x.shape, device=device, generator=g))
 
-    def chain(triggers, prefetch) -> list[tuple]:
+    def chain(triggers, prefetch, preload) -> list[tuple]:
         hidden_in, res, saved = x, residual, []
         for mlp, norm in zip(mlps, norms):
             _, normed, summed, weights, ids = moe_router.add_rms_norm_route(
@@ -71,7 +72,7 @@ def check_small_experts(model, rate: float) -> list[dict]:
             )
             out = moe_small.small_experts(
                 normed, mlp.experts.w13_weight, mlp.experts.w2_weight, weights, ids,
-                triggers=triggers, prefetch_experts=prefetch,
+                triggers=triggers, prefetch_experts=prefetch, preload_routing=preload,
             )
             saved.append((normed, weights, ids, out))
             hidden_in, res = out, summed
@@ -80,12 +81,12 @@ def check_small_experts(model, rate: float) -> list[dict]:
     expert_bytes = top_k * (w13[0].numel() + mlps[0].experts.w2_weight[0].numel()) * 2
     floor_us = (expert_bytes + mlps[0].gate.weight.numel() * 2) / rate * 1e6
     rows, plain = [], None
-    for name, (triggers, prefetch) in SETTINGS.items():
+    for name, setting in SETTINGS.items():
         fill()
-        chain(triggers, prefetch)  # compiles outside the capture
+        chain(*setting)  # compiles outside the capture
         outputs: list[tuple] = []
-        def captured(t=triggers, p=prefetch) -> None:
-            outputs[:] = chain(t, p)  # capture_graph runs it twice: the captured tensors stay
+        def captured(setting=setting) -> None:
+            outputs[:] = chain(*setting)  # capture_graph runs it twice: the captured ones stay
 
         graph = capture_graph(captured)
         errors, results = [], []

@@ -38,19 +38,22 @@ PDL_VARIANTS = {
     "auto-attn-early": ("1", "auto"),
     # auto with the MoE pair GEMVs (moe_small.py) as plain launches: the tree before they took PDL
     "auto-moe-plain": ("1", "auto"),
-    # auto with the down + combine kernel asking L2 for none / all of its experts before its wait
-    "auto-moe-no-prefetch": ("1", "auto"),
+    # auto with the down + combine kernel asking L2 for one / all of its experts before its wait
+    "auto-moe-prefetch-one": ("1", "auto"),
     "auto-moe-prefetch-all": ("1", "auto"),
     # auto with the down + combine kernel triggering right after its wait: the next layer's
     # norm + qkv GEMV loads its first weight tile beside the expert stream
     "auto-moe-down-early": ("1", "auto"),
+    # auto with the down + combine kernel loading the routing in its loop, after its wait
+    "auto-moe-no-preload": ("1", "auto"),
 }
-# variant -> moe_small's (TRIGGERS, PREFETCH_EXPERTS) while it captures (None: as the tree has it)
+# variant -> moe_small's settings while it captures (pdl.OFF = 0, LATE = 2, EARLY = 1)
 _MOE_SMALL = {
-    "auto-moe-plain": ((0, 0), None),  # pdl.OFF twice; (2, 1) below: pdl.LATE, pdl.EARLY
-    "auto-moe-no-prefetch": (None, 0),
-    "auto-moe-prefetch-all": (None, 1 << 10),
-    "auto-moe-down-early": ((2, 1), None),
+    "auto-moe-plain": {"TRIGGERS": (0, 0)},
+    "auto-moe-prefetch-one": {"PREFETCH_EXPERTS": 1},
+    "auto-moe-prefetch-all": {"PREFETCH_EXPERTS": 1 << 10},
+    "auto-moe-down-early": {"TRIGGERS": (2, 1)},
+    "auto-moe-no-preload": {"PRELOAD_ROUTING": False},
 }
 PREVIOUS_GEMV = "auto-previous-gemv"
 # variant -> further settings it captures under
@@ -153,21 +156,22 @@ def _attention_trigger(name: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _moe_small(name: str) -> Iterator[None]:
-    """moe_small's PDL triggers or prefetch depth replaced while a variant of ``_MOE_SMALL``
-    captures (the pair GEMVs read both per call; the executor's warm-up compiles them)."""
+    """moe_small's PDL settings replaced while a variant of ``_MOE_SMALL`` captures (the pair
+    GEMVs read them per call; the executor's warm-up compiles them)."""
     if name not in _MOE_SMALL:
         yield
         return
     from xhal.platforms.cuda.kernels import moe_small
 
-    saved = moe_small.TRIGGERS, moe_small.PREFETCH_EXPERTS
-    triggers, prefetch = _MOE_SMALL[name]
-    moe_small.TRIGGERS = saved[0] if triggers is None else triggers
-    moe_small.PREFETCH_EXPERTS = saved[1] if prefetch is None else prefetch
+    settings = _MOE_SMALL[name]
+    saved = {key: getattr(moe_small, key) for key in settings}
+    for key, value in settings.items():
+        setattr(moe_small, key, value)
     try:
         yield
     finally:
-        moe_small.TRIGGERS, moe_small.PREFETCH_EXPERTS = saved
+        for key, value in saved.items():
+            setattr(moe_small, key, value)
 
 
 def add_argument(parser: argparse.ArgumentParser) -> None:

@@ -83,7 +83,7 @@ _SPLITKV = dict(  # the fused decode layer (new token + rotary) of the 8B shape,
 _GATE_UP = dict(INTER=64, HIDDEN=256, TOP_K=2, BLOCK_N=8, BLOCK_K=128, NUM_STAGES=3)
 _DOWN = dict(  # two (expert, K step) tiles of four L2 lines asked for before the wait
     INTER=256, HIDDEN=256, TOP_K=2, K_STEPS=2, BLOCK_N=8, BLOCK_K=128, NUM_STAGES=4, PREFETCH=2,
-    LINES=2, LINE=64,
+    LINES=2, LINE=64, PRELOAD=True, SLOTS=2,
 )
 CASES = {  # name: (module, kernel, constexprs)
     "gemv off": ("fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.OFF}),
@@ -122,6 +122,14 @@ CASES = {  # name: (module, kernel, constexprs)
     "down off": ("moe_small", "_down_combine_kernel", {**_DOWN, "USE_PDL": pdl.OFF, "PREFETCH": 0}),
     "down early": ("moe_small", "_down_combine_kernel", {**_DOWN, "USE_PDL": pdl.EARLY}),
     "down late": ("moe_small", "_down_combine_kernel", {**_DOWN, "USE_PDL": pdl.LATE}),
+    # the default: the routing loaded before the wait, nothing asked of L2
+    "down late, no prefetch": (
+        "moe_small", "_down_combine_kernel", {**_DOWN, "USE_PDL": pdl.LATE, "PREFETCH": 0}
+    ),
+    "down late, routing after": (
+        "moe_small", "_down_combine_kernel",
+        {**_DOWN, "USE_PDL": pdl.LATE, "PREFETCH": 0, "PRELOAD": False},
+    ),
     "router": (
         "moe_router",
         "_norm_route_kernel",
@@ -179,7 +187,7 @@ def ptx() -> dict[str, str]:
     "case",
     ["norm+gemv early", "norm+gemv late", "norm+gemv late tma", "rotary_kv", "add_rms_norm",
      "qk_norm", "router", "splitkv early", "splitkv late", "gate_up late", "down early",
-     "down late"],
+     "down late", "down late, no prefetch", "down late, routing after"],
 )
 def test_a_pdl_kernel_waits_once_and_writes_nothing_before_its_wait(ptx, case) -> None:
     code = ptx[case]
@@ -193,7 +201,7 @@ def test_a_pdl_kernel_waits_once_and_writes_nothing_before_its_wait(ptx, case) -
     for write in ("st.global", "atom.", "red."):  # as instructions (".shared." holds "red.")
         found = re.findall(rf"^\s*(?:@!?%p\d+\s+)?{re.escape(write)}", before_wait, re.M)
         assert not found, f"{case}: {write} before the wait"
-    if "late" in case and ("gemv" in case or case in ("gate_up late", "down late")):
+    if "late" in case and ("gemv" in case or case.startswith(("gate_up", "down"))):
         # the trigger after the weight loop's last load (plain or asynchronous)
         after_wait = code.split("griddepcontrol.wait")[1]
         trigger = after_wait.index("griddepcontrol.launch_dependents")
@@ -222,6 +230,12 @@ def test_the_expert_kernels_load_routing_only_where_it_is_two_launches_old(ptx) 
         assert "prefetch.global.L2" not in after
     early = ptx["down early"].split("griddepcontrol.wait")[1]
     assert early.index("griddepcontrol.launch_dependents") < early.index("ld.global")
+    # the default asks L2 for nothing and loads the routing (ids and weights) before the wait;
+    # without the preload the ids are loaded after it, in the loop
+    before, after = ptx["down late, no prefetch"].split("griddepcontrol.wait")
+    assert "prefetch.global.L2" not in before and before.count("ld.global") >= 2
+    before, after = ptx["down late, routing after"].split("griddepcontrol.wait")
+    assert "ld.global" not in before and "ld.global" in after
 
 
 @pytest.mark.parametrize("case", ["splitkv early", "splitkv late"])

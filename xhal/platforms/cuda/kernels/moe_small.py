@@ -20,12 +20,14 @@ so a decode graph captures the call once per bucket and replays it with any rout
 
 Under programmatic dependent launch (``pdl.py``) both are PDL kernels. The gate-up kernel can load
 nothing before its wait (its weights depend on the ids the router right ahead of it writes), but
-its launch and ramp hide behind the router's latency chain. The down kernel runs two launches
-after the router, so before its wait it reads the token's ids and asks L2 for its first
-``PREFETCH_EXPERTS`` experts' down rows (``l2_prefetch.py``) while gate-up drains. Each triggers
-as ``TRIGGERS`` says, after its weight stream by default: the next kernel's programs parked
-through a stream cost more than the ramp they hide (down launched under PDL behind an early
-gate-up trigger lost 10 us a layer, docs/h200-results.md, seventh session).
+its launch and ramp hide behind the router's latency chain, and the down kernel's behind
+gate-up's tail. Each triggers as ``TRIGGERS`` says, after its weight stream by default: the next
+kernel's programs parked through a stream cost more than the ramp they hide. The down kernel
+runs two launches after the router, so before its wait it may read the token's ids and ask L2
+for its first ``PREFETCH_EXPERTS`` experts' down rows (``l2_prefetch.py``); that lost, so the
+default asks for none. H200, Qwen3-30B-A3B shape, batch 1 (docs/h200-results.md, eleventh
+session): the router + experts chain 30.8 us a layer plain, 28.3 with PDL, 29.5 with one
+expert asked of L2, 36.1 with all eight; the pipelined step 2.99 ms plain, 2.92 with PDL.
 """
 
 from __future__ import annotations
@@ -45,7 +47,10 @@ MAX_SMALL_PAIRS = 64
 # under PDL: (gate-up, down) triggers, and how many of a token's experts the down kernel asks L2
 # for before its wait (read per call, so a benchmark captures its peers with other values)
 TRIGGERS = (pdl.LATE, pdl.LATE)
-PREFETCH_EXPERTS = 1
+PREFETCH_EXPERTS = 0
+# under PDL the down kernel loads the token's ids and routing weights before its wait (else in
+# its loop, after it)
+PRELOAD_ROUTING = True
 
 
 def use_small_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
@@ -151,17 +156,23 @@ def _down_combine_kernel(
     PREFETCH: tl.constexpr = 0,
     LINES: tl.constexpr = 1,
     LINE: tl.constexpr = 1,
+    PRELOAD: tl.constexpr = False,
+    SLOTS: tl.constexpr = 2,
 ):
     token = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < HIDDEN
+    slots = tl.arange(0, SLOTS)
     if USE_PDL:
-        # before the wait (pdl.py, rule 1): the token's ids, which the router wrote two launches
-        # ahead (the gate-up kernel between triggers only after its own wait), and L2 prefetches
-        # of this program's rows of the first PREFETCH (expert, K step) tiles
+        # before the wait (pdl.py, rule 1): the token's routing, which the router wrote two
+        # launches ahead (the gate-up kernel between triggers only after its own wait), so that
+        # the first weight loads after the wait wait on no load of ids; and L2 prefetches of this
+        # program's rows of the first PREFETCH (expert, K step) tiles
+        token_ids = tl.load(ids_ptr + token * TOP_K + slots, mask=slots < TOP_K, other=0)
+        token_w = tl.load(weights_ptr + token * TOP_K + slots, mask=slots < TOP_K, other=0.0)
         line = tl.arange(0, LINES) * LINE
         for t in tl.static_range(PREFETCH):
-            ahead = tl.load(ids_ptr + token * TOP_K + t // K_STEPS).to(tl.int64)
+            ahead = tl.sum(tl.where(slots == t // K_STEPS, token_ids, 0), axis=0).to(tl.int64)
             cols = (t % K_STEPS) * BLOCK_K + line
             inside = row_mask[:, None] & (cols < INTER)[None, :]
             # lanes outside the expert's matrix ask for its first line instead
@@ -174,9 +185,14 @@ def _down_combine_kernel(
     # one flat loop over (expert j, K step), so that the load pipeline runs across the k
     # experts instead of draining at each expert's few K steps (I = 768 is 3 steps of 256)
     for step in tl.range(0, TOP_K * K_STEPS, num_stages=NUM_STAGES):
-        pair = token * TOP_K + step // K_STEPS
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        weight = tl.load(weights_ptr + pair)
+        j = step // K_STEPS
+        pair = token * TOP_K + j
+        if USE_PDL and PRELOAD:  # picked from registers: one value is nonzero, the sum exact
+            expert = tl.sum(tl.where(slots == j, token_ids, 0), axis=0).to(tl.int64)
+            weight = tl.sum(tl.where(slots == j, token_w, 0.0), axis=0)
+        else:
+            expert = tl.load(ids_ptr + pair).to(tl.int64)
+            weight = tl.load(weights_ptr + pair)
         ks = (step % K_STEPS) * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = ks < INTER
         a = (
@@ -202,17 +218,20 @@ def small_experts(
     config: SmallMoeConfig | None = None,
     triggers: tuple[int, int] | None = None,
     prefetch_experts: int | None = None,
+    preload_routing: bool | None = None,
 ) -> torch.Tensor:
     """``DeviceOps.moe_experts`` by pair GEMVs: right for any batch, but an expert that several
     tokens pick is read once per pair (the grouped GEMM reads it once per step), hence
     ``use_small_path``. ``x [T, H]`` with unit stride along H; ``w13``, ``w2`` contiguous;
     ``topk_weights`` float32 and ``topk_ids`` int32 ``[T, k]``. ``triggers`` (gate-up, down:
-    ``pdl.OFF``, ``EARLY`` or ``LATE``) and ``prefetch_experts`` default to ``TRIGGERS`` and
-    ``PREFETCH_EXPERTS`` where ``pdl.mode`` is on, to plain kernels where it is off."""
+    ``pdl.OFF``, ``EARLY`` or ``LATE``) default to ``TRIGGERS`` where ``pdl.mode`` is on, to
+    plain kernels where it is off; ``prefetch_experts`` and ``preload_routing`` (the down
+    kernel's work before its wait) to ``PREFETCH_EXPERTS`` and ``PRELOAD_ROUTING``."""
     num_tokens, top_k = topk_ids.shape
     if triggers is None:
         triggers = TRIGGERS if pdl.mode(x.device) else (pdl.OFF, pdl.OFF)
     prefetch_experts = PREFETCH_EXPERTS if prefetch_experts is None else prefetch_experts
+    preload_routing = PRELOAD_ROUTING if preload_routing is None else preload_routing
     if not set(triggers) <= {pdl.OFF, pdl.EARLY, pdl.LATE} or prefetch_experts < 0:
         raise ValueError(
             f"triggers must be pdl.OFF, EARLY or LATE (got {triggers}) and prefetch_experts >= 0 "
@@ -269,6 +288,8 @@ def small_experts(
         PREFETCH=min(prefetch_experts, top_k) * k_steps if triggers[1] else 0,
         LINES=lines(config.down_block_k * w2.element_size()),
         LINE=line_elements(w2.element_size()),
+        PRELOAD=bool(preload_routing),
+        SLOTS=max(2, triton.next_power_of_2(top_k)),
         num_warps=config.num_warps,
         **pdl.launch_options(triggers[1]),
     )
