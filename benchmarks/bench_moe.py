@@ -282,7 +282,7 @@ def main() -> None:
 
         checked = check_small_experts(model, rate)
         print(table(checked, f"batch-1 router + pair GEMVs, {LAYERS} layers chained in one graph, "
-                             "per PDL setting (gate-up / down trigger, experts asked of L2): "
+                             "per PDL setting (gate-up / down trigger): "
                              "rel_err against float64, outputs against the plain kernels'"))
     batches = sorted(args.batches)
     executors = {}

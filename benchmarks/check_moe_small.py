@@ -18,14 +18,11 @@ from xhal.platforms.cuda import pdl
 from xhal.platforms.cuda.kernels import moe_router, moe_small
 
 LAYERS = 8  # 8 x 76 MB of routed experts per replay: past L2, as in a step
-# name -> (gate-up, down) triggers, experts asked of L2 and the routing loaded before the down
-# kernel's wait
+# name -> (gate-up, down) triggers
 SETTINGS = {
-    "plain (tree before)": ((pdl.OFF, pdl.OFF), 0, False),
-    "late / late, routing preloaded (default)": ((pdl.LATE, pdl.LATE), 0, True),
-    "late / late, routing in the loop": ((pdl.LATE, pdl.LATE), 0, False),
-    "late / late, 1 expert asked of L2": ((pdl.LATE, pdl.LATE), 1, True),
-    "late / early": ((pdl.LATE, pdl.EARLY), 0, True),
+    "plain (tree before)": (pdl.OFF, pdl.OFF),
+    "late / late (default)": (pdl.LATE, pdl.LATE),
+    "late / early": (pdl.LATE, pdl.EARLY),
 }
 
 
@@ -64,7 +61,7 @@ def check_small_experts(model, rate: float) -> list[dict]:
         x.copy_(torch.randn(x.shape, device=device, generator=g))
         residual.copy_(torch.randn(x.shape, device=device, generator=g))
 
-    def chain(triggers, prefetch, preload) -> list[tuple]:
+    def chain(triggers) -> list[tuple]:
         hidden_in, res, saved = x, residual, []
         for mlp, norm in zip(mlps, norms):
             _, normed, summed, weights, ids = moe_router.add_rms_norm_route(
@@ -72,7 +69,7 @@ def check_small_experts(model, rate: float) -> list[dict]:
             )
             out = moe_small.small_experts(
                 normed, mlp.experts.w13_weight, mlp.experts.w2_weight, weights, ids,
-                triggers=triggers, prefetch_experts=prefetch, preload_routing=preload,
+                triggers=triggers,
             )
             saved.append((normed, weights, ids, out))
             hidden_in, res = out, summed
@@ -83,10 +80,10 @@ def check_small_experts(model, rate: float) -> list[dict]:
     rows, plain = [], None
     for name, setting in SETTINGS.items():
         fill()
-        chain(*setting)  # compiles outside the capture
+        chain(setting)  # compiles outside the capture
         outputs: list[tuple] = []
         def captured(setting=setting) -> None:
-            outputs[:] = chain(*setting)  # capture_graph runs it twice: the captured ones stay
+            outputs[:] = chain(setting)  # capture_graph runs it twice: the captured ones stay
 
         graph = capture_graph(captured)
         errors, results = [], []

@@ -38,22 +38,14 @@ PDL_VARIANTS = {
     "auto-attn-early": ("1", "auto"),
     # auto with the MoE pair GEMVs (moe_small.py) as plain launches: the tree before they took PDL
     "auto-moe-plain": ("1", "auto"),
-    # auto with the down + combine kernel asking L2 for one / all of its experts before its wait
-    "auto-moe-prefetch-one": ("1", "auto"),
-    "auto-moe-prefetch-all": ("1", "auto"),
     # auto with the down + combine kernel triggering right after its wait: the next layer's
     # norm + qkv GEMV loads its first weight tile beside the expert stream
     "auto-moe-down-early": ("1", "auto"),
-    # auto with the down + combine kernel loading the routing in its loop, after its wait
-    "auto-moe-no-preload": ("1", "auto"),
 }
 # variant -> moe_small's settings while it captures (pdl.OFF = 0, LATE = 2, EARLY = 1)
 _MOE_SMALL = {
     "auto-moe-plain": {"TRIGGERS": (0, 0)},
-    "auto-moe-prefetch-one": {"PREFETCH_EXPERTS": 1},
-    "auto-moe-prefetch-all": {"PREFETCH_EXPERTS": 1 << 10},
     "auto-moe-down-early": {"TRIGGERS": (2, 1)},
-    "auto-moe-no-preload": {"PRELOAD_ROUTING": False},
 }
 PREVIOUS_GEMV = "auto-previous-gemv"
 # variant -> further settings it captures under

@@ -81,10 +81,7 @@ _SPLITKV = dict(  # the fused decode layer (new token + rotary) of the 8B shape,
     HALF=64, IS_NEOX=True, PREFETCH=2, LINES=2, LINE=64,
 )
 _GATE_UP = dict(INTER=64, HIDDEN=256, TOP_K=2, BLOCK_N=8, BLOCK_K=128, NUM_STAGES=3)
-_DOWN = dict(  # two (expert, K step) tiles of four L2 lines asked for before the wait
-    INTER=256, HIDDEN=256, TOP_K=2, K_STEPS=2, BLOCK_N=8, BLOCK_K=128, NUM_STAGES=4, PREFETCH=2,
-    LINES=2, LINE=64, PRELOAD=True, SLOTS=2,
-)
+_DOWN = dict(INTER=256, HIDDEN=256, TOP_K=2, K_STEPS=2, BLOCK_N=8, BLOCK_K=128, NUM_STAGES=4)
 CASES = {  # name: (module, kernel, constexprs)
     "gemv off": ("fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.OFF}),
     "norm+gemv early": ("fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.EARLY}),
@@ -119,17 +116,9 @@ CASES = {  # name: (module, kernel, constexprs)
     ),
     "gate_up off": ("moe_small", "_gate_up_kernel", {**_GATE_UP, "USE_PDL": pdl.OFF}),
     "gate_up late": ("moe_small", "_gate_up_kernel", {**_GATE_UP, "USE_PDL": pdl.LATE}),
-    "down off": ("moe_small", "_down_combine_kernel", {**_DOWN, "USE_PDL": pdl.OFF, "PREFETCH": 0}),
+    "down off": ("moe_small", "_down_combine_kernel", {**_DOWN, "USE_PDL": pdl.OFF}),
     "down early": ("moe_small", "_down_combine_kernel", {**_DOWN, "USE_PDL": pdl.EARLY}),
     "down late": ("moe_small", "_down_combine_kernel", {**_DOWN, "USE_PDL": pdl.LATE}),
-    # the default: the routing loaded before the wait, nothing asked of L2
-    "down late, no prefetch": (
-        "moe_small", "_down_combine_kernel", {**_DOWN, "USE_PDL": pdl.LATE, "PREFETCH": 0}
-    ),
-    "down late, routing after": (
-        "moe_small", "_down_combine_kernel",
-        {**_DOWN, "USE_PDL": pdl.LATE, "PREFETCH": 0, "PRELOAD": False},
-    ),
     "router": (
         "moe_router",
         "_norm_route_kernel",
@@ -187,7 +176,7 @@ def ptx() -> dict[str, str]:
     "case",
     ["norm+gemv early", "norm+gemv late", "norm+gemv late tma", "rotary_kv", "add_rms_norm",
      "qk_norm", "router", "splitkv early", "splitkv late", "gate_up late", "down early",
-     "down late", "down late, no prefetch", "down late, routing after"],
+     "down late"],
 )
 def test_a_pdl_kernel_waits_once_and_writes_nothing_before_its_wait(ptx, case) -> None:
     code = ptx[case]
@@ -218,24 +207,15 @@ def test_the_plain_kernel_has_no_pdl_instruction(ptx) -> None:
         assert "griddepcontrol" not in ptx[case] and "prefetch.global.L2" not in ptx[case]
 
 
-def test_the_expert_kernels_load_routing_only_where_it_is_two_launches_old(ptx) -> None:
-    """gate-up reads its ids (the router's, right ahead) only after its wait; down, two launches
-    after the router, loads the token's ids and asks L2 for its first tiles' rows before the
-    wait, and reads gate-up's activations after it (and asks L2 for nothing more)."""
-    assert "ld.global" not in ptx["gate_up late"].split("griddepcontrol.wait")[0]
-    for case in ("down early", "down late"):
-        before, after = ptx[case].split("griddepcontrol.wait")
-        assert before.count("prefetch.global.L2") >= 2  # two tiles, one line per thread each
-        assert "ld.global" in before  # the ids
-        assert "prefetch.global.L2" not in after
+def test_the_expert_kernels_load_nothing_before_their_wait(ptx) -> None:
+    """Their weights depend on the routing, which the router right ahead writes (gate-up) or
+    which gate-up's output pairs with (down): both wait first, then load; the early trigger comes
+    before the first load, the late one after the last (checked above)."""
+    for case in ("gate_up late", "down early", "down late"):
+        before = ptx[case].split("griddepcontrol.wait")[0]
+        assert "ld.global" not in before and "cp.async" not in before, case
     early = ptx["down early"].split("griddepcontrol.wait")[1]
     assert early.index("griddepcontrol.launch_dependents") < early.index("ld.global")
-    # the default asks L2 for nothing and loads the routing (ids and weights) before the wait;
-    # without the preload the ids are loaded after it, in the loop
-    before, after = ptx["down late, no prefetch"].split("griddepcontrol.wait")
-    assert "prefetch.global.L2" not in before and before.count("ld.global") >= 2
-    before, after = ptx["down late, routing after"].split("griddepcontrol.wait")
-    assert "ld.global" not in before and "ld.global" in after
 
 
 @pytest.mark.parametrize("case", ["splitkv early", "splitkv late"])

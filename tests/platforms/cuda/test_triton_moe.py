@@ -196,10 +196,10 @@ def test_small_experts_reject_a_trigger_they_do_not_have() -> None:
     x = torch.zeros(1, 32, device=DEVICE)
     ids = torch.zeros(1, 2, dtype=torch.int32, device=DEVICE)
     weights = torch.zeros(1, 2, device=DEVICE)
-    with pytest.raises(ValueError, match="triggers must be pdl.OFF, EARLY or LATE"):
+    with pytest.raises(ValueError, match="triggers must be two of pdl.OFF, EARLY or LATE"):
         moe_small.small_experts(x, w13, w2, weights, ids, triggers=(pdl.AUTO, pdl.LATE))
-    with pytest.raises(ValueError, match="prefetch_experts >= 0"):
-        moe_small.small_experts(x, w13, w2, weights, ids, prefetch_experts=-1)
+    with pytest.raises(ValueError, match="triggers must be two of"):
+        moe_small.small_experts(x, w13, w2, weights, ids, triggers=(pdl.LATE,))
 
 
 @pytest.mark.parametrize(

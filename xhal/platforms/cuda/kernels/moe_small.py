@@ -18,16 +18,17 @@ an expert two tokens share run side by side (the second read tends to hit L2). P
 unreduced until the loop ends (one cross-lane sum per program). Grids depend only on the shapes,
 so a decode graph captures the call once per bucket and replays it with any routing.
 
-Under programmatic dependent launch (``pdl.py``) both are PDL kernels. The gate-up kernel can load
-nothing before its wait (its weights depend on the ids the router right ahead of it writes), but
-its launch and ramp hide behind the router's latency chain, and the down kernel's behind
-gate-up's tail. Each triggers as ``TRIGGERS`` says, after its weight stream by default: the next
-kernel's programs parked through a stream cost more than the ramp they hide. The down kernel
-runs two launches after the router, so before its wait it may read the token's ids and ask L2
-for its first ``PREFETCH_EXPERTS`` experts' down rows (``l2_prefetch.py``); that lost, so the
-default asks for none. H200, Qwen3-30B-A3B shape, batch 1 (docs/h200-results.md, eleventh
-session): the router + experts chain 30.8 us a layer plain, 28.3 with PDL, 29.5 with one
-expert asked of L2, 36.1 with all eight; the pipelined step 2.99 ms plain, 2.92 with PDL.
+Under programmatic dependent launch (``pdl.py``) both are PDL kernels that wait at their top:
+their weights depend on the routing (the router writes the ids right ahead of gate-up), so all
+they gain is their launch and ramp, hidden behind the router's latency chain and gate-up's tail.
+Each triggers as ``TRIGGERS`` says, after its weight stream by default: the next kernel's
+programs parked through a stream cost more than the ramp they hide. Measured on the H200
+(Qwen3-30B-A3B shape, batch 1, docs/h200-results.md, eleventh session): the pipelined step
+2.99 ms with plain launches, 2.92-2.94 with PDL (two runs); what the down kernel might do before
+its wait, two launches after the router, lost: asking L2 for its first expert's rows (29.5
+against 28.3 us a layer of the router + experts chain) or all eight (36.1), and the token's
+routing loaded into registers there and picked per step (2.94 -> 3.04 ms: the per-step pick
+breaks the load pipeline).
 """
 
 from __future__ import annotations
@@ -39,18 +40,13 @@ import triton
 import triton.language as tl
 
 from xhal.platforms.cuda import pdl
-from xhal.platforms.cuda.kernels.l2_prefetch import line_elements, lines, prefetch_l2
 
 # up to this many pairs (8 tokens at top-8) the pair GEMVs beat the grouped GEMM at decode;
 # bench_moe's tile sweep times both paths at batches 1-16 to check the crossover
 MAX_SMALL_PAIRS = 64
-# under PDL: (gate-up, down) triggers, and how many of a token's experts the down kernel asks L2
-# for before its wait (read per call, so a benchmark captures its peers with other values)
+# under PDL the (gate-up, down) triggers (read per call, so a benchmark captures its peers with
+# other values)
 TRIGGERS = (pdl.LATE, pdl.LATE)
-PREFETCH_EXPERTS = 0
-# under PDL the down kernel loads the token's ids and routing weights before its wait (else in
-# its loop, after it)
-PRELOAD_ROUTING = True
 
 
 def use_small_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
@@ -153,46 +149,21 @@ def _down_combine_kernel(
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr = 0,
-    PREFETCH: tl.constexpr = 0,
-    LINES: tl.constexpr = 1,
-    LINE: tl.constexpr = 1,
-    PRELOAD: tl.constexpr = False,
-    SLOTS: tl.constexpr = 2,
 ):
     token = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < HIDDEN
-    slots = tl.arange(0, SLOTS)
-    if USE_PDL:
-        # before the wait (pdl.py, rule 1): the token's routing, which the router wrote two
-        # launches ahead (the gate-up kernel between triggers only after its own wait), so that
-        # the first weight loads after the wait wait on no load of ids; and L2 prefetches of this
-        # program's rows of the first PREFETCH (expert, K step) tiles
-        token_ids = tl.load(ids_ptr + token * TOP_K + slots, mask=slots < TOP_K, other=0)
-        token_w = tl.load(weights_ptr + token * TOP_K + slots, mask=slots < TOP_K, other=0.0)
-        line = tl.arange(0, LINES) * LINE
-        for t in tl.static_range(PREFETCH):
-            ahead = tl.sum(tl.where(slots == t // K_STEPS, token_ids, 0), axis=0).to(tl.int64)
-            cols = (t % K_STEPS) * BLOCK_K + line
-            inside = row_mask[:, None] & (cols < INTER)[None, :]
-            # lanes outside the expert's matrix ask for its first line instead
-            offs = tl.where(inside, rows.to(tl.int64)[:, None] * INTER + cols[None, :], 0)
-            prefetch_l2(w2_ptr + ahead * w_stride_e + offs)
-        tl.extra.cuda.gdc_wait()  # every program waits (rule 2): act comes from gate-up
+    if USE_PDL:  # every program waits (pdl.py, rule 2): act comes from gate-up, right ahead
+        tl.extra.cuda.gdc_wait()
     if USE_PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     # one flat loop over (expert j, K step), so that the load pipeline runs across the k
     # experts instead of draining at each expert's few K steps (I = 768 is 3 steps of 256)
     for step in tl.range(0, TOP_K * K_STEPS, num_stages=NUM_STAGES):
-        j = step // K_STEPS
-        pair = token * TOP_K + j
-        if USE_PDL and PRELOAD:  # picked from registers: one value is nonzero, the sum exact
-            expert = tl.sum(tl.where(slots == j, token_ids, 0), axis=0).to(tl.int64)
-            weight = tl.sum(tl.where(slots == j, token_w, 0.0), axis=0)
-        else:
-            expert = tl.load(ids_ptr + pair).to(tl.int64)
-            weight = tl.load(weights_ptr + pair)
+        pair = token * TOP_K + step // K_STEPS
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        weight = tl.load(weights_ptr + pair)
         ks = (step % K_STEPS) * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = ks < INTER
         a = (
@@ -217,25 +188,19 @@ def small_experts(
     topk_ids: torch.Tensor,
     config: SmallMoeConfig | None = None,
     triggers: tuple[int, int] | None = None,
-    prefetch_experts: int | None = None,
-    preload_routing: bool | None = None,
 ) -> torch.Tensor:
     """``DeviceOps.moe_experts`` by pair GEMVs: right for any batch, but an expert that several
     tokens pick is read once per pair (the grouped GEMM reads it once per step), hence
     ``use_small_path``. ``x [T, H]`` with unit stride along H; ``w13``, ``w2`` contiguous;
     ``topk_weights`` float32 and ``topk_ids`` int32 ``[T, k]``. ``triggers`` (gate-up, down:
     ``pdl.OFF``, ``EARLY`` or ``LATE``) default to ``TRIGGERS`` where ``pdl.mode`` is on, to
-    plain kernels where it is off; ``prefetch_experts`` and ``preload_routing`` (the down
-    kernel's work before its wait) to ``PREFETCH_EXPERTS`` and ``PRELOAD_ROUTING``."""
+    plain kernels where it is off."""
     num_tokens, top_k = topk_ids.shape
     if triggers is None:
         triggers = TRIGGERS if pdl.mode(x.device) else (pdl.OFF, pdl.OFF)
-    prefetch_experts = PREFETCH_EXPERTS if prefetch_experts is None else prefetch_experts
-    preload_routing = PRELOAD_ROUTING if preload_routing is None else preload_routing
-    if not set(triggers) <= {pdl.OFF, pdl.EARLY, pdl.LATE} or prefetch_experts < 0:
+    if len(triggers) != 2 or not set(triggers) <= {pdl.OFF, pdl.EARLY, pdl.LATE}:
         raise ValueError(
-            f"triggers must be pdl.OFF, EARLY or LATE (got {triggers}) and prefetch_experts >= 0 "
-            f"(got {prefetch_experts})"
+            f"triggers must be two of pdl.OFF, EARLY or LATE (gate-up, down), got {triggers}"
         )
     _, two_inter, hidden = w13.shape
     config = config or small_config(num_tokens, hidden)
@@ -267,7 +232,6 @@ def small_experts(
         num_warps=config.num_warps,
         **pdl.launch_options(triggers[0]),
     )
-    k_steps = triton.cdiv(inter, config.down_block_k)
     _down_combine_kernel[(num_tokens, triton.cdiv(hidden, config.down_block_n))](
         act,
         w2,
@@ -280,16 +244,11 @@ def small_experts(
         INTER=inter,
         HIDDEN=hidden,
         TOP_K=top_k,
-        K_STEPS=k_steps,
+        K_STEPS=triton.cdiv(inter, config.down_block_k),
         BLOCK_N=config.down_block_n,
         BLOCK_K=config.down_block_k,
         NUM_STAGES=config.down_stages,
         USE_PDL=triggers[1],
-        PREFETCH=min(prefetch_experts, top_k) * k_steps if triggers[1] else 0,
-        LINES=lines(config.down_block_k * w2.element_size()),
-        LINE=line_elements(w2.element_size()),
-        PRELOAD=bool(preload_routing),
-        SLOTS=max(2, triton.next_power_of_2(top_k)),
         num_warps=config.num_warps,
         **pdl.launch_options(triggers[1]),
     )
