@@ -8,15 +8,18 @@ attention and router weights, the LM head and one embedding row per token, and t
 
     python -m benchmarks.bench_moe [--batches 1 16 64] [--layers 48] [--hf-batches 1] [--no-hf]
                                    [--sweep-batches 1 2 4 8 16] [--no-sweep] [--profile]
-                                   [--pdl off early late auto]
+                                   [--pdl off early late auto] [--pdl-batches 1] [--check]
 
 ``--pdl`` adds the decode graphs captured once per programmatic dependent launch setting
-(``pdl_variants.py``), timed in the same process against the same floors.
+(``pdl_variants.py``), timed in the same process against the same floors, at every batch or at
+``--pdl-batches``. ``--check`` first runs ``check_moe_small``: the batch-1 router and pair-GEMV
+chain per PDL setting of the pair GEMVs, against float64 and timed.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -258,6 +261,12 @@ def main() -> None:
         help="batches of the expert sweep (grouped GEMM tiles against the pair-GEMV path)",
     )
     parser.add_argument("--profile", action="store_true", help="kernels per graph step, per batch")
+    parser.add_argument(
+        "--pdl-batches", type=int, nargs="+", help="batches of the --pdl graphs (default: all)"
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="the pair GEMVs' PDL settings against float64 first"
+    )
     pdl_variants.add_argument(parser)
     args = parser.parse_args()
     config = {**CONFIG, "num_hidden_layers": args.layers}
@@ -268,6 +277,13 @@ def main() -> None:
     model = build_model(config, device)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     print(f"model: {args.layers} layers, {weight_bytes / 1e9:.1f} GB of bf16 weights")
+    if args.check:
+        from benchmarks.check_moe_small import LAYERS, check_small_experts
+
+        checked = check_small_experts(model, rate)
+        print(table(checked, f"batch-1 router + pair GEMVs, {LAYERS} layers chained in one graph, "
+                             "per PDL setting (gate-up / down trigger): "
+                             "rel_err against float64, outputs against the plain kernels'"))
     batches = sorted(args.batches)
     executors = {}
     for eager in (False, True):
@@ -285,9 +301,11 @@ def main() -> None:
         ex.bind_kv_caches(caches)
     capture = executors[False].capture_graphs(progress=False)
     print(f"decode graph capture: {capture['graphs']} buckets in {capture['seconds']:.1f} s")
-    peers = pdl_variants.capture_per_variant(
-        model, platform, executors[False].config, caches, args.pdl
+    peer_batches = sorted(args.pdl_batches or batches)
+    peer_config = dataclasses.replace(
+        executors[False].config, decode_graph_sizes=tuple(peer_batches)
     )
+    peers = pdl_variants.capture_per_variant(model, platform, peer_config, caches, args.pdl)
     rows, pdl_rows = [], []
     for batch in batches:
         ids, pos, meta = decode_metadata(batch, CTX, device)
@@ -313,7 +331,7 @@ def main() -> None:
                 row["pipelined_x_floor"] = row["pipelined_ms"] / floor_ms
         row["graph_speedup"] = row["eager_ms"] / row["graph_ms"]
         timed = []
-        for name, peer in peers.items():
+        for name, peer in peers.items() if batch in peer_batches else ():
             step = lambda peer=peer: peer.compute_logits(peer.execute(ids, pos, meta))  # noqa: E731
             r = {"batch": batch, "pdl": name, "graph_ms": time_cuda(step, iters=30, warmup=2)}
             r["pipelined_ms"] = time_cuda_pipelined(step, steps=10, reps=3)
@@ -325,7 +343,7 @@ def main() -> None:
             )
             r["launches/layer"], r["device_us/layer"] = launches / args.layers, us / args.layers
         pdl_rows += [r for r, _ in timed]
-        if args.profile and not peers:  # --pdl profiles each of its graphs instead
+        if args.profile and not timed:  # --pdl profiles each of its graphs instead
             graph = executors[False]
             profile_kernels(
                 lambda: graph.compute_logits(graph.execute(ids, pos, meta)),
@@ -336,6 +354,12 @@ def main() -> None:
         print(
             f"batch {batch}: floor parts (GB) "
             + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in parts.items())
+        )
+        # as it goes, so that a run cut by its time limit keeps the batches it finished
+        print(
+            f"batch {batch}: floor {floor_ms:.3f} ms, graph {row['graph_ms']:.3f}, pipelined "
+            f"{row['pipelined_ms']:.3f} ({row['pipelined_x_floor']:.2f}x); "
+            + ", ".join(f"{r['pdl']} {r['pipelined_ms']:.3f}" for r, _ in timed)
         )
     sweep = [] if args.no_sweep else sweep_layers(model, sorted(args.sweep_batches), rate)
     hf_rows = []

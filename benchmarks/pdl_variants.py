@@ -36,6 +36,16 @@ PDL_VARIANTS = {
     # early): the o GEMV's programs start beside the attention and load their first weight tile
     # while it runs, where the late trigger starts them in its tail
     "auto-attn-early": ("1", "auto"),
+    # auto with the MoE pair GEMVs (moe_small.py) as plain launches: the tree before they took PDL
+    "auto-moe-plain": ("1", "auto"),
+    # auto with the down + combine kernel triggering right after its wait: the next layer's
+    # norm + qkv GEMV loads its first weight tile beside the expert stream
+    "auto-moe-down-early": ("1", "auto"),
+}
+# variant -> moe_small's settings while it captures (pdl.OFF = 0, LATE = 2, EARLY = 1)
+_MOE_SMALL = {
+    "auto-moe-plain": {"TRIGGERS": (0, 0)},
+    "auto-moe-down-early": {"TRIGGERS": (2, 1)},
 }
 PREVIOUS_GEMV = "auto-previous-gemv"
 # variant -> further settings it captures under
@@ -136,6 +146,26 @@ def _attention_trigger(name: str) -> Iterator[None]:
         splitkv_decode.TRIGGER = saved
 
 
+@contextlib.contextmanager
+def _moe_small(name: str) -> Iterator[None]:
+    """moe_small's PDL settings replaced while a variant of ``_MOE_SMALL`` captures (the pair
+    GEMVs read them per call; the executor's warm-up compiles them)."""
+    if name not in _MOE_SMALL:
+        yield
+        return
+    from xhal.platforms.cuda.kernels import moe_small
+
+    settings = _MOE_SMALL[name]
+    saved = {key: getattr(moe_small, key) for key in settings}
+    for key, value in settings.items():
+        setattr(moe_small, key, value)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            setattr(moe_small, key, value)
+
+
 def add_argument(parser: argparse.ArgumentParser) -> None:
     """``--pdl NAME ...``: the settings to capture and time besides the default executor. Also
     loads ``BENCH_GEMV_TABLE``, before the benchmark builds any executor."""
@@ -158,7 +188,7 @@ def pdl_variant(name: str) -> Iterator[None]:
         **dict(zip(("XHAL_CUDA_PDL", "XHAL_CUDA_PDL_TRIGGER"), PDL_VARIANTS[name])),
         **EXTRA_ENV.get(name, {}),
     }
-    with environment(settings), _gemv_table(name), _attention_trigger(name):
+    with environment(settings), _gemv_table(name), _attention_trigger(name), _moe_small(name):
         yield
 
 

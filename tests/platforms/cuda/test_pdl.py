@@ -80,6 +80,8 @@ _SPLITKV = dict(  # the fused decode layer (new token + rotary) of the 8B shape,
     MERGE_CHUNK=16, SOFT_CAP=False, WINDOW=False, F32_DOT=False, NEW_KV=True, ROTARY=True,
     HALF=64, IS_NEOX=True, PREFETCH=2, LINES=2, LINE=64,
 )
+_GATE_UP = dict(INTER=64, HIDDEN=256, TOP_K=2, BLOCK_N=8, BLOCK_K=128, NUM_STAGES=3)
+_DOWN = dict(INTER=256, HIDDEN=256, TOP_K=2, K_STEPS=2, BLOCK_N=8, BLOCK_K=128, NUM_STAGES=4)
 CASES = {  # name: (module, kernel, constexprs)
     "gemv off": ("fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.OFF}),
     "norm+gemv early": ("fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.EARLY}),
@@ -112,6 +114,11 @@ CASES = {  # name: (module, kernel, constexprs)
     "splitkv late": (
         "splitkv_decode", "_splitkv_decode_kernel", {**_SPLITKV, "USE_PDL": pdl.LATE}
     ),
+    "gate_up off": ("moe_small", "_gate_up_kernel", {**_GATE_UP, "USE_PDL": pdl.OFF}),
+    "gate_up late": ("moe_small", "_gate_up_kernel", {**_GATE_UP, "USE_PDL": pdl.LATE}),
+    "down off": ("moe_small", "_down_combine_kernel", {**_DOWN, "USE_PDL": pdl.OFF}),
+    "down early": ("moe_small", "_down_combine_kernel", {**_DOWN, "USE_PDL": pdl.EARLY}),
+    "down late": ("moe_small", "_down_combine_kernel", {**_DOWN, "USE_PDL": pdl.LATE}),
     "router": (
         "moe_router",
         "_norm_route_kernel",
@@ -168,7 +175,8 @@ def ptx() -> dict[str, str]:
 @pytest.mark.parametrize(
     "case",
     ["norm+gemv early", "norm+gemv late", "norm+gemv late tma", "rotary_kv", "add_rms_norm",
-     "qk_norm", "router", "splitkv early", "splitkv late"],
+     "qk_norm", "router", "splitkv early", "splitkv late", "gate_up late", "down early",
+     "down late"],
 )
 def test_a_pdl_kernel_waits_once_and_writes_nothing_before_its_wait(ptx, case) -> None:
     code = ptx[case]
@@ -182,11 +190,12 @@ def test_a_pdl_kernel_waits_once_and_writes_nothing_before_its_wait(ptx, case) -
     for write in ("st.global", "atom.", "red."):  # as instructions (".shared." holds "red.")
         found = re.findall(rf"^\s*(?:@!?%p\d+\s+)?{re.escape(write)}", before_wait, re.M)
         assert not found, f"{case}: {write} before the wait"
-    if "late" in case and "gemv" in case:  # the trigger after the weight loop's last load
+    if "late" in case and ("gemv" in case or case.startswith(("gate_up", "down"))):
+        # the trigger after the weight loop's last load (plain or asynchronous)
         after_wait = code.split("griddepcontrol.wait")[1]
-        assert after_wait.index("griddepcontrol.launch_dependents") > after_wait.rfind(
-            "ld.global"
-        )
+        trigger = after_wait.index("griddepcontrol.launch_dependents")
+        assert trigger > after_wait.rfind("ld.global")
+        assert trigger > after_wait.rfind("cp.async.wait_group")
 
 
 def test_the_plain_kernel_has_no_pdl_instruction(ptx) -> None:
@@ -194,6 +203,19 @@ def test_the_plain_kernel_has_no_pdl_instruction(ptx) -> None:
     assert "griddepcontrol" not in ptx["gemv off tma"]
     assert "griddepcontrol" not in ptx["splitkv off"]
     assert "prefetch.global.L2" not in ptx["splitkv off"]
+    for case in ("gate_up off", "down off"):
+        assert "griddepcontrol" not in ptx[case] and "prefetch.global.L2" not in ptx[case]
+
+
+def test_the_expert_kernels_load_nothing_before_their_wait(ptx) -> None:
+    """Their weights depend on the routing, which the router right ahead writes (gate-up) or
+    which gate-up's output pairs with (down): both wait first, then load; the early trigger comes
+    before the first load, the late one after the last (checked above)."""
+    for case in ("gate_up late", "down early", "down late"):
+        before = ptx[case].split("griddepcontrol.wait")[0]
+        assert "ld.global" not in before and "cp.async" not in before, case
+    early = ptx["down early"].split("griddepcontrol.wait")[1]
+    assert early.index("griddepcontrol.launch_dependents") < early.index("ld.global")
 
 
 @pytest.mark.parametrize("case", ["splitkv early", "splitkv late"])

@@ -186,6 +186,22 @@ def test_small_experts_of_no_token() -> None:
     assert out.shape == (0, 32)
 
 
+def test_small_experts_reject_a_trigger_they_do_not_have() -> None:
+    """Under PDL the pair GEMVs take OFF, EARLY or LATE (pdl.py); the GEMVs' rules are not
+    theirs, so AUTO is an error, not a silent choice (the PDL launches themselves are checked on
+    the compiled PTX, tests/platforms/cuda/test_pdl.py, and on the H200)."""
+    from xhal.platforms.cuda import pdl
+
+    w13, w2 = expert_weights(4, 32, 16, torch.float32, DEVICE, seed=1)
+    x = torch.zeros(1, 32, device=DEVICE)
+    ids = torch.zeros(1, 2, dtype=torch.int32, device=DEVICE)
+    weights = torch.zeros(1, 2, device=DEVICE)
+    with pytest.raises(ValueError, match="triggers must be two of pdl.OFF, EARLY or LATE"):
+        moe_small.small_experts(x, w13, w2, weights, ids, triggers=(pdl.AUTO, pdl.LATE))
+    with pytest.raises(ValueError, match="triggers must be two of"):
+        moe_small.small_experts(x, w13, w2, weights, ids, triggers=(pdl.LATE,))
+
+
 @pytest.mark.parametrize(
     "device", ["cuda-moe-interpreted", "cuda-moe-small-interpreted"], ids=["by-shape", "pair-gemv"]
 )

@@ -17,6 +17,18 @@ The pair index is the fastest grid dimension, so the programs that read the same
 an expert two tokens share run side by side (the second read tends to hit L2). Products stay
 unreduced until the loop ends (one cross-lane sum per program). Grids depend only on the shapes,
 so a decode graph captures the call once per bucket and replays it with any routing.
+
+Under programmatic dependent launch (``pdl.py``) both are PDL kernels that wait at their top:
+their weights depend on the routing (the router writes the ids right ahead of gate-up), so all
+they gain is their launch and ramp, hidden behind the router's latency chain and gate-up's tail.
+Each triggers as ``TRIGGERS`` says, after its weight stream by default: the next kernel's
+programs parked through a stream cost more than the ramp they hide. Measured on the H200
+(Qwen3-30B-A3B shape, batch 1, docs/h200-results.md, eleventh session): the pipelined step
+2.99 ms with plain launches, 2.92-2.94 with PDL (two runs); what the down kernel might do before
+its wait, two launches after the router, lost: asking L2 for its first expert's rows (29.5
+against 28.3 us a layer of the router + experts chain) or all eight (36.1), and the token's
+routing loaded into registers there and picked per step (2.94 -> 3.04 ms: the per-step pick
+breaks the load pipeline).
 """
 
 from __future__ import annotations
@@ -27,9 +39,14 @@ import torch
 import triton
 import triton.language as tl
 
+from xhal.platforms.cuda import pdl
+
 # up to this many pairs (8 tokens at top-8) the pair GEMVs beat the grouped GEMM at decode;
 # bench_moe's tile sweep times both paths at batches 1-16 to check the crossover
 MAX_SMALL_PAIRS = 64
+# under PDL the (gate-up, down) triggers (read per call, so a benchmark captures its peers with
+# other values)
+TRIGGERS = (pdl.LATE, pdl.LATE)
 
 
 def use_small_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
@@ -82,9 +99,14 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
     pair = tl.program_id(0)
     token = (pair // TOP_K).to(tl.int64)
+    if USE_PDL:  # the ids and x come from the router, the kernel right ahead: nothing before
+        tl.extra.cuda.gdc_wait()
+    if USE_PDL == 1:
+        tl.extra.cuda.gdc_launch_dependents()
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < INTER
@@ -101,6 +123,8 @@ def _gate_up_kernel(
         x = tl.load(x_row + ks, mask=k_mask, other=0.0).to(tl.float32)[None, :]
         gate += tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * x
         up += tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * x
+    if USE_PDL == 2:  # the weights are streamed: the down kernel's programs may take the SMs
+        tl.extra.cuda.gdc_launch_dependents()
     g = tl.sum(gate, axis=1)
     u = tl.sum(up, axis=1)
     act = g / (1.0 + tl.exp(-g)) * u
@@ -124,10 +148,15 @@ def _down_combine_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
     token = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < HIDDEN
+    if USE_PDL:  # every program waits (pdl.py, rule 2): act comes from gate-up, right ahead
+        tl.extra.cuda.gdc_wait()
+    if USE_PDL == 1:
+        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     # one flat loop over (expert j, K step), so that the load pipeline runs across the k
     # experts instead of draining at each expert's few K steps (I = 768 is 3 steps of 256)
@@ -145,6 +174,8 @@ def _down_combine_kernel(
         w_rows = w2_ptr + expert * w_stride_e + rows.to(tl.int64)[:, None] * INTER
         w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         acc += w.to(tl.float32) * a[None, :]
+    if USE_PDL == 2:  # after the last weight load: the next layer's GEMV may take the SMs
+        tl.extra.cuda.gdc_launch_dependents()
     out = tl.sum(acc, axis=1)
     tl.store(out_ptr + token * out_stride + rows, out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
@@ -156,12 +187,21 @@ def small_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: SmallMoeConfig | None = None,
+    triggers: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """``DeviceOps.moe_experts`` by pair GEMVs: right for any batch, but an expert that several
     tokens pick is read once per pair (the grouped GEMM reads it once per step), hence
     ``use_small_path``. ``x [T, H]`` with unit stride along H; ``w13``, ``w2`` contiguous;
-    ``topk_weights`` float32 and ``topk_ids`` int32 ``[T, k]``."""
+    ``topk_weights`` float32 and ``topk_ids`` int32 ``[T, k]``. ``triggers`` (gate-up, down:
+    ``pdl.OFF``, ``EARLY`` or ``LATE``) default to ``TRIGGERS`` where ``pdl.mode`` is on, to
+    plain kernels where it is off."""
     num_tokens, top_k = topk_ids.shape
+    if triggers is None:
+        triggers = TRIGGERS if pdl.mode(x.device) else (pdl.OFF, pdl.OFF)
+    if len(triggers) != 2 or not set(triggers) <= {pdl.OFF, pdl.EARLY, pdl.LATE}:
+        raise ValueError(
+            f"triggers must be two of pdl.OFF, EARLY or LATE (gate-up, down), got {triggers}"
+        )
     _, two_inter, hidden = w13.shape
     config = config or small_config(num_tokens, hidden)
     inter = two_inter // 2
@@ -188,7 +228,9 @@ def small_experts(
         BLOCK_N=config.up_block_n,
         BLOCK_K=config.up_block_k,
         NUM_STAGES=config.up_stages,
+        USE_PDL=triggers[0],
         num_warps=config.num_warps,
+        **pdl.launch_options(triggers[0]),
     )
     _down_combine_kernel[(num_tokens, triton.cdiv(hidden, config.down_block_n))](
         act,
@@ -206,6 +248,8 @@ def small_experts(
         BLOCK_N=config.down_block_n,
         BLOCK_K=config.down_block_k,
         NUM_STAGES=config.down_stages,
+        USE_PDL=triggers[1],
         num_warps=config.num_warps,
+        **pdl.launch_options(triggers[1]),
     )
     return out
