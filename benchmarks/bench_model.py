@@ -30,190 +30,27 @@ import xhal
 from benchmarks import pdl_variants
 from benchmarks.common import (
     ceilings,
-    cuda_kernel_events,
     environment,
+    graph_and_eager_executors,
+    profile_kernels,
     table,
     time_cuda,
     time_cuda_pipelined,
 )
+from benchmarks.hf_peer import hf_peer_rows
 from benchmarks.host_timing import call_breakdown, host_breakdown, host_time_us, profile_host
-from models.llama import LlamaForCausalLM
-from xhal.executor import ExecutorConfig, ModelExecutor
-from xhal.interfaces import AttentionMetadata, BatchKind
-
-CONFIG = dict(
-    architectures=["LlamaForCausalLM"],
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    rms_norm_eps=1e-5,
-    rope_theta=500000.0,
-    max_position_embeddings=8192,
-    tie_word_embeddings=False,
-    hidden_act="silu",
+from benchmarks.llama_model import (
+    BLOCK,
+    CTX,
+    SHAPES,
+    decode_metadata,
+    decode_read_bytes,
+    head_dim,
+    prefill_metadata,
+    random_model,
 )
-SHAPES = {
-    "llama3-8b": CONFIG,
-    # Llama-3.2-1B: head dim 64, tied embeddings (the LM head reads the whole table every step)
-    "llama3.2-1b": {
-        **CONFIG,
-        "hidden_size": 2048,
-        "intermediate_size": 8192,
-        "num_hidden_layers": 16,
-        "head_dim": 64,
-        "tie_word_embeddings": True,
-    },
-}
-
-
-def head_dim(config: dict) -> int:
-    return config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
-
-
-def decode_read_bytes(
-    config: dict, weight_bytes: int, batch: int, ctx: int, elt: int = 2
-) -> dict[str, int]:
-    """Bytes one decode step reads: ``all`` (every weight + KV, the old floor's count) and
-    ``honest`` (one embedding row per sequence rather than the table, unless the table is also the
-    LM head, which reads all of it; K and V of ``ctx`` tokens per sequence)."""
-    kv = (
-        batch
-        * ctx
-        * config["num_hidden_layers"]
-        * config["num_key_value_heads"]
-        * head_dim(config)
-        * 2
-        * elt
-    )
-    table = config["vocab_size"] * config["hidden_size"] * elt
-    rows = batch * config["hidden_size"] * elt
-    embedding = 0 if config["tie_word_embeddings"] else table - rows
-    return {"all": weight_bytes + kv, "honest": weight_bytes - embedding + kv}
-
-
-BLOCK, CTX = 16, 2048
-
-
-def random_model(device: torch.device, config: dict = CONFIG) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
-    return model.eval()
-
-
-def decode_metadata(
-    batch: int, ctx: int, device, vocab_size: int = CONFIG["vocab_size"]
-) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """``batch`` sequences with ``ctx - 1`` cached tokens each, decoding token ``ctx - 1``."""
-    per_seq = ctx // BLOCK
-    table_ = torch.arange(batch * per_seq, dtype=torch.int32).view(batch, per_seq)
-    kv = torch.full((batch,), ctx, dtype=torch.int32)
-    q = torch.ones(batch, dtype=torch.int32)
-    slots = (table_[:, -1] * BLOCK + (ctx - 1) % BLOCK).int()
-    meta = AttentionMetadata.from_host_lengths(
-        BatchKind.DECODE, q, kv, table_.to(device), slots.to(device)
-    )
-    ids = torch.randint(0, vocab_size, (batch,), dtype=torch.int32, device=device)
-    return ids, torch.full((batch,), ctx - 1, dtype=torch.int32, device=device), meta
-
-
-def prefill_metadata(
-    tokens: int, device, vocab_size: int = CONFIG["vocab_size"]
-) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    blocks = -(-tokens // BLOCK)
-    n = torch.tensor([tokens], dtype=torch.int32)
-    meta = AttentionMetadata.from_host_lengths(
-        BatchKind.PREFILL,
-        n,
-        n.clone(),
-        torch.arange(blocks, dtype=torch.int32, device=device)[None],
-        torch.arange(tokens, dtype=torch.int32, device=device),
-    )
-    ids = torch.randint(0, vocab_size, (tokens,), dtype=torch.int32, device=device)
-    return ids, torch.arange(tokens, dtype=torch.int32, device=device), meta
-
-
-def profile_kernels(
-    step, title: str, iters: int = 5, num_layers: int | None = None
-) -> tuple[float, float]:
-    """Which kernels a step runs and their device time (CUPTI sees inside graph replays); returns
-    (launches, device us) per step."""
-    events = cuda_kernel_events(step, iters)
-    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    total = sum(e.self_device_time_total for e in events) / iters
-    launches = sum(e.count for e in events) / iters
-    print(f"--- kernels per step, {title}: {launches:.0f} launches, {total:.0f} us of device time")
-    if (
-        num_layers
-    ):  # the step's launches and device time per decoder layer (LM head and embedding included)
-        print(f"    per layer: {launches / num_layers:.1f} launches, {total / num_layers:.1f} us")
-    for e in events[:20]:
-        print(
-            f"  {e.count / iters:6.0f} x {e.self_device_time_total / e.count:8.2f} us = "
-            f"{e.self_device_time_total / iters:8.1f} us  {e.key[:90]}"
-        )
-    return launches, total
-
-
-def hf_decode_step(batch: int, ctx: int, device, config: dict = CONFIG, compiled: bool = False):
-    """One decode step of transformers' LlamaForCausalLM (sdpa) at position ``ctx - 1`` over its
-    ``StaticCache`` (prefilled with ``ctx - 1`` tokens): eager, or ``compiled`` with
-    ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), the fast path transformers documents.
-    Every call decodes position ``ctx - 1`` (newer transformers ignore ``cache_position`` and
-    append: the cache has 64 spare slots for the timed calls; a static cache attends over all of
-    its slots, masked, so each call does the same work). Returns a callable giving the logits."""
-    import transformers
-
-    cfg = transformers.LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"})
-    with torch.device(device):
-        hf = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-    cache = transformers.StaticCache(config=cfg, max_cache_len=ctx + 64)
-    ids = torch.randint(0, cfg.vocab_size, (batch, ctx - 1), device=device)
-    with torch.no_grad():
-        hf(
-            ids,
-            past_key_values=cache,
-            use_cache=True,
-            cache_position=torch.arange(ctx - 1, device=device),
-        )
-    nxt = torch.randint(0, cfg.vocab_size, (batch, 1), device=device)
-    position = torch.full((batch, 1), ctx - 1, device=device)
-    cache_position = torch.tensor([ctx - 1], device=device)
-    forward = (
-        torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
-        if compiled
-        else hf.forward
-    )
-
-    @torch.no_grad()
-    def step() -> torch.Tensor:
-        return forward(
-            nxt,
-            position_ids=position,
-            past_key_values=cache,
-            cache_position=cache_position,
-            use_cache=True,
-        ).logits
-
-    return step
-
-
-def hf_decode_ms(batch: int, ctx: int, device, compiled: bool, config: dict = CONFIG) -> float:
-    """Milliseconds per step issued back to back, as ``time_cuda_pipelined`` times xhal."""
-    step = hf_decode_step(batch, ctx, device, config, compiled=compiled)
-    for _ in range(3):  # compiles, then records the CUDA graphs
-        step()
-    ms = time_cuda_pipelined(step, steps=10, reps=3)
-    del step
-    torch._dynamo.reset()
-    torch.cuda.empty_cache()
-    return ms
+from benchmarks.llama_model import CONFIG as CONFIG  # bench_host_emulated.py imports it here
+from xhal.executor import ExecutorConfig, ModelExecutor
 
 
 def pdl_peers(
@@ -312,21 +149,7 @@ def main() -> None:
     vocab = config["vocab_size"]
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     batches = args.batches or ([1, 64] if args.quick else [1, 16, 64])
-    num_blocks = max(batches) * CTX // BLOCK + 64
-    executors = {}
-    for eager in (False, True):
-        cfg = ExecutorConfig(
-            dtype=torch.bfloat16,
-            block_size=BLOCK,
-            max_num_seqs=max(batches),
-            max_model_len=CTX + 64,
-            enforce_eager=eager,
-            decode_graph_sizes=tuple(batches),
-        )
-        executors[eager] = ModelExecutor(model, platform, cfg)
-    caches = executors[False].allocate_kv_caches(num_blocks=num_blocks)
-    for ex in executors.values():
-        ex.bind_kv_caches(caches)
+    executors, caches = graph_and_eager_executors(model, platform, batches, BLOCK, CTX)
     capture = executors[False].capture_graphs()
     print(
         f"decode graph capture: {capture['graphs']} buckets in {capture['seconds']:.1f} s, "
@@ -447,29 +270,7 @@ def main() -> None:
     if not args.no_hf:
         del executors, caches, model
         torch.cuda.empty_cache()
-        hf_rows = []
-        for r in rows:
-            row = {"batch": r["batch"]}
-            for compiled in (False, True):
-                if compiled and args.hf_eager_only:
-                    continue
-                name = "hf_compiled" if compiled else "hf_eager"
-                try:
-                    ms = hf_decode_ms(r["batch"], CTX, device, compiled, config)
-                except Exception as exc:  # a compile failure is a result to report, not a crash
-                    print(
-                        f"transformers {name} at batch {r['batch']} failed: {type(exc).__name__}: "
-                        f"{exc}"
-                    )
-                    continue
-                row.update(
-                    {
-                        f"{name}_ms": ms,
-                        f"{name}_x_floor": ms / r["floor_ms"],
-                        f"xhal_graph_speedup_vs_{name}": ms / r["pipelined_ms"],
-                    }
-                )
-            hf_rows.append(row)
+        hf_rows = hf_peer_rows(rows, CTX, device, config, args.hf_eager_only)
         print(
             table(
                 hf_rows,

@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
+from xhal.executor import ExecutorConfig, ModelExecutor
+
 
 @contextlib.contextmanager
 def environment(settings: Mapping[str, str]) -> Iterator[None]:
@@ -90,6 +92,51 @@ def cuda_kernel_events(fn: Callable[[], object], iters: int = 5) -> list:
             fn()
         torch.cuda.synchronize()
     return [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+
+
+def profile_kernels(
+    step, title: str, iters: int = 5, num_layers: int | None = None
+) -> tuple[float, float]:
+    """Which kernels a step runs and their device time (CUPTI sees inside graph replays); returns
+    (launches, device us) per step."""
+    events = cuda_kernel_events(step, iters)
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events) / iters
+    launches = sum(e.count for e in events) / iters
+    print(f"--- kernels per step, {title}: {launches:.0f} launches, {total:.0f} us of device time")
+    if (
+        num_layers
+    ):  # the step's launches and device time per decoder layer (LM head and embedding included)
+        print(f"    per layer: {launches / num_layers:.1f} launches, {total / num_layers:.1f} us")
+    for e in events[:20]:
+        print(
+            f"  {e.count / iters:6.0f} x {e.self_device_time_total / e.count:8.2f} us = "
+            f"{e.self_device_time_total / iters:8.1f} us  {e.key[:90]}"
+        )
+    return launches, total
+
+
+def graph_and_eager_executors(
+    model: torch.nn.Module, platform, batches: list[int], block_size: int, ctx: int
+) -> tuple[dict[bool, ModelExecutor], list]:
+    """Two bf16 executors of ``model`` on one set of KV caches, keyed by ``enforce_eager``: the
+    graph one with a decode bucket per batch of ``batches`` (not captured yet) and the eager one;
+    caches for ``max(batches)`` sequences of ``ctx`` tokens and 64 spare blocks."""
+    executors = {}
+    for eager in (False, True):
+        cfg = ExecutorConfig(
+            dtype=torch.bfloat16,
+            block_size=block_size,
+            max_num_seqs=max(batches),
+            max_model_len=ctx + 64,
+            enforce_eager=eager,
+            decode_graph_sizes=tuple(batches),
+        )
+        executors[eager] = ModelExecutor(model, platform, cfg)
+    caches = executors[False].allocate_kv_caches(num_blocks=max(batches) * ctx // block_size + 64)
+    for ex in executors.values():
+        ex.bind_kv_caches(caches)
+    return executors, caches
 
 
 def time_graph(fn: Callable[[], object], iters: int = 50) -> float:

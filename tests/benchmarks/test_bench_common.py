@@ -28,7 +28,7 @@ def test_streaming_read_kernel_reads_every_element_once() -> None:
 
 
 def test_decode_reads_one_embedding_row_unless_the_table_is_the_lm_head() -> None:
-    from benchmarks.bench_model import SHAPES, decode_read_bytes
+    from benchmarks.llama_model import SHAPES, decode_read_bytes
 
     weights = 10**9  # any figure: only the differences are computed
     # 8B, untied: the table (128256 x 4096 bf16) is replaced by one row per sequence; KV of
@@ -41,3 +41,35 @@ def test_decode_reads_one_embedding_row_unless_the_table_is_the_lm_head() -> Non
     kv_1b = 2048 * 16 * 8 * 64 * 2 * 2
     got = decode_read_bytes(SHAPES["llama3.2-1b"], weights, batch=1, ctx=2048)
     assert got["all"] == got["honest"] == weights + kv_1b
+
+
+def test_graph_and_eager_executors_share_one_set_of_caches() -> None:
+    """The two executors the model benchmarks time side by side: one graph and one eager
+    executor, both writing the KV of a step into the same returned caches, sized for the largest
+    batch's context plus 64 spare blocks."""
+    import xhal
+    from benchmarks.common import graph_and_eager_executors
+    from benchmarks.llama_model import BLOCK, CONFIG, decode_metadata, random_model
+
+    tiny = {**CONFIG, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}  # fmt: skip
+    cpu = torch.device("cpu")
+    model = random_model(cpu, tiny)
+    ctx = 2 * BLOCK
+    platform = xhal.platforms.get("cpu")
+    executors, caches = graph_and_eager_executors(model, platform, [1, 2], BLOCK, ctx)
+    assert {eager: ex.config.enforce_eager for eager, ex in executors.items()} == {
+        False: False,
+        True: True,
+    }
+    assert executors[False].config.decode_graph_sizes == (1, 2)
+    assert len(caches) == 2 and caches[0].key.shape[0] == 2 * ctx // BLOCK + 64
+    ids, pos, meta = decode_metadata(1, ctx, cpu, tiny["vocab_size"])
+    slot = int(meta.slot_mapping[0])
+    for eager in (True, False):
+        for cache in caches:
+            cache.key.zero_()
+        ex = executors[eager]
+        ex.execute(ids, pos, meta)
+        written = caches[0].key.view(-1, *caches[0].key.shape[2:])[slot]  # [Hkv, D]
+        assert written.abs().sum() > 0, f"enforce_eager={eager} wrote elsewhere"

@@ -4,6 +4,7 @@ logged once, the entry-point group, and the ops and attention built from the cho
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import random
 import subprocess
@@ -15,6 +16,7 @@ import torch
 import xhal
 from conformance_tests.batches import random_batch, random_caches, random_qkv
 from tests.support import toy_solutions as toy
+from tests.support.paths import REPO
 from xhal import solutions
 from xhal.interfaces import AttentionSpec, BatchKind
 from xhal.solutions import registry
@@ -213,20 +215,22 @@ def test_a_row_limited_solution_hands_larger_calls_to_the_next_best(toys) -> Non
             assert toy.CountingActivation.calls == expected_calls, shape
 
 
-# what xhal/platforms/cuda/ops.py and platform.py chose by hand before solutions, FlashInfer
-# installed
-LEGACY_CUDA = {
-    "linear": "triton",
-    "rms_norm": "flashinfer",
-    "fused_add_rms_norm": "triton",
-    "rotary_embedding": "triton",
-    # since: our Triton gated activations, measured faster than FlashInfer's on the H200
-    "silu_and_mul": "triton",
-    "gelu_and_mul": "triton",
-    "moe_route": "triton",
-    "moe_experts": "triton",
-    "sampling": "torch",
-}
+# scripts/check_solutions.py checks on the GPU what each CUDA platform chooses against the
+# choices made by hand before solutions (FlashInfer installed); its table is read here to check
+# the declarations on any machine. scripts/ is a folder of scripts, not a package: load by path.
+_spec = importlib.util.spec_from_file_location(
+    "check_solutions", REPO / "scripts" / "check_solutions.py"
+)
+check_solutions = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(check_solutions)
+
+
+def _device_ops(choices: dict[str, str]) -> dict[str, str]:
+    """The device ops of a legacy table (its attention rows are checked per op below)."""
+    return {op: name for op, name in choices.items() if not op.startswith("attention ")}
+
+
+LEGACY_CUDA = _device_ops(check_solutions.LEGACY["cuda"])
 
 
 @pytest.mark.parametrize(
@@ -238,7 +242,6 @@ def test_cuda_declarations_keep_the_choices_made_before_solutions(installed, mon
 
     monkeypatch.setattr(selection, "_importable", lambda module: module in installed)
     h200 = solutions.DeviceInfo("cuda", "NVIDIA H200", (9, 0))
-    fallback = {"rms_norm": "torch", "silu_and_mul": "torch", "gelu_and_mul": "torch"}
     expected = LEGACY_CUDA if "flashinfer" in installed else {**LEGACY_CUDA, "rms_norm": "torch"}
     assert {op: solutions.select(op, h200).name for op in LEGACY_CUDA} == expected
     for dtype, name in (
@@ -256,10 +259,9 @@ def test_cuda_declarations_keep_the_choices_made_before_solutions(installed, mon
             assert got == want, (op, dtype)
     # cuda-triton: Triton attention and torch norms and activations, whatever is installed
     forced = CudaTritonPlatform.solution_defaults
-    assert {op: solutions.select(op, h200, forced=forced.get(op)).name for op in LEGACY_CUDA} == {
-        **LEGACY_CUDA,
-        **fallback,
-    }
+    assert {
+        op: solutions.select(op, h200, forced=forced.get(op)).name for op in LEGACY_CUDA
+    } == _device_ops(check_solutions.LEGACY["cuda-triton"])
     assert {
         solutions.select(op, h200, forced=forced[op], dtype=torch.bfloat16).name
         for op in solutions.ATTENTION_OPS

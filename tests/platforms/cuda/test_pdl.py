@@ -83,16 +83,16 @@ _SPLITKV = dict(  # the fused decode layer (new token + rotary) of the 8B shape,
 _GATE_UP = dict(INTER=64, HIDDEN=256, TOP_K=2, BLOCK_N=8, BLOCK_K=128, NUM_STAGES=3)
 _DOWN = dict(INTER=256, HIDDEN=256, TOP_K=2, K_STEPS=2, BLOCK_N=8, BLOCK_K=128, NUM_STAGES=4)
 CASES = {  # name: (module, kernel, constexprs)
-    "gemv off": ("fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.OFF}),
-    "norm+gemv early": ("fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.EARLY}),
-    "norm+gemv late": ("fused_gemv", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.LATE}),
+    "gemv off": ("fused_gemv_kernel", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.OFF}),
+    "norm+gemv early": ("fused_gemv_kernel", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.EARLY}),
+    "norm+gemv late": ("fused_gemv_kernel", "_fused_gemv_kernel", {**_GEMV, "USE_PDL": pdl.LATE}),
     # weight tiles through a TMA descriptor, pipelined (four tiles, num_stages 3)
     "norm+gemv late tma": (
-        "fused_gemv", "_fused_gemv_kernel",
+        "fused_gemv_kernel", "_fused_gemv_kernel",
         {**_GEMV, "USE_PDL": pdl.LATE, "TMA": True, "NUM_STAGES": 3},
     ),
     "gemv off tma": (
-        "fused_gemv", "_fused_gemv_kernel",
+        "fused_gemv_kernel", "_fused_gemv_kernel",
         {**_GEMV, "USE_PDL": pdl.OFF, "TMA": True, "NUM_STAGES": 3},
     ),
     "rotary_kv": (

@@ -5,6 +5,7 @@ steps run the backend it wraps: ``SplitKVDecodeAttention`` (``splitkv_attention.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -12,6 +13,19 @@ from xhal.interfaces.attention import AttentionBackend, AttentionSpec
 from xhal.interfaces.cache import LayerCache, normalize_layer_caches
 from xhal.interfaces.metadata import AttentionMetadata, BatchKind
 from xhal.platforms.common.persistent import PersistentInputs
+
+
+@dataclass
+class DecodePlan:
+    """A decode step's plan, what every layer's launch reads: the metadata's device tensors, kept
+    by reference (for a graph bucket, its persistent inputs), and the step's split count. A
+    backend adds what its own kernel needs."""
+
+    num_seqs: int
+    block_table: torch.Tensor  # int32 [B, max_blocks]
+    kv_seq_lens: torch.Tensor  # int32 [B]
+    slot_mapping: torch.Tensor  # int32 [T]
+    splits: int
 
 
 class DecodeOverFallback(AttentionBackend):
@@ -30,23 +44,23 @@ class DecodeOverFallback(AttentionBackend):
         self.fallback = fallback
         self._caches: list[LayerCache] = []
         self._captured: dict[Hashable, PersistentInputs] = {}  # decode graph key -> its tensors
-        self._decode: object | None = None  # the step's decode plan; None: the fallback's step
+        self._decode: DecodePlan | None = None  # the step's decode plan; None: the fallback's step
 
     def takes(self, m: AttentionMetadata) -> bool:
         """Whether a step runs on the decode kernel: a pure decode, one query row per sequence."""
         return m.kind == BatchKind.DECODE and m.max_query_len <= 1 and m.num_seqs > 0
 
-    def plan_decode(self, m: AttentionMetadata, graph_key: Hashable | None) -> object:
+    def plan_decode(self, m: AttentionMetadata, graph_key: Hashable | None) -> DecodePlan:
         """The decode plan of a step ``takes`` accepted (host work only)."""
         raise NotImplementedError
 
     def decode(
-        self, plan, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, plan: DecodePlan, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """``forward`` of a decode step, with its plan."""
         raise NotImplementedError
 
-    def decode_rotary(self, plan, layer_id, q, k, v, positions, cos_sin_cache, is_neox):
+    def decode_rotary(self, plan: DecodePlan, layer_id, q, k, v, positions, cos_sin_cache, is_neox):
         """``forward_rotary`` of a decode step, with its plan (when ``fuses_rotary``)."""
         raise NotImplementedError(f"{type(self).__name__} does not fuse rotary into its decode")
 

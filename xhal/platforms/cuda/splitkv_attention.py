@@ -18,7 +18,7 @@ import torch
 from xhal.interfaces.attention import AttentionBackend, AttentionSpec
 from xhal.interfaces.cache import LayerCache
 from xhal.interfaces.metadata import AttentionMetadata
-from xhal.platforms.cuda.decode_over_fallback import DecodeOverFallback
+from xhal.platforms.cuda.decode_over_fallback import DecodeOverFallback, DecodePlan
 from xhal.platforms.cuda.kernels import splitkv_decode as kernel
 
 
@@ -45,13 +45,8 @@ def with_splitkv_decode(
 
 
 @dataclass
-class _DecodePlan:
-    num_seqs: int
-    block_table: torch.Tensor
-    kv_seq_lens: torch.Tensor
-    slot_mapping: torch.Tensor
-    splits: int
-    scratch: kernel.Scratch
+class _DecodePlan(DecodePlan):
+    scratch: kernel.Scratch  # the bucket's own for a graph key, else the shared eager one
 
 
 class SplitKVDecodeAttention(DecodeOverFallback):

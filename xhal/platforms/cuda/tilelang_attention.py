@@ -15,7 +15,7 @@ import torch
 
 from xhal.interfaces.attention import AttentionBackend, AttentionSpec
 from xhal.interfaces.metadata import AttentionMetadata
-from xhal.platforms.cuda.decode_over_fallback import DecodeOverFallback
+from xhal.platforms.cuda.decode_over_fallback import DecodeOverFallback, DecodePlan
 from xhal.platforms.cuda.kernels import tilelang_decode
 from xhal.platforms.cuda.kernels.kv_write import write_kv
 
@@ -37,13 +37,8 @@ def unsupported(spec: AttentionSpec) -> str | None:
 
 
 @dataclass
-class _DecodePlan:
-    num_seqs: int
-    block_table: torch.Tensor
-    kv_seq_lens: torch.Tensor
-    slot_mapping: torch.Tensor
-    splits: int
-    block_h: int
+class _DecodePlan(DecodePlan):
+    block_h: int  # rows of query heads per CTA, the compiled kernel's row tile
 
 
 class TileLangAttention(DecodeOverFallback):

@@ -55,6 +55,25 @@ def _rotary_kernel(
     rotate_store(src, dst, cos, sin, i, m, D, HALF, BLOCK_TAIL, IS_NEOX)
 
 
+def rotation_args(
+    cos_sin_cache: torch.Tensor, head_dim: int, is_neox: bool
+) -> tuple[torch.Tensor, dict[str, object]]:
+    """What a launch rotating with ``rotate_store`` takes: the table as float32 with a contiguous
+    last dim (copied when it is not), and the rotation's constexprs (``D``, ``HALF``,
+    ``BLOCK_HALF``, ``BLOCK_TAIL``: the dims past rotary_dim, ``IS_NEOX``)."""
+    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.stride(-1) != 1:
+        cos_sin_cache = cos_sin_cache.float().contiguous()
+    half = cos_sin_cache.shape[-1] // 2
+    tail = head_dim - 2 * half
+    return cos_sin_cache, dict(
+        D=head_dim,
+        HALF=half,
+        BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_TAIL=triton.next_power_of_2(tail) if tail else 0,
+        IS_NEOX=is_neox,
+    )
+
+
 def rotary_embedding(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -70,12 +89,9 @@ def rotary_embedding(
         q = q.contiguous()
     if k.stride(-1) != 1:
         k = k.contiguous()
-    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.stride(-1) != 1:
-        cos_sin_cache = cos_sin_cache.float().contiguous()
-    half = cos_sin_cache.shape[-1] // 2
+    cos_sin_cache, rotation = rotation_args(cos_sin_cache, d, is_neox)
     q_out, k_out = q.new_empty(q.shape), k.new_empty(k.shape)  # contiguous
     if num_tokens:
-        tail = d - 2 * half
         _rotary_kernel[(num_tokens, hq + hk)](
             positions,
             q,
@@ -90,11 +106,7 @@ def rotary_embedding(
             cos_sin_cache.stride(0),
             HQ=hq,
             HK=hk,
-            D=d,
-            HALF=half,
-            BLOCK_HALF=triton.next_power_of_2(half),
-            BLOCK_TAIL=triton.next_power_of_2(tail) if tail else 0,
-            IS_NEOX=is_neox,
+            **rotation,
             num_warps=1,
         )
     return q_out, k_out

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from xhal.platforms.cuda import pdl
-from xhal.platforms.cuda.kernels.rotary import rotate_store
+from xhal.platforms.cuda.kernels.rotary import rotate_store, rotation_args
 
 
 @triton.jit
@@ -81,13 +81,10 @@ def rotary_write_kv(
             f"{tuple(k_cache.shape)}"
         )
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.stride(-1) != 1:
-        cos_sin_cache = cos_sin_cache.float().contiguous()
-    half = cos_sin_cache.shape[-1] // 2
+    cos_sin_cache, rotation = rotation_args(cos_sin_cache, d, is_neox)
     q_out = q.new_empty(q.shape)
     use_pdl = pdl.small_kernel(q.device) if use_pdl is None else int(bool(use_pdl))
     if num_tokens:
-        tail = d - 2 * half
         _rotary_kv_kernel[(num_tokens, hq + hk)](
             positions,
             q,
@@ -107,13 +104,9 @@ def rotary_write_kv(
             cos_sin_cache.stride(0),
             HQ=hq,
             HK=hk,
-            D=d,
-            HALF=half,
             BLOCK_D=triton.next_power_of_2(d),
-            BLOCK_HALF=triton.next_power_of_2(half),
-            BLOCK_TAIL=triton.next_power_of_2(tail) if tail else 0,
-            IS_NEOX=is_neox,
             USE_PDL=use_pdl,
+            **rotation,
             num_warps=1,
             **pdl.launch_options(use_pdl),
         )

@@ -1,0 +1,75 @@
+"""How a split-KV decode launch (``splitkv_decode.py``) is sized: the split count and the scratch
+the splits merge through.
+
+The split count is a host choice from shapes only (``num_splits``): a graph bucket keeps one for
+every replay, while each program's share of the keys is derived from the live length at run
+time, so one bucket serves any context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+MAX_SPLITS = 64
+# programs per SM the split count aims for, and the most partial floats the last program merges
+# in one round (64 registers a thread at 4 warps). H200, bf16, ctx 2K, batch 1 (bench_splitkv,
+# docs/h200-results.md, seventh session): 32 q / 8 kv heads D=128 took 12.0 / 14.3 / 20.4 us a
+# layer at 16 / 32 / 64 splits (1, 2, 4 programs per SM), and 32 / 4 heads (group 8, where 16
+# splits need two merge rounds) 15.7 / 16.1 / 19.6 us at 8 / 16 / 32; at batch 16 three or four
+# splits (2-4 programs per SM) were best (47.4 us against 70.2 unsplit)
+PROGRAMS_PER_SM = 2
+MERGE_FLOATS = 8192
+
+
+def block_keys(head_dim: int) -> int:
+    """Keys per tile: 64 at head dim 128 (16 KB of K and of V per tile in half precision)."""
+    return 64 if head_dim > 64 else 128
+
+
+def merge_rounds_cap(group: int, head_dim: int) -> int:
+    """The most splits the last program merges in one round of ``MERGE_FLOATS``."""
+    padded = triton.next_power_of_2(group) * max(triton.next_power_of_2(head_dim), 16)
+    return max(1, MERGE_FLOATS // padded)
+
+
+def num_splits(num_seqs: int, num_kv_heads: int, group: int, head_dim: int, max_seq_len: int,
+               num_sms: int) -> int:  # fmt: skip
+    """Splits per (sequence, KV head): about ``PROGRAMS_PER_SM`` programs per SM, no more
+    splits than one merge round holds or than the longest context has tiles. Shapes only, never
+    the live lengths, so a graph bucket keeps its split count."""
+    programs = max(num_seqs * num_kv_heads, 1)
+    wanted = -(-PROGRAMS_PER_SM * num_sms // programs)
+    useful = max(-(-max_seq_len // block_keys(head_dim)), 1)
+    return max(1, min(wanted, useful, merge_rounds_cap(group, head_dim), MAX_SPLITS))
+
+
+@dataclass
+class Scratch:
+    """The partials of the splits and one arrival counter per (sequence, KV head). Counters
+    start at 0 and every launch leaves them at 0; a graph bucket keeps its own scratch, since a
+    captured launch reads these addresses at every replay."""
+
+    part_acc: torch.Tensor  # float32 [capacity, group, head_dim]: (sequence, KV head, split)
+    part_max: torch.Tensor  # float32 [capacity, group], log2 domain
+    part_sum: torch.Tensor  # float32 [capacity, group]
+    counters: torch.Tensor  # int32 [num_seqs * Hkv]
+
+    @classmethod
+    def make(cls, num_seqs: int, num_kv_heads: int, group: int, head_dim: int, splits: int,
+             device: torch.device) -> Scratch:  # fmt: skip
+        parts = num_seqs * num_kv_heads * splits if splits > 1 else 0  # one split: no partials
+        f32 = {"dtype": torch.float32, "device": device}
+        return cls(
+            torch.empty(parts, group, head_dim, **f32),
+            torch.empty(parts, group, **f32),
+            torch.empty(parts, group, **f32),
+            torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=device),
+        )
+
+    def fits(self, num_seqs: int, num_kv_heads: int, splits: int) -> bool:
+        pairs = num_seqs * num_kv_heads
+        parts = pairs * splits if splits > 1 else 0
+        return self.counters.numel() >= pairs and self.part_max.shape[0] >= parts
