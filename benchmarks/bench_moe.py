@@ -28,10 +28,18 @@ import torch
 
 import xhal
 from benchmarks import pdl_variants
-from benchmarks.bench_model import decode_metadata, profile_kernels
-from benchmarks.common import ceilings, table, time_cuda, time_cuda_pipelined, time_graph
+from benchmarks.bench_model import decode_metadata
+from benchmarks.common import (
+    ceilings,
+    graph_and_eager_executors,
+    profile_kernels,
+    table,
+    time_cuda,
+    time_cuda_pipelined,
+    time_graph,
+)
 from models import load_model
-from xhal.executor import ExecutorConfig, ModelExecutor
+from xhal.executor import ModelExecutor
 
 CONFIG = dict(
     architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
@@ -285,20 +293,7 @@ def main() -> None:
                              "per PDL setting (gate-up / down trigger): "
                              "rel_err against float64, outputs against the plain kernels'"))
     batches = sorted(args.batches)
-    executors = {}
-    for eager in (False, True):
-        cfg = ExecutorConfig(
-            dtype=torch.bfloat16,
-            block_size=BLOCK,
-            max_num_seqs=max(batches),
-            max_model_len=CTX + 64,
-            enforce_eager=eager,
-            decode_graph_sizes=tuple(batches),
-        )
-        executors[eager] = ModelExecutor(model, platform, cfg)
-    caches = executors[False].allocate_kv_caches(num_blocks=max(batches) * CTX // BLOCK + 64)
-    for ex in executors.values():
-        ex.bind_kv_caches(caches)
+    executors, caches = graph_and_eager_executors(model, platform, batches, BLOCK, CTX)
     capture = executors[False].capture_graphs(progress=False)
     print(f"decode graph capture: {capture['graphs']} buckets in {capture['seconds']:.1f} s")
     peer_batches = sorted(args.pdl_batches or batches)
