@@ -149,7 +149,14 @@ def test_graph_decode_equals_eager_with_padding(checkpoint_factory):
         a, _ = eager.step(new)
         b, _ = graph.step(new)
         assert rel_err(b, a) < 1e-5  # not bitwise: the bucket's GEMMs have 4 rows, eager's 3
-    assert ("decode", 4) in graph.executor.decode_graphs.graphs
+    graphs = graph.executor.decode_graphs
+    assert ("decode", 4) in graphs.graphs
+    assert ("logits", 4) in graphs.graphs  # the LM head ran from the bucket's graph too
+    # hidden states that are not the last replay's own (a copy) take the eager LM head
+    hidden = graph.executor.execute(*graph.host.step([(0, [1]), (1, [2]), (2, [3])]))
+    by_graph = graph.executor.compute_logits(hidden).clone()
+    assert graph.executor.decode_graphs.logits_of(hidden.clone()) is None
+    assert rel_err(graph.executor.compute_logits(hidden.clone()), by_graph) < 1e-5
 
 
 def test_graph_decode_batches_shrinking_in_a_bucket(checkpoint_factory):
