@@ -159,6 +159,32 @@ def test_graph_decode_equals_eager_with_padding(checkpoint_factory):
     assert rel_err(graph.executor.compute_logits(hidden.clone()), by_graph) < 1e-5
 
 
+def test_graph_decode_logits_in_inference_mode_bfloat16(checkpoint_factory):
+    """bfloat16, every step under ``torch.inference_mode`` as the server runs a CPU platform: the
+    LM head's float cast, captured with the bucket, is refreshed at every replay (a recorder
+    that trusted ``to``'s "may alias" schema kept the capture step's logits)."""
+    path = checkpoint_factory("llama_tied")
+    model = load_model(path, dtype=torch.bfloat16, progress=False)
+    runs = {}
+    for enforce_eager in (True, False):
+        config = ExecutorConfig(
+            dtype=torch.bfloat16, block_size=16, max_num_seqs=4, max_model_len=128,
+            enforce_eager=enforce_eager, decode_graph_sizes=(4,), piecewise_token_sizes=(),
+        )  # fmt: skip
+        executor = ModelExecutor(model, xhal.platforms.get("cpu"), config)
+        executor.bind_kv_caches(executor.allocate_kv_caches(num_blocks=32))
+        host, logits = PagedHost(32, 16, seed=3), []
+        with torch.inference_mode():
+            executor.execute(*host.step([(s, [3 + s] * (5 + 7 * s)) for s in range(4)]))
+            for step, seqs in enumerate([[0, 1, 2, 3], [0, 2, 3], [1, 3], [0, 1, 2, 3]]):
+                hidden = executor.execute(*host.step([(s, [10 + 3 * step + s]) for s in seqs]))
+                logits.append(executor.compute_logits(hidden).clone())
+        runs[enforce_eager] = logits
+    assert ("logits", 4) in executor.decode_graphs.graphs
+    for step, (g, e) in enumerate(zip(runs[False], runs[True])):
+        assert rel_err(g, e) < 2e-2, f"decode step {step}: graph logits != eager"
+
+
 def test_graph_decode_batches_shrinking_in_a_bucket(checkpoint_factory):
     """Rows a larger step left in the persistent buffers go back to padding: a smaller batch in
     the same bucket writes no stale slot, and every cache equals the eager run's."""
