@@ -127,20 +127,26 @@ def measure(model_dir: Path, batch: int, steps: int, prompt_len: int = 32) -> di
     return {name: statistics.median(v) for name, v in times.items()}
 
 
+# the loop stages whose probes are running now, innermost last: where a counted op belongs
+_running: list[str] = []
+
+
 class _Probe:
     """Wraps one bound method of the engine's own objects, adding each call's wall time to a
     per-step total (the benchmark reads and resets it every step) and counting the calls."""
 
-    def __init__(self, fn: Callable[..., Any], clock: Callable[[], float]) -> None:
-        self.fn, self.clock, self.total, self.calls = fn, clock, 0.0, 0
+    def __init__(self, fn: Callable[..., Any], clock: Callable[[], float], name: str) -> None:
+        self.fn, self.clock, self.total, self.calls, self.name = fn, clock, 0.0, 0, name
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
+        _running.append(self.name)
         t0 = self.clock()
         try:
             return self.fn(*args, **kwargs)
         finally:
             self.total += self.clock() - t0
+            _running.pop()
 
 
 def _zero_cost(executor: Any, batch: int, vocab_size: int) -> None:
@@ -165,7 +171,7 @@ def _no_op_replays(executor: Any) -> None:
 def measure_loop(
     model_dir: Path, batch: int, steps: int, prompt_len: int, device: str, zero_cost: bool,
     clock: Callable[[], float] = time.perf_counter, graphs: bool = False, **engine_args: Any,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Median microseconds per served-loop step (async scheduling) and per stage within it, on
     ``clock`` (``time.thread_time``: this thread's CPU time, which a busy shared machine's other
     processes disturb less than wall time; it leaves out the time blocked on the device)."""
@@ -195,7 +201,7 @@ def measure_loop(
     }
     probes = {}
     for name, (owner, attr) in owners.items():
-        probes[name] = _Probe(getattr(owner, attr), clock)
+        probes[name] = _Probe(getattr(owner, attr), clock, name)
         setattr(owner, attr, probes[name])
     # enough tokens for the timed steps and the 40 counted after them
     params = SamplingParams(max_tokens=steps + 64, temperature=0, ignore_eos=True)
@@ -227,23 +233,42 @@ def measure_loop(
     return result
 
 
-def _counts(engine: Any, steps: int) -> dict[str, float]:
-    """Torch ops (each a dispatcher call; every one that is not a view is a launch on a GPU) and
-    Python function calls per served-loop step: counts, which a busy machine cannot blur."""
+def _counts(engine: Any, steps: int) -> dict[str, Any]:
+    """Torch ops (each a dispatcher call; every one that is not a view, or that made a new
+    tensor where its schema allows a view, is a launch on a GPU) and Python function calls per
+    served-loop step: counts, which a busy machine cannot blur. Under ``"launches"``: those
+    launching ops of a step by the stage that issued them (a graph replay counts as none: its
+    captured work is not dispatched again on a device)."""
+    import collections
     import cProfile
     import pstats
 
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    def makes_tensor(args: tuple, kwargs: dict, result: Any) -> bool:
+        """Whether an op returned a tensor sharing no storage with its inputs."""
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}  # fmt: skip
+        return any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs
+                   for t in tree_flatten(result)[0])  # fmt: skip
 
     class Ops(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
             self.all = self.launching = 0
+            self.by_stage: collections.Counter[tuple[str, str]] = collections.Counter()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.all += 1
-            self.launching += not func.is_view
-            return func(*args, **(kwargs or {}))
+            kwargs = kwargs or {}
+            result = func(*args, **kwargs)
+            # by storage, not schema: a "may alias" op (to.dtype, reshape) that made a new
+            # tensor launched a kernel (in inference mode the LM head's float cast is one)
+            if not func.is_view or makes_tensor(args, kwargs, result):
+                self.launching += 1
+                self.by_stage[_running[-1] if _running else "loop", str(func)] += 1
+            return result
 
     with Ops() as ops:
         for _ in range(steps):
@@ -254,8 +279,9 @@ def _counts(engine: Any, steps: int) -> dict[str, float]:
         engine.step()
     profile.disable()
     calls = pstats.Stats(profile).total_calls
+    launches = {key: n / steps for key, n in sorted(ops.by_stage.items())}
     return {"torch ops": ops.all / steps, "non-view ops": ops.launching / steps,
-            "python calls": calls / steps}  # fmt: skip
+            "python calls": calls / steps, "launches": launches}  # fmt: skip
 
 
 def _table(title: str, names: tuple[str, ...], results: dict[int, dict[str, float]]) -> None:
@@ -301,6 +327,10 @@ def main() -> None:
         "--graphs", action="store_true",
         help="loop table on the CPU: the reference platform's decode graphs with no-op replays "
         "instead of the zero-cost executor (execute's staging and the LM head's host part in)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--launches", action="store_true",
+        help="loop table: list each step's non-view ops (a GPU launch each) by stage",
     )  # fmt: skip
     args = parser.parse_args()
     if args.graphs:
@@ -350,6 +380,11 @@ def main() -> None:
     )
     print("(loop: EngineCore.step + the message's pickling; stages are medians on their own, so")
     print(" they need not add up to it; the counts are per step, not us)")
+    if args.launches:
+        for b, result in loops.items():
+            print(f"non-view ops per step by stage, batch {b} (stage: op x count):")
+            for (stage, op), n in result["launches"].items():
+                print(f"  {stage:<12} {op} x{n:g}")
 
 
 if __name__ == "__main__":

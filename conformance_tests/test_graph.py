@@ -128,6 +128,31 @@ def test_replay_equals_eager_after_inplace_update(platform, device, dtype):
                     pytest.fail(f"step {step}, output {i}: replay != eager (max diff {err:.3e})")
 
 
+def test_replay_refreshes_casts_and_copies_under_inference_mode(platform, device):
+    """Captured and replayed under ``torch.inference_mode`` (as a server runs its steps), ops
+    whose result may or may not alias their input refresh the new tensors they made: a dtype
+    cast (the LM head's float logits), a reshape or ``contiguous`` that had to copy. Views stay
+    views of the new input values."""
+    runner = runner_or_skip(platform)
+    rng = random.Random("casts")
+    x = randn((4, 8), torch.bfloat16, device, rng)
+    w = randn((16, 8), torch.bfloat16, device, rng)
+
+    def step() -> tuple[torch.Tensor, ...]:
+        logits = torch.nn.functional.linear(x, w).float()  # a cast to a new float32 tensor
+        flipped = x.t()  # [8, 4], not contiguous
+        return logits, flipped.reshape(-1), flipped.contiguous(), x.reshape(-1)  # copy, copy, view
+
+    with torch.inference_mode():
+        static = runner.capture("casts", step)
+        for i in range(2):
+            x.copy_(randn((4, 8), torch.bfloat16, device, rng))
+            replayed, eager = runner.replay("casts"), step()
+            for j, (r, s, e) in enumerate(zip(replayed, static, eager)):
+                assert r.data_ptr() == s.data_ptr(), f"replay output {j} is not the captured tensor"
+                assert torch.equal(r, e), f"replay {i}, output {j}: stale (captured values kept)"
+
+
 def test_replay_runs_captured_work_not_fn(platform, device):
     """Replay does not call the captured function again; Python values are those of capture."""
     runner = runner_or_skip(platform)

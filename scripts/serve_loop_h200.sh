@@ -4,9 +4,10 @@
 # 64 (128), as `gpu_run.sh serve` runs them, with the CPU time per output token of the API
 # process, the engine process and the client (bench_serve --server-pid); then, unless
 # LOOP_STEPS=0, the served loop's per-stage host time on the device with the real executor and
-# the server's settings (bench_host_stages --device cuda --batch 1). SERVE_CONCURRENCY
-# (default "1 64") and SERVE_MAX_SEQS (default 64) narrow it; LABEL names the tree in the loop
-# table (a copied tree has no git of its own). Results in $OUT; a short table last.
+# the server's settings (bench_host_stages --device cuda --batch 1, its launching torch ops
+# listed by stage). SERVE_CONCURRENCY (default "1 64") and SERVE_MAX_SEQS (default 64) narrow
+# it; LABEL names the tree in the loop table (a copied tree has no git of its own). Results in
+# $OUT; a short table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_setup.sh  # the wheels, FlashInfer's AOT kernels, the environment
@@ -30,7 +31,7 @@ if [ "${LOOP_STEPS:-200}" != 0 ]; then
   timeout -k 5 "$bound" python3 -m benchmarks.bench_host_stages --device cuda --model "$dir" \
     --load-format dummy --dtype bfloat16 --batch 1 --prompt-len 512 --loop-steps "${LOOP_STEPS:-200}" \
     --max-num-seqs "${SERVE_MAX_SEQS:-64}" --max-model-len 4096 --prefix-caching \
-    --no-stages --label "${LABEL:-this tree}" 2>&1 \
+    --no-stages --launches --label "${LABEL:-this tree}" 2>&1 \
     | grep -v "it/s\]" | tee "$out/host_stages.txt" || status=1
 fi
 echo "=== summary"

@@ -149,7 +149,40 @@ def test_graph_decode_equals_eager_with_padding(checkpoint_factory):
         a, _ = eager.step(new)
         b, _ = graph.step(new)
         assert rel_err(b, a) < 1e-5  # not bitwise: the bucket's GEMMs have 4 rows, eager's 3
-    assert ("decode", 4) in graph.executor.decode_graphs.graphs
+    graphs = graph.executor.decode_graphs
+    assert ("decode", 4) in graphs.graphs
+    assert ("logits", 4) in graphs.graphs  # the LM head ran from the bucket's graph too
+    # hidden states that are not the last replay's own (a copy) take the eager LM head
+    hidden = graph.executor.execute(*graph.host.step([(0, [1]), (1, [2]), (2, [3])]))
+    by_graph = graph.executor.compute_logits(hidden).clone()
+    assert graph.executor.decode_graphs.logits_of(hidden.clone()) is None
+    assert rel_err(graph.executor.compute_logits(hidden.clone()), by_graph) < 1e-5
+
+
+def test_graph_decode_logits_in_inference_mode_bfloat16(checkpoint_factory):
+    """bfloat16, every step under ``torch.inference_mode`` as the server runs a CPU platform: the
+    LM head's float cast, captured with the bucket, is refreshed at every replay (a recorder
+    that trusted ``to``'s "may alias" schema kept the capture step's logits)."""
+    path = checkpoint_factory("llama_tied")
+    model = load_model(path, dtype=torch.bfloat16, progress=False)
+    runs = {}
+    for enforce_eager in (True, False):
+        config = ExecutorConfig(
+            dtype=torch.bfloat16, block_size=16, max_num_seqs=4, max_model_len=128,
+            enforce_eager=enforce_eager, decode_graph_sizes=(4,), piecewise_token_sizes=(),
+        )  # fmt: skip
+        executor = ModelExecutor(model, xhal.platforms.get("cpu"), config)
+        executor.bind_kv_caches(executor.allocate_kv_caches(num_blocks=32))
+        host, logits = PagedHost(32, 16, seed=3), []
+        with torch.inference_mode():
+            executor.execute(*host.step([(s, [3 + s] * (5 + 7 * s)) for s in range(4)]))
+            for step, seqs in enumerate([[0, 1, 2, 3], [0, 2, 3], [1, 3], [0, 1, 2, 3]]):
+                hidden = executor.execute(*host.step([(s, [10 + 3 * step + s]) for s in seqs]))
+                logits.append(executor.compute_logits(hidden).clone())
+        runs[enforce_eager] = logits
+    assert ("logits", 4) in executor.decode_graphs.graphs
+    for step, (g, e) in enumerate(zip(runs[False], runs[True])):
+        assert rel_err(g, e) < 2e-2, f"decode step {step}: graph logits != eager"
 
 
 def test_graph_decode_batches_shrinking_in_a_bucket(checkpoint_factory):

@@ -17,6 +17,12 @@ if TYPE_CHECKING:
     from xhal.interfaces.platform import Platform
 
 
+# Buckets up to this size also capture the LM head over their static output: at a few rows its
+# eager launch (GEMM, slice, float cast) costs the host more than the step's other calls do,
+# and the logits of larger buckets (float32, vocab wide) would cost more memory than they save
+LOGITS_MAX_BUCKET = 8
+
+
 class DecodeGraphs:
     """Captures one decode graph per bucket size and replays it.
 
@@ -34,6 +40,10 @@ class DecodeGraphs:
     written with numpy into a pinned buffer and crosses in one host-to-device copy, padding rows
     included; one already on the device goes in one multi-tensor copy. The graph derives the KV
     prefix sums and lays the block table out (``staged_table.py``) before its first layer.
+
+    With ``logits`` (hidden ``[N, hidden]`` -> float32 logits of every row), a bucket of at most
+    ``LOGITS_MAX_BUCKET`` rows also captures it over the bucket's static output, and
+    ``logits_of`` replays that graph for the hidden states ``run`` just returned.
     """
 
     def __init__(
@@ -42,8 +52,10 @@ class DecodeGraphs:
         backends: Sequence[AttentionBackend],
         config: ExecutorConfig,
         forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+        logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.config, self.backends, self.forward = config, backends, forward
+        self.logits = logits
         self.platform = platform
         self.graphs = platform.graph_runner()
         self.sizes = config.decode_capture_sizes
@@ -78,6 +90,8 @@ class DecodeGraphs:
         ] = {}  # bucket -> metadata, cu out
         # (bucket, b) -> (the bucket's static output, its first b rows): the view made once
         self._outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._last: tuple[int, torch.Tensor, torch.Tensor] | None = None  # bucket, static, rows
+        self._logit_rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def bucket_for(self, metadata: AttentionMetadata) -> int | None:
         """The bucket that can run this batch, or None when it must run eagerly."""
@@ -226,6 +240,28 @@ class DecodeGraphs:
         cached = self._outputs.get((bucket, b))
         if cached is None or cached[0] is not static:  # a recapture makes a new static output
             cached = self._outputs[bucket, b] = static, static[:b]
+        self._last = bucket, static, cached[1]
+        return cached[1]
+
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits ``[b, vocab]`` of ``hidden`` by the bucket's captured LM head, when
+        ``hidden`` is what ``run`` last returned and its bucket is small; None otherwise. A view
+        of the graph's static output, valid until the next step."""
+        last = self._last
+        if self.logits is None or last is None or hidden is not last[2]:
+            return None
+        bucket, static, rows = last
+        if bucket > LOGITS_MAX_BUCKET:
+            return None
+        key = ("logits", bucket)
+        if key not in self.graphs:
+            logits = self.logits
+            self.graphs.capture(key, lambda: logits(static))
+        out = self.graphs.replay(key)
+        b = rows.shape[0]
+        cached = self._logit_rows.get((bucket, b))
+        if cached is None or cached[0] is not out:
+            cached = self._logit_rows[bucket, b] = out, out[:b]
         return cached[1]
 
     def capture_all(self, progress: bool = True) -> dict[str, float]:
@@ -251,7 +287,7 @@ class DecodeGraphs:
                 torch.full((bucket,), -1, **i32).to(device),
             )
             zeros = torch.zeros(bucket, **i32).to(device)
-            self.run(zeros, zeros, dummy, bucket)
+            self.logits_of(self.run(zeros, zeros, dummy, bucket))  # captures the LM head too
         self.platform.synchronize()
         stats = {"seconds": time.perf_counter() - start, "graphs": len(self.sizes)}
         if free_before is not None:
@@ -275,3 +311,5 @@ class DecodeGraphs:
     def reset(self) -> None:
         self.graphs.reset()
         self._outputs.clear()
+        self._logit_rows.clear()
+        self._last = None

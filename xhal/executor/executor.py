@@ -55,7 +55,11 @@ class ModelExecutor:
         self._num_blocks = 0
         self.decode_graphs = self.piecewise = None
         if not self.config.enforce_eager and platform.capabilities.graphs:
-            self.decode_graphs = DecodeGraphs(platform, self.backends, self.config, self._forward)
+            # the LM head in the small buckets' graphs too, unless it gathers over ranks
+            logits = self._logits if self.collective.world_size == 1 else None
+            self.decode_graphs = DecodeGraphs(
+                platform, self.backends, self.config, self._forward, logits
+            )
             if self.config.token_capture_sizes:
                 self.piecewise = PiecewiseGraphs(
                     platform, self.backend_of, self.backends, self.config, self._forward_with
@@ -240,8 +244,17 @@ class ModelExecutor:
     def compute_logits(
         self, hidden: torch.Tensor, selected_idxes: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """float32 logits ``[S, vocab]`` of the rows ``selected_idxes`` (all rows when None)."""
+        """float32 logits ``[S, vocab]`` of the rows ``selected_idxes`` (all rows when None).
+        For every row of a small graph decode step this replays the LM head captured with the
+        bucket: the result is then a view of a static output, valid until the next step."""
+        if selected_idxes is None and self.decode_graphs is not None:
+            logits = self.decode_graphs.logits_of(hidden)
+            if logits is not None:
+                return logits
         if selected_idxes is not None:
             hidden = hidden.index_select(0, selected_idxes.to(hidden.device, torch.long))
+        return self._logits(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with forward_context(ForwardContext(None, {}, self.collective)):
             return self.model.compute_logits(hidden).float()

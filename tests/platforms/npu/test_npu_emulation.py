@@ -141,6 +141,18 @@ def test_missing_or_wrong_causal_mask_rejected(npu):
     call_fia(npu, b, atten_mask=MASK.bool().view(1, 1, 2048, 2048))  # documented forms pass
 
 
+def test_mask_made_in_inference_mode_checked_every_call(npu):
+    """A mask made under ``torch.inference_mode`` (an executor built there) has no version
+    counter: the mask check runs at every call, so an in-place change is still caught."""
+    b = make_batch([12, 30], [12, 40])
+    with torch.inference_mode():
+        mask = MASK.clone()
+        assert max_err(call_fia(npu, b, atten_mask=mask), reference(b)) < TOL
+        mask[0, 1] = 0  # no longer the compressed causal mask
+        with pytest.raises(RuntimeError, match="compressed causal"):
+            call_fia(npu, b, atten_mask=mask)
+
+
 @pytest.mark.parametrize("name", ["actual_seq_lengths", "actual_seq_lengths_kv"])
 def test_tensor_lengths_rejected(npu, name):
     b = make_batch([4, 2], [9, 30])

@@ -248,8 +248,11 @@ _mask_ok: dict[int, tuple[weakref.ref, int, bool]] = {}  # id -> (tensor, versio
 
 
 def _is_compressed_causal(mask: torch.Tensor) -> bool:
+    # an inference tensor (a mask made under torch.inference_mode) has no version counter to
+    # tell an in-place change by: checked at every call
+    version = None if mask.is_inference() else mask._version
     hit = _mask_ok.get(id(mask))
-    if hit is not None and hit[0]() is mask and hit[1] == mask._version:
+    if version is not None and hit is not None and hit[0]() is mask and hit[1] == version:
         return hit[2]
     if not _EXPECTED_MASK:
         _EXPECTED_MASK.append(torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool).triu(1))
@@ -257,7 +260,8 @@ def _is_compressed_causal(mask: torch.Tensor) -> bool:
     if len(_mask_ok) > 64:
         for key in [k for k, v in _mask_ok.items() if v[0]() is None]:
             del _mask_ok[key]
-    _mask_ok[id(mask)] = (weakref.ref(mask), mask._version, ok)
+    if version is not None:
+        _mask_ok[id(mask)] = (weakref.ref(mask), version, ok)
     return ok
 
 

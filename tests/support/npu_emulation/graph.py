@@ -33,6 +33,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils._pytree import tree_flatten
 
+from xhal.platforms.cpu_ref.graph import fresh_outputs
+
 from . import runtime
 from .runtime import Stream, current_stream, default_stream
 from .task_update import validate
@@ -219,15 +221,9 @@ class NPUGraph:
 
     def _record(self, func: Any, args: tuple, kwargs: dict) -> Any:
         result = func(*args, **kwargs)
-        flat, _ = tree_flatten(result)
-        returns = func._schema.returns
-        outputs = [
-            t
-            if isinstance(t, torch.Tensor) and not (i < len(returns) and returns[i].alias_info)
-            else None
-            for i, t in enumerate(flat)
-        ]
-        entry = _OpEntry(func, tuple(args), dict(kwargs), outputs)
+        # by storage, as the CPU reference's recorder: a cast (``to.dtype``, whole under
+        # inference mode) is a new tensor a device kernel writes at every replay
+        entry = _OpEntry(func, tuple(args), dict(kwargs), fresh_outputs(args, kwargs, result))
         self._entries.append(entry)
         if self._group is not None and not _is_view(func):  # a view launches no device task
             self._group.entries.append(entry)

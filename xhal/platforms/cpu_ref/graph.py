@@ -40,9 +40,22 @@ class _Eager:
     output: torch.Tensor
 
 
-def _is_view_or_inplace(func, index: int) -> bool:
-    returns = func._schema.returns
-    return index < len(returns) and returns[index].alias_info is not None
+def fresh_outputs(args: tuple, kwargs: dict, result: Any) -> list[torch.Tensor | None]:
+    """The flattened ``result`` of one recorded op with None for every tensor that aliases an
+    input (a view, the argument of an in-place or ``out=`` op): what a replay must copy its fresh
+    results into. Decided by storage, not by the schema: a "may alias" op (``to``, ``reshape``,
+    ``contiguous``: ``Tensor(a)``) returns a new tensor when it converts or copies, and under
+    ``torch.inference_mode`` such composite ops reach the recorder whole instead of as their
+    decomposition, so a schema rule would leave a dtype cast's output stale at every replay."""
+    inputs, _ = tree_flatten((args, kwargs))
+    storages = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+    flat, _ = tree_flatten(result)
+    return [
+        t
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in storages
+        else None
+        for t in flat
+    ]
 
 
 class _Recorder(TorchDispatchMode):
@@ -58,12 +71,7 @@ class _Recorder(TorchDispatchMode):
                 "output by tensor values, which a device graph cannot capture"
             )
         result = func(*args, **kwargs)
-        flat, _ = tree_flatten(result)
-        outputs = [
-            None if (not isinstance(t, torch.Tensor) or _is_view_or_inplace(func, i)) else t
-            for i, t in enumerate(flat)
-        ]
-        self.ops.append(_Op(func, args, kwargs, outputs))
+        self.ops.append(_Op(func, args, kwargs, fresh_outputs(args, kwargs, result)))
         return result
 
 
