@@ -73,7 +73,6 @@ class DecodeGraphs:
         self._kv_host = self.kv_seq_lens_host.numpy()
         self._twin_live = 0  # rows [0, _twin_live) of the host twin may hold a real row's length
         self._width_on_device = -1  # the table width the last step staged (-1: none yet)
-        self._keys = {bucket: ("decode", bucket) for bucket in self.sizes}  # made once
         self._bucket_of = [next(s for s in self.sizes if s >= b) for b in range(n + 1)]
         self._rows: dict[int, list[torch.Tensor]] = {}  # b -> views of the first b rows
         self._padded: dict[
@@ -221,7 +220,7 @@ class DecodeGraphs:
         """Hidden states of the real rows; a view of the graph's static output, valid until the
         next step."""
         padded = self._stage(input_ids, positions, metadata, bucket)
-        key = self._keys[bucket]
+        key = ("decode", bucket)
         for backend in self.backends:
             backend.plan(padded, graph_key=key)
         if key not in self.graphs:
