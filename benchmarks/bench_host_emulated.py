@@ -123,13 +123,14 @@ def measure(
     batch: int, ctx: int, route: str, steps: int = 64, shape: dict = CONFIG, graphs_class=None,
     clock=time.perf_counter,
 ) -> dict:  # fmt: skip
-    """Four passes of ``steps`` consecutive steps (page crossings at their natural rate): the
-    staging and the attention plan timed apart, whole ``execute`` calls timed, then counted twice
-    (tensor ops and events; Python and torch calls). ``route``: ``host`` or ``device``;
+    """Five passes of ``steps`` consecutive steps (page crossings at their natural rate): one
+    untimed (so the timed steps find every host buffer of the ring as a steady run leaves it),
+    the staging and the attention plan timed apart, whole ``execute`` calls timed, then counted
+    twice (tensor ops and events; Python and torch calls). ``route``: ``host`` or ``device``;
     ``shape``: the model config (one layer of it is built); ``graphs_class``: another tree's
     ``DecodeGraphs`` (``host_timing.baseline_graphs``)."""
-    executor = _executor(batch, ctx, 4 * steps + 1, shape, graphs_class)
-    work = _steps(batch, ctx, 4 * steps + 1)
+    executor = _executor(batch, ctx, 5 * steps + 1, shape, graphs_class)
+    work = _steps(batch, ctx, 5 * steps + 1)
     executor.execute(*work[0])  # captures the bucket
     graphs, key = executor.decode_graphs, ("decode", batch)
     static = graphs.graphs.replay(key)
@@ -138,7 +139,9 @@ def measure(
         graphs._from_host = lambda *args: False
     backend = executor.backends[0]
     stage, plan, whole, ops, copies, events = [], [], [], [], [], []
-    passes = [work[1 + i * steps : 1 + (i + 1) * steps] for i in range(4)]
+    passes = [work[1 + i * steps : 1 + (i + 1) * steps] for i in range(5)]
+    for step in passes.pop(0):  # every host buffer of the ring used once (and warm) before timing
+        executor.execute(*step)
     for ids, pos, meta in passes[0]:
         t0 = clock()
         padded = graphs._stage(ids, pos, meta, batch)
