@@ -75,7 +75,7 @@ def _executor(batch: int, ctx: int, steps: int, shape: dict, graphs_class=None):
     (model_dir / "config.json").write_text(json.dumps(config))
     model = load_model(model_dir, dtype=torch.bfloat16, progress=False, load_format="dummy")
     platform = EmulatedFlashInferPlatform(use_tensor_cores=True)
-    max_len = ctx + steps + 2 * BLOCK
+    max_len = ctx + steps + 3 * BLOCK
     cfg = ExecutorConfig(
         dtype=torch.bfloat16, block_size=BLOCK, max_num_seqs=batch, max_model_len=max_len,
         decode_graph_sizes=(batch,), piecewise_token_sizes=(),
@@ -90,15 +90,18 @@ def _executor(batch: int, ctx: int, steps: int, shape: dict, graphs_class=None):
     return executor
 
 
-def _steps(batch: int, ctx: int, count: int) -> list[tuple]:
-    """``count`` decode steps of ``batch`` sequences, each with ``ctx`` tokens cached before."""
+def _steps(batch: int, ctx: int, count: int, staggered: bool = False) -> list[tuple]:
+    """``count`` decode steps of ``batch`` sequences, each with ``ctx`` tokens cached before
+    (``staggered``: sequence ``r`` with ``r % 16`` more, so their pages fill at different
+    steps, as a server's do: some sequence gains a page in most steps of a large batch)."""
     from xhal.interfaces import AttentionMetadata, BatchKind
 
-    pages = (ctx + count) // BLOCK + 2
+    pages = (ctx + count) // BLOCK + 3
     table_ = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages) + 1
+    offsets = torch.arange(batch, dtype=torch.int32) % BLOCK if staggered else 0
     out = []
     for i in range(count):
-        kv = torch.full((batch,), ctx + 1 + i, dtype=torch.int32)
+        kv = torch.full((batch,), ctx + 1 + i, dtype=torch.int32) + offsets
         ones = torch.ones(batch, dtype=torch.int32)
         pos = kv - 1
         slots = table_.gather(1, (pos // BLOCK).long().view(-1, 1)).view(-1) * BLOCK + pos % BLOCK
@@ -121,7 +124,7 @@ def _profiled_calls(run) -> tuple[int, int]:
 
 def measure(
     batch: int, ctx: int, route: str, steps: int = 64, shape: dict = CONFIG, graphs_class=None,
-    clock=time.perf_counter,
+    clock=time.perf_counter, staggered: bool = False,
 ) -> dict:  # fmt: skip
     """Five passes of ``steps`` consecutive steps (page crossings at their natural rate): one
     untimed (so the timed steps find every host buffer of the ring as a steady run leaves it),
@@ -130,7 +133,7 @@ def measure(
     ``shape``: the model config (one layer of it is built); ``graphs_class``: another tree's
     ``DecodeGraphs`` (``host_timing.baseline_graphs``)."""
     executor = _executor(batch, ctx, 5 * steps + 1, shape, graphs_class)
-    work = _steps(batch, ctx, 5 * steps + 1)
+    work = _steps(batch, ctx, 5 * steps + 1, staggered)
     executor.execute(*work[0])  # captures the bucket
     graphs, key = executor.decode_graphs, ("decode", batch)
     static = graphs.graphs.replay(key)
@@ -185,6 +188,8 @@ def main() -> None:
                         help="wall time, or this thread's CPU time (steadier on a busy machine)")
     parser.add_argument("--small-model", action="store_true",
                         help="the 8B attention shape with a tiny MLP and vocabulary (fast)")
+    parser.add_argument("--staggered", action="store_true",
+                        help="sequences' pages fill at different steps, as served (see _steps)")
     parser.add_argument("--label", default="this tree", help="this tree's name in the table")
     args = parser.parse_args()  # fmt: skip
     torch.set_num_threads(1)
@@ -198,16 +203,16 @@ def main() -> None:
             for repeat in range(args.repeats):  # interleaved, so a noisy spell hits both trees
                 for name, graphs_class in trees.items():
                     row = measure(b, args.ctx, route, args.steps, shape, graphs_class,
-                                  CLOCKS[args.clock])  # fmt: skip
+                                  CLOCKS[args.clock], args.staggered)  # fmt: skip
                     rows.append({"tree": name, "repeat": repeat, **row})
                     gc.collect()  # each executor holds a model and caches of its own
     print(
         table(
             rows,
             f"graph decode step, host side (CPU, FlashInfer emulated, replay stubbed; {args.steps} "
-            f"steps each, {args.clock} clock, us); per step: tensor ops (device calls on a GPU), "
-            "copy pairs (cudaMemcpyAsync calls from host tensors), event calls, torch and Python "
-            "calls",
+            f"steps each, {args.clock} clock, us{', staggered pages' * args.staggered}); per "
+            "step: tensor ops (device calls on a GPU), copy pairs (cudaMemcpyAsync calls from "
+            "host tensors), event calls, torch and Python calls",
         )
     )
 
