@@ -176,9 +176,10 @@ def main() -> None:
     parser.add_argument(
         "--parts",
         action="store_true",
-        help="also the staging / plan / replay split (idle entry and with the same step in flight "
-        "ahead, the served regime), and whole calls entered after 2 ms of spinning (spun), with "
-        "20 ms of device work queued (busy, 50 calls) or with the step in flight (inflight)",
+        help="also the staging / plan / replay / rest split, timed inside whole calls so a "
+        "sample's parts add up to it (idle entry and with the same step in flight ahead, the "
+        "served regime), and whole calls entered after 2 ms of spinning (spun), with 20 ms of "
+        "device work queued (busy, 50 calls) or with the step in flight (inflight)",
     )
     parser.add_argument(
         "--calls",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from xhal.executor.packed_inputs import PackedInputs
+from xhal.executor.packed_inputs import PackedInputs, ring_slots
 
 SHAPES = {"ids": (3,), "slots": (3,), "width": (1,), "table": (2, 5)}
 
@@ -56,3 +56,16 @@ def test_host_buffers_take_turns_and_keep_their_own_values() -> None:
     np.testing.assert_array_equal(written[2], written[0])
     np.testing.assert_array_equal(written[3], written[1])
     assert written[0].tolist() != written[1].tolist()
+
+
+def test_the_ring_fills_a_small_pinned_budget_and_fences_every_half_of_it() -> None:
+    """A decode graph's buffer of a few tens of KB gets 32 host buffers, fenced every 16 uploads
+    (an event call in one step of 16, off the median step); a buffer of MBs gets 8, never
+    fewer; the budget is what bounds the ones between."""
+    assert ring_slots(4) == ring_slots(40 << 10) == 32
+    assert ring_slots(1 << 20) == 8 and ring_slots(64 << 20) == 8
+    assert ring_slots(512 << 10) == 16
+    small = PackedInputs(SHAPES, {}, torch.device("cpu"))
+    assert (small.slots, small.group) == (32, 16)
+    big = PackedInputs({"table": (1 << 20,)}, {}, torch.device("cpu"))
+    assert (big.slots, big.group) == (8, 4)

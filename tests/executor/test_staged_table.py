@@ -75,6 +75,27 @@ def test_graph_steps_see_every_caller_table_after_wider_and_longer_ones(routes: 
         assert set(padded.block_table.flatten().tolist()) <= staged_ids
 
 
+@pytest.mark.parametrize("routes", ["device", "host-device", "device-host", "host-device-device"])
+def test_a_step_of_the_width_staged_last_keeps_it(routes: str) -> None:
+    """A device-route step whose table is as wide as the last step's leaves the width field out
+    of its copy: whichever route staged that width, the graph lays each table out by it, and a
+    change of width (either route) is staged again."""
+    config = ExecutorConfig(max_num_seqs=4, max_model_len=128, block_size=16)
+    graphs = RoutedGraphs(
+        routes,
+        xhal.platforms.get("cpu"),
+        [],
+        config,
+        forward=lambda ids, pos, m: m.block_table.clone(),
+    )
+    next_id = 1
+    for rows, width in ((2, 3), (3, 3), (3, 5), (2, 3), (4, 5), (1, 3), (2, 3)):
+        table = torch.arange(next_id, next_id + rows * width, dtype=torch.int32).view(rows, width)
+        next_id += rows * width
+        seen = graphs.run(*_decode(table), bucket=4)
+        assert torch.equal(seen[:, :width], table), (routes, rows, width)
+
+
 def test_a_strided_caller_table_still_arrives_whole() -> None:
     """A caller's table that is a column slice of a wider one is not dense: the copy leaves the
     one-launch path but must still stage the right rows."""

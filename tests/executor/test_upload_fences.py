@@ -36,7 +36,9 @@ class Event:
         self.device.ran = max(self.device.ran, self.after)
 
 
-@pytest.mark.parametrize("slots, group", [(8, 4), (4, 4), (5, 2), (3, 1), (8, 3)])
+@pytest.mark.parametrize(
+    "slots, group", [(8, 4), (4, 4), (5, 2), (3, 1), (8, 3), (32, 16), (9, 4)]
+)
 def test_no_buffer_is_rewritten_before_its_last_copy_ran(slots: int, group: int) -> None:
     device = Device()
     fences = UploadFences(slots, group, device.event)

@@ -83,6 +83,8 @@ class DecodeGraphs:
         self.kv_seq_lens_host = torch.ones(n, dtype=torch.int32)
         self._live = 0  # rows [0, _live) may hold a real row's slot and KV length
         self._kv_host = self.kv_seq_lens_host.numpy()
+        self._twin_live = 0  # rows [0, _twin_live) of the host twin may hold a real row's length
+        self._width_on_device = -1  # the table width the last step staged (-1: none yet)
         self._bucket_of = [next(s for s in self.sizes if s >= b) for b in range(n + 1)]
         self._rows: dict[int, list[torch.Tensor]] = {}  # b -> views of the first b rows
         self._padded: dict[
@@ -140,11 +142,15 @@ class DecodeGraphs:
         else:
             self._stage_device(input_ids, positions, m)
         self._live = b
-        # host twin (numpy: a handful of values, where torch's per-op cost would dominate)
-        self._kv_host[:b] = kv_host
-        if b < bucket:
-            self._kv_host[b:bucket] = 1
-        return self._padded_metadata(bucket)[0]
+        # host twin (numpy: a handful of values, where torch's per-op cost would dominate); its
+        # rows past b are 1 but for those a larger step wrote
+        twin = self._kv_host
+        twin[:b] = kv_host
+        if self._twin_live > b:
+            twin[b : self._twin_live] = 1
+        self._twin_live = b
+        padded = self._padded.get(bucket)
+        return padded[0] if padded is not None else self._padded_metadata(bucket)[0]
 
     @staticmethod
     def _from_host(input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata) -> bool:
@@ -165,8 +171,10 @@ class DecodeGraphs:
         """numpy into the next pinned buffer, then its one copy. The rows this buffer's own last
         step filled past this step's go back to padding."""
         b = m.num_seqs
-        rows, width = m.block_table.shape
-        host = self.packed.begin()
+        table = m.block_table
+        rows, width = table.shape
+        packed = self.packed
+        host = packed.begin()
         ids_on_host = self._ids_from_host(input_ids)
         if ids_on_host:
             host["input_ids"][:b] = input_ids.numpy()
@@ -174,32 +182,38 @@ class DecodeGraphs:
         slots, kv = host["slot_mapping"], host["kv_seq_lens"]
         slots[:b] = m.slot_mapping.numpy()
         kv[:b] = kv_host
-        live = self._host_live[self.packed.slot]  # rows of this buffer's last step
+        host_live = self._host_live
+        live = host_live[packed.slot]  # rows of this buffer's last step
         if live > b:  # a stale slot could belong to a block since given to another sequence
             slots[b:live] = -1
             kv[b:live] = 1
-        self._host_live[self.packed.slot] = b
+        host_live[packed.slot] = b
         host["table_width"][0] = width
-        host["block_table"][: rows * width] = m.block_table.numpy().reshape(-1)
-        self.packed.upload(self._table_at + rows * width)
+        host["block_table"][: rows * width] = table.numpy().reshape(-1)
+        packed.upload(self._table_at + rows * width)
+        self._width_on_device = width
         if not ids_on_host:  # after the pinned copy in stream order, which carries stale ids
             self._row_views(b)[0].copy_(input_ids, non_blocking=True)
 
     def _stage_device(
         self, input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata
     ) -> None:
-        """One multi-tensor copy of device tensors: the step's rows, its table and width, and
-        the padding values back into rows an earlier, larger step left."""
+        """One multi-tensor copy of device tensors: the step's rows, its table (and its width
+        when the last step staged another), and the padding values back into rows an earlier,
+        larger step left."""
         b = m.num_seqs
-        rows = self._row_views(b)
-        table_dst, table_src = self.staged_table.pairs(m.block_table)
-        dst = [*rows, *table_dst]
+        width = m.block_table.shape[1]
+        table_dst, table_src = self.staged_table.pairs(
+            m.block_table, with_width=width != self._width_on_device
+        )
+        dst = [*self._row_views(b), *table_dst]
         src = [input_ids, positions, m.slot_mapping, m.kv_seq_lens, *table_src]
         if self._live > b:  # a stale slot could belong to a block since given to another sequence
             stale = self._live - b
             dst += [self.slot_mapping[b : self._live], self.kv_seq_lens[b : self._live]]
             src += [self._no_slots[:stale], self.q_seq_lens[:stale]]  # q_seq_lens: all ones
         torch._foreach_copy_(dst, src, non_blocking=True)
+        self._width_on_device = width
 
     def _row_views(self, b: int) -> list[torch.Tensor]:
         """The first ``b`` rows of the ids, positions, slots and KV lengths, made once per b."""
@@ -236,9 +250,9 @@ class DecodeGraphs:
         for backend in self.backends:
             backend.before_replay(key)
         static = self.graphs.replay(key)
-        b = metadata.num_seqs
-        cached = self._outputs.get((bucket, b))
+        cached = self._outputs.get((bucket, metadata.num_seqs))
         if cached is None or cached[0] is not static:  # a recapture makes a new static output
+            b = metadata.num_seqs
             cached = self._outputs[bucket, b] = static, static[:b]
         self._last = bucket, static, cached[1]
         return cached[1]

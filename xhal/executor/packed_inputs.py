@@ -9,7 +9,9 @@ numpy views (well under a microsecond a field) and ``upload`` queues one copy of
 ``count`` values. A host buffer is rewritten only once the copy last queued from it has run
 (``upload_fences.py``: an event per ``group`` uploads, since each event call costs as much host
 time as the copy): free unless the host runs ``slots - group`` steps ahead of the device, and
-never a torn step on the device.
+never a torn step on the device. The ring is as long as a small pinned budget allows (8 to 32
+buffers) and a group is half of it, so at most one step in ``group`` (one in 16 for a decode
+graph's typical buffer) makes an event call: a median step makes none.
 """
 
 from __future__ import annotations
@@ -25,6 +27,16 @@ _ALIGN = 16  # int32 values: 64 bytes, the alignment a tensor of its own would h
 # (count -> device view, host views) pairs kept per slot; a long-running server's counts are
 # bounded by its batch sizes times its table widths, and past this many the cache starts over
 _MAX_COUNTS = 4096
+# the ring's length: as many buffers as fit in this many pinned bytes, within these bounds
+_RING_BYTES = 8 << 20
+_MIN_SLOTS, _MAX_SLOTS = 8, 32
+
+
+def ring_slots(buffer_bytes: int) -> int:
+    """How many host buffers the ring of a ``buffer_bytes`` layout has: as many as fit in
+    ``_RING_BYTES``, at least 8 and at most 32 (past 32 an event per 16 steps is already off
+    the median step)."""
+    return max(_MIN_SLOTS, min(_MAX_SLOTS, _RING_BYTES // max(buffer_bytes, 1)))
 
 
 class PackedInputs:
@@ -38,17 +50,19 @@ class PackedInputs:
         shapes: Mapping[str, tuple[int, ...]],
         initial: Mapping[str, int],
         device: torch.device,
-        slots: int = 8,
-        group: int = 4,
+        slots: int | None = None,
+        group: int | None = None,
     ) -> None:
-        if not 1 <= group <= slots:
-            raise ValueError(f"PackedInputs needs 1 <= group <= slots, got {group} and {slots}")
         self.offsets: dict[str, int] = {}
         total = 0
         for name, shape in shapes.items():
             self.offsets[name] = total
             total += -(-int(np.prod(shape)) // _ALIGN) * _ALIGN
         self.size = total
+        slots = ring_slots(4 * total) if slots is None else slots
+        group = max(1, slots // 2) if group is None else group
+        if not 1 <= group <= slots:
+            raise ValueError(f"PackedInputs needs 1 <= group <= slots, got {group} and {slots}")
         # page-locked only for a device apart from the host: the copy is then asynchronous and the
         # host goes on; on the CPU the copy is a memcpy, done when ``copy_`` returns
         self._async = device.type not in ("cpu", "meta")
@@ -67,7 +81,9 @@ class PackedInputs:
             else None
         )
         self._pairs: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in self._host]
-        self.slots, self._slot, self._uploads = slots, 0, 0
+        self.slots, self.group = slots, group
+        self.slot = 0  # which host buffer ``begin`` handed out last (for a caller's own state)
+        self._uploads = 0
 
     def _named(self, flat, shapes: Mapping[str, tuple[int, ...]]) -> dict:
         return {
@@ -75,27 +91,22 @@ class PackedInputs:
             for name, shape in shapes.items()
         }
 
-    @property
-    def slot(self) -> int:
-        """Which host buffer ``begin`` handed out last (for a caller's per-buffer state)."""
-        return self._slot
-
     def begin(self) -> dict[str, np.ndarray]:
         """The numpy views of the next host buffer, once the copy last queued from it has run.
         Values a step does not write are what this buffer held after its last step."""
-        self._slot = self._uploads % self.slots
+        self.slot = slot = self._uploads % self.slots
         if self._fences is not None:
             self._fences.before(self._uploads)
-        return self._host_views[self._slot]
+        return self._host_views[slot]
 
     def upload(self, count: int) -> None:
         """Queue the copy of the first ``count`` values of the buffer ``begin`` handed out."""
-        pairs = self._pairs[self._slot]
+        pairs = self._pairs[self.slot]
         pair = pairs.get(count)
         if pair is None:
             if len(pairs) >= _MAX_COUNTS:
                 pairs.clear()
-            pair = pairs[count] = self.buffer[:count], self._host[self._slot][:count]
+            pair = pairs[count] = self.buffer[:count], self._host[self.slot][:count]
         pair[0].copy_(pair[1], non_blocking=self._async)
         if self._fences is not None:
             self._fences.after(self._uploads)

@@ -43,15 +43,21 @@ class StagedBlockTable:
         self._widths: dict[int, torch.Tensor] = {}  # width -> that value on the device, made once
         self._dense_views: dict[tuple[int, int], torch.Tensor] = {}
 
-    def pairs(self, block_table: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def pairs(
+        self, block_table: torch.Tensor, with_width: bool = True
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(destinations, sources) that stage a device ``block_table`` ``[rows, width]`` in a
-        multi-tensor copy (the path of a step whose tensors are already on the device)."""
+        multi-tensor copy (the path of a step whose tensors are already on the device); without
+        ``with_width`` the width field is left as it is (a caller that knows it holds ``width``
+        already saves a pair)."""
         rows, width = block_table.shape
         dense = self._dense_views.get((rows, width))
         if dense is None:
             if len(self._dense_views) >= _MAX_VIEWS:
                 self._dense_views.clear()
             dense = self._dense_views[rows, width] = self.dense[: rows * width].view(rows, width)
+        if not with_width:
+            return [dense], [block_table]
         value = self._widths.get(width)
         if value is None:  # once per width: an upload outside any graph
             value = self._widths[width] = torch.tensor([width], dtype=torch.int32).to(

@@ -68,7 +68,8 @@ class DecodeBucket:
         self.fast = flashinfer_0_5_3.binds(fi)
         self.first_layer: int | None = None  # the layer whose forward records ``refresh``
         self._planned = False
-        self._pages: np.ndarray | None = None  # page counts of the uploaded layout and the schedule
+        self._page_bytes = b""  # page counts of the uploaded layout and the schedule, as bytes
+        self._kv_host = m.kv_seq_lens_host.numpy()  # the persistent host lengths, read in place
         self._dtype_tag = torch.empty(
             0, dtype=spec.dtype
         )  # the CUDA-core scheduler reads dtypes off it
@@ -81,11 +82,15 @@ class DecodeBucket:
         self, m: AttentionMetadata, spec: AttentionSpec, common: dict, stream: Callable[[], object]
     ) -> None:
         """``stream()``: the stream uploads go to, looked up only when there are any."""
-        self._captured.check(m.slot_mapping, m.kv_seq_lens, m.block_table)
+        if m is self.persistent:  # the very metadata it was captured with: its tensors, too
+            kv = self._kv_host
+        else:
+            self._captured.check(m.slot_mapping, m.kv_seq_lens, m.block_table)
+            kv = m.kv_seq_lens_host.numpy()
         bs, b = self.block_size, self.batch
-        kv = m.kv_seq_lens_host.numpy()
         pages = (kv + (bs - 1)) // bs
-        if self.fast and self._planned and np.array_equal(pages, self._pages):
+        # bytes compared: one call, where np.array_equal makes five (a plan a step, on the host)
+        if self.fast and self._planned and pages.tobytes() == self._page_bytes:
             return  # the graph refreshes page ids and last-page lengths from the metadata itself
         nnz = int(pages.sum())
         if nnz > self.indices.numel():
@@ -113,7 +118,7 @@ class DecodeBucket:
             self.wrapper.plan(buf[: b + 1], ids, last, *heads, **common)
             self._planned = True
         self._scheduled.mark(upload_stream)
-        self._pages = pages.copy()
+        self._page_bytes = pages.tobytes()
 
     def refresh(self) -> None:
         """This step's page ids and last-page lengths from the persistent metadata: device work,
