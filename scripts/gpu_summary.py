@@ -54,6 +54,8 @@ def benchmarks(out: Path) -> list[str]:
     lines = []
     model = out / "bench_model.txt"
     if model.exists():
+        named = re.search(r"decode step \(execute \+ logits\), (\S+) shape", model.read_text())
+        shape = named.group(1) if named else "model"
         for r in read_table(model.read_text(), "decode step"):
             honest = (
                 f" ({r['pipelined_x_read_floor']}x read floor)"
@@ -61,7 +63,8 @@ def benchmarks(out: Path) -> list[str]:
                 else ""
             )
             lines.append(
-                f"decode 8B batch {r['batch']:>3}: pipelined {r.get('pipelined_ms', '?')} ms = "
+                f"decode {shape} batch {r['batch']:>3}: "
+                f"pipelined {r.get('pipelined_ms', '?')} ms = "
                 f"{r.get('pipelined_x_floor', '?')}x floor{honest}, graph/eager "
                 f"{r.get('graph_speedup', '?')}x, "
                 f"host {r.get('host_us', '?')} us"

@@ -45,7 +45,7 @@ def test_summary_reads_reports_and_tables(tmp_path: Path) -> None:
     ]
     (tmp_path / "bench_model.txt").write_text(
         "ceilings: ...\n"
-        + table(decode, "decode step (execute + logits), 8B")
+        + table(decode, "decode step (execute + logits), llama3.2-1b shape, bf16")
         + "\n"
         + table(peer, "peer: Hugging Face transformers")
         + "\n"
@@ -60,7 +60,8 @@ def test_summary_reads_reports_and_tables(tmp_path: Path) -> None:
     lines = gpu_summary.conformance(tmp_path) + gpu_summary.benchmarks(tmp_path)
     text = "\n".join(lines)
     assert "cuda" in lines[0] and "graph" in lines[0] and "30 passed" in lines[0]
-    assert "batch   1: pipelined 4.75 ms = 1.23x floor" in text and "host 245" in text
+    assert "decode llama3.2-1b batch   1: pipelined 4.75 ms = 1.23x floor" in text
+    assert "host 245" in text
     assert "5.4x (hf_eager)" in text
     assert "flashinfer-tc 64 x 2K: 143" in text and "0.89 of copy ceiling" in text
     assert "concurrency  1: TPOT 4.74 ms, TTFT p50 29.36" in text
