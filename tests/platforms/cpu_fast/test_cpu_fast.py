@@ -271,40 +271,40 @@ def test_weights_are_laid_out_column_major_and_steps_match_the_reference(
 
 
 @pytest.mark.skipif(not __import__("xhal.platforms.cpu_fast.packed").platforms.cpu_fast.packed
-                    .available(), reason="torch built without oneDNN")
-def test_packed_linear_serves_the_small_batches_where_it_wins() -> None:
-    """The oneDNN copy gives ``x @ W.T + b`` within float32 rounding of a float64 product for
-    2-32 rows of a wide weight and 6-32 rows of a narrow one; one row, 33 rows, a narrow weight
-    at 5 rows, a weight changed in place since packing and a weight that died are not served by
-    it, and small matrices are not packed."""
-    from xhal.platforms.cpu_fast.packed import MIN_ELEMENTS, PackedWeights
+                    .available(), reason="cpu-fast's native kernels are not built here")
+def test_packed_linear_serves_the_small_batches() -> None:
+    """The native small-batch GEMM on a packed copy gives ``x @ W.T + b`` within float32
+    rounding of a float64 product for 2-32 rows (widths that are not a multiple of the tile,
+    row counts that are not a multiple of its row group, a strided x); one row, 33 rows, a weight
+    changed in place since packing and a weight that died are not served by it, and small
+    matrices are not packed."""
+    from xhal.platforms.cpu_fast.packed import MIN_ELEMENTS, TILE, PackedWeights
 
     g = torch.Generator().manual_seed(6)
     packed = PackedWeights()
-    k = 512
+    k = 320
     wide = torch.randn(4 * k, k, generator=g).t().contiguous().t()  # column-major, as prepared
-    narrow = torch.randn(MIN_ELEMENTS // k, k, generator=g).t().contiguous().t()
+    odd = torch.randn(MIN_ELEMENTS // k + TILE // 2 + 3, k, generator=g)  # row-major, ragged tile
     bias = torch.randn(4 * k, generator=g)
-    assert packed.add(wide) and packed.add(narrow)
+    assert packed.add(wide) and packed.add(odd)
     assert not packed.add(torch.randn(MIN_ELEMENTS // k - 1, k))  # small: not packed
     assert not packed.add(torch.randn(4 * k, k, dtype=torch.float64))
-    for weight, bias_, rows_served in ((wide, bias, (2, 8, 32)), (narrow, None, (6, 8, 32))):
-        for rows in rows_served:
-            x = torch.randn(rows, k, generator=g)
+    for weight, bias_ in ((wide, bias), (odd, None)):
+        for rows in (2, 3, 8, 13, 32):
+            x = torch.randn(rows, k + 5, generator=g)[:, 2 : k + 2]  # rows k + 5 floats apart
             out = packed.linear(x, weight, bias_)
-            assert out is not None
+            assert out is not None and out.shape == (rows, weight.shape[0])
             want = x.double() @ weight.double().T
             if bias_ is not None:
                 want += bias_.double()
-            # float32 sums of 512 unit-scale products: errors of ~K * 2^-24 * |sum|
+            # float32 sums of 320 unit-scale products: errors of ~K * 2^-24 * |sum|
             torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=2e-4)
     for rows in (1, 33):
         assert packed.linear(torch.randn(rows, k), wide, None) is None
-    for rows in (1, 5, 33):
-        assert packed.linear(torch.randn(rows, k), narrow, None) is None
+    assert packed.linear(torch.randn(4, k + 1), wide, None) is None  # F.linear's error to raise
     wide.mul_(2)  # an in-place change (it bumps the version counter): the copy is stale
     assert packed.linear(torch.randn(4, k), wide, None) is None
-    del narrow, weight  # the loop variable held it too
+    del odd, weight  # the loop variable held it too
     other = torch.randn(4 * k, k, generator=g)
     assert packed.add(other) and len(packed._packed) == 1  # the stale entry is gone
     del other
