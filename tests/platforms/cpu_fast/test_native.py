@@ -83,10 +83,11 @@ def test_decode_matches_the_reference_rotation_and_attention(
 
 
 @needs_native
-def test_norm_matches_its_float64_definition() -> None:
+@pytest.mark.parametrize("rows", [4, 300], ids=["decode-rows", "prefill-rows-threaded"])
+def test_norm_matches_its_float64_definition(rows: int) -> None:
     g = torch.Generator().manual_seed(5)
-    x, residual = torch.randn(4, 200, generator=g), torch.randn(4, 200, generator=g)
-    weight = torch.randn(200, generator=g)
+    x, residual = torch.randn(rows, 240, generator=g), torch.randn(rows, 240, generator=g)
+    weight = torch.randn(240, generator=g)
     x[2] *= 1e-3  # a small row: eps matters there
     normed, summed = calls.add_rms_norm(x, residual, weight, 1e-5)
     s64 = x.double() + residual.double()

@@ -10,8 +10,7 @@
  * attention splits its (sequence, kv head) pairs over OpenMP threads: built with -fopenmp, the
  * library's libgomp.so.1 is the one torch loaded already (same soname), so these are torch's
  * own pool and thread count (torch.set_num_threads), not a second pool competing for the cores.
- * The rest is single-threaded: native.py sends only steps small enough that torch's threads
- * would not pay for their start. */
+ * So do a norm's rows past a decode batch's; the rest is single-threaded. */
 
 #include <math.h>
 #include <omp.h>
@@ -26,10 +25,16 @@ static float dot(const float *a, const float *b, int64_t n) {
     return sum;
 }
 
+/* Elements of a norm's rows from which its rows split over the threads: a decode batch's rows
+ * (up to 64 of SmolLM2's 576) stay on one, a prefill's (1,300) go to every thread, one pass for
+ * the sum and one for the scale where the torch path makes four over the rows */
+#define PARALLEL_MIN_NORM_ELEMENTS 65536
+
 /* RMSNorm of rows, after adding residual when it is given:
  * summed = x + residual (when residual != NULL; written to summed), normed = summed / rms * w. */
 void xhal_add_rms_norm(const float *x, const float *residual, const float *weight, float eps,
                        int64_t rows, int64_t width, float *normed, float *summed) {
+#pragma omp parallel for schedule(static) if (rows * width >= PARALLEL_MIN_NORM_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * width;
         const float *src = xr;
