@@ -277,8 +277,13 @@ class FastCpuAttention(AttentionBackend):
             out.index_copy_(0, plan.decode_rows, od.to(out.dtype))
         for chunk in plan.chunks:
             qc = q[chunk.start : chunk.end].transpose(0, 1)[None]  # [1, H, Lq, D]
-            kc = k_flat.index_select(0, chunk.kv_rows).transpose(0, 1)[None]  # [1, Hkv, L, D]
-            vc = v_flat.index_select(0, chunk.kv_rows).transpose(0, 1)[None]
+            if chunk.kv_rows.shape[0] == chunk.end - chunk.start and k.dtype == k_flat.dtype:
+                # no cached prefix: its keys are this step's rows, just written (no gather)
+                kc, vc = k[chunk.start : chunk.end], v[chunk.start : chunk.end]
+            else:
+                kc = k_flat.index_select(0, chunk.kv_rows)  # [L, Hkv, D]
+                vc = v_flat.index_select(0, chunk.kv_rows)
+            kc, vc = kc.transpose(0, 1)[None], vc.transpose(0, 1)[None]  # [1, Hkv, L, D]
             oc = _attend(qc, kc, vc, chunk.mask, chunk.mask is None, self.spec)  # [1, H, Lq, D]
             out[chunk.start : chunk.end] = oc[0].transpose(0, 1)
         return out
