@@ -183,6 +183,32 @@ def test_fused_and_gated_ops_are_the_reference_sequence() -> None:
     assert torch.equal(got, ref.silu_and_mul_linear(gate_up, down))
 
 
+def test_a_prefills_gated_activation_reuses_one_buffer_and_matches_the_reference() -> None:
+    """Outside autograd a prefill-sized SiLU gate goes into the ops' reused buffer before the
+    down projection: the product equals the reference's fused op (bit for bit: the same SiLU,
+    product and GEMM), a second call with other inputs leaves the first result intact, and a
+    smaller call after a larger one reads only its own rows."""
+    from xhal.platforms.cpu_fast import scratch
+    from xhal.platforms.cpu_fast.ops import FastCpuOps
+    from xhal.platforms.cpu_ref.ops import CpuOps
+
+    fast, ref = FastCpuOps(), CpuOps()
+    g = torch.Generator().manual_seed(9)
+    inter = 512
+    rows = scratch.MIN_ELEMENTS // inter + 7  # past the threshold
+    down = torch.randn(64, inter, generator=g)
+    first, second = (torch.randn(rows, 2 * inter, generator=g) for _ in range(2))
+    with torch.inference_mode():
+        got = fast.silu_and_mul_linear(first, down)
+        kept = got.clone()
+        again = fast.silu_and_mul_linear(second, down)
+        smaller = fast.silu_and_mul_linear(first[: rows - 5], down)
+    assert torch.equal(got, kept)  # the buffer's reuse did not touch a returned tensor
+    assert torch.equal(got, ref.silu_and_mul_linear(first, down))
+    assert torch.equal(again, ref.silu_and_mul_linear(second, down))
+    assert torch.equal(smaller, ref.silu_and_mul_linear(first[: rows - 5], down))
+
+
 @pytest.mark.parametrize("rotary_dim", [32, 16], ids=["full", "partial"])
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
 def test_forward_rotary_is_the_reference_rotation_then_forward(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from xhal.platforms.cpu_fast import scratch
 from xhal.platforms.cpu_fast.kernels import calls
 from xhal.platforms.cpu_fast.packed import PACKED
 from xhal.platforms.cpu_ref.ops import CpuOps, _rotate
@@ -44,6 +45,10 @@ class FastCpuOps(CpuOps):
     weight ``CpuFastPlatform.prepare_weights`` packed, with 2-32 rows, runs the native small-batch
     GEMM on the packed copy (float32 accumulation in another order: not bit-identical to torch's
     GEMM)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._scratch = scratch.Scratch()  # a prefill's gated activation, reused layer to layer
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -95,7 +100,11 @@ class FastCpuOps(CpuOps):
         if x.dtype != torch.float32:
             return super().silu_and_mul_linear(x, weight, bias)
         gate, up = x.chunk(2, dim=-1)
-        return self.linear(F.silu(gate).mul_(up), weight, bias)
+        if x.dim() != 2 or not scratch.worth_it(x, gate.shape[-1]):
+            return self.linear(F.silu(gate).mul_(up), weight, bias)
+        # a prefill's activation into the reused buffer: read by the product below, then dead
+        act = torch.ops.aten.silu.out(gate, out=self._scratch.take(*gate.shape))
+        return self.linear(act.mul_(up), weight, bias)
 
     def rotary_embedding(
         self,
