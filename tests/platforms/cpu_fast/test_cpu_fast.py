@@ -211,15 +211,16 @@ def test_a_prefills_gated_activation_reuses_one_buffer_and_matches_the_reference
 
 @pytest.mark.parametrize("rotary_dim", [32, 16], ids=["full", "partial"])
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("scale", [1, 12], ids=["few-tokens", "many-tokens"])
 def test_forward_rotary_is_the_reference_rotation_then_forward(
-    rotary_dim: int, is_neox: bool
+    rotary_dim: int, is_neox: bool, scale: int
 ) -> None:
     """The fused rotation writes the reference's rotated keys (float32, to rounding: a step of
-    few tokens rotates by matrix) and attends with its rotated queries, at every layer of a step
-    (they share the step's tables) and at the next step, whose positions are written into the
-    same tensor (as a host with persistent input buffers does). Layer 0 gets q, k and v as the
-    layers pass them (column blocks of one qkv buffer: rotated together), layer 1 as tensors of
-    their own."""
+    few tokens rotates by matrix; one of more than ``MATRIX_TOKENS`` in the native rotary and
+    write) and attends with its rotated queries, at every layer of a step (they share the step's
+    tables) and at the next step, whose positions are written into the same tensor (as a host
+    with persistent input buffers does). Layer 0 gets q, k and v as the layers pass them (column
+    blocks of one qkv buffer: rotated together), layer 1 as tensors of their own."""
     from xhal.platforms.cpu_ref.ops import CpuOps
 
     spec = _spec()
@@ -231,21 +232,26 @@ def test_forward_rotary_is_the_reference_rotation_then_forward(
     host = PagedHost(NUM_BLOCKS, spec.block_size, seed=5)
     g = torch.Generator().manual_seed(4)
     table = torch.randn(64, rotary_dim, generator=g)
-    positions = torch.zeros(5, dtype=torch.int32)  # persistent: rewritten every step
     heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    # three steps of 5 tokens each: a prefill, a mixed step, decodes next to a short prefill
-    for chunks in ([(0, 3), (1, 2)], [(0, 1), (1, 1), (2, 3)], [(0, 1), (1, 1), (2, 1), (3, 2)]):
+    # three steps: a prefill, a mixed step, decodes next to a short prefill (5 tokens each, or
+    # prefill chunks 12 times as long)
+    steps = ([(0, 3), (1, 2)], [(0, 1), (1, 1), (2, 3)], [(0, 1), (1, 1), (2, 1), (3, 2)])
+    steps = tuple([(s, n if n == 1 else n * scale) for s, n in step] for step in steps)
+    positions = torch.zeros(5 * scale, dtype=torch.int32)  # persistent: rewritten every step
+    for chunks in steps:
+        num_tokens = sum(n for _, n in chunks)
         _, step_positions, metadata = host.step([(s, [0] * n) for s, n in chunks])
-        positions.copy_(step_positions)
+        step_view = positions[:num_tokens]
+        step_view.copy_(step_positions)
         fused.plan(metadata)
         plain.plan(metadata)
         for layer in range(NUM_LAYERS):
-            qkv = torch.randn(5, (heads + 2 * kv_heads) * dim, generator=g)
-            q, k, v = (part.view(5, -1, dim) for part in
+            qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * dim, generator=g)
+            q, k, v = (part.view(num_tokens, -1, dim) for part in
                        qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
             if layer == 1:
                 q, k, v = q.clone(), k.clone(), v.clone()
-            got = fused.forward_rotary(layer, q, k, v, positions, table, is_neox)
+            got = fused.forward_rotary(layer, q, k, v, step_view, table, is_neox)
             q_rot, k_rot = CpuOps().rotary_embedding(step_positions, q, k, table, is_neox)
             want = plain.forward(layer, q_rot, k_rot, v)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
