@@ -139,12 +139,17 @@ class DecodeStep:
             return ops.argmax(self.executor.compute_logits(hidden))
 
 
-def products(mats: list[torch.Tensor], batch: int, linear: Callable) -> Callable[[], None]:
+def products(
+    mats: list[torch.Tensor], batch: int, linear: Callable, active: Callable
+) -> Callable[[], None]:
+    """The step's products alone, inside ``active()`` (the variant's switches: packed copies
+    off for cpu-fast/mkl, as in its steps)."""
     rows = {m.shape[1]: torch.randn(batch, m.shape[1]) for m in mats}
 
     def run() -> None:
-        for m in mats:
-            linear(rows[m.shape[1]], m)
+        with active():
+            for m in mats:
+                linear(rows[m.shape[1]], m)
 
     return run
 
@@ -197,7 +202,9 @@ def main() -> None:
         runs = {}
         for name in args.platforms:
             step = DecodeStep(model, name, args.context, args.batch)
-            gemv = products(_matrices(model), args.batch, step.platform.ops.linear)
+            gemv = products(
+                _matrices(model), args.batch, step.platform.ops.linear, step.active
+            )
             for _ in range(3):  # warm-up: first calls allocate and pack
                 step(), gemv()
             runs[name] = (step, gemv, [], [])
