@@ -89,6 +89,7 @@ def rotary_write(
     kv_strides = k.stride()
     if (
         lib is None
+        or num_tokens == 0
         or q.dtype != _F32
         or k.dtype != _F32
         or v.dtype != _F32
@@ -106,6 +107,9 @@ def rotary_write(
         or not slots.is_contiguous()
     ):
         return False
+    low, high = torch.aminmax(positions)  # the kernel reads table rows unchecked
+    if int(low) < 0 or int(high) >= cos_sin_cache.shape[0]:
+        return False  # the torch path raises its indexing error
     lib.xhal_rotary_write(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), kv_strides[0], num_tokens, heads,
         k.shape[1], dim, positions.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[1],
