@@ -18,9 +18,9 @@ write, attention, activation and every Python and dispatch layer around them). T
 bytes a step reads (weights once, the tied head's table once, K and V of the context) over the
 streaming-read ceiling measured in the same run (``bench_cpu_vs_hf.read_ceiling``).
 ``cpu-fast/torch`` is cpu-fast with its native kernels off (``native.torch_path``): the torch
-path it had before them, for a before / after in one run; ``cpu-fast/wide-packed`` is cpu-fast
-with only the widest matrices' packed copies serving (``packed.wide_only``), as before the
-narrow ones were packed too. A step ends with the greedy pick of its logits, as in a served
+path it had before them, for a before / after in one run; ``cpu-fast/mkl`` is cpu-fast
+with no packed copy serving (``packed.disabled``): MKL's GEMM for every product of a batch, as
+before the native small-batch GEMM. A step ends with the greedy pick of its logits, as in a served
 greedy request.
 ``--model narrow`` is SmolLM2-135M's layer count, heads and head dim with hidden and intermediate
 sizes of 72 and 64 (seeded random weights, 12 MB): its step is almost all per-op overhead, which
@@ -95,10 +95,8 @@ class DecodeStep:
         from xhal.interfaces.metadata import AttentionMetadata, BatchKind
 
         base, _, variant = platform_name.partition("/")
-        if variant not in ("", "torch", "wide-packed"):
-            raise SystemExit(
-                f"{platform_name!r}: the variants are cpu-fast/torch and cpu-fast/wide-packed"
-            )
+        if variant not in ("", "torch", "mkl"):
+            raise SystemExit(f"{platform_name!r}: the variants are cpu-fast/torch and cpu-fast/mkl")
         self.variant = variant
         self.platform = platforms.get(base)
         config = ExecutorConfig(
@@ -128,7 +126,7 @@ class DecodeStep:
         from xhal.platforms.cpu_fast import packed
         from xhal.platforms.cpu_fast.kernels import native
 
-        variants = {"torch": native.torch_path, "wide-packed": packed.wide_only}
+        variants = {"torch": native.torch_path, "mkl": packed.disabled}
         variant = variants.get(self.variant, contextlib.nullcontext)
         with ops.using("cpu", self.platform.ops), variant():
             yield
@@ -141,12 +139,17 @@ class DecodeStep:
             return ops.argmax(self.executor.compute_logits(hidden))
 
 
-def products(mats: list[torch.Tensor], batch: int, linear: Callable) -> Callable[[], None]:
+def products(
+    mats: list[torch.Tensor], batch: int, linear: Callable, active: Callable
+) -> Callable[[], None]:
+    """The step's products alone, inside ``active()`` (the variant's switches: packed copies
+    off for cpu-fast/mkl, as in its steps)."""
     rows = {m.shape[1]: torch.randn(batch, m.shape[1]) for m in mats}
 
     def run() -> None:
-        for m in mats:
-            linear(rows[m.shape[1]], m)
+        with active():
+            for m in mats:
+                linear(rows[m.shape[1]], m)
 
     return run
 
@@ -199,7 +202,9 @@ def main() -> None:
         runs = {}
         for name in args.platforms:
             step = DecodeStep(model, name, args.context, args.batch)
-            gemv = products(_matrices(model), args.batch, step.platform.ops.linear)
+            gemv = products(
+                _matrices(model), args.batch, step.platform.ops.linear, step.active
+            )
             for _ in range(3):  # warm-up: first calls allocate and pack
                 step(), gemv()
             runs[name] = (step, gemv, [], [])

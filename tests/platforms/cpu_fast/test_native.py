@@ -83,10 +83,11 @@ def test_decode_matches_the_reference_rotation_and_attention(
 
 
 @needs_native
-def test_norm_matches_its_float64_definition() -> None:
+@pytest.mark.parametrize("rows", [4, 300], ids=["decode-rows", "prefill-rows-threaded"])
+def test_norm_matches_its_float64_definition(rows: int) -> None:
     g = torch.Generator().manual_seed(5)
-    x, residual = torch.randn(4, 200, generator=g), torch.randn(4, 200, generator=g)
-    weight = torch.randn(200, generator=g)
+    x, residual = torch.randn(rows, 240, generator=g), torch.randn(rows, 240, generator=g)
+    weight = torch.randn(240, generator=g)
     x[2] *= 1e-3  # a small row: eps matters there
     normed, summed = calls.add_rms_norm(x, residual, weight, 1e-5)
     s64 = x.double() + residual.double()
@@ -212,3 +213,22 @@ def test_the_build_is_cached_and_can_be_switched_off(
         monkeypatch.setattr(native, "_tried", False)
         monkeypatch.delenv("XHAL_CPU_NATIVE")
         assert native.library() is None
+
+
+@needs_native
+def test_prefill_rotary_leaves_positions_past_the_table_to_the_torch_path() -> None:
+    """The native rotary reads the table's rows unchecked: a position past its end (or below 0)
+    is not served (nothing written), so the torch path raises its own indexing error."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v = torch.randn(40, 4, 16, generator=g), *torch.randn(2, 40, 2, 16, generator=g)
+    k_flat, v_flat = torch.zeros(64, 2, 16), torch.zeros(64, 2, 16)
+    table, slots, out = torch.randn(50, 16, generator=g), torch.arange(40), torch.empty(40, 6, 16)
+    positions = torch.arange(40, dtype=torch.int32)
+    args = (table, True, slots, k_flat, v_flat, out)
+    assert calls.rotary_write(q, k, v, positions, *args)
+    assert torch.equal(v_flat[:40], v)  # written
+    v_flat.zero_()
+    for bad in (50, -1):
+        positions[7] = bad
+        assert not calls.rotary_write(q, k, v, positions, *args)
+        assert not v_flat.any()  # nothing written

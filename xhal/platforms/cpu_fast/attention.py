@@ -1,5 +1,6 @@
 """Paged attention on the CPU, planned once per step: vectorized KV writes (with the rotary
-embedding fused in, its tables gathered once per step, q and k rotated together), every
+embedding fused in, its tables gathered once per step, q and k rotated together; a step of more
+than ``MATRIX_TOKENS`` tokens rotated and written in one native pass), every
 one-token sequence of the batch in one batched attention (``decode.py``; read in place when a
 lone sequence's keys are consecutive cache rows), each longer sequence in one SDPA call."""
 
@@ -15,7 +16,9 @@ from xhal.interfaces.attention import AttentionBackend, AttentionSpec
 from xhal.interfaces.cache import LayerCache, normalize_layer_caches
 from xhal.interfaces.metadata import AttentionMetadata
 from xhal.platforms.cpu_fast.decode import NativeDecode, one_token_attention
-from xhal.platforms.cpu_fast.rotary import RotaryTables
+from xhal.platforms.cpu_fast.kernels import calls
+from xhal.platforms.cpu_fast.rotary import MATRIX_TOKENS, RotaryTables
+from xhal.platforms.cpu_fast.scratch import Scratch
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class _Plan:
 
     write_rows: torch.Tensor | None  # int64 rows of k / v that are written (None: all of them)
     write_slots: torch.Tensor  # int64 flat-cache rows they go to
+    slots: torch.Tensor  # int64 [T] every token's flat-cache row, -1 where not written
     decode_rows: torch.Tensor | None  # int64 [Bd] q rows of the one-token sequences
     decode_kv_rows: torch.Tensor | None  # int64 [Bd, Lmax] flat-cache rows, 0 where masked
     decode_mask: torch.Tensor | None  # bool [Bd, 1, 1, Lmax]; None: every key visible
@@ -79,7 +83,7 @@ def make_plan(metadata: AttentionMetadata, spec: AttentionSpec) -> _Plan:
     """The step's plan from its host lengths, slot mapping and block table (all on the CPU)."""
     q_lens = metadata.q_seq_lens_host.tolist()
     kv_lens = metadata.kv_seq_lens_host.tolist()
-    slots = metadata.slot_mapping.long()
+    slots = metadata.slot_mapping.long().contiguous()
     written = slots >= 0
     write_rows = None if bool(written.all()) else written.nonzero().squeeze(1)
     write_slots = slots if write_rows is None else slots[write_rows]
@@ -122,6 +126,7 @@ def make_plan(metadata: AttentionMetadata, spec: AttentionSpec) -> _Plan:
     return _Plan(
         write_rows,
         write_slots,
+        slots,
         decode_rows,
         decode_kv_rows,
         decode_mask,
@@ -201,6 +206,7 @@ class FastCpuAttention(AttentionBackend):
         self._flat: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._plan: _Plan | None = None
         self._rotary: RotaryTables | None = None
+        self._scratch = Scratch()  # a prefill's rotated q and k, read before forward returns
 
     def bind_kv_caches(self, caches: Sequence[LayerCache]) -> None:
         flat = []
@@ -239,6 +245,16 @@ class FastCpuAttention(AttentionBackend):
             out = plan.native(q, k, v, k_flat, v_flat, positions, cos_sin_cache, is_neox)
             if out is not None:  # float32, as q
                 return out
+        if plan is not None and q.shape[0] > MATRIX_TOKENS:  # a prefill's rows: one native pass
+            k_flat, v_flat = self._flat[layer_id]
+            heads = q.shape[1]
+            rotated = self._scratch.take(q.shape[0], (heads + k.shape[1]) * q.shape[2])
+            rotated = rotated.view(q.shape[0], heads + k.shape[1], q.shape[2])
+            if calls.rotary_write(
+                q, k, v, positions, cos_sin_cache, is_neox, plan.slots, k_flat, v_flat, rotated
+            ):  # k and v are in the cache now; the rotated rows are read before we return
+                q, k = rotated[:, :heads], rotated[:, heads:]
+                return self._attend_cached(plan, q, k, v, k_flat, v_flat)
         tables = self._rotary
         if tables is None or not tables.matches(positions, cos_sin_cache, is_neox):
             tables = RotaryTables.build(positions, cos_sin_cache, is_neox, q.shape[-1])
@@ -267,6 +283,18 @@ class FastCpuAttention(AttentionBackend):
         else:
             k_flat.index_copy_(0, plan.write_slots, k.index_select(0, plan.write_rows))
             v_flat.index_copy_(0, plan.write_slots, v.index_select(0, plan.write_rows))
+        return self._attend_cached(plan, q, k, v, k_flat, v_flat)
+
+    def _attend_cached(
+        self,
+        plan: _Plan,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_flat: torch.Tensor,
+        v_flat: torch.Tensor,
+    ) -> torch.Tensor:
+        """The step's attention once k and v are in the cache."""
         if plan.decode_only:  # the common decode step: no padding, no prefill, rows in order
             return self._decode(q, k_flat, v_flat, plan).to(q.dtype)
         num_tokens = q.shape[0]
@@ -277,8 +305,13 @@ class FastCpuAttention(AttentionBackend):
             out.index_copy_(0, plan.decode_rows, od.to(out.dtype))
         for chunk in plan.chunks:
             qc = q[chunk.start : chunk.end].transpose(0, 1)[None]  # [1, H, Lq, D]
-            kc = k_flat.index_select(0, chunk.kv_rows).transpose(0, 1)[None]  # [1, Hkv, L, D]
-            vc = v_flat.index_select(0, chunk.kv_rows).transpose(0, 1)[None]
+            if chunk.kv_rows.shape[0] == chunk.end - chunk.start and k.dtype == k_flat.dtype:
+                # no cached prefix: its keys are this step's rows, just written (no gather)
+                kc, vc = k[chunk.start : chunk.end], v[chunk.start : chunk.end]
+            else:
+                kc = k_flat.index_select(0, chunk.kv_rows)  # [L, Hkv, D]
+                vc = v_flat.index_select(0, chunk.kv_rows)
+            kc, vc = kc.transpose(0, 1)[None], vc.transpose(0, 1)[None]  # [1, Hkv, L, D]
             oc = _attend(qc, kc, vc, chunk.mask, chunk.mask is None, self.spec)  # [1, H, Lq, D]
             out[chunk.start : chunk.end] = oc[0].transpose(0, 1)
         return out

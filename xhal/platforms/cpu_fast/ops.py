@@ -1,8 +1,9 @@
 """The reference DeviceOps with the float32 path's no-op casts and empty concatenations left out
 and RMSNorm from one reduction: the same math in fewer torch calls (each costs microseconds of
 dispatch, paid ~100 times per decode step), so float32 results agree with ``CpuOps``'s to a few
-ulps, not bit for bit (RMSNorm's mean of squares is the squared 2-norm over the width, and GEMMs
-on the packed copies of a served model's widest matrices, ``packed.py``, sum in another order).
+ulps, not bit for bit (RMSNorm's mean of squares is the squared 2-norm over the width, and the
+small-batch products on the packed copies of a served model's matrices, ``packed.py``, sum in
+another order).
 The fused ops are the plain sequence of these, as the reference composes them. RMSNorm (with its
 residual add) of a decode step's rows and the greedy pick run as one native C call each where the
 kernels are built (``kernels/``), the torch calls below otherwise."""
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from xhal.platforms.cpu_fast import scratch
 from xhal.platforms.cpu_fast.kernels import calls
 from xhal.platforms.cpu_fast.packed import PACKED
 from xhal.platforms.cpu_ref.ops import CpuOps, _rotate
@@ -40,8 +42,13 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 class FastCpuOps(CpuOps):
     """Requirements: CPU tensors. float32 inputs (with float32 weights and a rotary dim equal to
     the head dim) take the short path; anything else is the reference's own code. ``linear`` on a
-    weight ``CpuFastPlatform.prepare_weights`` packed, with 2-32 rows, runs oneDNN's GEMM on the
-    packed copy (float32 accumulation in another order: not bit-identical to torch's GEMM)."""
+    weight ``CpuFastPlatform.prepare_weights`` packed, with 2-32 rows, runs the native small-batch
+    GEMM on the packed copy (float32 accumulation in another order: not bit-identical to torch's
+    GEMM)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._scratch = scratch.Scratch()  # a prefill's gated activation, reused layer to layer
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -93,7 +100,11 @@ class FastCpuOps(CpuOps):
         if x.dtype != torch.float32:
             return super().silu_and_mul_linear(x, weight, bias)
         gate, up = x.chunk(2, dim=-1)
-        return self.linear(F.silu(gate).mul_(up), weight, bias)
+        if x.dim() != 2 or not scratch.worth_it(x, gate.shape[-1]):
+            return self.linear(F.silu(gate).mul_(up), weight, bias)
+        # a prefill's activation into the reused buffer: read by the product below, then dead
+        act = torch.ops.aten.silu.out(gate, out=self._scratch.take(*gate.shape))
+        return self.linear(act.mul_(up), weight, bias)
 
     def rotary_embedding(
         self,

@@ -1,13 +1,11 @@
-"""oneDNN-packed copies of a model's float32 matrices for small decode batches: MKL's GEMM on the
-column-major matrix is compute-bound at a few rows (oneDNN on a weight reordered once is 1.1-1.6x
-faster there), while at one row MKL's GEMV on the column-major matrix is the faster one, so both
-copies are kept. Where the packed copy starts to win depends on the shape (one thread, CPU
-time, interleaved, SmolLM2-135M's shapes): from 2 rows for the widest matrices (gate / up, the LM
-head: 1.5-1.9x at 4-32 rows), from about 6 rows for the others (q/k/v, down: 1.1-1.3x at 8
-rows, a tie or slower at 4). Small matrices are left out: on two threads MKL's GEMM on SmolLM2's
-576 x 576 o projection was as fast or faster at 8 rows (103-138 against 118-171 us, three
-interleaved runs), while q/k/v (960 x 576: 213-233 against 197-209) and down (576 x 1536:
-mixed, 1.0-1.1x) gained. Costs the packed matrices' bytes once more."""
+"""Packed copies of a model's float32 matrices for small decode batches (2-32 rows), multiplied
+by the native ``xhal_small_gemm`` (``kernels/small_gemm.c``). At those rows MKL's GEMM and
+oneDNN's are compute-bound well before the memory is (one thread, CPU time, SmolLM2-135M's
+shapes at 8 rows: gate / up 1.27 ms MKL, 0.85 oneDNN on its packed copy, 0.59 ours; the LM head
+17.0 / 12.0 / 9.7, where one row's GEMV reads it in 6.2), so every matrix gets a copy in the
+kernel's tiles; one row keeps MKL's GEMV on the column-major matrix, the fastest there, and more
+than 32 rows (prefill) MKL's GEMM. Costs the packed matrices' bytes once more. Without the native
+kernels (no compiler, ``XHAL_CPU_NATIVE=0``) nothing is packed and MKL serves every product."""
 
 from __future__ import annotations
 
@@ -17,37 +15,39 @@ from collections.abc import Iterator
 
 import torch
 
-MAX_ROWS = 32  # rows up to which a packed copy serves (the packing's batch-size hint)
-MIN_WIDTH = 4  # a "wide" matrix [N, K] has N >= MIN_WIDTH * K ...
-WIDE_MIN_ROWS = 2  # ... and its packed copy serves from 2 rows
-NARROW_MIN_ROWS = 6  # the others' from 6 rows (measured above)
-MIN_ELEMENTS = 1 << 19  # matrices smaller than this are not packed (measured above)
+from xhal.platforms.cpu_fast.kernels.native import library
+
+MIN_ROWS, MAX_ROWS = 2, 32  # rows a packed copy serves
+TILE = 32  # output columns per tile of the packed layout (small_gemm.c's TILE)
+MIN_ELEMENTS = 1 << 16  # smaller matrices are not packed: their product is all call overhead
+
+_serving = True  # False inside ``disabled()``
 
 
 def available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(
-        torch.ops.mkldnn, "_reorder_linear_weight"
-    )
-
-
-_narrow_min_rows = NARROW_MIN_ROWS  # MAX_ROWS + 1 inside ``wide_only()``
-
-
-def is_wide(weight: torch.Tensor) -> bool:
-    out_features, in_features = weight.shape
-    return out_features >= MIN_WIDTH * in_features
+    return library() is not None
 
 
 @contextlib.contextmanager
-def wide_only() -> Iterator[None]:
-    """Inside the block only the wide matrices' copies serve (the narrow ones' MKL path, as
-    before they were packed): for benchmarks that compare the two in one process."""
-    global _narrow_min_rows
-    saved, _narrow_min_rows = _narrow_min_rows, MAX_ROWS + 1
+def disabled() -> Iterator[None]:
+    """Inside the block no packed copy serves (MKL for every product): for benchmarks that
+    compare the two in one process."""
+    global _serving
+    saved, _serving = _serving, False
     try:
         yield
     finally:
-        _narrow_min_rows = saved
+        _serving = saved
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` (any strides) -> ``[ceil(N / TILE), K, TILE]`` contiguous: tile t, row
+    k holds ``weight[TILE t : TILE (t + 1), k]``, zeros past N."""
+    width, depth = weight.shape
+    tiles = -(-width // TILE)
+    padded = weight.new_zeros(tiles * TILE, depth)
+    padded[:width] = weight
+    return padded.view(tiles, TILE, depth).transpose(1, 2).contiguous()
 
 
 class PackedWeights:
@@ -59,35 +59,59 @@ class PackedWeights:
     version counter: they break the contract undetected."""
 
     def __init__(self) -> None:
-        self._packed: dict[int, tuple[weakref.ref, torch.Tensor, int, int, bool]] = {}
+        self._packed: dict[int, tuple[weakref.ref, torch.Tensor, int, int]] = {}
 
     def add(self, weight: torch.Tensor) -> bool:
-        """Pack ``weight`` if it is a float32 matrix of at least ``MIN_ELEMENTS``; returns
-        whether it was packed."""
-        if weight.dtype != torch.float32 or weight.dim() != 2 or weight.numel() < MIN_ELEMENTS:
+        """Pack ``weight`` if it is a float32 matrix of at least ``MIN_ELEMENTS`` and the native
+        kernels are built; returns whether it was packed."""
+        if (
+            weight.dtype != torch.float32
+            or weight.dim() != 2
+            or weight.numel() < MIN_ELEMENTS
+            or not available()
+        ):
             return False
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), MAX_ROWS)
+        packed = pack(weight.detach())
         key = id(weight)
         owner = weakref.ref(weight, lambda _, key=key: self._packed.pop(key, None))
-        self._packed[key] = (owner, packed, weight.data_ptr(), weight._version, is_wide(weight))
+        self._packed[key] = (owner, packed, weight.data_ptr(), weight._version)
         return True
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor | None:
         """``x @ weight.T + bias`` by the packed copy, or None when none serves this call."""
-        if x.dim() != 2 or not 1 < x.shape[0] <= MAX_ROWS or x.dtype != torch.float32:
+        if (
+            not _serving
+            or x.dim() != 2
+            or not MIN_ROWS <= x.shape[0] <= MAX_ROWS
+            or x.dtype != torch.float32
+            or x.stride(1) != 1
+            or x.shape[1] != weight.shape[-1]  # F.linear raises its own error
+        ):
             return None
         entry = self._packed.get(id(weight))
         if entry is None:
             return None
-        owner, packed, data_ptr, version, wide = entry
-        if owner() is not weight or x.shape[0] < (WIDE_MIN_ROWS if wide else _narrow_min_rows):
+        owner, packed, data_ptr, version = entry
+        if owner() is not weight:
             return None
         if weight.data_ptr() != data_ptr or weight._version != version:
             del self._packed[id(weight)]  # changed since it was packed
             return None
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+            return None
+        lib = library()
+        if lib is None:  # inside native.torch_path()
+            return None
+        rows, depth = x.shape
+        width = weight.shape[0]
+        out = torch.empty(rows, width)
+        lib.xhal_small_gemm(
+            x.data_ptr(), rows, depth, x.stride(0), packed.data_ptr(), width,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), width,
+        )  # fmt: skip
+        return out
 
 
 PACKED = PackedWeights()  # the copies cpu-fast's prepare_weights made, for FastCpuOps.linear

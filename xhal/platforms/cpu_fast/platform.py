@@ -48,13 +48,11 @@ class CpuFastPlatform(CpuPlatform):
         GEMV and small-batch GEMM stream ``x @ W.T`` faster when W.T is the contiguous one (about
         1.2x over a decode step's projections and LM head here, ``benchmarks/bench_cpu_vs_hf``);
         the embedding lookup that shares the LM head's matrix reads strided rows, a few
-        microseconds per token. All but the small ones also get a oneDNN-packed copy for
-        small decode batches: from 2 rows for the widest (gate / up, LM head), from 6 for the
-        others, up to 32 (``packed.py``)."""
+        microseconds per token. All but the smallest also get a copy packed for the native
+        small-batch GEMM, which serves decode batches of 2-32 rows (``packed.py``)."""
         from xhal.platforms.cpu_fast import packed
 
         for param in model.parameters():  # shared (tied) parameters come once
             if param.dim() == 2 and param.dtype == torch.float32 and param.is_contiguous():
                 param.data = param.data.t().contiguous().t()
-                if packed.available():  # a copy for small batches
-                    packed.PACKED.add(param)
+                packed.PACKED.add(param)  # a copy for small batches, when the kernels built

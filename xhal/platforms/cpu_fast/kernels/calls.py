@@ -9,15 +9,12 @@ import torch
 from xhal.platforms.cpu_fast.kernels.native import library
 
 _F32 = torch.float32
-# the kernels are single-threaded: they pay where the torch calls they replace
-# are mostly dispatch (decode steps); at prefill sizes torch's threaded, vectorized ops win
-MAX_ROWS = 64
 
 
 def _rows(x: torch.Tensor) -> bool:
-    """A 2-D float32 tensor of at most ``MAX_ROWS`` contiguous rows (CPU tensors only come
-    here: cpu-fast serves the CPU)."""
-    return x.dtype == _F32 and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.is_contiguous()
+    """A 2-D float32 tensor of contiguous rows (CPU tensors only come here: cpu-fast serves the
+    CPU). The norm's rows go to torch's threads past a decode batch's (``decode_kernels.c``)."""
+    return x.dtype == _F32 and x.dim() == 2 and x.is_contiguous()
 
 
 def add_rms_norm(
@@ -68,3 +65,54 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(rows, dtype=torch.int64)
     lib.xhal_argmax_rows(logits.data_ptr(), rows, width, logits.stride(0), out.data_ptr())
     return out
+
+
+def rotary_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    slots: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    out: torch.Tensor,
+) -> bool:
+    """Rotate q ``[T, H, D]`` and k ``[T, Hkv, D]`` into ``out [T, H + Hkv, D]`` and write the
+    rotated k and v ``[T, Hkv, D]`` to cache rows ``slots`` (int64 ``[T]``, -1 not written) of
+    ``k_flat`` / ``v_flat [N, Hkv, D]``; False (nothing done) when the inputs are not float32
+    with unit head and channel strides, int32 positions and a contiguous table no wider than a
+    head."""
+    lib = library()
+    num_tokens, heads, dim = q.shape
+    kv_strides = k.stride()
+    if (
+        lib is None
+        or num_tokens == 0
+        or q.dtype != _F32
+        or k.dtype != _F32
+        or v.dtype != _F32
+        or k_flat.dtype != _F32
+        or q.stride()[1:] != (dim, 1)
+        or kv_strides[1:] != (dim, 1)
+        or v.stride() != kv_strides
+        or positions.dtype != torch.int32
+        or positions.shape != (num_tokens,)
+        or not positions.is_contiguous()
+        or cos_sin_cache.dtype != _F32
+        or not cos_sin_cache.is_contiguous()
+        or cos_sin_cache.shape[1] > dim
+        or slots.dtype != torch.int64
+        or not slots.is_contiguous()
+    ):
+        return False
+    low, high = torch.aminmax(positions)  # the kernel reads table rows unchecked
+    if int(low) < 0 or int(high) >= cos_sin_cache.shape[0]:
+        return False  # the torch path raises its indexing error
+    lib.xhal_rotary_write(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), kv_strides[0], num_tokens, heads,
+        k.shape[1], dim, positions.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[1],
+        is_neox, slots.data_ptr(), k_flat.data_ptr(), v_flat.data_ptr(), out.data_ptr(),
+    )  # fmt: skip
+    return True

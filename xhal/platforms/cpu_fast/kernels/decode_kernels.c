@@ -10,8 +10,7 @@
  * attention splits its (sequence, kv head) pairs over OpenMP threads: built with -fopenmp, the
  * library's libgomp.so.1 is the one torch loaded already (same soname), so these are torch's
  * own pool and thread count (torch.set_num_threads), not a second pool competing for the cores.
- * The rest is single-threaded: native.py sends only steps small enough that torch's threads
- * would not pay for their start. */
+ * So do a norm's rows past a decode batch's; the rest is single-threaded. */
 
 #include <math.h>
 #include <omp.h>
@@ -26,10 +25,16 @@ static float dot(const float *a, const float *b, int64_t n) {
     return sum;
 }
 
+/* Elements of a norm's rows from which its rows split over the threads: a decode batch's rows
+ * (up to 64 of SmolLM2's 576) stay on one, a prefill's (1,300) go to every thread, one pass for
+ * the sum and one for the scale where the torch path makes four over the rows */
+#define PARALLEL_MIN_NORM_ELEMENTS 65536
+
 /* RMSNorm of rows, after adding residual when it is given:
  * summed = x + residual (when residual != NULL; written to summed), normed = summed / rms * w. */
 void xhal_add_rms_norm(const float *x, const float *residual, const float *weight, float eps,
                        int64_t rows, int64_t width, float *normed, float *summed) {
+#pragma omp parallel for schedule(static) if (rows * width >= PARALLEL_MIN_NORM_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * width;
         const float *src = xr;
@@ -54,11 +59,19 @@ static void rotate(const float *x, const float *cos_sin, int64_t rotary_dim, int
                    int neox, float *dst) {
     int64_t half = rotary_dim / 2;
     const float *cos = cos_sin, *sin = cos_sin + half;
-    for (int64_t i = 0; i < half; i++) {
-        int64_t a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
-        float x1 = x[a], x2 = x[b];
-        dst[a] = x1 * cos[i] - x2 * sin[i];
-        dst[b] = x2 * cos[i] + x1 * sin[i];
+    if (neox) {  // contiguous halves: a loop the compiler vectorizes
+#pragma omp simd
+        for (int64_t i = 0; i < half; i++) {
+            float x1 = x[i], x2 = x[i + half];
+            dst[i] = x1 * cos[i] - x2 * sin[i];
+            dst[i + half] = x2 * cos[i] + x1 * sin[i];
+        }
+    } else {
+        for (int64_t i = 0; i < half; i++) {
+            float x1 = x[2 * i], x2 = x[2 * i + 1];
+            dst[2 * i] = x1 * cos[i] - x2 * sin[i];
+            dst[2 * i + 1] = x2 * cos[i] + x1 * sin[i];
+        }
     }
     for (int64_t i = rotary_dim; i < dim; i++) dst[i] = x[i];
 }
@@ -160,6 +173,33 @@ int xhal_decode_attention(const float *q, const float *k, const float *v, int64_
     }
     free(scratch);
     return 0;
+}
+
+/* Tokens x channels of a prefill's q and k rows from which their rotation splits over threads */
+#define PARALLEL_MIN_ROTARY_ELEMENTS 65536
+
+/* The rotary and KV write of a step's tokens, one pass over their rows where the torch path
+ * makes five (a prefill's, too many tokens for one rotation matrix each): token t's q heads
+ * [heads, dim] and k heads [kv_heads, dim] rotated by the cos / sin row of positions[t] into
+ * out[t] = [heads + kv_heads, dim] (q's then k's), and the rotated k and v written to flat cache
+ * row slots[t] (skipped for slot -1). Rows of q are q_stride floats apart, of k and v kv_stride;
+ * tokens split over torch's threads past a decode batch's size. */
+void xhal_rotary_write(const float *q, const float *k, const float *v, int64_t q_stride,
+                       int64_t kv_stride, int64_t num_tokens, int64_t heads, int64_t kv_heads,
+                       int64_t dim, const int32_t *positions, const float *cos_sin,
+                       int64_t rotary_dim, int neox, const int64_t *slots, float *k_cache,
+                       float *v_cache, float *out) {
+    int64_t row = kv_heads * dim, width = (heads + kv_heads) * dim;
+#pragma omp parallel for schedule(static) if (num_tokens * width >= PARALLEL_MIN_ROTARY_ELEMENTS)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *cs = position_row(cos_sin, positions, t, rotary_dim);
+        float *qt = out + t * width, *kt = qt + heads * dim;
+        rotate_heads(q + t * q_stride, heads, cs, rotary_dim, dim, neox, qt);
+        rotate_heads(k + t * kv_stride, kv_heads, cs, rotary_dim, dim, neox, kt);
+        if (slots[t] < 0) continue;
+        memcpy(k_cache + slots[t] * row, kt, sizeof(float) * (size_t)row);
+        memcpy(v_cache + slots[t] * row, v + t * kv_stride, sizeof(float) * (size_t)row);
+    }
 }
 
 /* The greedy pick of each row of logits [rows, width] (width >= 1, rows `stride` floats apart),

@@ -1,5 +1,6 @@
-"""cpu-fast's native kernels (``decode_kernels.c``): built once with the C compiler into the
-cache directory, keyed by the source, the flags and this CPU's features, then loaded by ctypes.
+"""cpu-fast's native kernels (``decode_kernels.c``, ``small_gemm.c``): built once with the C
+compiler into the cache directory, keyed by the sources, the flags and this CPU's features, then
+loaded by ctypes.
 Without a compiler (or when ``XHAL_CPU_NATIVE=0``) ``library()`` is None, one log line says why,
 and cpu-fast runs its torch path: same results to float32 rounding, more torch calls per layer.
 
@@ -23,7 +24,7 @@ from xhal import env
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode_kernels.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_kernels.c", "small_gemm.c"))
 # -fopenmp: the source's `omp simd` reductions and the decode attention's threads; the library
 # links libgomp.so.1, which resolves to the copy torch has loaded (its pool, its thread count)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
@@ -37,6 +38,10 @@ _SIGNATURES = {
         (_P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P, _P, _I,
          _I, _F, _F, _P),
     ),  # fmt: skip
+    "xhal_rotary_write": (
+        None, (_P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P)
+    ),
+    "xhal_small_gemm": (None, (_P, _I, _I, _I, _P, _I, _P, _P, _I)),
 }
 
 _loaded: ctypes.CDLL | None = None
@@ -59,7 +64,7 @@ def _build(compiler: str, target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
         subprocess.run(
-            [compiler, *FLAGS, "-o", str(out), str(SOURCE), "-lm"],
+            [compiler, *FLAGS, "-o", str(out), *map(str, SOURCES), "-lm"],
             check=True, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         os.replace(out, target)  # atomic: a concurrent process sees the whole file or none
@@ -73,7 +78,7 @@ def _load() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("cpu-fast: no C compiler (gcc or cc) on PATH; using the torch path")
         return None
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(source + repr(FLAGS).encode() + _cpu_features().encode()).hexdigest()
     target = Path(env.cache_dir()) / "cpu_fast" / f"decode_kernels-{key[:16]}.so"
     try:
