@@ -66,16 +66,23 @@ def test_every_timed_call_of_a_graph_step_exists() -> None:
     assert not missing, missing
 
 
-def test_the_emulated_host_benchmark_runs_and_counts_one_op_per_steady_step() -> None:
+@pytest.mark.parametrize("route, pairs", [("host", 1), ("device", 5)])
+def test_the_emulated_host_benchmark_runs_and_counts_a_steady_steps_copies(
+    route: str, pairs: int
+) -> None:
+    """A step handed on the host crosses in its one pinned copy; one on the device in one
+    multi-tensor copy of five pairs (ids, positions, slots, KV lengths, table: the width only
+    when it changed); a step that crosses a page also re-plans, so it makes more tensor ops."""
     from benchmarks.bench_host_emulated import measure
 
     tiny = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
             "num_key_value_heads": 1, "head_dim": 64, "vocab_size": 256,
             "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
             "architectures": ["LlamaForCausalLM"]}  # fmt: skip
-    row = measure(2, 64, steps=20, shape=tiny)
-    assert row["ops_per_step"] == 1 and row["ops_max"] > 1  # 20 steps from 65 tokens cross a page
-    assert 0 < row["attention_plan_us"] and 0 < row["execute_us"]
+    row = measure(2, 64, route, steps=20, shape=tiny)
+    assert row["route"] == route and row["copy_pairs"] == pairs
+    assert 1 <= row["tensor_ops"] < row["ops_max"]  # 20 steps from 65 tokens cross a page
+    assert 0 < row["plan_us"] and 0 < row["execute_us"]
 
 
 def test_enter_inflight_queues_the_step_after_the_synchronize(
