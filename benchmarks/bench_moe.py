@@ -38,6 +38,7 @@ from benchmarks.common import (
     time_cuda_pipelined,
     time_graph,
 )
+from benchmarks.hf_peer import prefilled_step
 from models import load_model
 from xhal.executor import ModelExecutor
 
@@ -220,34 +221,10 @@ def hf_decode_ms(config: dict, batch: int, device) -> float:
         for name, p in hf.named_parameters():
             p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
     cache = transformers.StaticCache(config=cfg, max_cache_len=CTX + 64)
-    ids = torch.randint(0, cfg.vocab_size, (batch, CTX - 1), device=device)
-    with torch.no_grad():
-        for start in range(
-            0, CTX - 1, 512
-        ):  # prefill in chunks: the eager experts loop is memory-hungry
-            chunk = ids[:, start : start + 512]
-            hf(
-                chunk,
-                past_key_values=cache,
-                use_cache=True,
-                cache_position=torch.arange(start, start + chunk.shape[1], device=device),
-            )
-    nxt = torch.randint(0, cfg.vocab_size, (batch, 1), device=device)
-    position = torch.full((batch, 1), CTX - 1, device=device)
-    cache_position = torch.tensor([CTX - 1], device=device)
-
-    @torch.no_grad()
-    def step() -> torch.Tensor:
-        return hf(
-            nxt,
-            position_ids=position,
-            past_key_values=cache,
-            cache_position=cache_position,
-            use_cache=True,
-        ).logits
-
+    # prefill in chunks: the eager experts loop is memory-hungry
+    step = prefilled_step(hf, cache, batch, CTX, device, chunk=512)
     ms = time_cuda_pipelined(step, steps=5, reps=3)
-    hf = cache = None  # rebinds the closure's cells: the model and its cache are freed here
+    step = hf = cache = None  # the step holds the model and its cache: all freed here
     torch.cuda.empty_cache()
     return ms
 

@@ -22,22 +22,35 @@ def hf_decode_step(batch: int, ctx: int, device, config: dict = CONFIG, compiled
     with torch.device(device):
         hf = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     cache = transformers.StaticCache(config=cfg, max_cache_len=ctx + 64)
-    ids = torch.randint(0, cfg.vocab_size, (batch, ctx - 1), device=device)
-    with torch.no_grad():
-        hf(
-            ids,
-            past_key_values=cache,
-            use_cache=True,
-            cache_position=torch.arange(ctx - 1, device=device),
-        )
-    nxt = torch.randint(0, cfg.vocab_size, (batch, 1), device=device)
-    position = torch.full((batch, 1), ctx - 1, device=device)
-    cache_position = torch.tensor([ctx - 1], device=device)
     forward = (
         torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
         if compiled
         else hf.forward
     )
+    return prefilled_step(hf, cache, batch, ctx, device, forward)
+
+
+def prefilled_step(hf, cache, batch: int, ctx: int, device, forward=None, chunk: int | None = None):
+    """Fill ``cache`` (a transformers ``StaticCache`` of ``hf``) with ``ctx - 1`` random tokens of
+    ``batch`` sequences, eagerly (in prefills of ``chunk`` tokens when given: a model whose eager
+    path is memory-hungry), and return the decode step at position ``ctx - 1``: a callable giving
+    the logits of ``forward`` (default ``hf``'s own). The callable holds ``hf`` and ``cache``."""
+    vocab = hf.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, ctx - 1), device=device)
+    step_len = chunk or ctx - 1
+    with torch.no_grad():
+        for start in range(0, ctx - 1, step_len):
+            part = ids[:, start : start + step_len]
+            hf(
+                part,
+                past_key_values=cache,
+                use_cache=True,
+                cache_position=torch.arange(start, start + part.shape[1], device=device),
+            )
+    nxt = torch.randint(0, vocab, (batch, 1), device=device)
+    position = torch.full((batch, 1), ctx - 1, device=device)
+    cache_position = torch.tensor([ctx - 1], device=device)
+    forward = forward or hf
 
     @torch.no_grad()
     def step() -> torch.Tensor:
