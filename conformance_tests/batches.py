@@ -33,7 +33,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from xhal.interfaces import AttentionMetadata, AttentionSpec, BatchKind, LayerCache, Platform
+from xhal.interfaces import (
+    AttentionMetadata,
+    AttentionSpec,
+    BatchKind,
+    GraphRunner,
+    LayerCache,
+    Platform,
+)
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,13 @@ def spec_or_skip(
         block_size=block_size,
         **features,
     )
+
+
+def runner_or_skip(platform: Platform) -> GraphRunner:
+    """``platform``'s graph runner, or a skip when it declares no graph support."""
+    if not platform.capabilities.graphs:
+        pytest.skip(f"{platform.name} declares no graph support (capabilities.graphs is False)")
+    return platform.graph_runner()
 
 
 def skip_undeclared_kind(platform: Platform, kind: BatchKind) -> None:
