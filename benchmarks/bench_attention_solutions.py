@@ -6,8 +6,10 @@ ceiling measured in the same run.
 
     python -m benchmarks.bench_attention_solutions [--quick]
 
-Shapes: Llama-3-8B attention (32 q / 8 kv heads, head dim 128), bf16, batch 1 / 16 / 64, context
-2K, pages of 16 and 128; the norm at hidden 4096.
+Shapes: the attention of Llama-3-8B (32 q / 8 kv heads, head dim 128) and of Llama-3.2-1B (32 / 8,
+head dim 64), bf16, batch 1 / 16 / 64, context 2K, pages of 16 and 128; the norm at hidden 4096
+and 2048. A solution that does not take a shape (TileLang's decode is built for head dim 128) gets
+a row saying why; without TileLang installed its rows and checks say so and the rest runs.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from xhal.interfaces import AttentionSpec, BatchKind, LayerCache
 from xhal.interfaces.metadata import AttentionMetadata
 from xhal.platforms.cuda.platform import CudaPlatform
 
-HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+HEADS, KV_HEADS = 32, 8
+HEAD_DIMS = {"llama3-8b": 128, "llama3.2-1b": 64}  # the shapes' attention, by model
+HIDDEN = {"llama3-8b": 4096, "llama3.2-1b": 2048}
 
 
 def make_decode(kv_lens: list[int], block: int, num_blocks: int, device) -> AttentionMetadata:
@@ -69,11 +73,12 @@ def decode_case(
     dtype=torch.bfloat16,
     ragged: bool = False,
     block_h: int | None = None,
+    head_dim: int = 128,
 ):
     """(error vs float64, median us in a graph) of one KV write + decode attention layer on the
     ``cuda`` platform with paged decode attention forced to ``solution``; ``block_h`` forces
     TileLang's row tile (query heads per CTA)."""
-    spec = AttentionSpec(HEADS, KV_HEADS, HEAD_DIM, dtype, block)
+    spec = AttentionSpec(HEADS, KV_HEADS, head_dim, dtype, block)
     with environment({"XHAL_KERNEL_PAGED_DECODE_ATTENTION": solution}):
         platform = CudaPlatform()  # a fresh one: it reads the setting when it is built
         backend = platform.attention_backend(spec)
@@ -85,7 +90,7 @@ def decode_case(
         backend = TileLangAttention(spec, TritonAttention(spec), backend.num_sms, block_h=block_h)
     lens = torch.randint(1, ctx + 1, (batch,)).tolist() if ragged else [ctx] * batch
     num_blocks = sum(-(-n // block) for n in lens) + 8
-    shape = (num_blocks, block, KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, block, KV_HEADS, head_dim)
     cache = LayerCache(
         torch.randn(shape, dtype=dtype, device=device),
         torch.randn(shape, dtype=dtype, device=device),
@@ -93,7 +98,7 @@ def decode_case(
     backend.bind_kv_caches([cache])
     m = make_decode(lens, block, num_blocks, device)
     backend.plan(m)
-    qkv = torch.randn(batch, HEADS + 2 * KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    qkv = torch.randn(batch, HEADS + 2 * KV_HEADS, head_dim, dtype=dtype, device=device)
     q, k, v = qkv.split(
         [HEADS, KV_HEADS, KV_HEADS], dim=1
     )  # strided views, as the models pass them
@@ -121,26 +126,37 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="page 16 only, no fp16 / ragged checks"
     )
+    parser.add_argument(
+        "--models", nargs="+", choices=sorted(HEAD_DIMS), default=sorted(HEAD_DIMS),
+        help="whose attention shape (and norm width) to time",
+    )  # fmt: skip
     args = parser.parse_args()
     read = read_bandwidth()["read"]
     print(f"read ceiling {read / 1e12:.2f} TB/s (read-only streaming kernel, this run)")
+    has_tilelang = importlib.util.find_spec("tilelang") is not None
+    if not has_tilelang:
+        print("TileLang is not installed: its rows are left out (scripts/tilelang_wheels.sh)")
     # label -> (solution of paged_decode_attention, TileLang's row tile): tilelang chooses its
     # tile per step (16 query-head rows per CTA for split batches, 64 for unsplit ones), -h16 /
     # -h64 force one; triton-splitkv is the default's (FlashInfer's decode past its buckets),
     # triton the one-program-per-token fallback
     names = {
-        "tilelang": ("tilelang", None),
-        "tilelang-h16": ("tilelang", 16),
-        "tilelang-h64": ("tilelang", 64),
         "triton-splitkv": ("triton-splitkv", None),
         "triton": ("triton", None),
     }
+    if has_tilelang:
+        names = {
+            "tilelang": ("tilelang", None),
+            "tilelang-h16": ("tilelang", 16),
+            "tilelang-h64": ("tilelang", 64),
+            **names,
+        }
     if importlib.util.find_spec("flashinfer") is not None:
         names["flashinfer"] = ("flashinfer", None)
     # correctness first: ragged lengths, both dtypes, both page sizes (TileLang only: the others
     # are proven by the conformance suite)
     checks = []
-    for block in (16, 128):
+    for block in (16, 128) if has_tilelang else ():
         for dtype in (torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float16):
             for batch in (1, 7, 64):
                 t0 = time.perf_counter()
@@ -154,48 +170,68 @@ def main() -> None:
                         "s": time.perf_counter() - t0,
                     }
                 )
-    print(table(checks, "TileLang decode vs float64 (ragged contexts up to 3000, strided q)"))
-    rows = []
-    for block in (16,) if args.quick else (16, 128):
+    if checks:
+        print(table(checks, "TileLang decode vs float64 (ragged contexts up to 3000, strided q)"))
+    for model in args.models:
+        head_dim = HEAD_DIMS[model]
+        rows = []
+        for block in (16,) if args.quick else (16, 128):
+            for batch in (1, 16, 64):
+                kv_bytes = batch * 2048 * KV_HEADS * head_dim * 2 * 2
+                for sol, (solution, block_h) in names.items():
+                    if solution in ("flashinfer", "triton-splitkv") and block != 16:
+                        continue  # FlashInfer's page-128 kernels (split-KV's fallback too): a JIT
+                    row = {"solution": sol, "page": block, "batch": batch}
+                    why = _not_taken(solution, head_dim, block)
+                    if why:
+                        rows.append({**row, "us": "-", "err": "-", "TB/s": why, "of_read": "-"})
+                        continue
+                    err, us = decode_case(solution, batch, 2048, block, block_h=block_h,
+                                          head_dim=head_dim)  # fmt: skip
+                    rows.append(
+                        {
+                            **row,
+                            "us": us,
+                            "err": err,
+                            "TB/s": kv_bytes / (us * 1e-6) / 1e12,
+                            "of_read": kv_bytes / (us * 1e-6) / read,
+                        }
+                    )
+        print(
+            table(
+                rows,
+                f"decode attention layer (KV write + attention) in a CUDA graph, {model} shape: "
+                f"bf16 32q/8kv D{head_dim} ctx 2048, KV bytes / time",
+            )
+        )
+        rows = []
+        hidden = HIDDEN[model]
+        solutions = (("tilelang", "cuda-tilelang"),) if has_tilelang else ()
         for batch in (1, 16, 64):
-            kv_bytes = batch * 2048 * KV_HEADS * HEAD_DIM * 2 * 2
-            for sol, (solution, block_h) in names.items():
-                if solution in ("flashinfer", "triton-splitkv") and block != 16:
-                    continue  # FlashInfer's page-128 kernels (split-KV's fallback too): another JIT
-                err, us = decode_case(solution, batch, 2048, block, block_h=block_h)
+            moved = batch * hidden * 2 * 4 + hidden * 2  # x, residual read; both outputs; weight
+            for sol, name in (*solutions, ("triton", "cuda-triton")):
+                err, us = norm_case(name, batch, hidden)
                 rows.append(
                     {
                         "solution": sol,
-                        "page": block,
-                        "batch": batch,
+                        "rows": batch,
                         "us": us,
                         "err": err,
-                        "TB/s": kv_bytes / (us * 1e-6) / 1e12,
-                        "of_read": kv_bytes / (us * 1e-6) / read,
+                        "GB/s": moved / (us * 1e-6) / 1e9,
                     }
                 )
-    print(
-        table(
-            rows,
-            "decode attention layer (KV write + attention) in a CUDA graph, bf16 32q/8kv D128 ctx "
-            "2048: KV bytes / time",
-        )
+        print(table(rows, f"fused add + RMSNorm in a CUDA graph, bf16 hidden {hidden} ({model})"))
+
+
+def _not_taken(solution: str, head_dim: int, block: int) -> str | None:
+    """Why ``solution`` does not take this shape (a row that says so instead of a time)."""
+    if solution != "tilelang":
+        return None
+    from xhal.platforms.cuda import tilelang_attention
+
+    return tilelang_attention.unsupported(
+        AttentionSpec(HEADS, KV_HEADS, head_dim, torch.bfloat16, block)
     )
-    rows = []
-    for batch in (1, 16, 64):
-        moved = batch * 4096 * 2 * 4 + 4096 * 2  # x, residual read; normed, summed written; weight
-        for sol, name in (("tilelang", "cuda-tilelang"), ("triton", "cuda-triton")):
-            err, us = norm_case(name, batch)
-            rows.append(
-                {
-                    "solution": sol,
-                    "rows": batch,
-                    "us": us,
-                    "err": err,
-                    "GB/s": moved / (us * 1e-6) / 1e9,
-                }
-            )
-    print(table(rows, "fused add + RMSNorm in a CUDA graph, bf16 hidden 4096"))
 
 
 if __name__ == "__main__":
