@@ -17,12 +17,12 @@ Decode only: one query row per sequence, at position ``kv_len - 1``. Sliding win
 soft cap are applied in the kernel; fp16 / bf16 / fp32.
 
 The step's own key and value can come in with the launch (``NewToken``, optionally rotated by a
-``Rotary``, and before that normed per head by a ``QKNorm``, Qwen3's q_norm / k_norm): then there
-is no KV-write launch (nor rotary, nor q/k-norm launch) before this one. Every program rotates its q rows
-in registers; split 0 of each (sequence, KV head) rotates the new key, stores key and value at
-the token's slot and seeds its online softmax with them, and no program reads the cache at
-position ``kv_len - 1``, so nothing in the launch reads what it writes (``splitkv_new_token.py``;
-the merge is in ``splitkv_merge.py``).
+``Rotary``, and before that normed per head by a ``QKNorm``, Qwen3's q_norm / k_norm): then
+there is no KV-write launch (nor rotary, nor q/k-norm launch) before this one. Every program
+rotates its q rows in registers; split 0 of each (sequence, KV head) rotates the new key, stores
+key and value at the token's slot and seeds its online softmax with them, and no program reads
+the cache at position ``kv_len - 1``, so nothing in the launch reads what it writes
+(``splitkv_new_token.py``; the merge is in ``splitkv_merge.py``).
 
 With programmatic dependent launch (sm_90, ``xhal/platforms/cuda/pdl.py``) the launch's dependent
 chain starts under the kernel ahead of it (the qkv projection): before its wait a program loads
