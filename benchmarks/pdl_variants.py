@@ -41,6 +41,9 @@ PDL_VARIANTS = {
     # auto with the down + combine kernel triggering right after its wait: the next layer's
     # norm + qkv GEMV loads its first weight tile beside the expert stream
     "auto-moe-down-early": ("1", "auto"),
+    # auto with Qwen3's q/k norms as their own launch before the split-KV decode launch
+    # (XHAL_CUDA_FUSED_QK_NORM=0): the tree before the twelfth session fused them into it
+    "auto-qk-norm-apart": ("1", "auto"),
 }
 # variant -> moe_small's settings while it captures (pdl.OFF = 0, LATE = 2, EARLY = 1)
 _MOE_SMALL = {
@@ -49,7 +52,10 @@ _MOE_SMALL = {
 }
 PREVIOUS_GEMV = "auto-previous-gemv"
 # variant -> further settings it captures under
-EXTRA_ENV = {"auto-torch-activation": {"XHAL_CUDA_TRITON_ACTIVATION": "0"}}
+EXTRA_ENV = {
+    "auto-torch-activation": {"XHAL_CUDA_TRITON_ACTIVATION": "0"},
+    "auto-qk-norm-apart": {"XHAL_CUDA_FUSED_QK_NORM": "0"},
+}
 _TREE_TUNED: dict = {}  # TUNED as the tree has it, before load_gemv_table
 
 

@@ -14,7 +14,6 @@ from torch import nn
 
 from models import config as cfg
 from models.moe import MoeOptions, SparseMoeBlock, is_sparse_layer
-from xhal import ops
 from xhal.layers import (
     Attention,
     MergedColumnParallelLinear,
@@ -90,9 +89,10 @@ class RopeAttention(nn.Module):
         """Everything after the qkv projection (which the decoder layer may fuse with its norm)."""
         # qkv: [T, (H + 2 Hkv) * D] for this rank's heads
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:  # both norms in one op, each head's D channels: [T, H*D]
-            q, k = ops.qk_rms_norm(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))  # attn: [T, H*D]
+        # Qwen3's per-head q/k norms go with them: the attention layer runs them (one op) or
+        # hands them to a backend that fuses them into its decode attention
+        out = self.attn(q, k, v, positions, self.rotary_emb, self.q_norm, self.k_norm)
+        return self.o_proj(out)  # out: [T, H*D]
 
 
 class GatedMLP(nn.Module):

@@ -112,6 +112,14 @@ def cuda_fused() -> bool:
     return _flag("XHAL_CUDA_FUSED", True)
 
 
+def cuda_fused_qk_norm() -> bool:
+    """``XHAL_CUDA_FUSED_QK_NORM``: Qwen3's per-head q/k RMSNorm inside the split-KV decode
+    launch for the decode steps that take it (``kernels/splitkv_decode.py``), instead of its own
+    launch before; on by default (with ``XHAL_CUDA_FUSED``), ``0`` keeps the separate launch (the
+    peer it is measured against)."""
+    return _flag("XHAL_CUDA_FUSED_QK_NORM", True)
+
+
 def cuda_triton_activation() -> bool:
     """``XHAL_CUDA_TRITON_ACTIVATION``: the CUDA platform's gated activations (``silu_and_mul``,
     ``gelu_and_mul``, and the activation before the down projection at 2+ rows) as one Triton

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+import pytest
 import torch
 
 from benchmarks.bench_model import decode_metadata
@@ -15,7 +16,7 @@ from xhal import ops, platforms
 from xhal.executor import ExecutorConfig, ModelExecutor
 from xhal.interfaces.attention import AttentionBackend
 from xhal.interfaces.forward_context import ForwardContext, forward_context
-from xhal.layers import Attention, RotaryEmbedding
+from xhal.layers import Attention, RMSNorm, RotaryEmbedding
 from xhal.platforms.cpu_ref.ops import CpuOps
 
 CONFIG = {
@@ -164,3 +165,77 @@ def test_attention_hands_rotary_to_a_backend_only_when_it_fuses_it() -> None:
         positions, q.view(3, 4, 8), k.view(3, 2, 8), rotary.cos_sin_cache, False
     )
     assert kind == "forward" and torch.equal(q_seen, q_rot) and torch.equal(k_seen, k_rot)
+
+
+class _NormBackend(_Backend):
+    """Says ``fuses_qk_norm`` as told (a decode step on a fusing kernel, or not)."""
+
+    def __init__(self, spec, fuses_qk_norm: bool) -> None:
+        super().__init__(spec, True)
+        self.fuses_qk_norm = fuses_qk_norm
+
+    def forward_qk_norm(self, layer_id, q, k, v, positions, cos_sin_cache, is_neox, q_weight,
+                        k_weight, eps):  # fmt: skip
+        self.calls.append(("forward_qk_norm", q.clone(), k.clone(), q_weight, k_weight, eps))
+        return q
+
+
+def test_attention_hands_the_qk_norm_to_a_backend_only_when_it_fuses_it() -> None:
+    """Exactly one of the two: a backend that says ``fuses_qk_norm`` gets q and k unnormed with
+    both weights and eps; otherwise the layer norms them with ``qk_rms_norm`` and the backend
+    sees the normed values (then rotated by it, as ``fuses_rotary`` says)."""
+    attn = Attention(num_heads=4, head_dim=8, scale=0.5, num_kv_heads=2, layer_id=0)
+    rotary = RotaryEmbedding(8, 8, 64, 10000.0)
+    q_norm, k_norm = RMSNorm(8, 1e-6), RMSNorm(8, 1e-6)
+    with torch.no_grad():
+        q_norm.weight.uniform_(0.5, 1.5)
+        k_norm.weight.uniform_(-1.0, 1.0)
+    qkv = torch.randn(3, 64)
+    q, k, v = qkv.split([32, 16, 16], dim=-1)
+    positions = torch.tensor([0, 5, 9], dtype=torch.int32)
+    single = platforms.get("cpu").collective(None)
+    spec = attn.spec(torch.float32, 16)
+    fusing, plain = _NormBackend(spec, True), _NormBackend(spec, False)
+    for backend in (fusing, plain):
+        ctx = ForwardContext(metadata=None, attention={0: backend}, collective=single)
+        with forward_context(ctx):
+            attn(q, k, v, positions, rotary, q_norm, k_norm)
+    ((kind, q_seen, k_seen, qw, kw, eps),) = fusing.calls
+    assert kind == "forward_qk_norm" and qw is q_norm.weight and kw is k_norm.weight
+    assert eps == 1e-6
+    assert torch.equal(q_seen, q.reshape(3, 4, 8)) and torch.equal(k_seen, k.reshape(3, 2, 8))
+    ((kind, pos, table, neox),) = plain.calls  # normed here, rotated in the backend's write
+    assert kind == "forward_rotary" and pos is positions and neox
+    with pytest.raises(ValueError, match="q_norm and k_norm together"):
+        with forward_context(ForwardContext(None, {0: plain}, single)):
+            attn(q, k, v, positions, rotary, q_norm, None)
+
+
+def test_attention_without_a_fusing_backend_norms_with_qk_rms_norm_once() -> None:
+    attn = Attention(num_heads=4, head_dim=8, scale=0.5, num_kv_heads=2, layer_id=0)
+    q_norm, k_norm = RMSNorm(8, 1e-5), RMSNorm(8, 1e-5)
+    with torch.no_grad():
+        q_norm.weight.uniform_(0.5, 1.5)
+        k_norm.weight.uniform_(-1.0, 1.0)
+    q, k, v = torch.randn(2, 32), torch.randn(2, 16), torch.randn(2, 16)
+    backend = _NormBackend(attn.spec(torch.float32, 16), False)
+    backend.fuses_rotary = False
+    counting = _QkNormCounting()
+    with ops.using("cpu", counting), forward_context(
+        ForwardContext(None, {0: backend}, platforms.get("cpu").collective(None))
+    ):
+        attn(q, k, v, None, None, q_norm, k_norm)  # no rotary: norm, then forward
+    assert counting.calls == 1
+    (kind, q_seen, k_seen) = backend.calls[0]
+    q_want, k_want = CpuOps().qk_rms_norm(q, k, q_norm.weight, k_norm.weight, 1e-5)
+    assert kind == "forward" and torch.equal(q_seen, q_want.view(2, 4, 8))
+    assert torch.equal(k_seen, k_want.view(2, 2, 8))
+
+
+class _QkNormCounting(CpuOps):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def qk_rms_norm(self, q, k, q_weight, k_weight, eps):
+        self.calls += 1
+        return super().qk_rms_norm(q, k, q_weight, k_weight, eps)

@@ -10,6 +10,8 @@ so the family that owns the broken contract is the one expected to fail:
 - ``broken-collective`` (collective): ``all_reduce`` sums into a copy, returns the local tensor.
 - ``broken-graph`` (graph): replay drops the fresh results, so outputs keep capture-time values.
 - ``broken-qk-norm`` (fused): the one-launch q/k norm scales k's heads by q's norm weight.
+- ``broken-qk-norm-order`` (attention): a backend that fuses Qwen3's q/k norm into its decode
+  attention rotates q and k first and norms them after.
 
 The bugs that only the way serving calls a backend shows are in ``tests.support.broken_serving``,
 which this module imports so that one plugin registers every broken platform.
@@ -27,9 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from xhal import platforms
+from xhal import ops, platforms
 from xhal.interfaces.attention import AttentionSpec
 from xhal.interfaces.collective import Collective
+from xhal.interfaces.metadata import BatchKind
 from xhal.platforms.cpu_ref.attention import CpuAttention
 from xhal.platforms.cpu_ref.collective import GlooCollective
 from xhal.platforms.cpu_ref.graph import CpuGraphRunner
@@ -234,12 +237,41 @@ class BrokenQkNormPlatform(CpuPlatform):
         self._ops = _OneWeightQkNormOps()
 
 
+class _NormAfterRotaryAttention(CpuAttention):
+    """Says ``fuses_qk_norm`` for decode steps, as a split-KV kernel with the norm inside does."""
+
+    def plan(self, metadata, graph_key: Hashable | None = None) -> None:
+        super().plan(metadata, graph_key)
+        self.fuses_qk_norm = metadata.kind == BatchKind.DECODE
+
+    def forward_qk_norm(self, layer_id, q, k, v, positions, cos_sin_cache, is_neox, q_weight,
+                        k_weight, eps):  # fmt: skip
+        # BUG: the rotary first, the norm after (the author reasoned "rotation keeps the RMS",
+        # true of the RMS, false of the per-channel weight applied with it)
+        q, k = ops.rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
+        num_tokens = q.shape[0]
+        q, k = ops.qk_rms_norm(
+            q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), q_weight, k_weight, eps
+        )
+        return self.forward(layer_id, q.view(v.shape[0], -1, v.shape[2]),
+                            k.view(v.shape), v)  # fmt: skip
+
+
+class BrokenQkNormOrderPlatform(CpuPlatform):
+    name = "broken-qk-norm-order"
+
+    def attention_backend(self, spec: AttentionSpec) -> CpuAttention:
+        self.capabilities.attention.check(spec)
+        return _NormAfterRotaryAttention(spec)
+
+
 BROKEN_PLATFORMS = (
     BrokenCausalPlatform,
     BrokenKvSlotPlatform,
     BrokenCollectivePlatform,
     BrokenGraphPlatform,
     BrokenQkNormPlatform,
+    BrokenQkNormOrderPlatform,
 )
 for _cls in BROKEN_PLATFORMS:
     platforms.register(_cls.name, _cls)

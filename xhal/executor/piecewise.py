@@ -44,6 +44,18 @@ class _SplitAttention:
             )
         )
 
+    @property
+    def fuses_qk_norm(self) -> bool:
+        return self.backend.fuses_qk_norm
+
+    def forward_qk_norm(self, layer_id: int, q, k, v, positions, cos_sin_cache, is_neox,
+                        q_weight, k_weight, eps) -> torch.Tensor:  # fmt: skip
+        return self.graphs.split(
+            lambda: self.backend.forward_qk_norm(
+                layer_id, q, k, v, positions, cos_sin_cache, is_neox, q_weight, k_weight, eps
+            )
+        )
+
 
 class PiecewiseGraphs:
     """A batch of T tokens runs in the smallest token bucket >= T: input ids and positions are

@@ -147,5 +147,33 @@ class AttentionBackend(ABC):
         invariants as ``forward`` (graph-safe, strided inputs, slot -1 never written)."""
         raise NotImplementedError(f"{type(self).__name__} does not fuse rotary with the KV write")
 
+    #: Whether ``forward_qk_norm`` serves the step planned last. Read by the layer after ``plan``
+    #: at every forward (so inside a captured graph, once at capture), it may change from step to
+    #: step: a backend whose decode kernel fuses the norm answers true for the steps that kernel
+    #: takes and false for the others, where the layer then runs ``qk_rms_norm`` itself. Either
+    #: way the norm happens exactly once.
+    fuses_qk_norm: bool = False
+
+    def forward_qk_norm(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        is_neox: bool,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+    ) -> torch.Tensor:
+        """``forward_rotary(layer_id, q', k', v, positions, cos_sin_cache, is_neox)`` with ``q',
+        k'`` Qwen3's per-head RMSNorm of q and k (``DeviceOps.qk_rms_norm(q, k, q_weight,
+        k_weight, eps)``: each head's D channels, q's with ``q_weight``, k's with ``k_weight``,
+        rounded to the dtype), fused into the attention step: the cache receives the normed,
+        rotated keys. The same invariants as ``forward`` (graph-safe, strided inputs, slot -1
+        never written)."""
+        raise NotImplementedError(f"{type(self).__name__} does not fuse the q/k norm")
+
     def before_replay(self, graph_key: Hashable) -> None:
         """Replay hook: update host arguments a captured graph baked. Default: nothing to do."""

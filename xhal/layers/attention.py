@@ -7,10 +7,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from xhal import ops
 from xhal.interfaces.attention import AttentionSpec
 from xhal.interfaces.forward_context import get_forward_context
 
 if TYPE_CHECKING:
+    from xhal.layers.norm import RMSNorm
     from xhal.layers.rotary import RotaryEmbedding
 
 
@@ -56,21 +58,34 @@ class Attention(nn.Module):
         v: torch.Tensor,
         positions: torch.Tensor | None = None,
         rotary: RotaryEmbedding | None = None,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
     ) -> torch.Tensor:
         """q ``[T, H*D]`` or ``[T, H, D]``, k and v likewise with Hkv -> out ``[T, H*D]``. With
         ``rotary`` (and the step's ``positions``), q and k are rotated first: by the backend in
-        its KV write when it declares ``fuses_rotary``, by ``rotary`` otherwise."""
+        its KV write when it declares ``fuses_rotary``, by ``rotary`` otherwise. With ``q_norm``
+        and ``k_norm`` (Qwen3: RMSNorm over each head's D channels, before rotary), q and k are
+        normed before that: by the backend when it says ``fuses_qk_norm`` for this step (with
+        rotary), by ``ops.qk_rms_norm`` here otherwise."""
         num_tokens = q.shape[0]
+        backend = self._backend()
+        if (q_norm is None) != (k_norm is None):
+            raise ValueError("Attention takes q_norm and k_norm together (Qwen3's per-head norms)")
+        if q_norm is not None:
+            if rotary is not None and backend.fuses_qk_norm:
+                out = backend.forward_qk_norm(
+                    self.layer_id, self._heads(q, self.num_heads), self._heads(k),
+                    self._heads(v), positions, rotary.cos_sin_cache, rotary.is_neox_style,
+                    q_norm.weight, k_norm.weight, q_norm.eps,
+                )  # fmt: skip
+                return out.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
+            q, k = ops.qk_rms_norm(
+                q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), q_norm.weight,
+                k_norm.weight, q_norm.eps,
+            )  # fmt: skip
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        backends = get_forward_context().attention
-        if self.layer_id not in backends:
-            raise RuntimeError(
-                f"the forward context has no attention backend for layer {self.layer_id} "
-                f"(it serves layers {sorted(backends)})"
-            )
-        backend = backends[self.layer_id]
         if rotary is None:
             out = backend.forward(self.layer_id, q, k, v)  # [T, H, D]
         elif backend.fuses_rotary:
@@ -81,6 +96,19 @@ class Attention(nn.Module):
             q, k = rotary(positions, q, k)
             out = backend.forward(self.layer_id, q, k, v)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
+
+    def _backend(self):
+        backends = get_forward_context().attention
+        if self.layer_id not in backends:
+            raise RuntimeError(
+                f"the forward context has no attention backend for layer {self.layer_id} "
+                f"(it serves layers {sorted(backends)})"
+            )
+        return backends[self.layer_id]
+
+    def _heads(self, x: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """``[T, heads*D]`` (or already ``[T, heads, D]``) -> ``[T, heads, D]``, a view."""
+        return x.view(x.shape[0], num_heads or self.num_kv_heads, self.head_dim)
 
     def extra_repr(self) -> str:
         return (

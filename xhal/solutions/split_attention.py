@@ -46,5 +46,15 @@ class SplitAttention(AttentionBackend):
     def forward_rotary(self, layer_id, q, k, v, positions, cos_sin_cache, is_neox):
         return self._current.forward_rotary(layer_id, q, k, v, positions, cos_sin_cache, is_neox)
 
+    @property
+    def fuses_qk_norm(self) -> bool:  # per step: the side this step was planned on
+        return self._current.fuses_qk_norm
+
+    def forward_qk_norm(self, layer_id, q, k, v, positions, cos_sin_cache, is_neox, q_weight,
+                        k_weight, eps):  # fmt: skip
+        return self._current.forward_qk_norm(
+            layer_id, q, k, v, positions, cos_sin_cache, is_neox, q_weight, k_weight, eps
+        )
+
     def before_replay(self, graph_key: Hashable) -> None:
         self._by_graph.get(graph_key, self._current).before_replay(graph_key)

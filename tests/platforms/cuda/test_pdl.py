@@ -78,8 +78,12 @@ _GEMV = dict(
 _SPLITKV = dict(  # the fused decode layer (new token + rotary) of the 8B shape, 16 splits
     GROUP=4, GROUP_PAD=4, ROWS=16, HEAD_DIM=128, DIM_PAD=128, PAGE=16, BLOCK_N=64, SPLITS_PAD=16,
     MERGE_CHUNK=16, SOFT_CAP=False, WINDOW=False, F32_DOT=False, NEW_KV=True, ROTARY=True,
-    HALF=64, IS_NEOX=True, PREFETCH=2, LINES=2, LINE=64,
+    HALF=64, IS_NEOX=True, PREFETCH=2, LINES=2, LINE=64, qw_ptr=None, kw_ptr=None, QK_NORM=False,
+    QK_EPS=0.0,
 )
+# and with Qwen3's per-head q / k norm before the rotary (the weights are real pointers then)
+_SPLITKV_QK = {k: v for k, v in _SPLITKV.items() if k not in ("qw_ptr", "kw_ptr")}
+_SPLITKV_QK.update(QK_NORM=True, QK_EPS=1e-6)
 _GATE_UP = dict(INTER=64, HIDDEN=256, TOP_K=2, BLOCK_N=8, BLOCK_K=128, NUM_STAGES=3)
 _DOWN = dict(INTER=256, HIDDEN=256, TOP_K=2, K_STEPS=2, BLOCK_N=8, BLOCK_K=128, NUM_STAGES=4)
 CASES = {  # name: (module, kernel, constexprs)
@@ -113,6 +117,12 @@ CASES = {  # name: (module, kernel, constexprs)
     ),
     "splitkv late": (
         "splitkv_decode", "_splitkv_decode_kernel", {**_SPLITKV, "USE_PDL": pdl.LATE}
+    ),
+    "splitkv late qk_norm": (
+        "splitkv_decode", "_splitkv_decode_kernel", {**_SPLITKV_QK, "USE_PDL": pdl.LATE}
+    ),
+    "splitkv early qk_norm": (
+        "splitkv_decode", "_splitkv_decode_kernel", {**_SPLITKV_QK, "USE_PDL": pdl.EARLY}
     ),
     "gate_up off": ("moe_small", "_gate_up_kernel", {**_GATE_UP, "USE_PDL": pdl.OFF}),
     "gate_up late": ("moe_small", "_gate_up_kernel", {**_GATE_UP, "USE_PDL": pdl.LATE}),
@@ -162,10 +172,13 @@ def _compile_all() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def ptx() -> dict[str, str]:
     pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[3]
     child_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # this tree's kernels, not those of whichever tree the environment installed
+    child_env["PYTHONPATH"] = os.pathsep.join([str(root), child_env.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, __file__], capture_output=True, text=True, env=child_env, timeout=600,
-        cwd=Path(__file__).resolve().parents[3],
+        cwd=root,
     )
     if done.returncode != 0:
         pytest.skip(f"Triton cannot compile for sm_90 here: {done.stderr.strip()[-400:]}")
@@ -175,8 +188,8 @@ def ptx() -> dict[str, str]:
 @pytest.mark.parametrize(
     "case",
     ["norm+gemv early", "norm+gemv late", "norm+gemv late tma", "rotary_kv", "add_rms_norm",
-     "qk_norm", "router", "splitkv early", "splitkv late", "gate_up late", "down early",
-     "down late"],
+     "qk_norm", "router", "splitkv early", "splitkv late", "splitkv late qk_norm",
+     "splitkv early qk_norm", "gate_up late", "down early", "down late"],
 )
 def test_a_pdl_kernel_waits_once_and_writes_nothing_before_its_wait(ptx, case) -> None:
     code = ptx[case]
@@ -218,7 +231,9 @@ def test_the_expert_kernels_load_nothing_before_their_wait(ptx) -> None:
     assert early.index("griddepcontrol.launch_dependents") < early.index("ld.global")
 
 
-@pytest.mark.parametrize("case", ["splitkv early", "splitkv late"])
+@pytest.mark.parametrize(
+    "case", ["splitkv early", "splitkv late", "splitkv late qk_norm", "splitkv early qk_norm"]
+)
 def test_splitkv_asks_l2_for_its_tiles_before_the_wait_and_reads_q_after(ptx, case) -> None:
     """Before its wait the split-KV launch prefetches K and V (two tiles: one prefetch per L2
     line a thread holds, kept although its result is unused) and loads metadata only; q and the
@@ -228,11 +243,23 @@ def test_splitkv_asks_l2_for_its_tiles_before_the_wait_and_reads_q_after(ptx, ca
     assert "prefetch.global.L2" not in after
     assert "ld.global" in before  # kv_len, page ids, the rotary row
     trigger = after.index("griddepcontrol.launch_dependents")
-    if case == "splitkv late":  # after the tile loop's K/V loads, before the splits' arrival
+    if "late" in case:  # after the tile loop's K/V loads, before the splits' arrival
         assert trigger > after.rfind("cp.async.wait_group")
         assert trigger < after.index("atom.")
     else:
         assert trigger < after.index("ld.global")
+
+
+def test_the_fused_qk_norm_loads_its_weights_before_the_wait_and_q_k_after(ptx) -> None:
+    """With the q / k norm in the launch, its two weights (and their values at each dim's
+    rotary partner) are loaded before the wait: parameters the projection ahead does not write
+    (rule 1); q and the new key stay after it. The norm's reductions come after the wait."""
+    plain_before = ptx["splitkv late"].split("griddepcontrol.wait")[0]
+    before, after = ptx["splitkv late qk_norm"].split("griddepcontrol.wait")
+    assert before.count("ld.global") >= plain_before.count("ld.global") + 4
+    sqrt = re.compile(r"^\s*(?:@!?%p\d+\s+)?sqrt\.", re.M)  # the instruction, not a label
+    assert not sqrt.search(before) and sqrt.search(after)
+    assert not sqrt.search(ptx["splitkv late"])
 
 
 def test_tma_weight_tiles_are_pipelined_and_the_first_is_asked_before_the_wait(ptx) -> None:

@@ -301,3 +301,85 @@ def test_fused_window_and_soft_cap() -> None:
     for got, want in ((dev[1].cpu(), want_k), (dev[2].cpu(), want_v)):  # the NaN block kept
         assert torch.equal(got.isnan(), want.isnan())
         assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+def _norm64(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """float64 RMSNorm of each head's D channels (``x [B, heads, D]``), rounded to x's dtype as
+    the unfused ``qk_rms_norm`` stores it."""
+    x64 = x.double()
+    inv = torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    return (x64 * inv * w.double()).to(x.dtype)
+
+
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, dtype, rotary_dim, is_neox, splits",
+    [(8, 2, torch.bfloat16, 48, True, 4), (8, 1, torch.float32, 64, False, 1),
+     (4, 1, torch.bfloat16, 0, True, 3)],
+    ids=["gqa4-bf16-neox-partial-4splits", "gqa8-fp32-gptj-unsplit", "no-rotary-3splits"],
+)  # fmt: skip
+def test_fused_qk_norm(num_heads, num_kv_heads, dtype, rotary_dim, is_neox, splits) -> None:
+    """Qwen3's per-head q / k RMSNorm inside the launch (``QKNorm``), before the rotary: the
+    cache holds the normed, rotated key the unfused qk_rms_norm + rotary + KV write would store
+    (q's and k's weights different, so using one for the other fails), and the output is
+    attention with the normed, rotated q; q, k and v are strided slices of one qkv row."""
+    from xhal.platforms.cuda.kernels.splitkv_decode import NewToken, QKNorm, Rotary
+
+    kv_lens = [150, 1, 37, 64, 1]
+    case = _fused_case(kv_lens, num_heads, num_kv_heads, dtype, 7, rotary_dim or 2, is_neox)
+    q, k_cache, v_cache, table, lens, k_new, v_new, slots, positions, rot_table = case
+    q, k_new = q * 3.0, k_new * 0.25 + 0.5  # off unit scale, so a norm left out shows
+    g = torch.Generator().manual_seed(8)
+    q_w = (torch.rand(HEAD_DIM, generator=g) + 0.5).to(dtype)
+    k_w = (torch.rand(HEAD_DIM, generator=g) * 2.0 - 0.5).to(dtype)
+    eps, scale = 1e-6, HEAD_DIM**-0.5
+    want_q, want_k = _norm64(q, q_w, eps), _norm64(k_new, k_w, eps)
+    if rotary_dim:
+        want_q = _rotate64(want_q, positions, rot_table, is_neox).to(dtype)
+        want_k = _rotate64(want_k, positions, rot_table, is_neox).to(dtype)
+    want_k_cache, want_v_cache = k_cache.clone(), v_cache.clone()
+    for i, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            want_k_cache[slot // PAGE, slot % PAGE] = want_k[i]
+            want_v_cache[slot // PAGE, slot % PAGE] = v_new[i]
+    scratch = Scratch.make(len(kv_lens), num_kv_heads, num_heads // num_kv_heads, HEAD_DIM,
+                           splits, torch.device(DEVICE))  # fmt: skip
+    dev = [t.to(DEVICE) for t in (q, k_cache, v_cache, table, lens, k_new, v_new, slots)]
+    rotary = Rotary(positions.to(DEVICE), rot_table.to(DEVICE), is_neox) if rotary_dim else None
+    norm = QKNorm(q_w.to(DEVICE), k_w.to(DEVICE), eps)
+    out = torch.zeros(q.shape, dtype=dtype, device=DEVICE)
+    splitkv_decode(*dev[:5], out, scratch, splits, scale, new=NewToken(*dev[5:]), rotary=rotary,
+                   qk_norm=norm)  # fmt: skip
+    # each written head within two roundings of its float64 row's largest value (Triton's
+    # interpreter rounds float32 to bf16 toward zero, and rotary mixes two rounded inputs); the
+    # rest of the cache, NaN blocks included, unchanged
+    got_k = dev[1].cpu()
+    written = slots[slots >= 0].long()
+    got_rows = got_k.view(-1, num_kv_heads, HEAD_DIM)[written].double()
+    want_rows = want_k_cache.view(-1, num_kv_heads, HEAD_DIM)[written].double()
+    bound = 2 * TOL[dtype] * want_rows.abs().amax(-1, keepdim=True)
+    assert ((got_rows - want_rows).abs() <= bound).all(), (got_rows - want_rows).abs().max()
+    kept = torch.ones(got_k.shape[0] * PAGE, dtype=torch.bool)
+    kept[written] = False
+    for got, want in ((got_k, want_k_cache), (dev[2].cpu(), want_v_cache)):
+        got, want = got.view(-1, num_kv_heads, HEAD_DIM), want.view(-1, num_kv_heads, HEAD_DIM)
+        assert torch.equal(got[kept].nan_to_num(), want[kept].nan_to_num())
+        assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(dev[2].cpu().nan_to_num(), want_v_cache.nan_to_num())
+    ref = _reference(want_q, want_k_cache, want_v_cache, table, lens, scale)
+    _check(out[:-1], ref[:-1], dtype)
+    assert scratch.counters.cpu().tolist() == [0] * (len(kv_lens) * num_kv_heads)
+
+
+def test_qk_norm_needs_the_new_token_and_head_dim_weights() -> None:
+    from xhal.platforms.cuda.kernels.splitkv_decode import NewToken, QKNorm
+
+    q, k_cache, v_cache, table, lens, k_new, v_new, slots, _, _ = _fused_case(
+        [20], 4, 1, torch.float32, 3, 2, True
+    )
+    scratch = Scratch.make(1, 1, 4, HEAD_DIM, 1, torch.device("cpu"))
+    args = (q, k_cache, v_cache, table, lens, torch.zeros(q.shape), scratch, 1, 1.0)
+    w = torch.ones(HEAD_DIM)
+    with pytest.raises(ValueError, match="only with the new token"):
+        splitkv_decode(*args, qk_norm=QKNorm(w, w, 1e-6))
+    with pytest.raises(ValueError, match=f"two \\[{HEAD_DIM}\\] weights"):
+        splitkv_decode(*args, new=NewToken(k_new, v_new, slots), qk_norm=QKNorm(w[:8], w, 1e-6))

@@ -64,6 +64,21 @@ class DecodeOverFallback(AttentionBackend):
         """``forward_rotary`` of a decode step, with its plan (when ``fuses_rotary``)."""
         raise NotImplementedError(f"{type(self).__name__} does not fuse rotary into its decode")
 
+    #: Whether ``decode_qk_norm`` is implemented: ``fuses_qk_norm`` for the decode steps taken.
+    decode_fuses_qk_norm: bool = False
+
+    def decode_qk_norm(self, plan: DecodePlan, layer_id, q, k, v, positions, cos_sin_cache,
+                       is_neox, q_weight, k_weight, eps):  # fmt: skip
+        """``forward_qk_norm`` of a decode step, with its plan (when ``decode_fuses_qk_norm``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not fuse the q/k norm")
+
+    @property
+    def fuses_qk_norm(self) -> bool:
+        """Per step: the decode kernel's answer for a step it takes, the fallback's otherwise."""
+        if self._decode is None:
+            return self.fallback.fuses_qk_norm
+        return self.decode_fuses_qk_norm
+
     def bind_kv_caches(self, caches: Sequence[LayerCache]) -> None:
         self._caches = normalize_layer_caches(caches)
         self.fallback.bind_kv_caches(self._caches)
@@ -98,6 +113,13 @@ class DecodeOverFallback(AttentionBackend):
         return self.decode_rotary(
             self._decode, layer_id, q, k, v, positions, cos_sin_cache, is_neox
         )
+
+    def forward_qk_norm(self, layer_id, q, k, v, positions, cos_sin_cache, is_neox, q_weight,
+                        k_weight, eps):  # fmt: skip
+        args = (layer_id, q, k, v, positions, cos_sin_cache, is_neox, q_weight, k_weight, eps)
+        if self._decode is None:
+            return self.fallback.forward_qk_norm(*args)
+        return self.decode_qk_norm(self._decode, *args)
 
     def before_replay(self, graph_key: Hashable) -> None:
         if graph_key not in self._captured:  # a bucket of the fallback's

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from xhal import env
 from xhal.interfaces.attention import AttentionBackend, AttentionSpec
 from xhal.interfaces.cache import LayerCache
 from xhal.interfaces.metadata import AttentionMetadata
@@ -78,6 +79,9 @@ class SplitKVDecodeAttention(DecodeOverFallback):
         # decodes rotate inside the attention launch, other steps on the fallback: fused only
         # when both are
         self.fuses_rotary = fallback.fuses_rotary
+        # Qwen3's q/k norms inside the same launch, for the decode steps it takes (the others
+        # run qk_rms_norm in the layer, or whatever the fallback fuses)
+        self.decode_fuses_qk_norm = self.fuses_rotary and env.cuda_fused_qk_norm()
         self._plans: dict[Hashable, _DecodePlan] = {}  # graph key -> its plan and scratch
         self._eager: kernel.Scratch | None = None
 
@@ -126,6 +130,15 @@ class SplitKVDecodeAttention(DecodeOverFallback):
         rotary = kernel.Rotary(positions, cos_sin_cache, is_neox)
         return self._attend(plan, q, self._caches[layer_id], new, rotary)
 
+    def decode_qk_norm(self, plan: _DecodePlan, layer_id, q, k, v, positions, cos_sin_cache,
+                       is_neox, q_weight, k_weight, eps) -> torch.Tensor:  # fmt: skip
+        # the q/k norm, rotary and the KV write inside the attention launch: no qk_rms_norm
+        # launch before it (docs/h200-results.md, twelfth session)
+        new = kernel.NewToken(k, v, plan.slot_mapping)
+        rotary = kernel.Rotary(positions, cos_sin_cache, is_neox)
+        norm = kernel.QKNorm(q_weight, k_weight, eps)
+        return self._attend(plan, q, self._caches[layer_id], new, rotary, norm)
+
     def _attend(
         self,
         p: _DecodePlan,
@@ -133,6 +146,7 @@ class SplitKVDecodeAttention(DecodeOverFallback):
         cache: LayerCache,
         new: kernel.NewToken,
         rotary: kernel.Rotary | None = None,
+        qk_norm: kernel.QKNorm | None = None,
     ) -> torch.Tensor:
         # q: [T, H, D], one row per sequence first, then padding rows (left zero)
         s = self.spec
@@ -151,5 +165,6 @@ class SplitKVDecodeAttention(DecodeOverFallback):
             s.sliding_window or 0,
             new=new,
             rotary=rotary,
+            qk_norm=qk_norm,
         )
         return out

@@ -17,11 +17,12 @@ Decode only: one query row per sequence, at position ``kv_len - 1``. Sliding win
 soft cap are applied in the kernel; fp16 / bf16 / fp32.
 
 The step's own key and value can come in with the launch (``NewToken``, optionally rotated by a
-``Rotary``): then there is no KV-write launch before this one. Every program rotates its q rows
-in registers; split 0 of each (sequence, KV head) rotates the new key, stores key and value at
-the token's slot and seeds its online softmax with them, and no program reads the cache at
-position ``kv_len - 1``, so nothing in the launch reads what it writes (``splitkv_new_token.py``;
-the merge is in ``splitkv_merge.py``).
+``Rotary``, and before that normed per head by a ``QKNorm``, Qwen3's q_norm / k_norm): then
+there is no KV-write launch (nor rotary, nor q/k-norm launch) before this one. Every program
+rotates its q rows in registers; split 0 of each (sequence, KV head) rotates the new key, stores
+key and value at the token's slot and seeds its online softmax with them, and no program reads
+the cache at position ``kv_len - 1``, so nothing in the launch reads what it writes
+(``splitkv_new_token.py``; the merge is in ``splitkv_merge.py``).
 
 With programmatic dependent launch (sm_90, ``xhal/platforms/cuda/pdl.py``) the launch's dependent
 chain starts under the kernel ahead of it (the qkv projection): before its wait a program loads
@@ -41,10 +42,18 @@ import triton.language as tl
 from xhal.platforms.cuda import pdl
 from xhal.platforms.cuda.kernels.l2_prefetch import line_elements, lines, prefetch_l2
 from xhal.platforms.cuda.kernels.splitkv_merge import merge
-from xhal.platforms.cuda.kernels.splitkv_new_token import NewToken, Rotary, fused_args, rotation
+from xhal.platforms.cuda.kernels.splitkv_new_token import (
+    NewToken,
+    QKNorm,
+    Rotary,
+    fused_args,
+    norm_args,
+    rms_normed,
+    rotation,
+)
 from xhal.platforms.cuda.kernels.splitkv_splits import MERGE_FLOATS, Scratch, block_keys, num_splits
 
-__all__ = ["NewToken", "Rotary", "Scratch", "block_keys", "num_splits", "splitkv_decode"]
+__all__ = ["NewToken", "QKNorm", "Rotary", "Scratch", "block_keys", "num_splits", "splitkv_decode"]
 
 _LOG2E = 1.4426950408889634
 ROWS = 16  # query-head rows per program: the smallest tensor-core tile (tl.dot needs 16)
@@ -71,6 +80,16 @@ def _scores(s, scale_log2, soft_cap, SOFT_CAP: tl.constexpr):
 
 
 @triton.jit
+def _norm_weights(qw_ptr, kw_ptr, d, partner, d_mask):
+    """q's and k's norm weights at each dim and at its rotary partner, in float32."""
+    qw = tl.load(qw_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+    qw_partner = tl.load(qw_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)
+    kw = tl.load(kw_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+    kw_partner = tl.load(kw_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)
+    return qw, qw_partner, kw, kw_partner
+
+
+@triton.jit
 def _splitkv_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, kv_lens_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr, counter_ptr,
@@ -85,6 +104,7 @@ def _splitkv_decode_kernel(
     SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr, F32_DOT: tl.constexpr,
     NEW_KV: tl.constexpr, ROTARY: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr,
     USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr,
+    qw_ptr, kw_ptr, QK_NORM: tl.constexpr, QK_EPS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -119,6 +139,10 @@ def _splitkv_decode_kernel(
         if ROTARY:
             rot_row = rot_ptr + tl.load(pos_ptr + seq).to(tl.int64) * rot_stride
             partner, sin, cos = rotation(rot_row, d, HALF, IS_NEOX)
+        if QK_NORM:  # the norm weights: parameters, not the projection's output
+            if not ROTARY:
+                partner = d
+            qw, qw_partner, kw, kw_partner = _norm_weights(qw_ptr, kw_ptr, d, partner, d_mask)
         line = tl.arange(0, LINES) * LINE
         for j in tl.static_range(PREFETCH):
             n_j = first + (split + j * num_splits) * BLOCK_N + keys
@@ -141,15 +165,24 @@ def _splitkv_decode_kernel(
     q_mask = (r[:, None] < GROUP) & d_mask[None, :]
     # rows past the group are zero: their scores are 0, never stored
     q = tl.load(q_rows + d[None, :], mask=q_mask, other=0.0)
-    if ROTARY:
-        if not USE_PDL:
+    if not USE_PDL:
+        if ROTARY:
             rot_row = rot_ptr + tl.load(pos_ptr + seq).to(tl.int64) * rot_stride
             partner, sin, cos = rotation(rot_row, d, HALF, IS_NEOX)
+        if QK_NORM:
+            if not ROTARY:
+                partner = d
+            qw, qw_partner, kw, kw_partner = _norm_weights(qw_ptr, kw_ptr, d, partner, d_mask)
+    if ROTARY:
         q_partner = tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0)
+        if QK_NORM:  # each head normed over its D channels first (its partners by the same rms)
+            q, q_partner = rms_normed(q, q_partner, qw, qw_partner, QK_EPS, HEAD_DIM, 1)
         # float32 math, rounded to q's dtype as the unfused rotary stores it
         q = (q.to(tl.float32) * cos[None, :] + q_partner.to(tl.float32) * sin[None, :]).to(
             q_ptr.dtype.element_ty
         )
+    elif QK_NORM:
+        q = rms_normed(q, q, qw, qw, QK_EPS, HEAD_DIM, 1)[0]
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DIM_PAD], tl.float32)
@@ -160,8 +193,12 @@ def _splitkv_decode_kernel(
         own_d = own & d_mask
         k_new = tl.load(k_row + d, mask=own_d, other=0.0)
         v_new = tl.load(v_row + d, mask=own_d, other=0.0)
+        if QK_NORM and not ROTARY:
+            k_new = rms_normed(k_new, k_new, kw, kw, QK_EPS, HEAD_DIM, 0)[0]
         if ROTARY:
             k_partner = tl.load(k_row + partner, mask=own_d, other=0.0)
+            if QK_NORM:
+                k_new, k_partner = rms_normed(k_new, k_partner, kw, kw_partner, QK_EPS, HEAD_DIM, 0)
             k_new = (k_new.to(tl.float32) * cos + k_partner.to(tl.float32) * sin).to(
                 k_cache_ptr.dtype.element_ty
             )
@@ -261,6 +298,7 @@ def splitkv_decode(
     block_n: int | None = None,
     new: NewToken | None = None,
     rotary: Rotary | None = None,
+    qk_norm: QKNorm | None = None,
     use_pdl: int | None = None,
     prefetch: int = PREFETCH_TILES,
 ) -> torch.Tensor:
@@ -278,7 +316,8 @@ def splitkv_decode(
 
     ``new``: the step's key and value come with the launch and are written by it (no KV write
     before); ``rotary`` (with ``new`` only): q and the new key are rotated first, q given
-    unrotated.
+    unrotated; ``qk_norm`` (with ``new`` only): q and the new key are normed per head before
+    that, q given unnormed (Qwen3's q_norm / k_norm: no ``qk_rms_norm`` launch before).
 
     ``use_pdl``: ``pdl.OFF`` (the plain kernel), ``pdl.EARLY`` (trigger right after the wait) or
     ``pdl.LATE`` (after the last K/V load); by default ``TRIGGER`` where ``pdl.mode`` is on.
@@ -306,6 +345,7 @@ def splitkv_decode(
     if num_stages is None:
         num_stages = 3 if splits > 1 else 2
     new_args, rot_args, half, is_neox = fused_args(q, k_cache, new, rotary)
+    qk_args = norm_args(q, new, qk_norm)
     if use_pdl is None:
         use_pdl = TRIGGER if pdl.mode(q.device) else pdl.OFF
     use_pdl = int(use_pdl)
@@ -338,6 +378,6 @@ def splitkv_decode(
         USE_PDL=use_pdl, PREFETCH=prefetch if use_pdl else 0,
         LINES=lines(head_dim * k_cache.element_size()),
         LINE=line_elements(k_cache.element_size()),
-        num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(use_pdl),
+        num_warps=num_warps, num_stages=num_stages, **qk_args, **pdl.launch_options(use_pdl),
     )  # fmt: skip
     return out

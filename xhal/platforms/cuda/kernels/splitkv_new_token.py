@@ -1,7 +1,8 @@
 """The step's own token in the split-KV decode launch (``splitkv_decode.py``): its key and value
-(``NewToken``), written by the launch at the token's slot and attended as its last position, and
-the rotary embedding of q and that key (``Rotary``) applied in registers first, so a decode layer
-needs no rotary or KV-write launch before its attention."""
+(``NewToken``), written by the launch at the token's slot and attended as its last position, the
+rotary embedding of q and that key (``Rotary``) and, before it, Qwen3's per-head RMSNorm of both
+(``QKNorm``), applied in registers first, so a decode layer needs no q/k-norm, rotary or KV-write
+launch before its attention."""
 
 from __future__ import annotations
 
@@ -33,6 +34,32 @@ class Rotary:
     is_neox: bool
 
 
+@dataclass(frozen=True)
+class QKNorm:
+    """Norm q and the new key first, each head's D channels (``DeviceOps.qk_rms_norm``: q's heads
+    with ``q_weight``, k's with ``k_weight``, both ``[D]``), in float32 and rounded to q's and k's
+    dtype as the unfused op stores them; then ``Rotary`` (if any) rotates the normed values."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+
+
+@triton.jit
+def rms_normed(x, x_partner, w, w_partner, eps, HEAD_DIM: tl.constexpr, AXIS: tl.constexpr):
+    """Rows of one head (``[ROWS, D]`` over ``AXIS`` 1, or one ``[D]`` row over 0) and their
+    rotary partners, normed as ``qk_norm.py`` does: ``x * (1 / sqrt(mean(x^2) + eps)) * w`` in
+    float32, rounded to x's dtype (the unfused op's output)."""
+    xf = x.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=AXIS) / HEAD_DIM + eps)
+    if AXIS == 1:
+        inv_rms = inv_rms[:, None]
+        w, w_partner = w[None, :], w_partner[None, :]
+    normed = (xf * inv_rms * w).to(x.dtype)
+    normed_partner = (x_partner.to(tl.float32) * inv_rms * w_partner).to(x.dtype)
+    return normed, normed_partner
+
+
 @triton.jit
 def rotation(rot_ptr, d, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
     """Per dim of one row: the partner dim, its sign and cos / sin, so that the rotated row is
@@ -51,6 +78,25 @@ def rotation(rot_ptr, d, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
     cos = tl.load(rot_ptr + freq, mask=rotated, other=1.0)
     sin = tl.load(rot_ptr + HALF + freq, mask=rotated, other=0.0)
     return partner, sign * sin, cos
+
+
+def norm_args(q: torch.Tensor, new: NewToken | None, norm: QKNorm | None) -> dict:
+    """The kernel's q/k-norm arguments by name: both weights None and eps 0 without ``norm``
+    (None arguments are constants to Triton, so the plain kernel's parameters stay as they
+    were)."""
+    if norm is None:
+        return {"qw_ptr": None, "kw_ptr": None, "QK_NORM": False, "QK_EPS": 0.0}
+    head_dim = q.shape[2]
+    if new is None:
+        raise ValueError("split-KV decode norms q and k only with the new token (pass new=)")
+    weights = (norm.q_weight, norm.k_weight)
+    if any(w.shape != (head_dim,) for w in weights) or not norm.eps > 0:
+        raise ValueError(
+            f"split-KV decode's q/k norm takes two [{head_dim}] weights and eps > 0, got "
+            f"{tuple(norm.q_weight.shape)}, {tuple(norm.k_weight.shape)} and eps {norm.eps}"
+        )
+    qw, kw = (w if w.stride(0) == 1 else w.contiguous() for w in weights)
+    return {"qw_ptr": qw, "kw_ptr": kw, "QK_NORM": True, "QK_EPS": float(norm.eps)}
 
 
 def fused_args(
