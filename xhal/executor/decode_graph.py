@@ -113,7 +113,7 @@ class DecodeGraphs:
             metadata.kind != BatchKind.DECODE
             or b > self.sizes[-1]
             or metadata.num_tokens != b
-            or metadata.block_table.shape[1] > self.block_table.shape[1]
+            or metadata.block_table.shape[1] > self.staged_table.max_width
         ):
             return None
         return self._bucket_of[b]
