@@ -4,15 +4,17 @@ and the FlashInfer backend's bookkeeping cost, and what a step calls besides the
 emulation lives in ``tests/support/flashinfer_emulation``:
 
     python -m benchmarks.bench_host_emulated [--batches 1 16 64] [--routes host device]
-        [--clock wall|cpu] [--small-model] [--baseline DIR] [--repeats N]
+        [--clock wall|cpu] [--small-model] [--baseline DIR] [--repeats N] [--staggered]
 
 The model is one layer of a Llama-3-8B-shaped config with dummy weights (``--small-model``: the
 same attention shape with a small MLP and vocabulary, built in a second rather than a minute: the
 host side does not depend on them), every sequence has ``--ctx`` cached tokens; steps advance
 every sequence by a token, so one step in 16 crosses a page. The replay is stubbed out (its cost
 is the device's), so the times are the host's alone. Routes: ``host`` hands the step's tensors as
-a host builds them (the pinned route: numpy into a pinned buffer, one copy), ``device`` as if
-already uploaded (the multi-tensor copy route, taken here on CPU tensors). On the CPU the pinned
+a host builds them (the pinned route: into a pinned buffer, one copy), ``served`` the same with
+the token ids as the last step's sampled tokens on the device (int64, copied in after the pinned
+copy: what ``xhal-serve`` hands in steady decode), ``device`` as if already uploaded (the
+multi-tensor copy route, taken here on CPU tensors). On the CPU the pinned
 buffers' copy fences (``upload_fences.py``, an event record and wait on a GPU) are stood in for
 by counting events, so their calls are counted as a GPU step makes them.
 
@@ -140,6 +142,9 @@ def measure(
     graphs.graphs.replay = lambda k: static  # the host's time alone
     if route == "device":  # CPU tensors taken as device ones: the multi-tensor copy route
         graphs._from_host = lambda *args: False
+    elif route == "served":  # the host route with the ids taken as the last step's tokens on
+        graphs._ids_from_host = lambda ids: False  # the device (int64), as a server hands them
+        work = [(ids.long(), pos, meta) for ids, pos, meta in work]
     backend = executor.backends[0]
     stage, plan, whole, ops, copies, events = [], [], [], [], [], []
     passes = [work[1 + i * steps : 1 + (i + 1) * steps] for i in range(5)]
@@ -158,7 +163,7 @@ def measure(
         whole.append((clock() - t0) * 1e6)
     for ids, pos, meta in passes[2]:
         before = CountingEvent.calls
-        with DeviceCalls() as calls:
+        with DeviceCalls(getattr(graphs, "host_buffers", ())) as calls:
             executor.execute(ids, pos, meta)
         ops.append(len(calls.ops))
         copies.append(calls.copies)
@@ -179,7 +184,8 @@ def measure(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--routes", nargs="+", choices=["host", "device"], default=["host"])
+    parser.add_argument("--routes", nargs="+", choices=["host", "served", "device"],
+                        default=["host"])  # fmt: skip
     parser.add_argument("--ctx", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1, help="runs of each tree, interleaved")

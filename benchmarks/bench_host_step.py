@@ -11,12 +11,14 @@ the same weights and caches first. ``--baseline DIR`` also runs the decode graph
 tree (``DIR/xhal/executor/decode_graph.py``, loaded beside this tree's) on the same model,
 caches and kernels, repeats interleaved: a before/after in one process. ``--inputs`` says where
 the step's tensors are handed over: ``host`` (as a host builds them; the graphs stage them in one
-pinned copy) and ``device`` (already uploaded), both by default. Last, the CUDA runtime
-calls of one step, outside the graph, counted with the profiler (after every timing: once the
-profiler has run in a process, CUDA calls cost more).
+pinned copy) and ``device`` (already uploaded), both by default, or ``served`` (host tensors but
+for the ids, the last step's int64 tokens on the device: xhal-serve's steady decode step). Last,
+the CUDA runtime calls of one step, outside the graph, counted with the profiler (after every
+timing: once the profiler has run in a process, CUDA calls cost more).
 
     python -m benchmarks.bench_host_step [--shapes llama3-8b llama3.2-1b] [--batches 1 64]
-        [--repeats 5] [--steps 200] [--baseline DIR] [--parts] [--inputs host device] [--calls]
+        [--repeats 5] [--steps 200] [--baseline DIR] [--parts] [--calls]
+        [--inputs host served device]
 """
 
 from __future__ import annotations
@@ -106,6 +108,9 @@ def measure_shape(
         read = decode_read_bytes(config, weight_bytes, batch, CTX)
         read_floor_ms = read["honest"] / read_rate * 1e3
         handed = {"device": (ids, pos, meta), "host": on_host(ids, pos, meta)}
+        # as xhal-serve hands a steady decode step: host tensors but for the ids, the tokens
+        # the step before sampled (int64, still on the device)
+        handed["served"] = (ids.long(), *handed["host"][1:])
         runs = [(name, inputs) for name in trees for inputs in args.inputs]
         per_run: dict[tuple[str, str], dict] = {}
         first = None  # the first run's logits: every other run's must be the same bits
@@ -154,7 +159,10 @@ def measure_shape(
     steps = []
     for row in rows:
         step = decode_metadata(row["batch"], CTX, device, config["vocab_size"])
-        steps.append((row, trees[row["tree"]], on_host(*step) if row["inputs"] == "host" else step))
+        if row["inputs"] != "device":
+            host = on_host(*step)
+            step = (step[0].long(), *host[1:]) if row["inputs"] == "served" else host
+        steps.append((row, trees[row["tree"]], step))
     return rows, steps
 
 
@@ -168,10 +176,12 @@ def main() -> None:
     parser.add_argument(
         "--inputs",
         nargs="+",
-        choices=["host", "device"],
+        choices=["host", "served", "device"],
         default=["host", "device"],
         help="where the step's tensors are handed to execute: host (as a host builds them: one "
-        "pinned copy inside execute) or device (already uploaded: one multi-tensor copy)",
+        "pinned copy inside execute), served (host, but the ids are the last step's int64 "
+        "tokens on the device, as xhal-serve hands a steady decode step) or device (already "
+        "uploaded: one multi-tensor copy)",
     )
     parser.add_argument(
         "--parts",

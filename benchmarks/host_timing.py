@@ -11,7 +11,7 @@ and 2 ms of Python spinning (a thread that was running rather than blocked in th
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -243,13 +243,16 @@ class DeviceCalls(TorchDispatchMode):
     """Records the names of the tensor operations (device calls, on a GPU) dispatched while it is
     active, views left out (they queue no device work), except while ``paused``; and ``copies``,
     the tensor pairs the copy ops among them moved (a multi-tensor copy from host tensors is one
-    ``cudaMemcpyAsync`` per pair on a GPU, from device tensors one kernel)."""
+    ``cudaMemcpyAsync`` per pair on a GPU, from device tensors one kernel). A pair whose
+    destination lies in one of ``host`` (host staging buffers: pinned on a GPU, plain host
+    memory here) is a memcpy on the host, not a device copy, and is not counted."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: Sequence[torch.Tensor] = ()) -> None:
         super().__init__()
         self.ops: list[str] = []
         self.copies = 0
         self._paused = False
+        self._host = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in host]
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -259,14 +262,18 @@ class DeviceCalls(TorchDispatchMode):
         finally:
             self._paused = False
 
+    def _to_device(self, dst: torch.Tensor) -> bool:
+        ptr = dst.data_ptr()
+        return not any(start <= ptr < end for start, end in self._host)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self._paused and not _is_view(func):
             self.ops.append(func.__name__)
             name = func.__name__.split(".")[0]
             if name in ("_foreach_copy_", "_foreach_copy"):
-                self.copies += len(args[0])
+                self.copies += sum(map(self._to_device, args[0]))
             elif name in ("copy_", "_copy_from", "copy"):
-                self.copies += 1
+                self.copies += self._to_device(args[0])
         return func(*args, **(kwargs or {}))
 
 

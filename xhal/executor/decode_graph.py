@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 # eager launch (GEMM, slice, float cast) costs the host more than the step's other calls do,
 # and the logits of larger buckets (float32, vocab wide) would cost more memory than they save
 LOGITS_MAX_BUCKET = 8
+# (host buffer, batch, route) -> pinned row views kept for reuse; a server's batch sizes bound
+# them, and past this many the cache starts over
+_MAX_FILLS = 1024
 
 
 class DecodeGraphs:
@@ -37,8 +40,9 @@ class DecodeGraphs:
     A step queues one device call besides the replay. Its int32 inputs (token ids, positions,
     slots, KV lengths, the block table and its width) are views of one device buffer
     (``packed_inputs.py``): a step handed on the host (CPU tensors, as a host builds it) is
-    written with numpy into a pinned buffer and crosses in one host-to-device copy, padding rows
-    included; one already on the device goes in one multi-tensor copy. The graph derives the KV
+    written into a pinned buffer and crosses in one host-to-device copy, padding rows included,
+    all in one call into torch (a multi-tensor copy whose host pairs fill the buffer); one
+    already on the device goes in one multi-tensor copy. The graph derives the KV
     prefix sums and lays the block table out (``staged_table.py``) before its first layer.
 
     With ``logits`` (hidden ``[N, hidden]`` -> float32 logits of every row), a bucket of at most
@@ -87,6 +91,7 @@ class DecodeGraphs:
         self._width_on_device = -1  # the table width the last step staged (-1: none yet)
         self._bucket_of = [next(s for s in self.sizes if s >= b) for b in range(n + 1)]
         self._rows: dict[int, list[torch.Tensor]] = {}  # b -> views of the first b rows
+        self._fills: dict[tuple[int, int, bool], list[torch.Tensor]] = {}  # see _fill_rows
         self._padded: dict[
             int, tuple[AttentionMetadata, torch.Tensor]
         ] = {}  # bucket -> metadata, cu out
@@ -95,6 +100,12 @@ class DecodeGraphs:
         self._last: tuple[int, torch.Tensor, torch.Tensor] | None = None  # bucket, static, rows
         self._logit_rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
+    @property
+    def host_buffers(self) -> list[torch.Tensor]:
+        """The host memory a step's staging writes (the pinned ring, the host twin of the KV
+        lengths): copies into it are memcpys on the host, never device calls."""
+        return [*self.packed.host_buffers, self.kv_seq_lens_host]
+
     def bucket_for(self, metadata: AttentionMetadata) -> int | None:
         """The bucket that can run this batch, or None when it must run eagerly."""
         b = metadata.num_seqs
@@ -102,7 +113,7 @@ class DecodeGraphs:
             metadata.kind != BatchKind.DECODE
             or b > self.sizes[-1]
             or metadata.num_tokens != b
-            or metadata.block_table.shape[1] > self.block_table.shape[1]
+            or metadata.block_table.shape[1] > self.staged_table.max_width
         ):
             return None
         return self._bucket_of[b]
@@ -136,17 +147,14 @@ class DecodeGraphs:
         call is what a graph step spends), padding values (slot -1, one KV token) included in
         rows an earlier, larger step left; the bucket's metadata."""
         b = m.num_seqs
-        kv_host = m.kv_seq_lens_host.numpy()
+        twin = self._kv_host  # host twin of the KV lengths (numpy: a handful of values)
         if self._from_host(input_ids, positions, m):
-            self._stage_host(input_ids, positions, m, kv_host)
+            self._stage_host(input_ids, positions, m)  # the twin's rows [0, b) too
         else:
             self._stage_device(input_ids, positions, m)
+            twin[:b] = m.kv_seq_lens_host.numpy()
         self._live = b
-        # host twin (numpy: a handful of values, where torch's per-op cost would dominate); its
-        # rows past b are 1 but for those a larger step wrote
-        twin = self._kv_host
-        twin[:b] = kv_host
-        if self._twin_live > b:
+        if self._twin_live > b:  # its rows past b are 1 but for those a larger step wrote
             twin[b : self._twin_live] = 1
         self._twin_live = b
         padded = self._padded.get(bucket)
@@ -166,34 +174,56 @@ class DecodeGraphs:
         return input_ids.is_cpu
 
     def _stage_host(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata, kv_host
+        self, input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata
     ) -> None:
-        """numpy into the next pinned buffer, then its one copy. The rows this buffer's own last
-        step filled past this step's go back to padding."""
+        """The next pinned buffer, then its one copy, in one call into torch: the step's rows
+        (and the host twin's) as the host pairs of the upload's multi-tensor copy, its table by
+        numpy, the ids after the upload when they are on the device. The rows this buffer's own
+        last step filled past this step's go back to padding."""
         b = m.num_seqs
         table = m.block_table
         rows, width = table.shape
         packed = self.packed
         host = packed.begin()
-        ids_on_host = self._ids_from_host(input_ids)
-        if ids_on_host:
-            host["input_ids"][:b] = input_ids.numpy()
-        host["positions"][:b] = positions.numpy()
-        slots, kv = host["slot_mapping"], host["kv_seq_lens"]
-        slots[:b] = m.slot_mapping.numpy()
-        kv[:b] = kv_host
-        host_live = self._host_live
-        live = host_live[packed.slot]  # rows of this buffer's last step
+        slot = packed.slot
+        live = self._host_live[slot]  # rows of this buffer's last step
         if live > b:  # a stale slot could belong to a block since given to another sequence
-            slots[b:live] = -1
-            kv[b:live] = 1
-        host_live[packed.slot] = b
+            host["slot_mapping"][b:live] = -1
+            host["kv_seq_lens"][b:live] = 1
+        self._host_live[slot] = b
         host["table_width"][0] = width
+        # numpy: a table's shape changes too often for views made once (its width grows a page
+        # at a time), and one .numpy() costs less than a view
         host["block_table"][: rows * width] = table.numpy().reshape(-1)
-        packed.upload(self._table_at + rows * width)
+        kv = m.kv_seq_lens_host
+        ids_on_host = self._ids_from_host(input_ids)
+        fill = self._fill_rows(slot, b, ids_on_host)
+        if ids_on_host:
+            packed.upload(
+                self._table_at + rows * width,
+                (fill, [input_ids, positions, m.slot_mapping, kv, kv]),
+            )
+        else:  # after the pinned copy in stream order, which carries stale ids
+            packed.upload(
+                self._table_at + rows * width,
+                (fill, [positions, m.slot_mapping, kv, kv]),
+                (self._row_views(b)[:1], [input_ids]),
+            )
         self._width_on_device = width
-        if not ids_on_host:  # after the pinned copy in stream order, which carries stale ids
-            self._row_views(b)[0].copy_(input_ids, non_blocking=True)
+
+    def _fill_rows(self, slot: int, b: int, with_ids: bool) -> list[torch.Tensor]:
+        """Where a host step's rows go, made once per host buffer, ``b`` and route: the first
+        ``b`` values of the pinned buffer's ids (``with_ids``), positions, slots and KV lengths,
+        and of the host twin."""
+        key = slot, b, with_ids
+        fill = self._fills.get(key)
+        if fill is None:
+            if len(self._fills) >= _MAX_FILLS:
+                self._fills.clear()
+            host = self.packed.host_tensors[slot]
+            names = ("input_ids",) * with_ids + ("positions", "slot_mapping", "kv_seq_lens")
+            fill = self._fills[key] = [host[n][:b] for n in names] + [self.kv_seq_lens_host[:b]]
+        return fill
 
     def _stage_device(
         self, input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata

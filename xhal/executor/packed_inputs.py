@@ -4,8 +4,9 @@ buffers: a step written with numpy crosses to the device in one copy.
 On a GPU host every tensor operation costs 5-17 us of host time and every host-to-device pair is
 its own runtime call, so staging a step field by field costs more than the graph launch. Here the
 fields sit back to back (each on a 64-byte boundary) in one device buffer, mirrored by ``slots``
-pinned host buffers that take turns: a step writes its values into the next host buffer through
-numpy views (well under a microsecond a field) and ``upload`` queues one copy of its first
+pinned host buffers that take turns: a step writes its values into the next host buffer (through
+numpy views, well under a microsecond a field, or as host pairs of ``upload``'s one multi-tensor
+copy, which spares a ``.numpy()`` per field) and ``upload`` queues one copy of its first
 ``count`` values. A host buffer is rewritten only once the copy last queued from it has run
 (``upload_fences.py``: an event per ``group`` uploads, since each event call costs as much host
 time as the copy): free unless the host runs ``slots - group`` steps ahead of the device, and
@@ -16,7 +17,7 @@ graph's typical buffer) makes an event call: a median step makes none.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -69,6 +70,8 @@ class PackedInputs:
         self._host = [torch.zeros(total, dtype=torch.int32, pin_memory=self._async)
                       for _ in range(slots)]  # fmt: skip
         self._host_views = [self._named(buffer.numpy(), shapes) for buffer in self._host]
+        # the same fields as torch views, for the host pairs of ``upload``'s one multi-tensor copy
+        self.host_tensors = [self._named(buffer, shapes) for buffer in self._host]
         for views in self._host_views:
             for name, value in initial.items():
                 views[name][...] = value
@@ -85,6 +88,11 @@ class PackedInputs:
         self.slot = 0  # which host buffer ``begin`` handed out last (for a caller's own state)
         self._uploads = 0
 
+    @property
+    def host_buffers(self) -> list[torch.Tensor]:
+        """The ring's host buffers (pinned on a device apart from the host)."""
+        return list(self._host)
+
     def _named(self, flat, shapes: Mapping[str, tuple[int, ...]]) -> dict:
         return {
             name: flat[self.offsets[name] : self.offsets[name] + int(np.prod(shape))].reshape(shape)
@@ -99,15 +107,34 @@ class PackedInputs:
             self._fences.before(self._uploads)
         return self._host_views[slot]
 
-    def upload(self, count: int) -> None:
-        """Queue the copy of the first ``count`` values of the buffer ``begin`` handed out."""
+    def upload(
+        self,
+        count: int,
+        fill: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None,
+        then: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None,
+    ) -> None:
+        """Queue the copy of the first ``count`` values of the buffer ``begin`` handed out.
+
+        ``fill`` (destinations in that buffer, e.g. views of ``host_tensors[slot]``, and host
+        sources) is copied in first and ``then`` (pairs on the device) after the upload, all in
+        one multi-tensor copy: one call into torch for the whole step, whose pairs run in the
+        order given (host pairs are memcpys done before the upload is queued; device pairs
+        queue behind it on the same stream)."""
         pairs = self._pairs[self.slot]
         pair = pairs.get(count)
         if pair is None:
             if len(pairs) >= _MAX_COUNTS:
                 pairs.clear()
             pair = pairs[count] = self.buffer[:count], self._host[self.slot][:count]
-        pair[0].copy_(pair[1], non_blocking=self._async)
+        if fill is None and then is None:
+            pair[0].copy_(pair[1], non_blocking=self._async)
+        else:
+            dst, src = [pair[0]], [pair[1]]
+            if fill is not None:
+                dst, src = [*fill[0], *dst], [*fill[1], *src]
+            if then is not None:
+                dst, src = [*dst, *then[0]], [*src, *then[1]]
+            torch._foreach_copy_(dst, src, non_blocking=self._async)
         if self._fences is not None:
             self._fences.after(self._uploads)
         self._uploads += 1

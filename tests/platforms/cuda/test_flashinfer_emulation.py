@@ -244,6 +244,24 @@ def test_bucket_refuses_metadata_other_than_its_persistent_tensors(emulated) -> 
         backend.plan(fresh, graph_key="bucket")
 
 
+def test_bucket_refuses_a_kv_length_past_its_block_table(emulated) -> None:
+    """A bucket's page counts come from a table of every length its block table can hold; a
+    longer one is an error that says so, never a page count read past the table."""
+    from xhal.interfaces import AttentionSpec
+    from xhal.platforms.cuda.flashinfer_decode_bucket import page_counts
+
+    assert page_counts(16, 2).tolist() == [0] + [1] * 16 + [2] * 16
+    platform = emulated()
+    backend = platform.attention_backend(AttentionSpec(4, 1, 64, torch.bfloat16, BLOCK_SIZE))
+    host = PagedHost(8, BLOCK_SIZE)
+    host.step([(0, [1] * 20), (1, [1] * 3)])
+    _, _, meta = host.step([(0, [2]), (1, [2])])  # a table of 2 pages a row: 32 tokens at most
+    backend.plan(meta, graph_key="bucket")
+    meta.kv_seq_lens_host[0] = 2 * BLOCK_SIZE + 1  # in place, as the executor writes its own
+    with pytest.raises(ValueError, match="past the 32 tokens its block table holds"):
+        backend.plan(meta, graph_key="bucket")
+
+
 @pytest.mark.parametrize("full_width", [True, False], ids=["full-width-table", "narrow-table"])
 def test_a_steady_graph_step_queues_one_device_op_besides_the_replay(
     emulated, model, full_width: bool
@@ -272,7 +290,9 @@ def test_a_steady_graph_step_queues_one_device_op_besides_the_replay(
         table = torch.zeros(len(seqs), width, dtype=torch.int32)
         table[:, : meta.block_table.shape[1]] = meta.block_table
         meta = dataclasses.replace(meta, block_table=table)
-        with DeviceCalls() as calls:
+        with DeviceCalls(executor.decode_graphs.host_buffers) as calls:
             executor.execute(ids, pos, meta)
         outside.append((calls.ops, calls.copies))
-    assert outside[1:] == [(["copy_.default"], 1)] * 3, outside
+    # one multi-tensor copy: the step's rows into the pinned buffer (memcpys on the host), then
+    # that buffer's one copy to the device
+    assert outside[1:] == [(["_foreach_copy_.default"], 1)] * 3, outside

@@ -4,6 +4,7 @@ kernels (the kernels themselves run in the conformance suite on the H200)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 
@@ -230,3 +231,43 @@ def test_attention_skeleton_routes_and_pads_without_tilelang(monkeypatch):
     backend.before_replay("p")
     assert fallback.planned == [(BatchKind.PREFILL, "p")] and fallback.forwards == 1
     assert fallback.replays == ["p"]
+
+
+def test_a_bucket_planned_with_its_last_metadata_object_reuses_that_plan(monkeypatch):
+    """The executor plans a decode bucket with its one persistent metadata object every step:
+    the skeleton then reuses the bucket's plan (no routing, address check or decode plan
+    again), a step of the fallback's bucket still reaches the fallback's own plan every time,
+    and another object is routed, checked and planned afresh."""
+    from conformance_tests.batches import Seq, build_batch
+    from xhal.interfaces import BatchKind
+    from xhal.platforms.cuda.tilelang_attention import TileLangAttention
+
+    monkeypatch.setattr(tilelang_decode, "compiled", lambda *args: None)
+    fallback = _RecordingFallback()
+    backend = TileLangAttention(AttentionSpec(8, 2, 128, torch.bfloat16, 16), fallback, 4)
+    made, plan_decode = [], backend.plan_decode
+
+    def counted(m, graph_key):
+        made.append(graph_key)
+        return plan_decode(m, graph_key)
+
+    monkeypatch.setattr(backend, "plan_decode", counted)
+    m = build_batch(BatchKind.DECODE, [Seq(1, 20)], [[5, 2]], 16, "cpu", num_padding=1).metadata
+    backend.plan(m, graph_key="b2")
+    first = backend._decode
+    for _ in range(3):
+        backend._decode = None
+        backend.plan(m, graph_key="b2")
+        assert backend._decode is first
+    assert made == ["b2"]
+    backend.plan(dataclasses.replace(m), graph_key="b2")  # the same tensors, a new object
+    assert made == ["b2", "b2"]
+    fresh = build_batch(BatchKind.DECODE, [Seq(1, 20)], [[5, 2]], 16, "cpu", num_padding=1)
+    with pytest.raises(ValueError, match="persistent"):
+        backend.plan(fresh.metadata, graph_key="b2")
+
+    prefill = build_batch(BatchKind.PREFILL, [Seq(3, 3)], [[1]], 16, "cpu").metadata
+    for _ in range(2):
+        backend.plan(prefill, graph_key="p")
+        assert backend._decode is None
+    assert fallback.planned == [(BatchKind.PREFILL, "p")] * 2

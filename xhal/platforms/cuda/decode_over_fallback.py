@@ -45,6 +45,8 @@ class DecodeOverFallback(AttentionBackend):
         self._caches: list[LayerCache] = []
         self._captured: dict[Hashable, PersistentInputs] = {}  # decode graph key -> its tensors
         self._decode: DecodePlan | None = None  # the step's decode plan; None: the fallback's step
+        # graph key -> (the metadata of its last plan, that plan or None: the fallback's bucket)
+        self._last: dict[Hashable, tuple[AttentionMetadata, DecodePlan | None]] = {}
 
     def takes(self, m: AttentionMetadata) -> bool:
         """Whether a step runs on the decode kernel: a pure decode, one query row per sequence."""
@@ -85,18 +87,30 @@ class DecodeOverFallback(AttentionBackend):
 
     def plan(self, metadata: AttentionMetadata, graph_key: Hashable | None = None) -> None:
         m = metadata
+        if graph_key is not None:
+            # a bucket planned with the very metadata object of its last plan (the executor's
+            # persistent one, every step): the same routing, tensors and plan (a decode plan is
+            # host work on the metadata's host fields alone), so nothing to redo here
+            last = self._last.get(graph_key)
+            if last is not None and last[0] is m:
+                self._decode = last[1]
+                if last[1] is None:
+                    self.fallback.plan(m, graph_key)
+                return
         if not self.takes(m):
             self._decode = None
             self.fallback.plan(m, graph_key)
-            return
+        else:
+            if graph_key is not None:
+                tables = (m.block_table, m.kv_seq_lens, m.slot_mapping)
+                captured = self._captured.get(graph_key)
+                if captured is None:
+                    self._captured[graph_key] = PersistentInputs(graph_key, *tables)
+                else:
+                    captured.check(*tables)
+            self._decode = self.plan_decode(m, graph_key)
         if graph_key is not None:
-            tables = (m.block_table, m.kv_seq_lens, m.slot_mapping)
-            captured = self._captured.get(graph_key)
-            if captured is None:
-                self._captured[graph_key] = PersistentInputs(graph_key, *tables)
-            else:
-                captured.check(*tables)
-        self._decode = self.plan_decode(m, graph_key)
+            self._last[graph_key] = m, self._decode
 
     def forward(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
