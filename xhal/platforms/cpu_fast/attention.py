@@ -2,7 +2,9 @@
 embedding fused in, its tables gathered once per step, q and k rotated together; a step of more
 than ``MATRIX_TOKENS`` tokens rotated and written in one native pass), every
 one-token sequence of the batch in one batched attention (``decode.py``; read in place when a
-lone sequence's keys are consecutive cache rows), each longer sequence in one SDPA call."""
+lone sequence's keys are consecutive cache rows), each longer sequence in one SDPA call, or, a
+float32 prefill chunk with no cached prefix, in one native causal attention over its own rows
+(``kernels/prefill_attention.c``: 1.3-1.4x torch's CPU flash SDPA at 1,300 tokens here)."""
 
 from __future__ import annotations
 
@@ -308,6 +310,15 @@ class FastCpuAttention(AttentionBackend):
             if chunk.kv_rows.shape[0] == chunk.end - chunk.start and k.dtype == k_flat.dtype:
                 # no cached prefix: its keys are this step's rows, just written (no gather)
                 kc, vc = k[chunk.start : chunk.end], v[chunk.start : chunk.end]
+                if (
+                    chunk.mask is None  # plain causal, no window
+                    and not self.spec.logits_soft_cap
+                    and calls.prefill_attention(
+                        q[chunk.start : chunk.end], kc, vc, self.spec.softmax_scale,
+                        out[chunk.start : chunk.end],
+                    )  # fmt: skip
+                ):
+                    continue
             else:
                 kc = k_flat.index_select(0, chunk.kv_rows)  # [L, Hkv, D]
                 vc = v_flat.index_select(0, chunk.kv_rows)
