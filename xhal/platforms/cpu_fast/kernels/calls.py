@@ -121,22 +121,23 @@ def rotary_write(
 def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor
 ) -> bool:
-    """Causal attention of one prefill chunk over its own keys (query i sees keys 0..i): q
-    ``[T, H, D]``, k / v ``[T, Hkv, D]`` into ``out [T, H, D]`` (contiguous); False (nothing
-    done) unless all are float32 with unit head and channel strides, D a multiple of 32 and H a
-    multiple of Hkv (``prefill_attention.c``)."""
+    """Causal attention of one prefill chunk whose Lq queries are the last of its L keys (query i
+    sees keys ``0 .. L - Lq + i``; L = Lq: no cached prefix): q ``[Lq, H, D]``, k / v ``[L, Hkv,
+    D]`` into ``out [Lq, H, D]`` (contiguous); False (nothing done) unless all are float32 with
+    unit head and channel strides, D a multiple of 32, H a multiple of Hkv and L >= Lq
+    (``prefill_attention.c``)."""
     lib = library()
-    num_tokens, heads, dim = q.shape
-    kv_heads = k.shape[1]
+    num_queries, heads, dim = q.shape
+    num_keys, kv_heads = k.shape[:2]
     if (
         lib is None
-        or num_tokens == 0
+        or num_queries == 0
         or dim % 32
         or heads % kv_heads
         or any(t.dtype != _F32 for t in (q, k, v, out))
         or any(t.stride()[1:] != (dim, 1) for t in (q, k, v))
         or k.shape != v.shape
-        or k.shape[0] != num_tokens
+        or num_keys < num_queries
         or k.shape[2] != dim
         or out.shape != q.shape
         or not out.is_contiguous()
@@ -144,7 +145,7 @@ def prefill_attention(
         return False
     failed = lib.xhal_prefill_attention(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-        num_tokens, heads, kv_heads, dim, scale, out.data_ptr(),
+        num_queries, num_keys, heads, kv_heads, dim, scale, out.data_ptr(),
     )  # fmt: skip
     if failed:
         raise MemoryError("cpu-fast prefill attention: could not allocate its work buffers")

@@ -41,7 +41,9 @@ _SIGNATURES = {
         (_P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P, _P, _I,
          _I, _F, _F, _P),
     ),  # fmt: skip
-    "xhal_prefill_attention": (ctypes.c_int, (_P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P)),
+    "xhal_prefill_attention": (
+        ctypes.c_int, (_P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P)
+    ),
     "xhal_rotary_write": (
         None, (_P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P)
     ),

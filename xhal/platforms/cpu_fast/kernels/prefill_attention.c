@@ -1,6 +1,7 @@
-/* Causal self-attention of a prefill chunk with no cached prefix (its keys are its own rows),
- * float32, flash-style: scores are made a block of keys at a time and folded into a running
- * softmax, never written out whole.
+/* Causal attention of a prefill chunk, float32, flash-style: scores are made a block of keys at
+ * a time and folded into a running softmax, never written out whole. The chunk's Lq queries are
+ * the last of its L keys (a cached prefix of L - Lq keys, or none), query i seeing keys
+ * 0 .. L - Lq + i.
  *
  * Why: torch's CPU flash SDPA does one head at a time through small MKL GEMMs of depth 64; at
  * SmolLM2's 1,300-token prefill it was about a quarter of the prefill (586 ms of 2.25 s on two
@@ -131,24 +132,27 @@ static void pack_keys(const float *k, int64_t k_stride, int64_t num_tokens, int6
     }
 }
 
-/* One work item: KV head g, positions p0 .. p0 + nq - 1 (buffers: the calling thread's). */
+/* One work item: KV head g, queries p0 .. p0 + nq - 1 at key positions offset + p0 .. (buffers:
+ * the calling thread's). */
 static void attend_item(const float *q, int64_t q_stride, const float *v, int64_t v_stride,
                         int64_t heads, int64_t kv_heads, int64_t dim, int64_t tiles,
-                        const float *packed, float scale, int64_t g, int64_t p0, int64_t nq,
+                        const float *packed, float scale, int64_t g, int64_t offset, int64_t p0,
+                        int64_t nq,
                         float *out, const float **q_rows, int64_t *pos, float *s, float *o,
                         float *m, float *l) {
     int64_t group = heads / kv_heads, rows = group * nq;
     for (int64_t r = 0; r < rows; r++) {
         int64_t head = g * group + r / nq, i = r % nq;
         q_rows[r] = q + (p0 + i) * q_stride + head * dim;
-        pos[r] = p0 + i;
+        pos[r] = offset + p0 + i;
         m[r] = -INFINITY;
         l[r] = 0.0f;
     }
     memset(o, 0, sizeof(float) * (size_t)(rows * dim));
     const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    for (int64_t n0 = 0; n0 < p0 + nq; n0 += BK) {
-        int64_t nk = p0 + nq - n0 < BK ? p0 + nq - n0 : BK;
+    int64_t end = offset + p0 + nq; /* keys the item's last query sees */
+    for (int64_t n0 = 0; n0 < end; n0 += BK) {
+        int64_t nk = end - n0 < BK ? end - n0 : BK;
         int64_t block_tiles = (nk + KT - 1) / KT;
         for (int64_t r = 0; r < rows; r += GROUP)
             for (int64_t t = 0; t < block_tiles; t++)
@@ -207,22 +211,24 @@ static void attend_item(const float *q, int64_t q_stride, const float *v, int64_
     }
 }
 
-/* q [T, H, D] (rows q_stride floats apart, heads D apart), k and v [T, Hkv, D] (rows k_stride /
- * v_stride apart) -> out [T, H, D] contiguous: causal attention, query i seeing keys 0..i.
- * D a multiple of 32, H a multiple of Hkv. Returns 0, or -1 if a buffer could not be had
- * (nothing written then). */
+/* q [Lq, H, D] (rows q_stride floats apart, heads D apart), k and v [L, Hkv, D] (rows k_stride
+ * / v_stride apart, L >= Lq) -> out [Lq, H, D] contiguous: causal attention, query i seeing keys
+ * 0 .. L - Lq + i. D a multiple of 32, H a multiple of Hkv. Returns 0, or -1 if a buffer could
+ * not be had (nothing written then). */
 int xhal_prefill_attention(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
-                           const float *v, int64_t v_stride, int64_t num_tokens, int64_t heads,
-                           int64_t kv_heads, int64_t dim, float scale, float *out) {
-    int64_t tiles = (num_tokens + KT - 1) / KT;
-    int64_t blocks = (num_tokens + BQ - 1) / BQ;
+                           const float *v, int64_t v_stride, int64_t num_queries,
+                           int64_t num_keys, int64_t heads, int64_t kv_heads, int64_t dim,
+                           float scale, float *out) {
+    int64_t tiles = (num_keys + KT - 1) / KT;
+    int64_t blocks = (num_queries + BQ - 1) / BQ;
+    int64_t offset = num_keys - num_queries;
     int64_t rows = heads / kv_heads * BQ;
     float *packed = malloc(sizeof(float) * (size_t)(kv_heads * tiles * dim * KT));
     if (packed == NULL) return -1;
     int failed = 0;
 #pragma omp parallel
     {
-        pack_keys(k, k_stride, num_tokens, kv_heads, dim, packed); /* ends in a barrier */
+        pack_keys(k, k_stride, num_keys, kv_heads, dim, packed); /* ends in a barrier */
         const float **q_rows = malloc(sizeof(*q_rows) * (size_t)rows);
         int64_t *pos = malloc(sizeof(*pos) * (size_t)rows);
         float *s = malloc(sizeof(float) * (size_t)(rows * BK + rows * dim + 2 * rows));
@@ -237,9 +243,9 @@ int xhal_prefill_attention(const float *q, int64_t q_stride, const float *k, int
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < kv_heads * blocks; item++) {
                 int64_t block = blocks - 1 - item / kv_heads, g = item % kv_heads;
-                int64_t p0 = block * BQ, nq = num_tokens - p0 < BQ ? num_tokens - p0 : BQ;
+                int64_t p0 = block * BQ, nq = num_queries - p0 < BQ ? num_queries - p0 : BQ;
                 attend_item(q, q_stride, v, v_stride, heads, kv_heads, dim, tiles, packed, scale,
-                            g, p0, nq, out, q_rows, pos, s, o, m, l);
+                            g, offset, p0, nq, out, q_rows, pos, s, o, m, l);
             }
         }
         free(q_rows);
