@@ -295,8 +295,8 @@ def test_prefill_attention_matches_causal_attention_in_float64(
 @needs_native
 def test_prefill_attention_declines_what_it_does_not_read() -> None:
     """Head dims that are not a multiple of 32, bfloat16, a strided head axis, fewer keys than
-    queries and a non-contiguous output come back False with the output untouched: the caller's
-    SDPA serves them."""
+    queries, a non-contiguous output and any call inside ``sdpa_prefill()`` come back False with
+    the output untouched: the caller's SDPA serves them."""
     q, k = torch.randn(5, 4, 32), torch.randn(5, 2, 32)
     out = torch.zeros(5, 4, 32)
     assert not calls.prefill_attention(q[..., :16], k[..., :16], k[..., :16], 1.0, out[..., :16])
@@ -304,4 +304,7 @@ def test_prefill_attention_declines_what_it_does_not_read() -> None:
     assert not calls.prefill_attention(q, k[:, :1].expand(5, 2, 32), k, 1.0, out)
     assert not calls.prefill_attention(q, k[:4], k[:4], 1.0, out)
     assert not calls.prefill_attention(q, k, k, 1.0, torch.zeros(5, 32, 4).transpose(1, 2))
+    with calls.sdpa_prefill():
+        assert not calls.prefill_attention(q, k, k, 1.0, out)
     assert not out.any()
+    assert calls.prefill_attention(q, k, k, 1.0, out)  # served again after the block

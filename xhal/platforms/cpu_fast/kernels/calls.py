@@ -4,11 +4,27 @@ and the caller then runs its torch path."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from xhal.platforms.cpu_fast.kernels.native import library
 
 _F32 = torch.float32
+_prefill_attention_on = True  # False inside ``sdpa_prefill()``
+
+
+@contextlib.contextmanager
+def sdpa_prefill() -> Iterator[None]:
+    """Inside the block ``prefill_attention`` declines every call (torch's SDPA serves prefill
+    chunks, as before the native kernel): for benchmarks that compare the two in one process."""
+    global _prefill_attention_on
+    saved, _prefill_attention_on = _prefill_attention_on, False
+    try:
+        yield
+    finally:
+        _prefill_attention_on = saved
 
 
 def _rows(x: torch.Tensor) -> bool:
@@ -131,6 +147,7 @@ def prefill_attention(
     num_keys, kv_heads = k.shape[:2]
     if (
         lib is None
+        or not _prefill_attention_on
         or num_queries == 0
         or dim % 32
         or heads % kv_heads
