@@ -1,7 +1,8 @@
 """xhal's engine (what ``xhal-serve --device cpu`` runs, in process, without HTTP) against
 transformers ``generate`` on the same SmolLM2-135M checkpoint, same machine, same thread count,
 side by side: batch-1 decode rate, a long prefill (prefix cache off) and the aggregate rate of
-concurrent requests; greedy token ids are compared (batch 1 and every concurrent request).
+concurrent requests; greedy token ids are compared (batch 1, every concurrent request and the
+token after the long prompt).
 
     python -m benchmarks.bench_cpu_vs_hf [--model random|builtin|DIR] [--threads N]
         [--rounds 5] [--clock wall|thread] [--decode-tokens 64] [--prefill-tokens 1300]
@@ -175,14 +176,15 @@ def measure(timed: Timed, args: argparse.Namespace, vocab: int) -> dict[str, obj
     total, ids = timed([short], args.decode_tokens)
     long_prompt = _prompt(args.prefill_tokens, 1, vocab)
     # the quicker of --prefill-repeats: one sample of seconds is at the mercy of a stall
-    long_s = min(timed([long_prompt], 1)[0] for _ in range(args.prefill_repeats))
+    long_runs = [timed([long_prompt], 1) for _ in range(args.prefill_repeats)]
     many = [_prompt(PROMPT_LEN, 10 + i, vocab) for i in range(args.concurrency)]
     batch_s, batch_ids = timed(many, args.decode_tokens)
     return {
         "decode_tok_s": (args.decode_tokens - 1) / (total - first),
-        "prefill_s": long_s,
+        "prefill_s": min(seconds for seconds, _ in long_runs),
         "concurrent_tok_s": args.concurrency * args.decode_tokens / batch_s,
         "ids": ids[0],
+        "prefill_ids": [out[0] for _, out in long_runs],  # the token after the long prompt
         "batch_ids": batch_ids,
     }
 
@@ -269,9 +271,11 @@ def main() -> None:
     )
     same = all(r["xhal"]["ids"] == r["hf"]["ids"] for r in rounds)
     same_batch = all(r["xhal"]["batch_ids"] == r["hf"]["batch_ids"] for r in rounds)
+    same_prefill = all(r["xhal"]["prefill_ids"] == r["hf"]["prefill_ids"] for r in rounds)
     print(
         f"greedy ids identical: batch 1 ({args.decode_tokens} tokens) {same}, "
-        f"{args.concurrency} concurrent {same_batch}"
+        f"{args.concurrency} concurrent {same_batch}, after the {args.prefill_tokens}-token "
+        f"prompt {same_prefill}"
     )
 
 

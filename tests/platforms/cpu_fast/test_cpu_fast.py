@@ -304,11 +304,11 @@ def test_weights_are_laid_out_column_major_and_steps_match_the_reference(
 
 @pytest.mark.skipif(not __import__("xhal.platforms.cpu_fast.packed").platforms.cpu_fast.packed
                     .available(), reason="cpu-fast's native kernels are not built here")
-def test_packed_linear_serves_the_small_batches() -> None:
-    """The native small-batch GEMM on a packed copy gives ``x @ W.T + b`` within float32
-    rounding of a float64 product for 2-32 rows (widths that are not a multiple of the tile,
-    row counts that are not a multiple of its row group, a strided x); one row, 33 rows, a weight
-    changed in place since packing and a weight that died are not served by it, and small
+def test_packed_linear_serves_every_batch_of_two_rows_or_more() -> None:
+    """The native GEMM on a packed copy gives ``x @ W.T + b`` within float32 rounding of a
+    float64 product for decode batches and a prefill's rows alike (widths that are not a multiple
+    of the tile, row counts that are not a multiple of its row group, a strided x); one row, a
+    weight changed in place since packing and a weight that died are not served by it, and small
     matrices are not packed."""
     from xhal.platforms.cpu_fast.packed import MIN_ELEMENTS, TILE, PackedWeights
 
@@ -322,7 +322,7 @@ def test_packed_linear_serves_the_small_batches() -> None:
     assert not packed.add(torch.randn(MIN_ELEMENTS // k - 1, k))  # small: not packed
     assert not packed.add(torch.randn(4 * k, k, dtype=torch.float64))
     for weight, bias_ in ((wide, bias), (odd, None)):
-        for rows in (2, 3, 8, 13, 32):
+        for rows in (2, 3, 8, 13, 32, 33, 301):
             x = torch.randn(rows, k + 5, generator=g)[:, 2 : k + 2]  # rows k + 5 floats apart
             out = packed.linear(x, weight, bias_)
             assert out is not None and out.shape == (rows, weight.shape[0])
@@ -331,8 +331,7 @@ def test_packed_linear_serves_the_small_batches() -> None:
                 want += bias_.double()
             # float32 sums of 320 unit-scale products: errors of ~K * 2^-24 * |sum|
             torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=2e-4)
-    for rows in (1, 33):
-        assert packed.linear(torch.randn(rows, k), wide, None) is None
+    assert packed.linear(torch.randn(1, k), wide, None) is None  # one row: MKL's GEMV
     assert packed.linear(torch.randn(4, k + 1), wide, None) is None  # F.linear's error to raise
     wide.mul_(2)  # an in-place change (it bumps the version counter): the copy is stale
     assert packed.linear(torch.randn(4, k), wide, None) is None

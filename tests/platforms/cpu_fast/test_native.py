@@ -232,3 +232,79 @@ def test_prefill_rotary_leaves_positions_past_the_table_to_the_torch_path() -> N
         positions[7] = bad
         assert not calls.rotary_write(q, k, v, positions, *args)
         assert not v_flat.any()  # nothing written
+
+
+def _causal_float64(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention spelled out in float64: q ``[Lq, H, D]``, the last Lq of the keys
+    ``[L, Hkv, D]``."""
+    group = q.shape[1] // k.shape[1]
+    q, k, v = (t.double().transpose(0, 1) for t in (q, k, v))  # [H(kv), T, D]
+    k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+    scores = q @ k.transpose(-1, -2) * scale  # [H, T, T]
+    num_queries, num_keys = scores.shape[-2:]
+    future = torch.ones(num_queries, num_keys, dtype=torch.bool).triu(1 + num_keys - num_queries)
+    weights = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+    return (weights @ v).transpose(0, 1)
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "num_tokens, prefix, heads, kv_heads, dim",
+    [
+        (1, 0, 9, 3, 64),
+        (31, 0, 4, 4, 32),
+        (65, 0, 8, 2, 64),
+        (300, 0, 9, 3, 64),
+        (97, 0, 6, 1, 128),
+        (1, 70, 9, 3, 64),  # cached prefixes: off a block edge, on one, longer than the chunk
+        (40, 64, 4, 2, 32),
+        (33, 130, 9, 3, 64),
+    ],
+)
+def test_prefill_attention_matches_causal_attention_in_float64(
+    num_tokens: int, prefix: int, heads: int, kv_heads: int, dim: int
+) -> None:
+    """The native causal prefill attention (key blocks of 64, query blocks of 32, the heads of a
+    KV group together) on q, k, v as column blocks of one qkv buffer, the chunk's queries the
+    last of its keys (after a cached prefix or none), against float64: lengths off every block
+    edge, one token, no GQA and a group of 6, on one thread and two (scores up to |s| ~ 20, so
+    the running max is exercised)."""
+    g = torch.Generator().manual_seed(num_tokens + prefix)
+    num_keys = prefix + num_tokens
+    qkv = torch.randn(num_keys, (heads + 2 * kv_heads) * dim, generator=g) * 1.5
+    q, k, v = (
+        part.view(num_keys, -1, dim)
+        for part in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    )
+    q = q[prefix:]
+    scale = dim**-0.5
+    want = _causal_float64(q, k, v, scale)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = torch.full((num_tokens, heads, dim), float("nan"))
+            assert calls.prefill_attention(q, k, v, scale, out)
+            torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_native
+def test_prefill_attention_declines_what_it_does_not_read() -> None:
+    """Head dims that are not a multiple of 32, bfloat16, a strided head axis, fewer keys than
+    queries, a non-contiguous output and any call inside ``sdpa_prefill()`` come back False with
+    the output untouched: the caller's SDPA serves them."""
+    q, k = torch.randn(5, 4, 32), torch.randn(5, 2, 32)
+    out = torch.zeros(5, 4, 32)
+    assert not calls.prefill_attention(q[..., :16], k[..., :16], k[..., :16], 1.0, out[..., :16])
+    assert not calls.prefill_attention(q.bfloat16(), k.bfloat16(), k.bfloat16(), 1.0, out)
+    assert not calls.prefill_attention(q, k[:, :1].expand(5, 2, 32), k, 1.0, out)
+    assert not calls.prefill_attention(q, k[:4], k[:4], 1.0, out)
+    assert not calls.prefill_attention(q, k, k, 1.0, torch.zeros(5, 32, 4).transpose(1, 2))
+    with calls.sdpa_prefill():
+        assert not calls.prefill_attention(q, k, k, 1.0, out)
+    assert not out.any()
+    assert calls.prefill_attention(q, k, k, 1.0, out)  # served again after the block

@@ -2,7 +2,7 @@
 and RMSNorm from one reduction: the same math in fewer torch calls (each costs microseconds of
 dispatch, paid ~100 times per decode step), so float32 results agree with ``CpuOps``'s to a few
 ulps, not bit for bit (RMSNorm's mean of squares is the squared 2-norm over the width, and the
-small-batch products on the packed copies of a served model's matrices, ``packed.py``, sum in
+products on the packed copies of a served model's matrices, ``packed.py``, sum in
 another order).
 The fused ops are the plain sequence of these, as the reference composes them. RMSNorm (with its
 residual add) of a decode step's rows and the greedy pick run as one native C call each where the
@@ -42,7 +42,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 class FastCpuOps(CpuOps):
     """Requirements: CPU tensors. float32 inputs (with float32 weights and a rotary dim equal to
     the head dim) take the short path; anything else is the reference's own code. ``linear`` on a
-    weight ``CpuFastPlatform.prepare_weights`` packed, with 2-32 rows, runs the native small-batch
+    weight ``CpuFastPlatform.prepare_weights`` packed, with two rows or more, runs the native
     GEMM on the packed copy (float32 accumulation in another order: not bit-identical to torch's
     GEMM)."""
 

@@ -49,7 +49,8 @@ class CpuFastPlatform(CpuPlatform):
         1.2x over a decode step's projections and LM head here, ``benchmarks/bench_cpu_vs_hf``);
         the embedding lookup that shares the LM head's matrix reads strided rows, a few
         microseconds per token. All but the smallest also get a copy packed for the native
-        small-batch GEMM, which serves decode batches of 2-32 rows (``packed.py``)."""
+        GEMM, which serves every product of two rows or more: decode batches and a prefill's rows
+        (``packed.py``)."""
         from xhal.platforms.cpu_fast import packed
 
         for param in model.parameters():  # shared (tied) parameters come once

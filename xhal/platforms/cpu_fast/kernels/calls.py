@@ -4,11 +4,27 @@ and the caller then runs its torch path."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from xhal.platforms.cpu_fast.kernels.native import library
 
 _F32 = torch.float32
+_prefill_attention_on = True  # False inside ``sdpa_prefill()``
+
+
+@contextlib.contextmanager
+def sdpa_prefill() -> Iterator[None]:
+    """Inside the block ``prefill_attention`` declines every call (torch's SDPA serves prefill
+    chunks, as before the native kernel): for benchmarks that compare the two in one process."""
+    global _prefill_attention_on
+    saved, _prefill_attention_on = _prefill_attention_on, False
+    try:
+        yield
+    finally:
+        _prefill_attention_on = saved
 
 
 def _rows(x: torch.Tensor) -> bool:
@@ -115,4 +131,39 @@ def rotary_write(
         k.shape[1], dim, positions.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[1],
         is_neox, slots.data_ptr(), k_flat.data_ptr(), v_flat.data_ptr(), out.data_ptr(),
     )  # fmt: skip
+    return True
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor
+) -> bool:
+    """Causal attention of one prefill chunk whose Lq queries are the last of its L keys (query i
+    sees keys ``0 .. L - Lq + i``; L = Lq: no cached prefix): q ``[Lq, H, D]``, k / v ``[L, Hkv,
+    D]`` into ``out [Lq, H, D]`` (contiguous); False (nothing done) unless all are float32 with
+    unit head and channel strides, D a multiple of 32, H a multiple of Hkv and L >= Lq
+    (``prefill_attention.c``)."""
+    lib = library()
+    num_queries, heads, dim = q.shape
+    num_keys, kv_heads = k.shape[:2]
+    if (
+        lib is None
+        or not _prefill_attention_on
+        or num_queries == 0
+        or dim % 32
+        or heads % kv_heads
+        or any(t.dtype != _F32 for t in (q, k, v, out))
+        or any(t.stride()[1:] != (dim, 1) for t in (q, k, v))
+        or k.shape != v.shape
+        or num_keys < num_queries
+        or k.shape[2] != dim
+        or out.shape != q.shape
+        or not out.is_contiguous()
+    ):
+        return False
+    failed = lib.xhal_prefill_attention(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+        num_queries, num_keys, heads, kv_heads, dim, scale, out.data_ptr(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("cpu-fast prefill attention: could not allocate its work buffers")
     return True

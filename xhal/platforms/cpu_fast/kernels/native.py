@@ -1,6 +1,6 @@
-"""cpu-fast's native kernels (``decode_kernels.c``, ``small_gemm.c``): built once with the C
-compiler into the cache directory, keyed by the sources, the flags and this CPU's features, then
-loaded by ctypes.
+"""cpu-fast's native kernels (``decode_kernels.c``, ``small_gemm.c``, ``prefill_attention.c``):
+built once with the C compiler into the cache directory, keyed by the sources, the flags and this
+CPU's features, then loaded by ctypes.
 Without a compiler (or when ``XHAL_CPU_NATIVE=0``) ``library()`` is None, one log line says why,
 and cpu-fast runs its torch path: same results to float32 rounding, more torch calls per layer.
 
@@ -24,7 +24,10 @@ from xhal import env
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_kernels.c", "small_gemm.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(name)
+    for name in ("decode_kernels.c", "small_gemm.c", "prefill_attention.c")
+)
 # -fopenmp: the source's `omp simd` reductions and the decode attention's threads; the library
 # links libgomp.so.1, which resolves to the copy torch has loaded (its pool, its thread count)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
@@ -38,6 +41,9 @@ _SIGNATURES = {
         (_P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P, _P, _I,
          _I, _F, _F, _P),
     ),  # fmt: skip
+    "xhal_prefill_attention": (
+        ctypes.c_int, (_P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P)
+    ),
     "xhal_rotary_write": (
         None, (_P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P)
     ),
