@@ -324,7 +324,7 @@ class FastCpuAttention(AttentionBackend):
             qc = q[rows].transpose(0, 1)[None]  # [1, H, Lq, D]
             kc, vc = kc.transpose(0, 1)[None], vc.transpose(0, 1)[None]  # [1, Hkv, L, D]
             oc = _attend(qc, kc, vc, chunk.mask, chunk.mask is None, self.spec)  # [1, H, Lq, D]
-            out[chunk.start : chunk.end] = oc[0].transpose(0, 1)
+            out[rows] = oc[0].transpose(0, 1)
         return out
 
     def _decode(
