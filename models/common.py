@@ -117,6 +117,14 @@ class GatedMLP(nn.Module):
         """The SiLU gate and the down projection, one fused op: gate_up ``[T, 2 I / tp]``."""
         return self.down_proj.forward_silu_and_mul(gate_up)
 
+    def forward_normed(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(norm(x, residual)[0]), x + residual)`` as one op: the residual add, the
+        post-attention norm, gate_up, the SiLU gate and down (one launch where a platform has
+        one)."""
+        return self.down_proj.forward_gated_block(x, residual, norm, self.gate_up_proj)
+
 
 class DecoderLayer(nn.Module):
     """Pre-norm block. Returns ``(hidden, residual)``; the layer's output in the Hugging Face sense
@@ -153,11 +161,7 @@ class DecoderLayer(nn.Module):
                 hidden, residual, self.input_layernorm
             )
         hidden = self.self_attn.attend(positions, qkv)
-        if isinstance(self.mlp, GatedMLP):
-            gate_up, residual = self.mlp.gate_up_proj.forward_normed(
-                hidden, residual, self.post_attention_layernorm
-            )
-            return self.mlp.down(gate_up), residual
+        # dense or sparse, the MLP block takes the post-attention add + norm in with it
         return self.mlp.forward_normed(hidden, residual, self.post_attention_layernorm)
 
 

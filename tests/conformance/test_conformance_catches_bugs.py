@@ -23,6 +23,7 @@ BROKEN = [
     ("broken-collective", "collective"),
     ("broken-graph", "graph"),
     ("broken-qk-norm", "fused"),
+    ("broken-gated-mlp", "fused"),
     ("broken-qk-norm-order", "attention"),
     # bugs only serving's way of calling shows (tests/support/broken_serving.py)
     ("broken-kv-lens-in-plan", "graph"),

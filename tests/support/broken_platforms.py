@@ -10,6 +10,7 @@ so the family that owns the broken contract is the one expected to fail:
 - ``broken-collective`` (collective): ``all_reduce`` sums into a copy, returns the local tensor.
 - ``broken-graph`` (graph): replay drops the fresh results, so outputs keep capture-time values.
 - ``broken-qk-norm`` (fused): the one-launch q/k norm scales k's heads by q's norm weight.
+- ``broken-gated-mlp`` (fused): the gated MLP block takes up as the gate and the gate as up.
 - ``broken-qk-norm-order`` (attention): a backend that fuses Qwen3's q/k norm into its decode
   attention rotates q and k first and norms them after.
 
@@ -237,6 +238,25 @@ class BrokenQkNormPlatform(CpuPlatform):
         self._ops = _OneWeightQkNormOps()
 
 
+class _SwappedGateUpOps(CpuOps):
+    def add_rms_norm_gated_mlp(self, x, residual, norm_weight, eps, gate_up_weight, down_weight,
+                               gate_up_bias=None, down_bias=None):  # fmt: skip
+        gate_up, summed = self.add_rms_norm_linear(
+            x, residual, norm_weight, eps, gate_up_weight, gate_up_bias
+        )
+        # BUG: the halves the other way round (the author's checkpoint stored up's rows first)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.silu_and_mul_linear(torch.cat([up, gate], -1), down_weight, down_bias), summed
+
+
+class BrokenGatedMlpPlatform(CpuPlatform):
+    name = "broken-gated-mlp"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ops = _SwappedGateUpOps()
+
+
 class _NormAfterRotaryAttention(CpuAttention):
     """Says ``fuses_qk_norm`` for decode steps, as a split-KV kernel with the norm inside does."""
 
@@ -271,6 +291,7 @@ BROKEN_PLATFORMS = (
     BrokenCollectivePlatform,
     BrokenGraphPlatform,
     BrokenQkNormPlatform,
+    BrokenGatedMlpPlatform,
     BrokenQkNormOrderPlatform,
 )
 for _cls in BROKEN_PLATFORMS:

@@ -36,11 +36,16 @@ def _config(m: int, k: int) -> tuple[int, int, int, int, int]:
     return (cfg.block_n, block_k, 2 if k > block_k else 1, 4, 2)
 
 
+# weights past this many elements run on the reference: the interpreter takes about a minute
+# for one of the fused family's GPU-sized cases (4096 x 4096, the MLP block's ring wrap)
+_MAX_INTERPRETED = 1 << 20
+
+
 class FusedInterpretedOps(CpuOps):
     def add_rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias=None):
         from xhal.platforms.cuda.kernels import fused_gemv
 
-        if x.dim() != 2 or not fused_gemv.supports(x, weight):
+        if x.dim() != 2 or weight.numel() > _MAX_INTERPRETED or not fused_gemv.supports(x, weight):
             return super().add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
         cfg = _config(x.shape[0], x.shape[1])
         return fused_gemv.add_rms_norm_gemv(x, residual, norm_weight, eps, weight, bias, config=cfg)
@@ -48,7 +53,11 @@ class FusedInterpretedOps(CpuOps):
     def silu_and_mul_linear(self, x, weight, bias=None):
         from xhal.platforms.cuda.kernels import fused_gemv
 
-        if x.dim() != 2 or not fused_gemv.supports(x, weight, gated=True):
+        if (
+            x.dim() != 2
+            or weight.numel() > _MAX_INTERPRETED
+            or not fused_gemv.supports(x, weight, gated=True)
+        ):
             return super().silu_and_mul_linear(x, weight, bias)
         return fused_gemv.silu_and_mul_gemv(
             x, weight, bias, config=_config(x.shape[0], x.shape[1] // 2)

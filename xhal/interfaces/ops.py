@@ -102,6 +102,29 @@ class DeviceOps(ABC):
         projection. x ``[T, 2I]`` (gate then up), weight ``[N, I]``."""
         return self.linear(self.silu_and_mul(x), weight, bias)
 
+    def add_rms_norm_gated_mlp(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        gate_up_weight: torch.Tensor,
+        down_weight: torch.Tensor,
+        gate_up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decoder layer's gated MLP block after attention: ``(silu_and_mul_linear(
+        add_rms_norm_linear(x, residual, norm_weight, eps, gate_up_weight, gate_up_bias)[0],
+        down_weight, down_bias), x + residual)``. x, residual ``[T, K]``; gate_up_weight ``[2I,
+        K]`` (gate rows, then up rows); down_weight ``[K, I]``. The gate/up projection and the
+        activation are rounded to x's dtype as the two ops store them; a fused kernel may skip
+        rounding the normed rows, as ``add_rms_norm_linear`` may. The default is those two ops
+        (each fused where the platform fuses it)."""
+        gate_up, summed = self.add_rms_norm_linear(
+            x, residual, norm_weight, eps, gate_up_weight, gate_up_bias
+        )
+        return self.silu_and_mul_linear(gate_up, down_weight, down_bias), summed
+
     def qk_rms_norm(
         self,
         q: torch.Tensor,

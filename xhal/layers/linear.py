@@ -151,10 +151,32 @@ class RowParallelLinear(nn.Module):
         n = self.input_size_per_partition
         if not self.input_is_parallel:
             x = x.narrow(-1, self.tp.rank * n, n)  # [T, in / tp]
-        y = ops.linear(x, self.weight)  # [T, out], this rank's partial sum
+        return self.reduce_partial(ops.linear(x, self.weight))  # [T, out]
+
+    def reduce_partial(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product ``y`` ``[T, out]`` (no bias) summed over the ranks
+        (``reduce_results``), then the bias added once."""
         if self.reduce_results:
             y = get_forward_context().collective.all_reduce(y)
         return y + self.bias if self.bias is not None else y
+
+    def forward_gated_block(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        norm: RMSNorm,
+        gate_up: MergedColumnParallelLinear,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self.forward_silu_and_mul(gate_up.forward_normed(x, residual, norm)[0]), x +
+        residual)`` as one op (``add_rms_norm_gated_mlp``): a gated MLP block with the residual
+        add and norm ahead of it. ``gate_up`` holds this rank's gate | up rows, this layer the
+        matching input columns; the bias joins after the sum over ranks."""
+        whole = self.tp.size == 1
+        y, residual = ops.add_rms_norm_gated_mlp(
+            x, residual, norm.weight, norm.eps, gate_up.weight, self.weight, gate_up.bias,
+            self.bias if whole else None,
+        )  # fmt: skip
+        return (y if whole else self.reduce_partial(y)), residual
 
     def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``self(silu_and_mul(x))`` with the gated activation fused into this projection's
@@ -166,10 +188,7 @@ class RowParallelLinear(nn.Module):
             )
         if self.tp.size == 1:
             return ops.silu_and_mul_linear(x, self.weight, self.bias)
-        y = ops.silu_and_mul_linear(x, self.weight)  # [T, out], this rank's partial sum
-        if self.reduce_results:
-            y = get_forward_context().collective.all_reduce(y)
-        return y + self.bias if self.bias is not None else y
+        return self.reduce_partial(ops.silu_and_mul_linear(x, self.weight))
 
 
 class ReplicatedLinear(nn.Module):

@@ -59,6 +59,7 @@ def _route(op: str, x: torch.Tensor, *args: Any) -> Any:
 __all__ = [
     "activate",
     "active",
+    "add_rms_norm_gated_mlp",
     "add_rms_norm_linear",
     "add_rms_norm_moe_route",
     "argmax",
@@ -128,6 +129,22 @@ def silu_and_mul_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     return _route("silu_and_mul_linear", x, x, weight, bias)
+
+
+def add_rms_norm_gated_mlp(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _route(
+        "add_rms_norm_gated_mlp", x, x, residual, norm_weight, eps, gate_up_weight, down_weight,
+        gate_up_bias, down_bias,
+    )  # fmt: skip
 
 
 def qk_rms_norm(

@@ -29,7 +29,8 @@ _kernels_registered: set[str] = set()
 # device type, read at each call (``using`` and ``activate`` swap them between calls)
 _OPS = (
     "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "gelu_and_mul",
-    "add_rms_norm_linear", "silu_and_mul_linear", "qk_rms_norm", "moe_route",
+    "add_rms_norm_linear", "silu_and_mul_linear", "add_rms_norm_gated_mlp", "qk_rms_norm",
+    "moe_route",
     "add_rms_norm_moe_route", "moe_experts",
 )
 

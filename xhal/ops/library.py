@@ -24,6 +24,11 @@ _SCHEMAS = {
     ),
     "silu_and_mul_linear": "silu_and_mul_linear(Tensor x, Tensor weight, Tensor? bias=None) -> "
                            "Tensor",
+    "add_rms_norm_gated_mlp": (
+        "add_rms_norm_gated_mlp(Tensor x, Tensor residual, Tensor norm_weight, float eps, "
+        "Tensor gate_up_weight, Tensor down_weight, Tensor? gate_up_bias=None, "
+        "Tensor? down_bias=None) -> (Tensor, Tensor)"
+    ),
     "qk_rms_norm": (
         "qk_rms_norm(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, float eps) -> (Tensor, "
         "Tensor)"
@@ -74,6 +79,12 @@ def _(x, approximate="none"):
 @torch.library.register_fake("xhal::add_rms_norm_linear")
 def _(x, residual, norm_weight, eps, weight, bias=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0]), torch.empty_like(x)
+
+
+@torch.library.register_fake("xhal::add_rms_norm_gated_mlp")
+def _(x, residual, norm_weight, eps, gate_up_weight, down_weight, gate_up_bias=None,
+      down_bias=None):  # fmt: skip
+    return x.new_empty(*x.shape[:-1], down_weight.shape[0]), torch.empty_like(x)
 
 
 @torch.library.register_fake("xhal::silu_and_mul_linear")

@@ -12,6 +12,7 @@ OPS: dict[str, str] = {
     "gelu_and_mul": "gelu_and_mul",
     "add_rms_norm_linear": "add_rms_norm_linear",
     "silu_and_mul_linear": "silu_and_mul_linear",
+    "add_rms_norm_gated_mlp": "add_rms_norm_gated_mlp",
     "qk_rms_norm": "qk_rms_norm",
     "moe_route": "moe_route",
     "moe_experts": "moe_experts",
