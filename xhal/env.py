@@ -120,6 +120,23 @@ def cuda_fused_qk_norm() -> bool:
     return _flag("XHAL_CUDA_FUSED_QK_NORM", True)
 
 
+def cuda_mlp_block() -> bool:
+    """``XHAL_CUDA_MLP_BLOCK``: a decode step's gated MLP block (residual add, norm, gate_up, SiLU
+    gate, down) as one persistent launch on sm_90+ where it takes the shape
+    (``kernels/mlp_block.cu``); on by default (with ``XHAL_CUDA_FUSED``), ``0`` runs the two fused
+    GEMVs (the peer it is measured against). Read per call: a graph keeps what it was captured
+    with."""
+    return _flag("XHAL_CUDA_MLP_BLOCK", True)
+
+
+def cuda_native_gemv() -> bool:
+    """``XHAL_CUDA_NATIVE_GEMV``: a decode graph's one-row projections outside the MLP block
+    (qkv with its norm, o, the LM head) on the native stream GEMV on sm_90+
+    (``kernels/gemv_stream.cu``); on by default, ``0`` runs the Triton stream GEMVs (the peer it
+    is measured against). Read per call: a graph keeps what it was captured with."""
+    return _flag("XHAL_CUDA_NATIVE_GEMV", True)
+
+
 def cuda_triton_activation() -> bool:
     """``XHAL_CUDA_TRITON_ACTIVATION``: the CUDA platform's gated activations (``silu_and_mul``,
     ``gelu_and_mul``, and the activation before the down projection at 2+ rows) as one Triton

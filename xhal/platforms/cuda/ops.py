@@ -3,9 +3,13 @@ RMSNorm or SiLU gate before them), the fused residual add + RMSNorm, rotary embe
 activations (out of place, one launch each), the fused mixture of experts
 (top-k routing, grouped GEMMs over expert-sorted tokens), FlashInfer's RMSNorm /
 activation kernels when FlashInfer is present, vectorized torch otherwise; sampling without host
-syncs."""
+syncs. On sm_90+ a decode row's MLP block, norm + qkv and LM head run native CUDA kernels that
+stream weights by TMA bulk copies (``native.py``, ``kernels/mlp_block.cu``,
+``kernels/gemv_stream.cu``)."""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -13,11 +17,13 @@ import torch.nn.functional as F
 from xhal import env
 from xhal.interfaces.ops import DeviceOps
 from xhal.platforms.common import sampling
-from xhal.platforms.cuda import pdl
+from xhal.platforms.cuda import native, pdl
 from xhal.platforms.cuda.kernels import (
     activation,
     fused_gemv,
     gemv,
+    gemv_stream,
+    mlp_block,
     moe,
     moe_route,
     moe_router,
@@ -25,6 +31,8 @@ from xhal.platforms.cuda.kernels import (
     qk_norm,
     rotary,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class CudaOps(DeviceOps):
@@ -38,6 +46,8 @@ class CudaOps(DeviceOps):
 
     def __init__(self) -> None:
         self._gemv_loaded: set[tuple] = set()
+        self._natives: dict[tuple, object] = {}  # (family, device) -> its launcher
+        self._native_missing_logged = False
         self.fused = env.cuda_fused()
         rows = env.cuda_gemv_max_rows(gemv.MAX_M)
         if rows is not None:
@@ -50,7 +60,11 @@ class CudaOps(DeviceOps):
         while a graph replays it for free. Compiling and loading a kernel cannot happen under
         capture, so the first eager call of a shape (the graph runner's warm-up) launches our
         kernel once and later captures of that shape use it. With PDL on (pdl.py) the GEMV is
-        the stream kernel, which waits for its input after loading its first weight tile."""
+        the stream kernel, which waits for its input after loading its first weight tile. On
+        sm_90+ with NVRTC, the native stream GEMV (``gemv_stream.cu``) before both."""
+        out = self._stream_gemv(x, weight, bias)
+        if out is not None:
+            return out[0]
         use_pdl = pdl.mode(x.device)
         key = (
             "linear", x.shape[0], *weight.shape, x.stride(), x.dtype, x.device, bias is not None,
@@ -79,8 +93,13 @@ class CudaOps(DeviceOps):
         return True
 
     def add_rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias=None):
-        """One fused kernel (fused_gemv.add_rms_norm_gemv) for one-row decode in a graph; the
-        unfused sequence otherwise (or with XHAL_CUDA_FUSED=0)."""
+        """One fused kernel for one-row decode in a graph (the native stream GEMV with its norm
+        prologue on sm_90+ with NVRTC, else fused_gemv.add_rms_norm_gemv); the unfused sequence
+        otherwise (or with XHAL_CUDA_FUSED=0)."""
+        if self.fused:
+            out = self._stream_gemv(x, weight, bias, residual, norm_weight, eps)
+            if out is not None:
+                return out
         use_pdl = pdl.mode(x.device)
         if (
             self.fused
@@ -131,6 +150,72 @@ class CudaOps(DeviceOps):
         ):
             return fused_gemv.silu_and_mul_gemv(x, weight, bias, use_pdl=use_pdl)
         return super().silu_and_mul_linear(x, weight, bias)
+
+    def add_rms_norm_gated_mlp(
+        self, x, residual, norm_weight, eps, gate_up_weight, down_weight, gate_up_bias=None,
+        down_bias=None,
+    ):  # fmt: skip
+        """The persistent MLP block (``kernels/mlp_block.cu``: one launch, weights through TMA
+        bulk copies, one grid barrier) for one fp16 / bf16 row in a graph on sm_90+ (its
+        ``ROUTED_ROWS``); the two fused ops otherwise, or with ``XHAL_CUDA_MLP_BLOCK=0``."""
+        use_pdl = bool(pdl.mode(x.device))
+        if (
+            self.fused
+            and gate_up_bias is None
+            and down_bias is None
+            and x.dim() == 2
+            and x.shape[0] <= mlp_block.ROUTED_ROWS
+            and env.cuda_mlp_block()
+            and mlp_block.supports(x, residual, norm_weight, gate_up_weight, down_weight)
+        ):
+            block = self._native(x.device, mlp_block.MlpBlock)
+            shape = (x.shape[0], x.shape[1], down_weight.shape[1], x.dtype, use_pdl)
+            if block is not None and self._native_launches(block.loaded(*shape)):
+                return block(x, residual, norm_weight, eps, gate_up_weight, down_weight, use_pdl)
+        return super().add_rms_norm_gated_mlp(
+            x, residual, norm_weight, eps, gate_up_weight, down_weight, gate_up_bias, down_bias
+        )
+
+    def _stream_gemv(self, x, weight, bias, residual=None, norm_weight=None, eps=0.0):
+        """``gemv_stream.cu`` (a one-row GEMV, its weights through TMA bulk copies, the first
+        stages requested before the PDL wait) when it takes the call, else None. The norm form
+        when given the residual and norm weight."""
+        if not (
+            bias is None
+            and x.dim() == 2
+            and x.shape[0] <= gemv_stream.ROUTED_ROWS
+            and env.cuda_native_gemv()
+            and (residual is not None or weight.numel() * 2 >= gemv_stream.MIN_PLAIN_BYTES)
+            and gemv_stream.supports(x, weight, residual, norm_weight)
+        ):
+            return None
+        kernels = self._native(x.device, gemv_stream.GemvStream)
+        use_pdl = bool(pdl.mode(x.device))
+        shape = (x.shape[0], x.shape[1], x.dtype, residual is not None, use_pdl)
+        if kernels is None or not self._native_launches(kernels.loaded(*shape)):
+            return None
+        return kernels(x, weight, use_pdl, residual, norm_weight, eps)
+
+    def _native(self, device: torch.device, family):
+        """The device's launcher of a native kernel family (``family(device)``), made on the first
+        eager call; None without NVRTC or nvcc (one log line) or under capture before that."""
+        key = (family, device)
+        if key not in self._natives:
+            if native.unavailable() is not None:
+                if not self._native_missing_logged:
+                    self._native_missing_logged = True
+                    logger.warning("cuda: native kernels off: %s", native.unavailable())
+                return None
+            if torch.cuda.is_current_stream_capturing():
+                return None
+            self._natives[key] = family(device)
+        return self._natives[key]
+
+    @staticmethod
+    def _native_launches(loaded: bool) -> bool:
+        """``_graph_kernel``'s rule for a native kernel: under capture, once an eager call built
+        the shape; eagerly, the first call of a shape only (the warm-up builds it)."""
+        return loaded if torch.cuda.is_current_stream_capturing() else not loaded
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """One Triton launch (kernels/activation.py) for every fp16 / bf16 / fp32 shape: also what

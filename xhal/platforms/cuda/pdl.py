@@ -61,6 +61,11 @@ and timed in one process, ``benchmarks/bench_model.py --pdl`` / ``bench_moe.py -
 At batch 64 (cuBLAS projections) it changes nothing measurable (8B: 9.20 off, 9.23 auto).
 The sixth session's PDL, early for every GEMV, lost in the 8B step for the same reason.
 
+The native CUDA kernels (``native.py``: the persistent MLP block, the stream GEMV) follow the
+same rule: before their wait they initialise their shared-memory barriers and request weight
+rows by TMA bulk copies, nothing else; they read the kernel ahead's output after it, and
+trigger after their last weight stage (late), so they are gated too.
+
 A non-PDL kernel (cuBLAS, FlashInfer, torch) in the chain is safe either way: it starts only once
 the kernel ahead has finished, and a PDL kernel after it launches when it finishes.
 

@@ -3,7 +3,9 @@ FlashInfer's norm and activations and attention when installed, our Triton GEMV 
 / rotary / fused MoE, cuBLAS and torch as the fallbacks; since: our Triton gated activations
 ahead of FlashInfer's (bench_activation on the H200, silu_and_mul bf16 at 1 / 16 / 64 rows of the
 8B shape: 1.09 / 1.32 / 2.89 us against 3.58 / 3.61 / 4.36; 1B: 1.08 / 1.18 / 2.31 against 1.76 /
-1.84 / 2.45; docs/h200-results.md, tenth session), and inside FlashInfer's where it cannot run."""
+1.84 / 2.45; docs/h200-results.md, tenth session), and inside FlashInfer's where it cannot run;
+the native persistent MLP block ahead of the Triton GEMV pair (Llama-3.2-1B batch-1 step 0.898
+against 0.969 ms, 8B 4.17 against 4.32, with the native stream GEMV; fourteenth session)."""
 
 from __future__ import annotations
 
@@ -34,6 +36,21 @@ def flashinfer_ops(platform: object):
     from xhal.platforms.cuda.ops import FlashInferOps
 
     return FlashInferOps()
+
+
+class TritonMlpPair:
+    """The gated MLP block as the two fused Triton GEMVs (norm + gate_up, SiLU gate + down): the
+    persistent block's peer, and what runs where that block cannot."""
+
+    def __init__(self, platform: object) -> None:
+        from xhal.platforms.cuda.ops import CudaOps
+
+        self._ops = CudaOps()
+
+    def add_rms_norm_gated_mlp(self, *args):
+        from xhal.interfaces.ops import DeviceOps
+
+        return DeviceOps.add_rms_norm_gated_mlp(self._ops, *args)
 
 
 class GroupedMoe:
@@ -167,7 +184,10 @@ SOLUTIONS = (
         _OPS,
         _req(TRITON),
         20,
-        description="our GEMV for one-row linears (XHAL_CUDA_GEMV_MAX_ROWS), cuBLAS beyond",
+        description=(
+            "our GEMV for one-row linears (XHAL_CUDA_GEMV_MAX_ROWS; the native stream GEMV for "
+            "LM-head-sized weights on sm_90+), cuBLAS beyond"
+        ),
     ),
     Solution(
         "linear",
@@ -242,7 +262,10 @@ SOLUTIONS = (
         _OPS,
         _req(TRITON),
         20,
-        description="residual add + RMSNorm in the GEMV's prologue for one row",
+        description=(
+            "residual add + RMSNorm in the GEMV's prologue for one row (the native stream GEMV "
+            "on sm_90+, Triton's otherwise)"
+        ),
     ),
     Solution(
         "silu_and_mul_linear",
@@ -251,6 +274,25 @@ SOLUTIONS = (
         _req(TRITON),
         20,
         description="the SiLU gate in the down GEMV's prologue for one row",
+    ),
+    Solution(
+        "add_rms_norm_gated_mlp",
+        "native",
+        _OPS,
+        Requirement(device_type="cuda", min_compute_capability=(9, 0), packages=(TRITON,)),
+        30,
+        description=(
+            "one persistent launch (TMA weight stream, one grid barrier; kernels/mlp_block.cu, "
+            "built by NVRTC) for 1-4 fp16/bf16 rows in a graph; the Triton pair otherwise"
+        ),
+    ),
+    Solution(
+        "add_rms_norm_gated_mlp",
+        "triton",
+        "xhal.platforms.cuda.solutions:TritonMlpPair",
+        _req(TRITON),
+        20,
+        description="the fused GEMV pair: norm + gate_up, then the SiLU gate + down",
     ),
     Solution(
         "qk_rms_norm",

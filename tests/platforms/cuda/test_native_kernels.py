@@ -1,0 +1,120 @@
+"""The native CUDA kernels' host side, off the GPU (the persistent MLP block, ``mlp_block``, and
+the stream GEMV, ``gemv_stream``): the stage layouts each ``plan`` picks fit the kernel's shared
+memory and refuse what the kernel cannot take, the driver structures ``native`` hands
+``cuLaunchKernelEx`` have the C layout, and the CUDA sources compile for sm_90 without spilling
+for the layouts the benchmarks and the conformance cases use (where nvcc is present). The
+kernels themselves run only on the H200: ``benchmarks/bench_mlp_block.py``,
+``benchmarks/bench_stream_gemv.py`` and the conformance fused and ops families there."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from xhal.platforms.cuda import native
+from xhal.platforms.cuda.kernels import gemv_stream, mlp_block
+
+H100_SHARED = 232448  # shared_memory_per_block_optin of sm_90
+
+
+def used_shared(p: mlp_block.Plan, hidden: int, inter: int, rows: int) -> int:
+    """The kernel's layout (mlp_block.cu): ring, act, parts, norm sums, mbarriers."""
+    ring = max(p.stages1 * 2 * p.pairs * hidden * 2, p.stages2 * p.down_rows * inter * 2)
+    parts = 2 * 8 * 2 * p.pairs * rows * 4
+    return ring + rows * inter * 2 + parts + 8 * rows * 4 + 8 * (p.stages1 + p.stages2)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "hidden,inter", [(2048, 8192), (4096, 14336), (3584, 18944), (256, 96), (4096, 2048)]
+)
+def test_plans_fit_the_shared_memory(hidden, inter, rows) -> None:
+    p = mlp_block.plan(hidden, inter, rows, H100_SHARED)
+    assert p is not None, "every Llama / Qwen decode shape up to 4 rows has a layout"
+    assert p.shared_mem == used_shared(p, hidden, inter, rows) <= H100_SHARED
+    assert min(p.stages1, p.stages2) >= 2 and max(p.stages1, p.stages2) <= 8
+    assert inter % p.pairs == 0 and hidden % p.down_rows == 0
+
+
+def test_plan_refuses_what_the_kernel_cannot_take() -> None:
+    assert mlp_block.plan(2048, 8192, 5, H100_SHARED) is None  # past MAX_ROWS
+    assert mlp_block.plan(2050, 8192, 1, H100_SHARED) is None  # rows of 16-byte chunks
+    assert mlp_block.plan(2048, 8190, 1, H100_SHARED) is None
+    assert mlp_block.plan(2048, 8192, 1, 48 * 1024) is None  # two stages do not fit
+
+
+def test_launch_structures_have_the_driver_layout() -> None:
+    # cuda.h: CUlaunchAttribute {int id; char pad[4]; 64-byte union}; CUlaunchConfig {7 uints,
+    # CUstream, CUlaunchAttribute *, uint}
+    assert ctypes.sizeof(native._LaunchAttribute) == 72
+    assert native._LaunchAttribute.value.offset == 8
+    assert native._LaunchConfig.stream.offset == 32
+    assert native._LaunchConfig.attrs.offset == 40
+    assert native._LaunchConfig.num_attrs.offset == 48
+    assert ctypes.sizeof(native._LaunchConfig) == 56
+
+
+def test_nvrtc_is_looked_for_where_torch_and_cuda_keep_it() -> None:
+    # only what could be a loadable libnvrtc, never its builtins library
+    for path in native._nvrtc_candidates():
+        assert "nvrtc" in path and "builtins" not in path
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize(
+    "hidden,inter,rows", [(2048, 8192, 1), (4096, 14336, 1), (3584, 18944, 4), (256, 96, 3)]
+)
+def test_kernel_compiles_for_sm90_without_spills(hidden, inter, rows, tmp_path) -> None:
+    p = mlp_block.plan(hidden, inter, rows, H100_SHARED)
+    defines = {
+        "DTYPE_BF16": 1, "M_ROWS": rows, "HIDDEN": hidden, "INTER": inter, "PAIRS": p.pairs,
+        "DOWN_ROWS": p.down_rows, "STAGES1": p.stages1, "STAGES2": p.stages2, "USE_PDL": 1,
+    }  # fmt: skip
+    cmd = ["nvcc", "-cubin", *native._options("sm_90", defines, mlp_block.SOURCE.parent)]
+    cmd += ["-Xptxas", "-v"]
+    proc = subprocess.run(
+        [*cmd, "-o", str(tmp_path / "k.cubin"), str(mlp_block.SOURCE)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    spills = re.findall(r"(\d+) bytes spill stores", proc.stderr)
+    assert spills and all(s == "0" for s in spills), proc.stderr
+
+
+@pytest.mark.parametrize("k,rows", [(2048, 1), (2048, 4), (4096, 2), (14336, 1), (64, 4)])
+def test_stream_gemv_plans_fit(k, rows) -> None:
+    p = gemv_stream.plan(k, rows, H100_SHARED)
+    assert p is not None
+    fixed = 4 * (2 * 8 * p.rows * rows + 8 * rows)
+    assert p.shared_mem == p.stages * p.rows * k * 2 + fixed + 8 * p.stages <= H100_SHARED
+    assert 2 <= p.stages <= 8 and p.stages * p.rows * k * 2 <= 192 * 1024
+
+
+def test_stream_gemv_plan_refuses_what_the_kernel_cannot_take() -> None:
+    assert gemv_stream.plan(2048, 5, H100_SHARED) is None
+    assert gemv_stream.plan(2050, 1, H100_SHARED) is None
+    assert gemv_stream.plan(2048, 1, H100_SHARED, ring_bytes=40 * 1024) is None  # one stage
+    assert gemv_stream.plan(14336, 2, H100_SHARED) is None  # 112 input floats a thread
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("k,rows,norm", [(2048, 1, 1), (4096, 1, 0), (14336, 1, 0), (64, 4, 1)])
+def test_stream_gemv_compiles_for_sm90_without_spills(k, rows, norm, tmp_path) -> None:
+    p = gemv_stream.plan(k, rows, H100_SHARED)
+    defines = {
+        "DTYPE_BF16": 0, "M_ROWS": rows, "K": k, "R": p.rows, "STAGES": p.stages,
+        "NORM": norm, "USE_PDL": 1,
+    }  # fmt: skip
+    cmd = ["nvcc", "-cubin", *native._options("sm_90", defines, gemv_stream.SOURCE.parent)]
+    proc = subprocess.run(
+        [*cmd, "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(gemv_stream.SOURCE)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "warning" not in proc.stderr, proc.stderr
+    spills = re.findall(r"(\d+) bytes spill stores", proc.stderr)
+    assert spills and all(s == "0" for s in spills), proc.stderr

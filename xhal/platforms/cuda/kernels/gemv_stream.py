@@ -1,0 +1,136 @@
+"""A decode GEMV (optionally with the residual add + RMSNorm ahead of it) whose weights stream
+through TMA bulk copies: ``gemv_stream.cu`` (what it computes and how), built by ``native.py``.
+
+Where it goes: the one-row projections of a decode graph that are not the MLP block (qkv with
+its norm, o, the LM head). Each CTA requests its first stages before waiting for the kernel
+ahead, so a 2048-wide model's qkv or o slice (under 100 KB an SM) is on chip when that kernel
+ends; the Triton stream GEMV holds about one tile a program in flight (``fused_gemv_config.py``).
+
+Shapes it takes (``plan``): 1 to ``MAX_ROWS`` rows of fp16 / bf16, K a multiple of 8, no bias;
+sm_90+.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from xhal.platforms.cuda import native
+
+SOURCE = Path(__file__).with_name("gemv_stream.cu")
+MAX_ROWS = 4
+ROUTED_ROWS = 1  # the rows CudaOps sends here (the Triton GEMV's gemv_max_rows)
+# a plain GEMV (no norm) comes here only from this many weight bytes. On the H200 in one run
+# (benchmarks/bench_stream_gemv.py, fourteenth session) the o projections (8-34 MB) ran as fast
+# or faster on the Triton stream GEMV (1B 3.67 against 4.47 us, MoE 6.16 / 6.12, 8B 10.2 /
+# 10.0), which lets the next kernel launch right after its wait; the LM heads (525 MB, 1 GB) ran
+# 0-4% faster here (1B 120 / 121 us, 8B 243 / 233). Every norm + qkv ran faster here.
+MIN_PLAIN_BYTES = 64 << 20
+THREADS = 256
+_WARPS = THREADS // 32
+_MAX_STAGES = 8
+_RING_BYTES = 192 * 1024  # what a CTA may hold in flight: most of an SM's shared memory
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Weight rows per stage, stages in the ring, shared memory in all (bytes)."""
+
+    rows: int
+    stages: int
+    shared_mem: int
+
+
+@functools.cache
+def plan(k: int, m: int, max_shared_mem: int, ring_bytes: int = _RING_BYTES) -> Plan | None:
+    """Stages of up to 8 weight rows and 64 KB, as many as ``ring_bytes`` holds (at most 8, at
+    least 2), or None; also None where the input rows would not fit in 64 registers a thread
+    (``K * m <= 16384``). The kernel's layout: ring, parts, norm sums, mbarriers."""
+    chunks_per_thread = -(-k // (8 * THREADS))
+    if k % 8 or not 1 <= m <= MAX_ROWS or chunks_per_thread * 8 * m > 64:
+        return None
+    rows = max(1, min(8, 65536 // (k * 2)))
+    stage = rows * k * 2
+    fixed = 4 * (2 * _WARPS * rows * m + _WARPS * m)
+    stages = min(_MAX_STAGES, min(ring_bytes, max_shared_mem - fixed - 8 * _MAX_STAGES) // stage)
+    if stages < 2:
+        return None
+    return Plan(rows, stages, stages * stage + fixed + 8 * stages)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
+             norm_weight: torch.Tensor | None = None) -> bool:  # fmt: skip
+    """Whether the kernel takes these operands (the caller falls back otherwise)."""
+    if not (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS):
+        return False
+    if x.dtype not in (torch.float16, torch.bfloat16) or torch.cuda.get_device_capability(
+        x.device
+    ) < (9, 0):
+        return False
+    k = x.shape[1]
+    rows = [x] if residual is None else [x, residual]
+    tensors = [*rows, weight] + ([] if norm_weight is None else [norm_weight])
+    if any(t.dtype != x.dtype or t.device != x.device for t in tensors):
+        return False
+    if weight.dim() != 2 or weight.shape[1] != k or not weight.is_contiguous():
+        return False
+    if residual is not None and (residual.shape != x.shape or norm_weight is None):
+        return False
+    if norm_weight is not None and (norm_weight.shape != (k,) or not norm_weight.is_contiguous()):
+        return False
+    if any(t.stride(1) != 1 or t.stride(0) % 8 for t in rows):  # rows start on 16 bytes
+        return False
+    if any(t.data_ptr() % 16 for t in tensors):
+        return False
+    return plan(k, x.shape[0], native.max_shared_mem(x.device)) is not None
+
+
+class GemvStream:
+    """The launches of one device, its kernels by shape."""
+
+    def __init__(self, device: torch.device, plan_for=plan) -> None:
+        """``plan_for(k, rows, max_shared_mem)`` picks each shape's stages (``plan``; a benchmark
+        may pass its own)."""
+        self._kernels = native.KernelCache(SOURCE, "gemv_stream", device)
+        self._plan_for = plan_for
+
+    def _shape(self, rows: int, k: int, dtype: torch.dtype, norm: bool, pdl: bool):
+        p = self._plan_for(k, rows, self._kernels.max_shared_mem)
+        defines = {
+            "DTYPE_BF16": int(dtype == torch.bfloat16), "M_ROWS": rows, "K": k, "R": p.rows,
+            "STAGES": p.stages, "NORM": int(norm), "USE_PDL": int(pdl),
+        }  # fmt: skip
+        return defines, p
+
+    def loaded(self, rows: int, k: int, dtype: torch.dtype, norm: bool, pdl: bool) -> bool:
+        return self._kernels.loaded(self._shape(rows, k, dtype, norm, pdl)[0])
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        use_pdl: bool,
+        residual: torch.Tensor | None = None,
+        norm_weight: torch.Tensor | None = None,
+        eps: float = 0.0,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(x @ weight.T, None)``, or with a residual and norm weight ``(rms_norm(x + residual)
+        @ weight.T, x + residual)``; ``supports`` said yes for these operands."""
+        rows, k = x.shape
+        n = weight.shape[0]
+        norm = residual is not None
+        defines, p = self._shape(rows, k, x.dtype, norm, use_pdl)
+        kernel = self._kernels.get(defines, p.shared_mem)
+        out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+        summed = torch.empty(rows, k, dtype=x.dtype, device=x.device) if norm else None
+        pointers = (x, residual, norm_weight, weight, out, summed)
+        args = [ctypes.c_void_p(0 if t is None else t.data_ptr()) for t in pointers]
+        args += [ctypes.c_uint(n), ctypes.c_longlong(x.stride(0))]
+        args += [ctypes.c_longlong(residual.stride(0) if norm else 0), ctypes.c_float(eps)]
+        units = (n + p.rows - 1) // p.rows
+        kernel.launch(min(self._kernels.num_sms, units), THREADS, args, use_pdl)
+        return out, summed

@@ -1,0 +1,271 @@
+"""CUDA C kernels of the CUDA platform, built on the machine that runs them and launched through
+the driver API, for what Triton cannot express (TMA bulk copies into a ring of shared-memory
+stages, a grid-wide barrier in a persistent launch).
+
+A source (``kernels/*.cu``, no headers) is compiled with its ``-D`` shape options into a cubin for
+this GPU's architecture by NVRTC (the library torch's CUDA wheels bring), or by ``nvcc`` when no
+NVRTC is found; the cubin is cached under ``XHAL_CACHE_DIR/cuda_native``, keyed by the source, the
+options and the compiler, so later starts load it without compiling. Launches go through
+``cuLaunchKernelEx`` on torch's current stream, so a CUDA graph being captured records them like
+any kernel, with the programmatic-dependent-launch attribute when asked (``xhal/platforms/cuda/
+pdl.py`` has the rule such a kernel follows).
+
+``compiler()`` is None, with the reason in ``unavailable()``, where neither compiler is found;
+callers then keep their Triton path (one log line)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import glob
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from xhal import env
+
+logger = logging.getLogger(__name__)
+
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, pad to 8, 64-byte value
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared_mem_bytes", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)),
+        ("num_attrs", ctypes.c_uint),
+    ]
+
+
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuLaunchKernelEx.argtypes = [
+        ctypes.POINTER(_LaunchConfig),
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+    ]
+    return lib
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        name = ctypes.c_char_p()
+        _driver().cuGetErrorName(result, ctypes.byref(name))
+        raise RuntimeError(f"{what} failed: {(name.value or b'?').decode()} ({result})")
+
+
+def _nvrtc_candidates() -> list[str]:
+    found = []
+    try:  # torch's own lookup of the NVRTC its CUDA wheel depends on (a private helper)
+        from torch.cuda import _utils
+
+        found.append(_utils._get_nvrtc_library()._name)
+    except Exception:  # noqa: BLE001 - any failure just means: look elsewhere
+        pass
+    for root in sys.path:
+        found += sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libnvrtc.so*")))
+        found += sorted(glob.glob(os.path.join(root, "nvidia", "*", "*", "lib", "libnvrtc.so*")))
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    found += sorted(glob.glob(os.path.join(home, "lib64", "libnvrtc.so*")))
+    if name := ctypes.util.find_library("nvrtc"):
+        found.append(name)
+    return [f for f in found if "builtins" not in os.path.basename(f)]
+
+
+@functools.cache
+def _nvrtc() -> ctypes.CDLL | None:
+    for path in _nvrtc_candidates():
+        try:
+            lib = ctypes.CDLL(path)
+            lib.nvrtcGetCUBIN  # noqa: B018 - CUBIN output needs NVRTC 11.1+
+        except (OSError, AttributeError):
+            continue
+        return lib
+    return None
+
+
+@functools.cache
+def _nvcc() -> str | None:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    candidate = os.path.join(home, "bin", "nvcc")
+    return shutil.which("nvcc") or (candidate if os.access(candidate, os.X_OK) else None)
+
+
+def compiler() -> str | None:
+    """``"nvrtc"``, ``"nvcc"`` or None (nothing to build kernels with)."""
+    if _nvrtc() is not None:
+        return "nvrtc"
+    return "nvcc" if _nvcc() is not None else None
+
+
+def unavailable() -> str | None:
+    """Why no native kernel can be built here, or None."""
+    if compiler() is None:
+        return (
+            "neither NVRTC (torch's CUDA wheels bring libnvrtc) nor nvcc was found; "
+            "install the CUDA toolkit or set CUDA_HOME"
+        )
+    return None
+
+
+def _options(arch: str, defines: dict[str, int], include: Path) -> list[str]:
+    return [
+        f"-arch={arch}", "-std=c++17", f"-I{include}",
+        *(f"-D{k}={v}" for k, v in sorted(defines.items())),
+    ]  # fmt: skip
+
+
+def _compile_nvrtc(source: str, name: str, options: list[str]) -> bytes:
+    lib = _nvrtc()
+    prog = ctypes.c_void_p()
+    res = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None)
+    if res != 0:
+        raise RuntimeError(f"nvrtcCreateProgram failed ({res})")
+    try:
+        opts = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))
+        res = lib.nvrtcCompileProgram(prog, len(options), opts)
+        if res != 0:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"NVRTC could not compile {name}:\n{log.value.decode()}")
+        size = ctypes.c_size_t()
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        image = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetCUBIN(prog, image)
+        return image.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _compile_nvcc(source: Path, options: list[str]) -> bytes:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "kernel.cubin"
+        subprocess.run(
+            [_nvcc(), "-cubin", *options, "-o", str(out), str(source)],
+            check=True, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        return out.read_bytes()
+
+
+def cubin(source: Path, arch: str, defines: dict[str, int]) -> bytes:
+    """The cubin of ``source`` for ``arch`` (``sm_90``) with ``defines``, from the cache or built
+    now (the first build of a shape takes a second or two). Headers it includes are looked up
+    beside it; every ``*.cuh`` there is part of the cache key."""
+    kind = compiler()
+    if kind is None:
+        raise RuntimeError(unavailable())
+    text = source.read_text()
+    headers = [p.read_text() for p in sorted(source.parent.glob("*.cuh"))]
+    options = _options(arch, defines, source.parent)
+    key = hashlib.sha256("\n".join([text, *headers, *options, kind]).encode()).hexdigest()[:24]
+    target = Path(env.cache_dir()) / "cuda_native" / f"{source.stem}-{key}.cubin"
+    if target.is_file():
+        return target.read_bytes()
+    if kind == "nvrtc":
+        image = _compile_nvrtc(text, source.name, options)
+    else:
+        image = _compile_nvcc(source, options)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as f:
+        f.write(image)
+    os.replace(f.name, target)  # atomic: a concurrent process sees the whole file or none
+    return image
+
+
+class Kernel:
+    """One ``extern "C"`` kernel of a loaded cubin on one device."""
+
+    def __init__(self, image: bytes, name: str, device: torch.device, shared_mem: int) -> None:
+        with torch.cuda.device(device):
+            torch.cuda.current_stream().synchronize()  # the device's primary context is current
+            drv = _driver()
+            self._module = ctypes.c_void_p()
+            _check(drv.cuModuleLoadData(ctypes.byref(self._module), image), "cuModuleLoadData")
+            self._fn = ctypes.c_void_p()
+            _check(
+                drv.cuModuleGetFunction(ctypes.byref(self._fn), self._module, name.encode()),
+                f"cuModuleGetFunction({name})",
+            )
+            _check(
+                drv.cuFuncSetAttribute(
+                    self._fn, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem
+                ),
+                "cuFuncSetAttribute(max dynamic shared memory)",
+            )
+        self.shared_mem = shared_mem
+
+    def launch(self, grid: int, block: int, args: Sequence[ctypes._SimpleCData], pdl: bool) -> None:
+        """Launch on torch's current stream; ``args`` are the kernel's parameters as ctypes
+        values in order (``c_void_p`` for a pointer)."""
+        params = (ctypes.c_void_p * len(args))(
+            *(ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args)
+        )
+        attr = _LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+        attr.value[0] = 1
+        config = _LaunchConfig(
+            grid=(ctypes.c_uint * 3)(grid, 1, 1),
+            block=(ctypes.c_uint * 3)(block, 1, 1),
+            shared_mem_bytes=self.shared_mem,
+            stream=ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
+            attrs=ctypes.pointer(attr) if pdl else None,
+            num_attrs=1 if pdl else 0,
+        )
+        _check(
+            _driver().cuLaunchKernelEx(ctypes.byref(config), self._fn, params, None),
+            "cuLaunchKernelEx",
+        )
+
+
+def max_shared_mem(device: torch.device) -> int:
+    """The dynamic shared memory one CTA may opt into on ``device`` (227 KB on sm_90)."""
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", 0) or 227 * 1024
+
+
+class KernelCache:
+    """One source's kernel on one device, built once per set of ``-D`` defines (a shape). A
+    build cannot happen under CUDA graph capture: callers build a shape with an eager call
+    first (their warm-up) and ask ``loaded`` under capture."""
+
+    def __init__(self, source: Path, entry: str, device: torch.device) -> None:
+        self.source, self.entry, self.device = source, entry, device
+        major, minor = torch.cuda.get_device_capability(device)
+        self.arch = f"sm_{major}{minor}"
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.max_shared_mem = max_shared_mem(device)
+        self._kernels: dict[tuple, Kernel] = {}
+
+    def loaded(self, defines: dict[str, int]) -> bool:
+        return tuple(sorted(defines.items())) in self._kernels
+
+    def get(self, defines: dict[str, int], shared_mem: int) -> Kernel:
+        key = tuple(sorted(defines.items()))
+        if key not in self._kernels:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"{self.source.name}: a shape's kernel is built by an eager call before capture"
+                )
+            image = cubin(self.source, self.arch, defines)
+            self._kernels[key] = Kernel(image, self.entry, self.device, shared_mem)
+        return self._kernels[key]
