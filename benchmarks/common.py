@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -238,13 +239,45 @@ READ_CONFIGS = [
 ]
 
 
+# (CHUNK bytes, STAGES, CTAs per SM): the TMA bulk read kernel's shapes read_bandwidth tries
+BULK_READ_CONFIGS = [(32768, 6, 1), (16384, 12, 1), (65536, 3, 1), (32768, 3, 2)]
+
+
+def bulk_read_rate(x: torch.Tensor) -> float | None:
+    """The best rate of ``read_bulk.cu`` (TMA bulk copies into a shared-memory ring, the way
+    xhal's native kernels stream weights) over ``BULK_READ_CONFIGS`` reading ``x``, or None off
+    sm_90 or without NVRTC / nvcc."""
+    from pathlib import Path
+
+    from xhal.platforms.cuda import native
+
+    major, minor = torch.cuda.get_device_capability(x.device)
+    if major < 9 or native.unavailable() is not None:
+        return None
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    source, best = Path(__file__).with_name("read_bulk.cu"), 0.0
+    for chunk, stages, per_sm in BULK_READ_CONFIGS:
+        image = native.cubin(source, f"sm_{major}{minor}", {"CHUNK": chunk, "STAGES": stages})
+        kernel = native.Kernel(image, "read_bulk", x.device, stages * (chunk + 8))
+        n = x.numel() * x.element_size() // chunk
+        out = torch.zeros(sms * per_sm, dtype=torch.int32, device=x.device)
+        args = [ctypes.c_void_p(x.data_ptr()), ctypes.c_uint64(n), ctypes.c_void_p(out.data_ptr())]
+        ms = time_cuda(lambda k=kernel, g=sms * per_sm: k.launch(g, 32, args, False), iters=20)
+        best = max(best, n * chunk / (ms * 1e-3))
+    return best
+
+
 def read_bandwidth(num_bytes: int = 2 << 30) -> dict[str, float]:
     """Read-only streaming rate in bytes/s (bytes read only): the ceiling of a decode step,
     which reads weights and KV and writes next to nothing. ``read`` is the best of the Triton
     streaming kernel over ``READ_CONFIGS`` (``triton_read``, when triton imports; the winning
-    shape printed by ``ceilings``) and a torch sum (``torch_sum_read``)."""
+    shape printed by ``ceilings``), the TMA bulk read kernel (``tma_read``, sm_90+ with NVRTC
+    or nvcc) and a torch sum (``torch_sum_read``)."""
     x = torch.ones(num_bytes // 4, dtype=torch.float32, device="cuda")
     rates = {"torch_sum_read": num_bytes / (time_cuda(lambda: x.sum(), iters=20) * 1e-3)}
+    bulk = bulk_read_rate(x)
+    if bulk is not None:
+        rates["tma_read"] = bulk
     try:
         import triton  # noqa: F401
     except ImportError:
