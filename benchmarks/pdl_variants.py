@@ -44,6 +44,14 @@ PDL_VARIANTS = {
     # auto with Qwen3's q/k norms as their own launch before the split-KV decode launch
     # (XHAL_CUDA_FUSED_QK_NORM=0): the tree before the twelfth session fused them into it
     "auto-qk-norm-apart": ("1", "auto"),
+    # auto with the gated MLP block as the two fused GEMVs (XHAL_CUDA_MLP_BLOCK=0): the tree
+    # before the persistent block (kernels/mlp_block.cu)
+    "auto-mlp-pair": ("1", "auto"),
+    # auto with the one-row projections outside the MLP block on the Triton stream GEMVs
+    # (XHAL_CUDA_NATIVE_GEMV=0): the tree before the native stream GEMV (kernels/gemv_stream.cu)
+    "auto-triton-gemv": ("1", "auto"),
+    # both: the tree before this session's native kernels
+    "auto-triton-only": ("1", "auto"),
 }
 # variant -> moe_small's settings while it captures (pdl.OFF = 0, LATE = 2, EARLY = 1)
 _MOE_SMALL = {
@@ -55,6 +63,9 @@ PREVIOUS_GEMV = "auto-previous-gemv"
 EXTRA_ENV = {
     "auto-torch-activation": {"XHAL_CUDA_TRITON_ACTIVATION": "0"},
     "auto-qk-norm-apart": {"XHAL_CUDA_FUSED_QK_NORM": "0"},
+    "auto-mlp-pair": {"XHAL_CUDA_MLP_BLOCK": "0"},
+    "auto-triton-gemv": {"XHAL_CUDA_NATIVE_GEMV": "0"},
+    "auto-triton-only": {"XHAL_CUDA_MLP_BLOCK": "0", "XHAL_CUDA_NATIVE_GEMV": "0"},
 }
 _TREE_TUNED: dict = {}  # TUNED as the tree has it, before load_gemv_table
 
