@@ -140,6 +140,9 @@ def test_gated_mlp_in_a_graph(m, hidden, inter, platform, dtype, device, record_
     they are then. The second case is the ring-wrapping one."""
     if not platform.capabilities.graphs:
         pytest.skip(f"{platform.name} declares no graphs")
+    declared = platform.capabilities.ops_dtypes
+    if hidden > 1024 and dtype != (torch.bfloat16 if torch.bfloat16 in declared else declared[0]):
+        pytest.skip("the ring-wrapping case runs in one dtype (bf16 where declared)")
     x, res, g, w_gu, w_down = _inputs(m, hidden, inter, dtype, device, seed=60)
     _, _, g2, w_gu2, w_down2 = _inputs(m, hidden, inter, dtype, device, seed=70)
     runner = platform.graph_runner()
