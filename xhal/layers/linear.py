@@ -160,6 +160,13 @@ class RowParallelLinear(nn.Module):
             y = get_forward_context().collective.all_reduce(y)
         return y + self.bias if self.bias is not None else y
 
+    def _check_gated_input(self, method: str) -> None:
+        if not self.input_is_parallel:
+            raise ValueError(
+                f"{method} takes this rank's gate | up shard; build the layer with "
+                "input_is_parallel=True"
+            )
+
     def forward_gated_block(
         self,
         x: torch.Tensor,
@@ -171,6 +178,7 @@ class RowParallelLinear(nn.Module):
         residual)`` as one op (``add_rms_norm_gated_mlp``): a gated MLP block with the residual
         add and norm ahead of it. ``gate_up`` holds this rank's gate | up rows, this layer the
         matching input columns; the bias joins after the sum over ranks."""
+        self._check_gated_input("forward_gated_block")
         whole = self.tp.size == 1
         y, residual = ops.add_rms_norm_gated_mlp(
             x, residual, norm.weight, norm.eps, gate_up.weight, self.weight, gate_up.bias,
@@ -181,11 +189,7 @@ class RowParallelLinear(nn.Module):
     def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``self(silu_and_mul(x))`` with the gated activation fused into this projection's
         input: x ``[T, 2 I / tp]`` is this rank's gate | up halves (always parallel)."""
-        if not self.input_is_parallel:
-            raise ValueError(
-                "forward_silu_and_mul takes this rank's gate | up shard; build the layer with "
-                "input_is_parallel=True"
-            )
+        self._check_gated_input("forward_silu_and_mul")
         if self.tp.size == 1:
             return ops.silu_and_mul_linear(x, self.weight, self.bias)
         return self.reduce_partial(ops.silu_and_mul_linear(x, self.weight))

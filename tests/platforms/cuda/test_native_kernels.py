@@ -118,3 +118,15 @@ def test_stream_gemv_compiles_for_sm90_without_spills(k, rows, norm, tmp_path) -
     assert "warning" not in proc.stderr, proc.stderr
     spills = re.findall(r"(\d+) bytes spill stores", proc.stderr)
     assert spills and all(s == "0" for s in spills), proc.stderr
+
+
+def test_chunk_alignment_is_what_16_byte_reads_need() -> None:
+    import torch
+
+    wide = torch.zeros(2, 3 * 64, dtype=torch.bfloat16)
+    w = torch.zeros(8, 64, dtype=torch.bfloat16)
+    assert native.chunk_aligned([wide[:, :64], wide[:, 128:]], [w])  # rows 384 bytes apart
+    assert not native.chunk_aligned([wide[:, 1:65]], [w])  # starts 2 bytes in
+    assert not native.chunk_aligned([torch.zeros(2, 68, dtype=torch.bfloat16)[:, :64]], [w])
+    assert not native.chunk_aligned([wide[:, :64]], [torch.zeros(65, dtype=torch.bfloat16)[1:]])
+    assert not native.takes_rows(wide, 4)  # a CPU tensor

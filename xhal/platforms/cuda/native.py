@@ -2,13 +2,14 @@
 the driver API, for what Triton cannot express (TMA bulk copies into a ring of shared-memory
 stages, a grid-wide barrier in a persistent launch).
 
-A source (``kernels/*.cu``, no headers) is compiled with its ``-D`` shape options into a cubin for
-this GPU's architecture by NVRTC (the library torch's CUDA wheels bring), or by ``nvcc`` when no
-NVRTC is found; the cubin is cached under ``XHAL_CACHE_DIR/cuda_native``, keyed by the source, the
-options and the compiler, so later starts load it without compiling. Launches go through
-``cuLaunchKernelEx`` on torch's current stream, so a CUDA graph being captured records them like
-any kernel, with the programmatic-dependent-launch attribute when asked (``xhal/platforms/cuda/
-pdl.py`` has the rule such a kernel follows).
+A source (``kernels/*.cu``; it includes no system header, only ours beside it) is compiled with
+its ``-D`` shape options into a cubin for this GPU's architecture by NVRTC (the library torch's
+CUDA wheels bring), or by ``nvcc`` when no NVRTC is found; the cubin is cached under
+``XHAL_CACHE_DIR/cuda_native``, keyed by the source, its headers, the options and the compiler,
+so later starts load it without compiling. Launches go through ``cuLaunchKernelEx`` on torch's
+current stream, so a CUDA graph being captured records them like any kernel, with the
+programmatic-dependent-launch attribute when asked (``xhal/platforms/cuda/pdl.py`` has the rule
+such a kernel follows).
 
 ``compiler()`` is None, with the reason in ``unavailable()``, where neither compiler is found;
 callers then keep their Triton path (one log line)."""
@@ -20,7 +21,6 @@ import ctypes.util
 import functools
 import glob
 import hashlib
-import logging
 import os
 import shutil
 import subprocess
@@ -32,8 +32,6 @@ from pathlib import Path
 import torch
 
 from xhal import env
-
-logger = logging.getLogger(__name__)
 
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
@@ -235,6 +233,27 @@ class Kernel:
             _driver().cuLaunchKernelEx(ctypes.byref(config), self._fn, params, None),
             "cuLaunchKernelEx",
         )
+
+
+def takes_rows(x: torch.Tensor, max_rows: int) -> bool:
+    """Whether ``x`` is what the native decode kernels read as their input: 1 to ``max_rows``
+    fp16 / bf16 rows of a CUDA tensor on sm_90+ (TMA bulk copies, programmatic dependent
+    launch)."""
+    return (
+        x.is_cuda
+        and x.dim() == 2
+        and 1 <= x.shape[0] <= max_rows
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    )
+
+
+def chunk_aligned(rows: Sequence[torch.Tensor], others: Sequence[torch.Tensor]) -> bool:
+    """Whether every row of ``rows`` starts on 16 bytes with unit column stride, and every
+    tensor starts on 16 bytes: the kernels read 16-byte chunks."""
+    if any(t.stride(1) != 1 or t.stride(0) % 8 for t in rows):
+        return False
+    return not any(t.data_ptr() % 16 for t in (*rows, *others))
 
 
 def max_shared_mem(device: torch.device) -> int:

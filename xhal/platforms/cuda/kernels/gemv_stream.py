@@ -65,11 +65,7 @@ def plan(k: int, m: int, max_shared_mem: int, ring_bytes: int = _RING_BYTES) -> 
 def supports(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
              norm_weight: torch.Tensor | None = None) -> bool:  # fmt: skip
     """Whether the kernel takes these operands (the caller falls back otherwise)."""
-    if not (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS):
-        return False
-    if x.dtype not in (torch.float16, torch.bfloat16) or torch.cuda.get_device_capability(
-        x.device
-    ) < (9, 0):
+    if not native.takes_rows(x, MAX_ROWS):
         return False
     k = x.shape[1]
     rows = [x] if residual is None else [x, residual]
@@ -82,9 +78,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | Non
         return False
     if norm_weight is not None and (norm_weight.shape != (k,) or not norm_weight.is_contiguous()):
         return False
-    if any(t.stride(1) != 1 or t.stride(0) % 8 for t in rows):  # rows start on 16 bytes
-        return False
-    if any(t.data_ptr() % 16 for t in tensors):
+    if not native.chunk_aligned(rows, tensors):
         return False
     return plan(k, x.shape[0], native.max_shared_mem(x.device)) is not None
 

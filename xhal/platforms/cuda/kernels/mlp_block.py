@@ -76,11 +76,7 @@ def supports(
     w_down: torch.Tensor,
 ) -> bool:
     """Whether the persistent launch takes these operands (the caller falls back otherwise)."""
-    if not (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS):
-        return False
-    if x.dtype not in (torch.float16, torch.bfloat16) or torch.cuda.get_device_capability(
-        x.device
-    ) < (9, 0):
+    if not native.takes_rows(x, MAX_ROWS):
         return False
     hidden, inter = x.shape[1], w_down.shape[1]
     tensors = (x, residual, norm_weight, w_gate_up, w_down)
@@ -94,10 +90,7 @@ def supports(
         return False
     if not all(t.is_contiguous() for t in (norm_weight, w_gate_up, w_down)):
         return False
-    # 16-byte chunks: rows start on 16 bytes
-    if any(t.stride(1) != 1 or t.stride(0) % 8 for t in (x, residual)):
-        return False
-    if any(t.data_ptr() % 16 for t in tensors):
+    if not native.chunk_aligned((x, residual), tensors):
         return False
     return plan(hidden, inter, x.shape[0], native.max_shared_mem(x.device)) is not None
 
