@@ -6,7 +6,8 @@
 //   act          = silu(gate) * up                            (rounded to the dtype)
 //   out          = act @ w_down^T
 //
-// for M rows (a decode batch of 1-4 tokens). One CTA per SM, every CTA resident at once.
+// for M rows (1-4 tokens; the platform sends it one, mlp_block.py ROUTED_ROWS). One CTA per SM,
+// every CTA resident at once (the grid is the SM count and one CTA fills an SM's shared memory).
 // Phase 1 streams w_gate_up, phase 2 streams w_down; between them one grid-wide barrier (the down
 // projection needs every act value). Weights never depend on the kernels ahead, so each CTA keeps
 // its next weight rows in flight across every wait: the first phase-1 stages are requested before
@@ -14,9 +15,10 @@
 // phase-2 stages before the grid barrier. Weights move by TMA bulk copies (cp.async.bulk) into a
 // ring of shared-memory stages, completed on mbarriers; the threads only read shared memory.
 //
-// The helpers are stream_common.cuh's. Compile-time shape (NVRTC -D options, see mlp_block.py): DTYPE_BF16 (else fp16), M_ROWS,
-// HIDDEN, INTER (the per-rank intermediate size), PAIRS (gate/up row pairs per phase-1 stage),
-// DOWN_ROWS (w_down rows per phase-2 stage), STAGES1, STAGES2, USE_PDL.
+// The helpers are stream_common.cuh's. Compile-time shape (NVRTC -D options, see mlp_block.py):
+// DTYPE_BF16 (else fp16), M_ROWS, HIDDEN, INTER (the per-rank intermediate size), PAIRS (gate/up
+// row pairs per phase-1 stage), DOWN_ROWS (w_down rows per phase-2 stage), STAGES1, STAGES2,
+// USE_PDL.
 // Runtime: the pointers, the row strides of x and residual (elements) and eps.
 //
 // Sync words (sync[0] arrivals, sync[1] generation) are zero before the first launch and are
@@ -33,7 +35,9 @@
 #define ROWS1 (2 * PAIRS)      // rows of a phase-1 stage: PAIRS gate rows, then PAIRS up rows
 #define STAGE1_BYTES (ROWS1 * HIDDEN * 2)
 #define STAGE2_BYTES (DOWN_ROWS * INTER * 2)
-#define RING_BYTES ((STAGES1 * STAGE1_BYTES > STAGES2 * STAGE2_BYTES) ? STAGES1 * STAGE1_BYTES : STAGES2 * STAGE2_BYTES)
+#define RING1 (STAGES1 * STAGE1_BYTES)
+#define RING2 (STAGES2 * STAGE2_BYTES)
+#define RING_BYTES (RING1 > RING2 ? RING1 : RING2)  // the phases take turns in one ring
 #define ACT_BYTES (M_ROWS * INTER * 2)
 #define PARTS_FLOATS (2 * WARPS * ROWS1 * M_ROWS)
 
