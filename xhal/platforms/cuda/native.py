@@ -265,7 +265,7 @@ def max_shared_mem(device: torch.device) -> int:
 class KernelCache:
     """One source's kernel on one device, built once per set of ``-D`` defines (a shape). A
     build cannot happen under CUDA graph capture: callers build a shape with an eager call
-    first (their warm-up) and ask ``loaded`` under capture."""
+    first (their warm-up; ``CudaOps._graph_kernel`` is that rule)."""
 
     def __init__(self, source: Path, entry: str, device: torch.device) -> None:
         self.source, self.entry, self.device = source, entry, device
@@ -274,9 +274,6 @@ class KernelCache:
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.max_shared_mem = max_shared_mem(device)
         self._kernels: dict[tuple, Kernel] = {}
-
-    def loaded(self, defines: dict[str, int]) -> bool:
-        return tuple(sorted(defines.items())) in self._kernels
 
     def get(self, defines: dict[str, int], shared_mem: int) -> Kernel:
         key = tuple(sorted(defines.items()))

@@ -82,9 +82,10 @@ class CudaOps(DeviceOps):
         return F.linear(x, weight, bias)
 
     def _graph_kernel(self, key: tuple) -> bool:
-        """Whether this call launches one of our Triton kernels: under capture, when an eager
-        call of the same key compiled it; eagerly, only the first call of a key (the warm-up),
-        since eager Triton launches cost the host more than the library call they replace."""
+        """Whether this call launches one of our kernels (Triton's, or native ones: their keys
+        start with the launcher's name): under capture, when an eager call of the same key
+        compiled it; eagerly, only the first call of a key (the warm-up), since eager launches
+        of ours cost the host more than the library call they replace."""
         if torch.cuda.is_current_stream_capturing():
             return key in self._gemv_loaded
         if key in self._gemv_loaded:
@@ -158,7 +159,6 @@ class CudaOps(DeviceOps):
         """The persistent MLP block (``kernels/mlp_block.cu``: one launch, weights through TMA
         bulk copies, one grid barrier) for one fp16 / bf16 row in a graph on sm_90+ (its
         ``ROUTED_ROWS``); the two fused ops otherwise, or with ``XHAL_CUDA_MLP_BLOCK=0``."""
-        use_pdl = bool(pdl.mode(x.device))
         if (
             self.fused
             and gate_up_bias is None
@@ -169,8 +169,9 @@ class CudaOps(DeviceOps):
             and mlp_block.supports(x, residual, norm_weight, gate_up_weight, down_weight)
         ):
             block = self._native(x.device, mlp_block.MlpBlock)
-            shape = (x.shape[0], x.shape[1], down_weight.shape[1], x.dtype, use_pdl)
-            if block is not None and self._native_launches(block.loaded(*shape)):
+            use_pdl = bool(pdl.mode(x.device))
+            key = ("mlp_block", *x.shape, down_weight.shape[1], x.dtype, x.device, use_pdl)
+            if block is not None and self._graph_kernel(key):
                 return block(x, residual, norm_weight, eps, gate_up_weight, down_weight, use_pdl)
         return super().add_rms_norm_gated_mlp(
             x, residual, norm_weight, eps, gate_up_weight, down_weight, gate_up_bias, down_bias
@@ -191,8 +192,8 @@ class CudaOps(DeviceOps):
             return None
         kernels = self._native(x.device, gemv_stream.GemvStream)
         use_pdl = bool(pdl.mode(x.device))
-        shape = (x.shape[0], x.shape[1], x.dtype, residual is not None, use_pdl)
-        if kernels is None or not self._native_launches(kernels.loaded(*shape)):
+        key = ("stream_gemv", *x.shape, x.dtype, x.device, residual is not None, use_pdl)
+        if kernels is None or not self._graph_kernel(key):
             return None
         return kernels(x, weight, use_pdl, residual, norm_weight, eps)
 
@@ -210,12 +211,6 @@ class CudaOps(DeviceOps):
                 return None
             self._natives[key] = family(device)
         return self._natives[key]
-
-    @staticmethod
-    def _native_launches(loaded: bool) -> bool:
-        """``_graph_kernel``'s rule for a native kernel: under capture, once an eager call built
-        the shape; eagerly, the first call of a shape only (the warm-up builds it)."""
-        return loaded if torch.cuda.is_current_stream_capturing() else not loaded
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """One Triton launch (kernels/activation.py) for every fp16 / bf16 / fp32 shape: also what

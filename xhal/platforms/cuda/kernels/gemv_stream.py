@@ -100,9 +100,6 @@ class GemvStream:
         }  # fmt: skip
         return defines, p
 
-    def loaded(self, rows: int, k: int, dtype: torch.dtype, norm: bool, pdl: bool) -> bool:
-        return self._kernels.loaded(self._shape(rows, k, dtype, norm, pdl)[0])
-
     def __call__(
         self,
         x: torch.Tensor,

@@ -115,9 +115,6 @@ class MlpBlock:
         }  # fmt: skip
         return defines, p
 
-    def loaded(self, rows: int, hidden: int, inter: int, dtype: torch.dtype, pdl: bool) -> bool:
-        return self._kernels.loaded(self._shape(rows, hidden, inter, dtype, pdl)[0])
-
     def __call__(
         self,
         x: torch.Tensor,
