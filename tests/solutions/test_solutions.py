@@ -215,6 +215,42 @@ def test_a_row_limited_solution_hands_larger_calls_to_the_next_best(toys) -> Non
             assert toy.CountingActivation.calls == expected_calls, shape
 
 
+def test_a_fused_op_left_at_its_default_runs_the_chosen_ops(toys) -> None:
+    """A fused op whose only solution is a provider's inherited ``DeviceOps`` default (the CPU
+    reference's) is the plain sequence of the platform's chosen ops, not of that provider's: a
+    platform that chose a faster ``silu_and_mul`` gets it inside ``silu_and_mul_linear`` and the
+    gated MLP block too, with the reference's values."""
+    fast = solutions.Solution(
+        "silu_and_mul",
+        "counting",
+        "tests.support.toy_solutions:CountingActivation",
+        solutions.Requirement(device_type="toy"),
+        priority=50,
+    )
+    for _ in toy.registered([fast]):
+        ops = Kernels(toy.ToyPlatform(), toy.DEVICE).ops
+        assert ops.names["silu_and_mul_linear"] == "reference"
+        assert "silu_and_mul_linear" not in ops.impls
+        reference = xhal.platforms.get("cpu").ops
+        g = torch.Generator().manual_seed(0)
+        x, residual, norm_w = (torch.randn(3, 16, generator=g, dtype=torch.float64) for _ in "abc")
+        w_gu = torch.randn(24, 16, generator=g, dtype=torch.float64)
+        w_down = torch.randn(16, 12, generator=g, dtype=torch.float64)
+        gate_up = torch.randn(3, 24, generator=g, dtype=torch.float64)  # [T, 2I]
+        toy.CountingActivation.calls = 0
+        got = ops.silu_and_mul_linear(gate_up, w_down)
+        assert toy.CountingActivation.calls == 1
+        torch.testing.assert_close(got, reference.silu_and_mul_linear(gate_up, w_down))
+        toy.CountingActivation.calls = 0
+        out, summed = ops.add_rms_norm_gated_mlp(x, residual, norm_w, 1e-6, w_gu, w_down)
+        assert toy.CountingActivation.calls == 1
+        want, want_summed = reference.add_rms_norm_gated_mlp(
+            x, residual, norm_w, 1e-6, w_gu, w_down
+        )
+        torch.testing.assert_close(out, want)
+        assert torch.equal(summed, want_summed)
+
+
 # scripts/check_solutions.py checks on the GPU what each CUDA platform chooses against the
 # choices made by hand before solutions (FlashInfer installed); its table is read here to check
 # the declarations on any machine. scripts/ is a folder of scripts, not a package: load by path.

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from xhal import env
+from xhal.interfaces.ops import DeviceOps
 from xhal.solutions import registry
 from xhal.solutions.op_names import ATTENTION_OPS, DEVICE_OPS, OPS, env_name
 from xhal.solutions.row_limit import RowLimited
@@ -114,10 +115,17 @@ class Kernels:
         return impl
 
     def _solved_ops(self, chosen: Mapping[str, Solution]) -> SolvedOps:
-        return SolvedOps(
-            {op: self.implementation(s) for op, s in chosen.items()},
-            {op: s.name for op, s in chosen.items()},
-        )
+        """The chosen implementations; a fused op whose chosen provider only inherits
+        ``DeviceOps``' default (the plain sequence) is left out, so the ``SolvedOps`` runs that
+        sequence on its own chosen ops rather than on the provider's (the reference's fused op
+        would otherwise run the reference's plain ops on a platform that chose faster ones)."""
+        impls = {}
+        for op, solution in chosen.items():
+            impl = self.implementation(solution)
+            if op not in REQUIRED and inherits_default(impl, OPS[op]):
+                continue
+            impls[op] = impl
+        return SolvedOps(impls, {op: s.name for op, s in chosen.items()})
 
     def ops_with(self, op: str, name: str) -> SolvedOps:
         """The chosen ops with ``op`` served by solution ``name`` (the conformance suite runs
@@ -173,6 +181,19 @@ class Kernels:
                 del self._overrides[op]
             else:
                 self._overrides[op] = previous
+
+
+def inherits_default(impl: Callable, attribute: str) -> bool:
+    """Whether ``impl`` is a provider's method that is ``DeviceOps``' own default, not
+    overridden anywhere in the provider's class (a ``TunedOp`` or ``RowLimited`` wrapper never
+    is: those solutions have kernels of their own)."""
+    provider = getattr(impl, "__self__", None)
+    default = getattr(DeviceOps, attribute, None)
+    return (
+        provider is not None
+        and default is not None
+        and getattr(type(provider), attribute, None) is default
+    )
 
 
 def forced_by_environment() -> dict[str, str]:

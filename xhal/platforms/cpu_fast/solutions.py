@@ -10,8 +10,9 @@ from xhal.solutions.op_names import ATTENTION_OPS
 from xhal.solutions.solution import Requirement, Solution
 
 _CPU = Requirement(device_type="cpu")
-# the gated MLP block too: it is its two fused ops (the DeviceOps default), and without a fast
-# solution cpu-fast would take the reference's, whose ops are the reference's
+# the gated MLP block too: FastCpuOps leaves it at DeviceOps' default, which the platform
+# composes of its own chosen ops whichever solution is named (solutions.kernels); listing it
+# names that choice "fast" in the start-up log
 FAST_OPS = (
     "linear", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
     "add_rms_norm_linear", "silu_and_mul_linear", "add_rms_norm_gated_mlp",
