@@ -93,7 +93,10 @@ def decode_case(
         from xhal.platforms.cuda.tilelang_attention import TileLangAttention
         from xhal.platforms.cuda.triton_attention import TritonAttention
 
-        backend = TileLangAttention(spec, TritonAttention(spec), backend.num_sms, block_h=block_h)
+        # the forced solution's backend may be a SplitAttention (another prefill solution),
+        # which has no SM count of its own: the device's
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        backend = TileLangAttention(spec, TritonAttention(spec), sms, block_h=block_h)
     lens = torch.randint(1, ctx + 1, (batch,)).tolist() if ragged else [ctx] * batch
     num_blocks = sum(-(-n // block) for n in lens) + 8
     shape = (num_blocks, block, KV_HEADS, head_dim)
