@@ -14,6 +14,7 @@ from torch import nn
 
 from models import config as cfg
 from models.moe import MoeOptions, SparseMoeBlock, is_sparse_layer
+from xhal.interfaces import AttentionBlock
 from xhal.layers import (
     Attention,
     MergedColumnParallelLinear,
@@ -73,6 +74,8 @@ class RopeAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rotary_emb = rotary_emb  # one module shared by every layer
+        # a backend may run the whole block (norm, qkv, attention, o) in one call: bias-free only
+        self.block_fusable = not (options.qkv_bias or options.o_bias)
         self.attn = Attention(
             num_heads=self.qkv_proj.num_heads,
             head_dim=self.head_dim,
@@ -84,6 +87,41 @@ class RopeAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         return self.attend(positions, self.qkv_proj(hidden))
+
+    def forward_normed(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(positions, norm(hidden, residual)[0]), hidden + residual)``: the residual add,
+        the input norm and the whole attention, in one backend call when the step's backend runs
+        the block (``AttentionBackend.forward_block``), else as the fused norm + qkv projection,
+        then ``attend``."""
+        if self.block_fusable and self.attn.fuses_block():
+            out, residual = self.attn.forward_block(
+                self.block_weights(norm), hidden, residual, positions
+            )
+            return self.o_proj.reduce_partial(out), residual
+        qkv, residual = self.qkv_proj.forward_normed(hidden, residual, norm)
+        return self.attend(positions, qkv), residual
+
+    def block_weights(self, norm: RMSNorm) -> AttentionBlock:
+        """This layer's weights as ``forward_block`` takes them (made at each call: cheap, and
+        never stale after the model or its rotary table moves)."""
+        qk_norm = {}
+        if self.q_norm is not None:
+            qk_norm = dict(
+                q_norm_weight=self.q_norm.weight,
+                k_norm_weight=self.k_norm.weight,
+                qk_norm_eps=self.q_norm.eps,
+            )
+        return AttentionBlock(
+            norm_weight=norm.weight,
+            norm_eps=norm.eps,
+            qkv_weight=self.qkv_proj.weight,
+            o_weight=self.o_proj.weight,
+            cos_sin_cache=self.rotary_emb.cos_sin_cache,
+            is_neox=self.rotary_emb.is_neox_style,
+            **qk_norm,
+        )
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """Everything after the qkv projection (which the decoder layer may fuse with its norm)."""
@@ -151,16 +189,17 @@ class DecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # each norm runs fused into the projection after it (DeviceOps.add_rms_norm_linear: the
-        # plain sequence on the reference, one kernel where a platform has one)
+        # each norm runs fused into what follows it (DeviceOps.add_rms_norm_linear, or a
+        # backend's whole attention block: the plain sequence on the reference, one kernel where
+        # a platform has one)
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
             qkv = self.self_attn.qkv_proj(hidden)
+            hidden = self.self_attn.attend(positions, qkv)
         else:
-            qkv, residual = self.self_attn.qkv_proj.forward_normed(
-                hidden, residual, self.input_layernorm
+            hidden, residual = self.self_attn.forward_normed(
+                positions, hidden, residual, self.input_layernorm
             )
-        hidden = self.self_attn.attend(positions, qkv)
         # dense or sparse, the MLP block takes the post-attention add + norm in with it
         return self.mlp.forward_normed(hidden, residual, self.post_attention_layernorm)
 

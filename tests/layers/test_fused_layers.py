@@ -239,3 +239,36 @@ class _QkNormCounting(CpuOps):
     def qk_rms_norm(self, q, k, q_weight, k_weight, eps):
         self.calls += 1
         return super().qk_rms_norm(q, k, q_weight, k_weight, eps)
+
+
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_a_backend_that_fuses_the_block_gets_every_layer_but_the_first(architecture) -> None:
+    """With a backend that says ``fuses_block`` for decode steps, each decoder layer with a
+    residual hands it its whole attention block (norm, qkv, q/k norm for Qwen3, rotary,
+    attention, o) and gets the output the reference's own sequence gives."""
+    from models.registry import get_model_class
+    from tests.support.block_attention import SequenceBlockPlatform
+
+    config = dict(CONFIG, architectures=[architecture], head_dim=16)
+    torch.manual_seed(0)
+    model = get_model_class(architecture)(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    cfg = ExecutorConfig(
+        dtype=torch.float32, block_size=16, max_num_seqs=2, max_model_len=64, enforce_eager=True
+    )
+    ids, pos, meta = decode_metadata(2, 32, "cpu", config["vocab_size"])
+    outputs, backends = [], []
+    for platform in (platforms.get("cpu"), SequenceBlockPlatform()):
+        executor = ModelExecutor(model, platform, cfg)
+        caches = executor.allocate_kv_caches(num_blocks=8)
+        for cache in caches:  # the cached prefix both runs read: zeros
+            cache.key.zero_()
+            cache.value.zero_()
+        executor.bind_kv_caches(caches)
+        outputs.append(executor.execute(ids, pos, meta))
+        backends.append(executor.backends)
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-6, atol=1e-6)
+    calls = sum(b.block_calls for b in backends[1])
+    assert calls == config["num_hidden_layers"] - 1

@@ -56,6 +56,9 @@ class _SplitAttention:
             )
         )
 
+    #: never: a piece captures the projections around attention, so the layer keeps them apart
+    fuses_block = False
+
 
 class PiecewiseGraphs:
     """A batch of T tokens runs in the smallest token bucket >= T: input ids and positions are

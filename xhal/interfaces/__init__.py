@@ -1,6 +1,6 @@
 """The contracts between hardware-neutral code and device backends: ABCs and dataclasses only."""
 
-from xhal.interfaces.attention import AttentionBackend, AttentionSpec
+from xhal.interfaces.attention import AttentionBackend, AttentionBlock, AttentionSpec
 from xhal.interfaces.cache import LayerCache, normalize_layer_caches
 from xhal.interfaces.collective import Collective
 from xhal.interfaces.graph import GraphRunner
@@ -16,6 +16,7 @@ from xhal.interfaces.platform import (
 __all__ = [
     "INTERFACE_VERSION",
     "AttentionBackend",
+    "AttentionBlock",
     "AttentionCapabilities",
     "AttentionMetadata",
     "AttentionSpec",

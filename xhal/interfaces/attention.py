@@ -51,6 +51,24 @@ class AttentionSpec:
         return self.num_heads // self.num_kv_heads
 
 
+@dataclass(frozen=True)
+class AttentionBlock:
+    """A decoder layer's attention block as ``AttentionBackend.forward_block`` runs it: the input
+    RMSNorm, the fused qkv projection (no bias), Qwen3's per-head q/k norms when given, the rotary
+    embedding, and the o projection (no bias). Weights are this rank's: ``qkv_weight``
+    ``[(H + 2 Hkv) * D, hidden]`` (q rows, then k, then v), ``o_weight`` ``[hidden, H * D]``."""
+
+    norm_weight: torch.Tensor  # [hidden]
+    norm_eps: float
+    qkv_weight: torch.Tensor
+    o_weight: torch.Tensor
+    cos_sin_cache: torch.Tensor  # float32 [max_position, rotary_dim]: cos | sin
+    is_neox: bool
+    q_norm_weight: torch.Tensor | None = None  # [D], with k_norm_weight
+    k_norm_weight: torch.Tensor | None = None
+    qk_norm_eps: float = 0.0
+
+
 class AttentionBackend(ABC):
     """Paged attention for one attention group (one ``AttentionSpec``).
 
@@ -174,6 +192,28 @@ class AttentionBackend(ABC):
         rotated keys. The same invariants as ``forward`` (graph-safe, strided inputs, slot -1
         never written)."""
         raise NotImplementedError(f"{type(self).__name__} does not fuse the q/k norm")
+
+    #: Whether ``forward_block`` serves the step planned last; read like ``fuses_qk_norm`` (by the
+    #: layer, after ``plan``, at every forward), and false for every step by default.
+    fuses_block: bool = False
+
+    def forward_block(
+        self,
+        layer_id: int,
+        block: AttentionBlock,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decoder layer's whole attention block in one call, for a backend whose kernel runs
+        it as one launch: ``(o, summed)`` where ``summed = hidden + residual`` (stored in the
+        dtype), ``qkv = linear(rms_norm(summed, norm_weight), qkv_weight)`` (a kernel may skip
+        rounding the normed rows, as ``DeviceOps.add_rms_norm_linear`` allows), q and k normed
+        per head when the block has the weights (``forward_qk_norm``), then rotated, the KV
+        write and attention as ``forward_rotary`` defines them, and ``o = linear(attn,
+        o_weight)``: this rank's partial product, which the caller reduces over the ranks.
+        ``hidden``, ``residual`` ``[T, hidden]``. The same invariants as ``forward``."""
+        raise NotImplementedError(f"{type(self).__name__} does not fuse the attention block")
 
     def before_replay(self, graph_key: Hashable) -> None:
         """Replay hook: update host arguments a captured graph baked. Default: nothing to do."""

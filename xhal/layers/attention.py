@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from xhal import ops
-from xhal.interfaces.attention import AttentionSpec
+from xhal.interfaces.attention import AttentionBlock, AttentionSpec
 from xhal.interfaces.forward_context import get_forward_context
 
 if TYPE_CHECKING:
@@ -96,6 +96,22 @@ class Attention(nn.Module):
             q, k = rotary(positions, q, k)
             out = backend.forward(self.layer_id, q, k, v)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)  # [T, H*D]
+
+    def fuses_block(self) -> bool:
+        """Whether the step's backend runs this layer's whole attention block in one call
+        (``AttentionBackend.fuses_block``; read after the step's plan, like ``fuses_qk_norm``)."""
+        return self._backend().fuses_block
+
+    def forward_block(
+        self,
+        block: AttentionBlock,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(o, hidden + residual)`` by the backend's ``forward_block``, when ``fuses_block``:
+        ``o`` is this rank's partial o projection ``[T, hidden]``, which the caller reduces."""
+        return self._backend().forward_block(self.layer_id, block, hidden, residual, positions)
 
     def _backend(self):
         backends = get_forward_context().attention

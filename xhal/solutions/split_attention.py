@@ -56,5 +56,12 @@ class SplitAttention(AttentionBackend):
             layer_id, q, k, v, positions, cos_sin_cache, is_neox, q_weight, k_weight, eps
         )
 
+    @property
+    def fuses_block(self) -> bool:  # per step: the side this step was planned on
+        return self._current.fuses_block
+
+    def forward_block(self, layer_id, block, hidden, residual, positions):
+        return self._current.forward_block(layer_id, block, hidden, residual, positions)
+
     def before_replay(self, graph_key: Hashable) -> None:
         self._by_graph.get(graph_key, self._current).before_replay(graph_key)
