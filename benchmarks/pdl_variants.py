@@ -52,7 +52,12 @@ PDL_VARIANTS = {
     "auto-triton-gemv": ("1", "auto"),
     # both: the tree before this session's native kernels
     "auto-triton-only": ("1", "auto"),
+    # auto with a one-sequence decode step's attention blocks in one persistent launch each
+    # (the native-block solution of paged_decode_attention, kernels/attn_block.cu)
+    "auto-attn-block": ("1", "auto"),
 }
+# variant -> the paged_decode_attention solution its executor's backends are made with
+ATTENTION_SOLUTION = {"auto-attn-block": "native-block"}
 # variant -> moe_small's settings while it captures (pdl.OFF = 0, LATE = 2, EARLY = 1)
 _MOE_SMALL = {
     "auto-moe-plain": {"TRIGGERS": (0, 0)},
@@ -183,6 +188,17 @@ def _moe_small(name: str) -> Iterator[None]:
             setattr(moe_small, key, value)
 
 
+@contextlib.contextmanager
+def _attention_solution(platform, name: str) -> Iterator[None]:
+    """The variant's decode attention solution forced while its executor makes its backends
+    (a backend keeps the solution it was made with)."""
+    if name not in ATTENTION_SOLUTION:
+        yield
+        return
+    with platform.kernels.forcing("paged_decode_attention", ATTENTION_SOLUTION[name]):
+        yield
+
+
 def add_argument(parser: argparse.ArgumentParser) -> None:
     """``--pdl NAME ...``: the settings to capture and time besides the default executor. Also
     loads ``BENCH_GEMV_TABLE``, before the benchmark builds any executor."""
@@ -215,7 +231,7 @@ def capture_per_variant(
     """One executor per variant over ``caches``, its decode graphs captured under that setting."""
     executors = {}
     for name in variants:
-        with pdl_variant(name):
+        with pdl_variant(name), _attention_solution(platform, name):
             executors[name] = ex = ModelExecutor(model, platform, config)
             ex.bind_kv_caches(caches)
             ex.capture_graphs(progress=False)

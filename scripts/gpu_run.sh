@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: install the carried wheels, then the stages named on the command
 # line (default: conformance (cuda, cuda-triton), bench_gemv, bench_attention, bench_model); also
-# serve, cpp_host (examples/cpp_host/bench_cuda.sh), conformance-<device>, solutions (the kernels
-# chosen, checked against the pre-solution choices), tune (xhal-tune twice), tilelang (installs
+# serve, cpp_host (examples/cpp_host/bench_cuda.sh), conformance-<device>, pytest (PYTEST_ARGS),
+# solutions (the kernels chosen, checked against the pre-solution choices), tune (xhal-tune
+# twice), tilelang (installs
 # TileLang's wheels: scripts/tilelang_wheels.sh), prebuild (FlashInfer's JIT modules compiled side by side) and pack.
 # Call with `.whl` carried; FlashInfer's JIT cache goes to .fi_cache/ (ignored) so later calls on a
 # warm machine reuse it. `pack` bundles the compiled FlashInfer libraries into $OUT/fi_aot.tar.xz.*;
@@ -40,6 +41,8 @@ for stage in $stages; do
         XHAL_KERNEL_LINEAR=triton-tuned XHAL_CACHE_DIR=/tmp/xhal-tune-cache py -m xhal.tools.tune_cli "$dir" \
           --device cuda --load-format dummy --max-batch ${TUNE_MAX_BATCH:-4} 2>&1 | tee -a "$out/tune.txt" || status=1
       done ;;
+    pytest)  # PYTEST_ARGS: e.g. "conformance_tests/test_attention_block.py --device cuda -x"
+      py -m pytest -q ${PYTEST_ARGS:-} 2>&1 | tee "$out/pytest.txt" || status=1 ;;
     conformance-*)  # CONF_ARGS narrows it, e.g. "--family attention" (FlashInfer's JIT is slow)
       py -m conformance_tests.cli --device "${stage#conformance-}" ${CONF_ARGS:-} --report "$out/$stage.json" || status=1 ;;
     cpp_host)  # examples/cpp_host built and run against the Python host (8B shape, random weights)

@@ -130,3 +130,65 @@ def test_chunk_alignment_is_what_16_byte_reads_need() -> None:
     assert not native.chunk_aligned([torch.zeros(2, 68, dtype=torch.bfloat16)[:, :64]], [w])
     assert not native.chunk_aligned([wide[:, :64]], [torch.zeros(65, dtype=torch.bfloat16)[1:]])
     assert not native.takes_rows(wide, 4)  # a CPU tensor
+
+
+# the attention block (attn_block.cu): (hidden, heads, KV heads, head dim) of Llama-3.2-1B,
+# Llama-3-8B, Qwen3-30B-A3B and the conformance family's cases
+BLOCK_SHAPES = [(2048, 32, 8, 64), (4096, 32, 8, 128), (2048, 32, 4, 128), (384, 8, 2, 64),
+                (384, 16, 2, 128)]  # fmt: skip
+
+
+def block_shared(p, hidden: int, heads: int, kv_heads: int, head_dim: int) -> int:
+    """The kernel's layout (attn_block.cu): mbarriers, ring, K / V tiles, fp32 scratch."""
+    group = heads // kv_heads
+    scratch = (group + 1) * head_dim + group * 64 + 3 * group + group + 2
+    scratch += 2 * 8 * 8 + 8 + 2
+    return 128 + p.stages * p.slot_bytes + 4 * 64 * head_dim * 2 + 4 * scratch
+
+
+@pytest.mark.parametrize("hidden,heads,kv_heads,head_dim", BLOCK_SHAPES)
+def test_attention_block_plans_fit_the_shared_memory(hidden, heads, kv_heads, head_dim) -> None:
+    from xhal.platforms.cuda.kernels import attn_block
+
+    p = attn_block.plan(hidden, heads, kv_heads, head_dim, 132, H100_SHARED)
+    assert p is not None
+    assert p.shared_mem == block_shared(p, hidden, heads, kv_heads, head_dim) <= H100_SHARED
+    assert 3 <= p.stages <= 8 and p.splits * kv_heads <= 132
+    qkv_rows = (heads + 2 * kv_heads) * head_dim
+    assert qkv_rows % p.rows1 == 0 and p.rows1 * hidden * 2 <= p.slot_bytes
+    assert hidden % p.rows3 == 0 and p.rows3 * heads * head_dim * 2 <= p.slot_bytes
+
+
+def test_attention_block_plan_refuses_what_the_kernel_cannot_take() -> None:
+    from xhal.platforms.cuda.kernels import attn_block
+
+    assert attn_block.plan(2048, 64, 4, 128, 132, H100_SHARED) is None  # GQA group 16
+    assert attn_block.plan(2050, 32, 8, 64, 132, H100_SHARED) is None  # 16-byte chunks
+    assert attn_block.plan(2048, 32, 8, 64, 4, H100_SHARED) is None  # fewer CTAs than KV heads
+    assert attn_block.plan(2048, 32, 8, 128, 132, 96 * 1024) is None  # three stages do not fit
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("qk_norm,neox", [(0, 1), (1, 0)])
+@pytest.mark.parametrize("hidden,heads,kv_heads,head_dim", BLOCK_SHAPES)
+def test_attention_block_compiles_for_sm90_without_spills(
+    hidden, heads, kv_heads, head_dim, qk_norm, neox, tmp_path
+) -> None:
+    from xhal.platforms.cuda.kernels import attn_block
+
+    p = attn_block.plan(hidden, heads, kv_heads, head_dim, 132, H100_SHARED)
+    defines = {
+        "DTYPE_BF16": 1, "HIDDEN": hidden, "NUM_HEADS": heads, "NUM_KV": kv_heads,
+        "HEAD_DIM": head_dim, "ROT_DIM": head_dim, "NEOX": neox, "QK_NORM": qk_norm,
+        "SPLITS": p.splits, "PAGE": 16, "ROWS1": p.rows1, "ROWS3": p.rows3,
+        "STAGES": p.stages, "SLOT_BYTES": p.slot_bytes, "USE_PDL": 1,
+    }  # fmt: skip
+    cmd = ["nvcc", "-cubin", *native._options("sm_90", defines, attn_block.SOURCE.parent)]
+    proc = subprocess.run(
+        [*cmd, "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(attn_block.SOURCE)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "warning" not in proc.stderr, proc.stderr
+    spills = re.findall(r"(\d+) bytes spill stores", proc.stderr)
+    assert spills and all(s == "0" for s in spills), proc.stderr

@@ -124,6 +124,17 @@ class SplitKVFlashInferProvider(FlashInferAttentionProvider):
         return with_splitkv_decode(spec, flashinfer, self._sms, *splitkv_seqs(spec))
 
 
+class SplitKVBlockProvider(SplitKVFlashInferProvider):
+    """``triton-splitkv`` whose one-sequence decode steps run each layer's attention block in one
+    persistent launch (``splitkv_block.py``)."""
+
+    def attention_backend(self, spec):
+        from xhal.platforms.cuda.splitkv_block import with_block_decode
+
+        flashinfer = FlashInferAttentionProvider.attention_backend(self, spec)
+        return with_block_decode(spec, flashinfer, self._sms, *splitkv_seqs(spec))
+
+
 def tilelang_ops(platform: object):
     from xhal.platforms.cuda.tilelang_ops import TileLangOps
 
@@ -352,6 +363,25 @@ SOLUTIONS = (
         description=(
             "single-launch split-KV Triton decode for the decode buckets where it measured "
             "faster (splitkv_seqs), FlashInfer's decode for the others"
+        ),
+    ),
+    # decode only, below triton-splitkv until it is measured on a GPU (it never has been): the
+    # suite runs it like every solution; XHAL_KERNEL_PAGED_DECODE_ATTENTION=native-block picks it
+    Solution(
+        "paged_decode_attention",
+        "native-block",
+        "xhal.platforms.cuda.solutions:SplitKVBlockProvider",
+        Requirement(
+            device_type="cuda",
+            min_compute_capability=(9, 0),
+            dtypes=_HALF,
+            packages=(FLASHINFER, TRITON),
+        ),
+        34,
+        description=(
+            "triton-splitkv, and a one-sequence decode step's whole attention block (norm, qkv, "
+            "q/k norm, rotary, KV write, split-KV attention, o) in one persistent launch "
+            "(kernels/attn_block.cu, built by NVRTC)"
         ),
     ),
     # decode only: a prefill step on this backend runs its Triton fallback, so it is no
