@@ -71,7 +71,7 @@ class SplitKVBlockAttention(SplitKVDecodeAttention):
         launched = self._launch(layer_id, block, hidden, residual, positions)
         if launched is not None:
             return launched
-        return self._sequence(layer_id, block, hidden, residual, positions)
+        return self.sequence(layer_id, block, hidden, residual, positions)
 
     def _kernel(self, device: torch.device):
         kernel = self._kernels.get(device)
@@ -122,8 +122,9 @@ class SplitKVBlockAttention(SplitKVDecodeAttention):
         self._launched.add(key)
         return out
 
-    def _sequence(self, layer_id, block, hidden, residual, positions):
-        """The block as the plain sequence: what the layer would have run without the block."""
+    def sequence(self, layer_id, block, hidden, residual, positions):
+        """The block as the plain sequence on this backend: what the layer runs without the
+        block (the benchmarks' peer of the kernel)."""
         from xhal import ops
 
         s = self.spec

@@ -29,14 +29,17 @@
 // HEAD_DIM, ROT_DIM, NEOX, QK_NORM, SPLITS, PAGE (tokens per cache block), ROWS1 (w_qkv rows per
 // stage), ROWS3 (w_o rows per stage), STAGES, SLOT_BYTES (one stage's room), USE_PDL.
 // Runtime: pointers, the row strides of x and residual (elements), the block table's row
-// stride, eps, the q/k-norm eps, the softmax scale.
+// stride, eps, the q/k-norm eps, the softmax scale, the TIMING buffer (unused without it).
 //
-// Sync words (sync[0] arrivals, sync[1] generation) and the per-KV-head counters are zero before
-// the first launch and are left so for the next; launches sharing them must not overlap (one
-// stream).
+// The barriers' arrival count (`sync`, 64-bit, only grows) and the per-KV-head counters are zero
+// before the first launch; the counters are left zero for the next. Launches sharing them must
+// not overlap (one stream).
 
 #define THREADS 256
 #define WARPS (THREADS / 32)
+#ifndef TIMING  // 1: each CTA's thread 0 stores %globaltimer at the phase boundaries (bench only)
+#define TIMING 0
+#endif
 
 #include "stream_common.cuh"
 
@@ -95,6 +98,33 @@ __device__ __forceinline__ void cp_async_wait() {
 
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 
+// A grid barrier on a 64-bit arrival count that only grows (every launch adds 2 * gridDim.x):
+// each CTA adds its arrival with a release reduction (no round trip) and waits until the count
+// reaches `target`. The release / acquire pair at gpu scope, with the CTA barriers around it,
+// carries every thread's stores before the barrier to every thread after it.
+__device__ __forceinline__ void grid_sync(u64* count, u64 target) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        asm volatile("red.release.gpu.global.add.u64 [%0], 1;" :: "l"(count) : "memory");
+        u64 v;
+        do {
+            asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(count) : "memory");
+        } while (v < target);
+    }
+    __syncthreads();
+}
+
+// TIMING: the time of mark `i` of this CTA (thread 0) into timing[blockIdx.x * 8 + i]
+__device__ __forceinline__ void mark(u64* timing, int i) {
+#if TIMING
+    if (threadIdx.x == 0) {
+        u64 t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        timing[blockIdx.x * 8 + i] = t;
+    }
+#endif
+}
+
 __device__ __forceinline__ float lds_f16(u32 addr) {  // one dtype value from shared memory
     unsigned short v;
     asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
@@ -128,7 +158,12 @@ __device__ __forceinline__ void load_tile(u32 k_dst, u32 v_dst, const u16* k_cac
                                           int end, int g) {
     for (int c = threadIdx.x; c < KV_TILE * CHUNKS_ROW; c += THREADS) {
         const int j = c / CHUNKS_ROW, part = c % CHUNKS_ROW, pos = first + j;
-        if (pos >= end) continue;
+        if (pos >= end) {  // zeros: the values loop reads every row of a tile (p = 0 there)
+            const chunk16 zero = {0u, 0u, 0u, 0u};
+            sts128(k_dst + c * 16, zero);
+            sts128(v_dst + c * 16, zero);
+            continue;
+        }
         const int page = ldcg_i32(table + pos / PAGE);
         const u64 row = ((u64)page * PAGE + pos % PAGE) * NUM_KV + g;
         cp_async16(k_dst + c * 16, k_cache + row * HEAD_DIM + part * 8);
@@ -144,8 +179,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_block(
     const int* __restrict__ block_table, const int* __restrict__ kv_lens,
     const int* __restrict__ slots, const u16* __restrict__ w_o,
     u16* __restrict__ out, u16* __restrict__ residual_out,
-    float* qkv, float* partial_acc, float* partial_ml, u16* attn, u32* counters, u32* sync,
-    long long x_stride, long long res_stride, float eps, float qk_eps, float scale)
+    float* qkv, float* partial_acc, float* partial_ml, u16* attn, u32* counters, u64* sync,
+    long long x_stride, long long res_stride, float eps, float qk_eps, float scale,
+    u64* timing)
 {
     // shared memory (attn_block.py's plan sizes it): mbarriers, the weight ring, two K / V tile
     // buffers, then the fp32 scratch of phase 2 and of the stage reductions
@@ -176,21 +212,32 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_block(
     const bool attends = has_item && begin < end;
 
     // ---- before the wait: weights, and the first tile of past keys ----
+    mark(timing, 0);
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) mbar_init(smem_u32(bars + s));
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         for (u32 u = 0; u < units && u < STAGES; ++u) issue_unit(ring, bars, w_qkv, w_o, u, n1, b1, b3);
     }
+    // the first two tiles (both buffers): a split of up to 2 * KV_TILE keys is on chip early
     if (attends) {
         load_tile(tiles, tiles + TILE_BYTES, k_cache, v_cache, block_table, begin, end, g);
     }
     cp_async_commit();
+    if (attends && begin + KV_TILE < end) {
+        load_tile(tiles + 2 * TILE_BYTES, tiles + 3 * TILE_BYTES, k_cache, v_cache, block_table,
+                  begin + KV_TILE, end, g);
+    }
+    cp_async_commit();
     pdl_wait();  // x and residual are the kernel ahead's
     __syncthreads();  // the mbarriers are initialised
+    mark(timing, 1);
 
-    u32 gen = 0;
+    // the arrival count before this launch: a multiple of 2 * gridDim.x (the launches before
+    // have finished), plus at most the arrivals of this launch's CTAs at the first barrier
+    u64 base = 0;
     if (tid == 0) {
-        asm volatile("ld.relaxed.gpu.u32 %0, [%1];" : "=r"(gen) : "l"(sync + 1) : "memory");
+        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(base) : "l"(sync) : "memory");
+        base -= base % (2ull * gridDim.x);
     }
 
     // ---- phase 1: norm, qkv rows ----
@@ -213,7 +260,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_block(
             }
         }
     }
-    grid_barrier(sync, gen + 1);  // the o rows keep streaming into the ring meanwhile
+    mark(timing, 2);
+    grid_sync(sync, base + gridDim.x);  // the o rows keep streaming into the ring meanwhile
+    mark(timing, 3);
 
     // ---- phase 2: attention over this CTA's keys ----
     if (has_item) {
@@ -293,14 +342,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_block(
         int buf = 0;
         for (int first = begin; first < end; first += KV_TILE, buf ^= 1) {
             const u32 k_tile = tiles + buf * 2 * TILE_BYTES, v_tile = k_tile + TILE_BYTES;
-            if (first + KV_TILE < end) {  // the next tile into the other buffer
-                const u32 nk = tiles + (buf ^ 1) * 2 * TILE_BYTES;
-                load_tile(nk, nk + TILE_BYTES, k_cache, v_cache, block_table, first + KV_TILE, end, g);
-                cp_async_commit();
-                cp_async_wait<1>();
-            } else {
-                cp_async_wait<0>();
-            }
+            // tiles in flight: this one and (when it exists) the next, one commit group each
+            if (first + KV_TILE < end) cp_async_wait<1>(); else cp_async_wait<0>();
             __syncthreads();  // the tile has landed for every thread
             if (first <= last && last < first + KV_TILE) {  // the new token's key and value
                 const int j = last - first;
@@ -369,28 +412,39 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_block(
             }
             __syncthreads();
             // the values: thread tid owns output values tid + i * THREADS of [GROUP][HEAD_DIM]
+            // (rows past the split's end hold zeros and have p = 0)
 #pragma unroll
             for (int i = 0; i < PER_THREAD; ++i) {
                 const int e = tid + i * THREADS;
                 if (e >= GROUP * HEAD_DIM) break;
                 const int r = e / HEAD_DIM, d = e % HEAD_DIM;
-                float a = acc[i] * stats[2 * GROUP + r];
                 const float* p = scores + r * KV_TILE;
-                const int keys = imin(KV_TILE, end - first);
-                for (int j = 0; j < keys; ++j) a = fmaf(p[j], lds_f16(v_tile + (j * HEAD_DIM + d) * 2), a);
-                acc[i] = a;
+                const u32 v = v_tile + d * 2;
+                float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;  // four chains, loads in flight
+#pragma unroll 4
+                for (int j = 0; j < KV_TILE; j += 4) {
+                    a0 = fmaf(p[j], lds_f16(v + (j * HEAD_DIM) * 2), a0);
+                    a1 = fmaf(p[j + 1], lds_f16(v + ((j + 1) * HEAD_DIM) * 2), a1);
+                    a2 = fmaf(p[j + 2], lds_f16(v + ((j + 2) * HEAD_DIM) * 2), a2);
+                    a3 = fmaf(p[j + 3], lds_f16(v + ((j + 3) * HEAD_DIM) * 2), a3);
+                }
+                acc[i] = acc[i] * stats[2 * GROUP + r] + ((a0 + a1) + (a2 + a3));
             }
-            __syncthreads();  // the buffers are free for the tile after next
+            __syncthreads();  // this buffer is free: the tile after next goes into it
+            if (first + 2 * KV_TILE < end) {
+                load_tile(k_tile, v_tile, k_cache, v_cache, block_table, first + 2 * KV_TILE, end, g);
+                cp_async_commit();
+            }
         }
 
-        // this split's partial; the last split of the KV head merges the group
+        mark(timing, 4);
+        // this split's partial (zeros for an empty split, whose weight is 0); the last split of
+        // the KV head to finish merges the group
         float* my_acc = partial_acc + (u64)blockIdx.x * GROUP * HEAD_DIM;
-        if (attends) {
 #pragma unroll
-            for (int i = 0; i < PER_THREAD; ++i) {
-                const int e = tid + i * THREADS;
-                if (e < GROUP * HEAD_DIM) my_acc[e] = acc[i];
-            }
+        for (int i = 0; i < PER_THREAD; ++i) {
+            const int e = tid + i * THREADS;
+            if (e < GROUP * HEAD_DIM) my_acc[e] = attends ? acc[i] : 0.f;
         }
         if (tid < GROUP) {
             partial_ml[(blockIdx.x * GROUP + tid) * 2] = attends ? stats[tid] : NEG_INF;
@@ -407,25 +461,41 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_block(
         }
         __syncthreads();
         if (flag[0]) {
+            // every split's (max, sum) of the group's heads into shared memory (the K / V tiles'
+            // room: every tile has landed), then one weight per split and head, then the outputs:
+            // independent loads, so a thread's splits are all in flight at once
+            float* ml = (float*)(smem + BARS_BYTES + STAGES * SLOT_BYTES);  // [SPLITS][GROUP][2]
+            float* wts = ml + 2 * SPLITS * GROUP;                            // [SPLITS][GROUP]
+            const float* src = partial_ml + (u64)g * SPLITS * GROUP * 2;
+            for (int i = tid; i < 2 * SPLITS * GROUP; i += THREADS) ml[i] = ldcg_f32(src + i);
+            __syncthreads();
+            for (int r = warp; r < GROUP; r += WARPS) {
+                float m = NEG_INF;
+                for (int s = lane; s < SPLITS; s += 32) m = fmaxf(m, ml[(s * GROUP + r) * 2]);
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+                float l = 0.f;
+                for (int s = lane; s < SPLITS; s += 32)
+                    l = fmaf(ml[(s * GROUP + r) * 2 + 1], __expf(ml[(s * GROUP + r) * 2] - m), l);
+                l = warp_sum(l);
+                for (int s = lane; s < SPLITS; s += 32)
+                    wts[s * GROUP + r] = __expf(ml[(s * GROUP + r) * 2] - m) / l;
+            }
+            __syncthreads();
+            const float* accs = partial_acc + (u64)g * SPLITS * GROUP * HEAD_DIM;
             for (int e = tid; e < GROUP * HEAD_DIM; e += THREADS) {
                 const int r = e / HEAD_DIM;
-                const int item0 = g * SPLITS;
-                float m = NEG_INF;
+                float o = 0.f;
+#pragma unroll 8
                 for (int s = 0; s < SPLITS; ++s)
-                    m = fmaxf(m, ldcg_f32(partial_ml + ((item0 + s) * GROUP + r) * 2));
-                float l = 0.f, o = 0.f;
-                for (int s = 0; s < SPLITS; ++s) {
-                    const float ls = ldcg_f32(partial_ml + ((item0 + s) * GROUP + r) * 2 + 1);
-                    if (ls == 0.f) continue;  // an empty split
-                    const float w = __expf(ldcg_f32(partial_ml + ((item0 + s) * GROUP + r) * 2) - m);
-                    l = fmaf(ls, w, l);
-                    o = fmaf(ldcg_f32(partial_acc + (u64)(item0 + s) * GROUP * HEAD_DIM + e), w, o);
-                }
-                attn[(g * GROUP) * HEAD_DIM + e] = to_dtype(o / l);
+                    o = fmaf(wts[s * GROUP + r], ldcg_f32(accs + (u64)s * GROUP * HEAD_DIM + e), o);
+                attn[(g * GROUP) * HEAD_DIM + e] = to_dtype(o);
             }
         }
     }
-    grid_barrier(sync, gen + 2);
+    mark(timing, 5);
+    grid_sync(sync, base + 2ull * gridDim.x);
+    mark(timing, 6);
 
     // ---- phase 3: o rows ----
     {
@@ -444,5 +514,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_block(
             if (tid < ROWS3) out[(b3 + k) * ROWS3 + tid] = to_dtype(stage_sum<1, ROWS3>(p, tid, 0));
         }
     }
+    mark(timing, 7);
     pdl_launch_dependents();  // the weights are streamed: the next kernel may take the SMs
 }

@@ -128,11 +128,15 @@ def supports(
 
 class AttentionBlockKernel:
     """The launches of one device: its kernels by shape, and per shape the scratch every launch
-    of that shape shares (qkv, the splits' partials, the merged attention, the counters and the
-    grid barrier's sync words). Launches are stream-ordered: one stream at a time uses them."""
+    of that shape shares (qkv, the splits' partials, the merged attention, the per-KV-head
+    counters and the grid barriers' arrival count). Launches are stream-ordered: one stream at a
+    time uses them."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, timing: torch.Tensor | None = None) -> None:
+        """``timing`` (int64 ``[SMs, 8]``, benchmarks only): each CTA's phase-boundary times
+        (``%globaltimer``, ns), the kernel built with ``TIMING``."""
         self._kernels = native.KernelCache(SOURCE, "attn_block", device)
+        self.timing = timing
         self.num_sms = self._kernels.num_sms
         self._scratch: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
@@ -156,7 +160,7 @@ class AttentionBlockKernel:
                 torch.empty(items * group * 2, **f32),  # their max and sum
                 torch.empty(num_heads * head_dim, dtype=dtype, device=device),  # attn
                 torch.zeros(num_kv_heads, dtype=torch.int32, device=device),  # counters
-                torch.zeros(2, dtype=torch.int32, device=device),  # sync words
+                torch.zeros(1, dtype=torch.int64, device=device),  # the barriers' arrivals
             )
         return scratch
 
@@ -195,7 +199,7 @@ class AttentionBlockKernel:
             "ROT_DIM": cos_sin_cache.shape[1], "NEOX": int(is_neox),
             "QK_NORM": int(qk_norm is not None), "SPLITS": p.splits, "PAGE": page,
             "ROWS1": p.rows1, "ROWS3": p.rows3, "STAGES": p.stages, "SLOT_BYTES": p.slot_bytes,
-            "USE_PDL": int(use_pdl),
+            "USE_PDL": int(use_pdl), "TIMING": int(self.timing is not None),
         }  # fmt: skip
         kernel = self._kernels.get(defines, p.shared_mem)
         key = (size, num_heads, num_kv_heads, head_dim, hidden.dtype)
@@ -213,5 +217,6 @@ class AttentionBlockKernel:
         args = [ctypes.c_void_p(t.data_ptr()) for t in tensors]
         args += [ctypes.c_longlong(hidden.stride(0)), ctypes.c_longlong(residual.stride(0))]
         args += [ctypes.c_float(eps), ctypes.c_float(qk_eps), ctypes.c_float(scale)]
+        args.append(ctypes.c_void_p(0 if self.timing is None else self.timing.data_ptr()))
         kernel.launch(self.num_sms, THREADS, args, use_pdl)
         return out, residual_out
