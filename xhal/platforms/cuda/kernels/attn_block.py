@@ -9,6 +9,12 @@ of work; the Llama-3.2-1B step spent about 23 us a layer on them against ~6 us o
 weights and the first K / V tile are requested before the wait for the kernel ahead, the o
 weights stream while attention runs, and two grid barriers replace two launches.
 
+Measured on an H100 (docs/h200-results.md, sixteenth session) it conforms but loses to that
+chain: 23.6 against 18.5 us a layer at the 1B shape, 36.5 against 31.4 at Qwen3-30B-A3B's. After
+the weights land, its barriers, the queries' round trip, attention and the merge form a latency
+chain as long as the launches it removes, and it gives up the overlap programmatic dependent
+launch gave the chain (it and the MLP block each fill an SM's shared memory).
+
 Shapes it takes (``plan``): one token, fp16 / bf16, head dims 64 and 128 (multiples of 8 in
 general) with GQA groups up to 8, hidden sizes multiples of 8, no sliding window or soft cap,
 int32 positions / lengths / slots / table; sm_90+.
