@@ -142,7 +142,7 @@ def block_shared(p, hidden: int, heads: int, kv_heads: int, head_dim: int) -> in
     """The kernel's layout (attn_block.cu): mbarriers, ring, K / V tiles, fp32 scratch."""
     group = heads // kv_heads
     scratch = (group + 1) * head_dim + group * 64 + 3 * group + group + 2
-    scratch += 2 * 8 * 8 + 8 + 2
+    scratch += 2 * 8 * 8 + 8
     return 128 + p.stages * p.slot_bytes + 4 * 64 * head_dim * 2 + 4 * scratch
 
 

@@ -365,8 +365,8 @@ SOLUTIONS = (
             "faster (splitkv_seqs), FlashInfer's decode for the others"
         ),
     ),
-    # decode only, below triton-splitkv: it conforms but measured slower on an H100 (1B 23.6
-    # against 18.5 us a layer, MoE 36.5 against 31.4; docs/h200-results.md, sixteenth session).
+    # decode only, below triton-splitkv: it conforms but measured slower on an H100 (1B 23.0
+    # against 18.6 us a layer, MoE 32.4 against 31.5; docs/h200-results.md, sixteenth session).
     # The suite runs it like every solution; XHAL_KERNEL_PAGED_DECODE_ATTENTION=native-block
     # picks it
     Solution(

@@ -20,8 +20,8 @@
 //      pdl.py, rule 1). Each CTA norms and rotates its group's queries and the new key itself
 //      (a few hundred values), attends over its range with the new token's key and value taken
 //      from registers (the split holding position kv_len - 1 also writes them to the cache),
-//      and stores its partial (max, sum, unnormalized output) per head. The last split of a KV
-//      head to finish (a counter per head) merges the group's partials into attn.
+//      and stores its partial (max, sum, unnormalized output) per head. Once every split of its
+//      KV head has (an arrival count per head), each merges a slice of the group's outputs.
 //      Meanwhile the ring streams w_o rows into the slots phase 1 freed.
 //   3. the o projection: every CTA reads attn (registers) and streams its share of w_o rows.
 //
@@ -31,9 +31,9 @@
 // Runtime: pointers, the row strides of x and residual (elements), the block table's row
 // stride, eps, the q/k-norm eps, the softmax scale, the TIMING buffer (unused without it).
 //
-// The barriers' arrival count (`sync`, 64-bit, only grows) and the per-KV-head counters are zero
-// before the first launch; the counters are left zero for the next. Launches sharing them must
-// not overlap (one stream).
+// The barriers' arrival count (`sync`) and the per-KV-head arrival counts (`counters`) are 64-bit,
+// zero before the first launch, and only grow (2 * gridDim.x and SPLITS a launch). Launches
+// sharing them must not overlap (one stream).
 
 #define THREADS 256
 #define WARPS (THREADS / 32)
@@ -179,7 +179,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_block(
     const int* __restrict__ block_table, const int* __restrict__ kv_lens,
     const int* __restrict__ slots, const u16* __restrict__ w_o,
     u16* __restrict__ out, u16* __restrict__ residual_out,
-    float* qkv, float* partial_acc, float* partial_ml, u16* attn, u32* counters, u64* sync,
+    float* qkv, float* partial_acc, float* partial_ml, u16* attn, u64* counters, u64* sync,
     long long x_stride, long long res_stride, float eps, float qk_eps, float scale,
     u64* timing)
 {
@@ -194,7 +194,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_block(
     float* stats = scores + GROUP * KV_TILE;       // m, l, alpha [GROUP]; inverse rms [HEADS2]
     float* parts = stats + 3 * GROUP + HEADS2 + 1; // [2][WARPS][MAX_ROWS]
     float* red = parts + 2 * WARPS * MAX_ROWS;     // [WARPS]
-    u32* flag = (u32*)(red + WARPS);               // [2]
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
     u32 b1, e1, b3, e3;
@@ -211,8 +210,25 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_block(
     const int end = imin(kv_len, begin + chunk);
     const bool attends = has_item && begin < end;
 
-    // ---- before the wait: weights, and the first tile of past keys ----
+    // ---- before the wait: weights, the first tiles of past keys, this position's cos / sin ----
     mark(timing, 0);
+    constexpr int ROT_PER = (HEADS2 * HEAD_DIM + THREADS - 1) / THREADS;  // values a thread rotates
+    float cos_r[ROT_PER], sin_r[ROT_PER];
+    {
+        const float* cs = cos_sin + (long long)ldcg_i32(positions) * ROT_DIM;
+#pragma unroll
+        for (int i = 0; i < ROT_PER; ++i) {
+            const int d = (tid + i * THREADS) % HEAD_DIM;
+            constexpr int HALF = ROT_DIM / 2;
+#if NEOX
+            const int f = d < HALF ? d : d - HALF;
+#else
+            const int f = d / 2;
+#endif
+            cos_r[i] = d < ROT_DIM && has_item ? cs[f] : 1.f;
+            sin_r[i] = d < ROT_DIM && has_item ? cs[HALF + f] : 0.f;
+        }
+    }
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) mbar_init(smem_u32(bars + s));
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -234,10 +250,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_block(
 
     // the arrival count before this launch: a multiple of 2 * gridDim.x (the launches before
     // have finished), plus at most the arrivals of this launch's CTAs at the first barrier
-    u64 base = 0;
+    u64 base = 0, group_base = 0;
     if (tid == 0) {
         asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(base) : "l"(sync) : "memory");
         base -= base % (2ull * gridDim.x);
+        if (has_item) {  // likewise the group's count: SPLITS a launch
+            asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];"
+                         : "=l"(group_base) : "l"(counters + g) : "memory");
+            group_base -= group_base % SPLITS;
+        }
     }
 
     // ---- phase 1: norm, qkv rows ----
@@ -289,25 +310,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_block(
         }
         __syncthreads();
 #endif
-        const int pos = ldcg_i32(positions);
-        const float* cs = cos_sin + (long long)pos * ROT_DIM;
-        float rotated[(HEADS2 * HEAD_DIM + THREADS - 1) / THREADS];
+        float rotated[ROT_PER];
 #pragma unroll
-        for (int i = 0; i < (HEADS2 * HEAD_DIM + THREADS - 1) / THREADS; ++i) {
+        for (int i = 0; i < ROT_PER; ++i) {
             const int e = tid + i * THREADS;
             if (e >= HEADS2 * HEAD_DIM) break;
             const int r = e / HEAD_DIM, d = e % HEAD_DIM;
             const float* v = vals + r * HEAD_DIM;
             float o = v[d];
             if (d < ROT_DIM) {
-                constexpr int HALF = ROT_DIM / 2;
+                const float c = cos_r[i], s = sin_r[i];
 #if NEOX
-                const int f = d < HALF ? d : d - HALF;
-                const float c = cs[f], s = cs[HALF + f];
+                constexpr int HALF = ROT_DIM / 2;
                 o = d < HALF ? v[d] * c - v[d + HALF] * s : v[d] * c + v[d - HALF] * s;
 #else
-                const int f = d / 2;
-                const float c = cs[f], s = cs[HALF + f];
                 o = (d & 1) ? v[d] * c + v[d - 1] * s : v[d] * c - v[d + 1] * s;
 #endif
             }
@@ -315,7 +331,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_block(
         }
         __syncthreads();  // every rotation read the unrotated values
 #pragma unroll
-        for (int i = 0; i < (HEADS2 * HEAD_DIM + THREADS - 1) / THREADS; ++i) {
+        for (int i = 0; i < ROT_PER; ++i) {
             const int e = tid + i * THREADS;
             if (e >= HEADS2 * HEAD_DIM) break;
             vals[e] = e < GROUP * HEAD_DIM ? rotated[i] * scale : rotated[i];
@@ -450,22 +466,25 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_block(
             partial_ml[(blockIdx.x * GROUP + tid) * 2] = attends ? stats[tid] : NEG_INF;
             partial_ml[(blockIdx.x * GROUP + tid) * 2 + 1] = attends ? stats[GROUP + tid] : 0.f;
         }
+        // every split of the group waits for the others (the group's count), then merges its
+        // slice of the group's outputs: the loads of a slice are all in flight at once
         __syncthreads();
         if (tid == 0) {
-            __threadfence();
-            u32 ticket;
-            asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], 1;" : "=r"(ticket) : "l"(counters + g) : "memory");
-            flag[0] = ticket == SPLITS - 1;
-            if (ticket == SPLITS - 1) counters[g] = 0;  // ready for the next launch
-            __threadfence();
+            asm volatile("red.release.gpu.global.add.u64 [%0], 1;" :: "l"(counters + g) : "memory");
+            u64 v;
+            do {
+                asm volatile("ld.acquire.gpu.global.u64 %0, [%1];"
+                             : "=l"(v) : "l"(counters + g) : "memory");
+            } while (v < group_base + SPLITS);
         }
         __syncthreads();
-        if (flag[0]) {
-            // every split's (max, sum) of the group's heads into shared memory (the K / V tiles'
-            // room: every tile has landed), then one weight per split and head, then the outputs:
-            // independent loads, so a thread's splits are all in flight at once
+        {
+            // the K / V tiles' room (every tile has landed): the group's (max, sum) per split and
+            // head, one weight per split and head, the slice's products per split
             float* ml = (float*)(smem + BARS_BYTES + STAGES * SLOT_BYTES);  // [SPLITS][GROUP][2]
             float* wts = ml + 2 * SPLITS * GROUP;                            // [SPLITS][GROUP]
+            float* prod = wts + SPLITS * GROUP;                              // [SLICE][SPLITS]
+            constexpr int SLICE = (GROUP * HEAD_DIM + SPLITS - 1) / SPLITS;
             const float* src = partial_ml + (u64)g * SPLITS * GROUP * 2;
             for (int i = tid; i < 2 * SPLITS * GROUP; i += THREADS) ml[i] = ldcg_f32(src + i);
             __syncthreads();
@@ -483,12 +502,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_block(
             }
             __syncthreads();
             const float* accs = partial_acc + (u64)g * SPLITS * GROUP * HEAD_DIM;
-            for (int e = tid; e < GROUP * HEAD_DIM; e += THREADS) {
-                const int r = e / HEAD_DIM;
+            const int first_e = split * SLICE;
+            for (int i = tid; i < SLICE * SPLITS; i += THREADS) {
+                const int e = first_e + i / SPLITS, s = i % SPLITS;
+                if (e < GROUP * HEAD_DIM)
+                    prod[i] = wts[s * GROUP + e / HEAD_DIM] * ldcg_f32(accs + (u64)s * GROUP * HEAD_DIM + e);
+            }
+            __syncthreads();
+            for (int i = tid; i < SLICE; i += THREADS) {
+                const int e = first_e + i;
+                if (e >= GROUP * HEAD_DIM) break;
                 float o = 0.f;
-#pragma unroll 8
-                for (int s = 0; s < SPLITS; ++s)
-                    o = fmaf(wts[s * GROUP + r], ldcg_f32(accs + (u64)s * GROUP * HEAD_DIM + e), o);
+                for (int s = 0; s < SPLITS; ++s) o += prod[i * SPLITS + s];
                 attn[(g * GROUP) * HEAD_DIM + e] = to_dtype(o);
             }
         }

@@ -6,13 +6,13 @@ Why one launch: at batch 1 the block's three launches (norm + qkv GEMV, the spli
 with rotary and the KV write inside, the o GEMV) each pay a ramp and a tail on a few microseconds
 of work; the Llama-3.2-1B step spent about 23 us a layer on them against ~6 us of bytes
 (docs/h200-results.md, fourteenth session: stream GEMV 6.4, split-KV 8.8, o 8.3). Here the qkv
-weights and the first K / V tile are requested before the wait for the kernel ahead, the o
+weights and the first K / V tiles are requested before the wait for the kernel ahead, the o
 weights stream while attention runs, and two grid barriers replace two launches.
 
 Measured on an H100 (docs/h200-results.md, sixteenth session) it conforms but loses to that
-chain: 23.6 against 18.5 us a layer at the 1B shape, 36.5 against 31.4 at Qwen3-30B-A3B's. After
+chain: 23.0 against 18.6 us a layer at the 1B shape, 32.4 against 31.5 at Qwen3-30B-A3B's. After
 the weights land, its barriers, the queries' round trip, attention and the merge form a latency
-chain as long as the launches it removes, and it gives up the overlap programmatic dependent
+chain about as long as the launches it removes, and it gives up the overlap programmatic dependent
 launch gave the chain (it and the MLP block each fill an SM's shared memory).
 
 Shapes it takes (``plan``): one token, fp16 / bf16, head dims 64 and 128 (multiples of 8 in
@@ -91,7 +91,7 @@ def plan(
     max_rows = _MAX_ROWS
     scratch = 4 * (
         heads2 * head_dim + group * KV_TILE + 3 * group + heads2 + 1
-        + 2 * _WARPS * max_rows + _WARPS + 2
+        + 2 * _WARPS * max_rows + _WARPS
     )  # fmt: skip
     for slot_bytes in _SLOT_BYTES:
         rows1 = _rows((num_heads + 2 * num_kv_heads) * head_dim, hidden * 2, slot_bytes)
@@ -165,7 +165,7 @@ class AttentionBlockKernel:
                 torch.empty(items * group * head_dim, **f32),  # the splits' outputs
                 torch.empty(items * group * 2, **f32),  # their max and sum
                 torch.empty(num_heads * head_dim, dtype=dtype, device=device),  # attn
-                torch.zeros(num_kv_heads, dtype=torch.int32, device=device),  # counters
+                torch.zeros(num_kv_heads, dtype=torch.int64, device=device),  # group counts
                 torch.zeros(1, dtype=torch.int64, device=device),  # the barriers' arrivals
             )
         return scratch
