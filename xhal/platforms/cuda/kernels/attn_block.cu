@@ -4,7 +4,7 @@
 //   h            = residual_out * norm_w / rms(residual_out)     (fp32, not rounded)
 //   qkv          = h @ w_qkv^T                                   (each rounded to the dtype)
 //   q, k         = per-head RMSNorm with q_norm_w / k_norm_w     (QK_NORM; rounded)
-//   q, k         = rotary(q, k) at position pos                  (rounded; k as the cache stores it)
+//   q, k         = rotary(q, k) at position pos                  (rounded: k as the cache holds it)
 //   cache[slot]  = k, v                                          (slot -1: not written)
 //   attn         = softmax(q k^T * scale) v over keys [0, kv_len) (rounded to the dtype)
 //   out          = attn @ w_o^T
@@ -15,9 +15,9 @@
 //      rows of qkv (fp32 scratch). Its share of w_o follows in the same ring: the first stages
 //      of both are requested before the PDL wait, as many as the ring holds.
 //   2. attention, split-KV: CTA i < NUM_KV * SPLITS takes KV head i / SPLITS and a range of
-//      keys; its first K / V tile is requested (cp.async) before the PDL wait, since past keys
-//      and the staged lengths / table never come from the kernel ahead (xhal/platforms/cuda/
-//      pdl.py, rule 1). Each CTA norms and rotates its group's queries and the new key itself
+//      keys; its first two K / V tiles are requested (cp.async) before the PDL wait, since past
+//      keys and the staged lengths / table never come from the kernel ahead (xhal/platforms/
+//      cuda/pdl.py, rule 1). Each CTA norms and rotates its group's queries and the new key itself
 //      (a few hundred values), attends over its range with the new token's key and value taken
 //      from registers (the split holding position kv_len - 1 also writes them to the cache),
 //      and stores its partial (max, sum, unnormalized output) per head. Once every split of its
@@ -28,8 +28,9 @@
 // Compile-time (NVRTC -D options, attn_block.py): DTYPE_BF16, HIDDEN, NUM_HEADS, NUM_KV,
 // HEAD_DIM, ROT_DIM, NEOX, QK_NORM, SPLITS, PAGE (tokens per cache block), ROWS1 (w_qkv rows per
 // stage), ROWS3 (w_o rows per stage), STAGES, SLOT_BYTES (one stage's room), USE_PDL.
-// Runtime: pointers, the row strides of x and residual (elements), the block table's row
-// stride, eps, the q/k-norm eps, the softmax scale, the TIMING buffer (unused without it).
+// Runtime: pointers, the row strides of x and residual (elements), eps, the q/k-norm eps, the
+// softmax scale, the TIMING buffer (unused without it). The helpers are stream_common.cuh's
+// (the weight stream) and attn_block_steps.cuh's (the loads, barriers and merge of phase 2).
 //
 // The barriers' arrival count (`sync`) and the per-KV-head arrival counts (`counters`) are 64-bit,
 // zero before the first launch, and only grow (2 * gridDim.x and SPLITS a launch). Launches
@@ -69,67 +70,7 @@ static_assert(THREADS % (4 * KV_TILE) == 0 || 4 * KV_TILE == THREADS, "4 threads
 static_assert(ROT_DIM % 2 == 0 && ROT_DIM <= HEAD_DIM, "rotary pairs within the head");
 static_assert(STAGES * 8 <= BARS_BYTES && SLOT_BYTES % 16 == 0, "the layout's alignment");
 
-// ---- small helpers of this kernel ----
-
-__device__ __forceinline__ float ldcg_f32(const float* p) {
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
-}
-
-__device__ __forceinline__ int ldcg_i32(const int* p) {
-    int v;
-    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-}
-
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-    asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
-}
-
-__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
-
-// A grid barrier on a 64-bit arrival count that only grows (every launch adds 2 * gridDim.x):
-// each CTA adds its arrival with a release reduction (no round trip) and waits until the count
-// reaches `target`. The release / acquire pair at gpu scope, with the CTA barriers around it,
-// carries every thread's stores before the barrier to every thread after it.
-__device__ __forceinline__ void grid_sync(u64* count, u64 target) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        asm volatile("red.release.gpu.global.add.u64 [%0], 1;" :: "l"(count) : "memory");
-        u64 v;
-        do {
-            asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(count) : "memory");
-        } while (v < target);
-    }
-    __syncthreads();
-}
-
-// TIMING: the time of mark `i` of this CTA (thread 0) into timing[blockIdx.x * 8 + i]
-__device__ __forceinline__ void mark(u64* timing, int i) {
-#if TIMING
-    if (threadIdx.x == 0) {
-        u64 t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        timing[blockIdx.x * 8 + i] = t;
-    }
-#endif
-}
-
-__device__ __forceinline__ float lds_f16(u32 addr) {  // one dtype value from shared memory
-    unsigned short v;
-    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
-    return lo_f32((u32)v);
-}
+#include "attn_block_steps.cuh"  // the loads, barriers and phase-2 steps, by the macros above
 
 // Unit u of this CTA's weight stream into ring slot u % STAGES: its qkv units first (u < n1,
 // ROWS1 rows of w_qkv from unit b1), then its o units (ROWS3 rows of w_o from unit b3). Both
@@ -149,26 +90,6 @@ __device__ __forceinline__ void issue_unit(u32 ring, u64* bars, const u16* w_qkv
     }
     mbar_expect(bar, bytes);
     bulk_copy(ring + slot * SLOT_BYTES, src, bytes, bar);
-}
-
-// keys [first, first + KV_TILE) of KV head g, clipped to `end`, into the K and V tiles at
-// k_dst / v_dst: one 16-byte chunk per cp.async, a key's head at its page's row
-__device__ __forceinline__ void load_tile(u32 k_dst, u32 v_dst, const u16* k_cache,
-                                          const u16* v_cache, const int* table, int first,
-                                          int end, int g) {
-    for (int c = threadIdx.x; c < KV_TILE * CHUNKS_ROW; c += THREADS) {
-        const int j = c / CHUNKS_ROW, part = c % CHUNKS_ROW, pos = first + j;
-        if (pos >= end) {  // zeros: the values loop reads every row of a tile (p = 0 there)
-            const chunk16 zero = {0u, 0u, 0u, 0u};
-            sts128(k_dst + c * 16, zero);
-            sts128(v_dst + c * 16, zero);
-            continue;
-        }
-        const int page = ldcg_i32(table + pos / PAGE);
-        const u64 row = ((u64)page * PAGE + pos % PAGE) * NUM_KV + g;
-        cp_async16(k_dst + c * 16, k_cache + row * HEAD_DIM + part * 8);
-        cp_async16(v_dst + c * 16, v_cache + row * HEAD_DIM + part * 8);
-    }
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_block(
@@ -232,7 +153,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_block(
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) mbar_init(smem_u32(bars + s));
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        for (u32 u = 0; u < units && u < STAGES; ++u) issue_unit(ring, bars, w_qkv, w_o, u, n1, b1, b3);
+        for (u32 u = 0; u < units && u < STAGES; ++u)
+            issue_unit(ring, bars, w_qkv, w_o, u, n1, b1, b3);
     }
     // the first two tiles (both buffers): a split of up to 2 * KV_TILE keys is on chip early
     if (attends) {
@@ -298,7 +220,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_block(
 #if QK_NORM
         for (int r = warp; r < HEADS2; r += WARPS) {
             float ss = 0.f;
-            for (int d = lane; d < HEAD_DIM; d += 32) ss = fmaf(vals[r * HEAD_DIM + d], vals[r * HEAD_DIM + d], ss);
+            for (int d = lane; d < HEAD_DIM; d += 32)
+                ss = fmaf(vals[r * HEAD_DIM + d], vals[r * HEAD_DIM + d], ss);
             ss = warp_sum(ss);
             if (lane == 0) stats[3 * GROUP + r] = rsqrtf(ss / HEAD_DIM + qk_eps);
         }
@@ -366,8 +289,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_block(
                 for (int d = tid; d < HEAD_DIM; d += THREADS) {
                     const u16 kv = to_dtype(vals[GROUP * HEAD_DIM + d]);
                     const u16 vv = to_dtype(ldcg_f32(v_new_src + d));
-                    asm volatile("st.shared.u16 [%0], %1;" :: "r"(k_tile + (j * HEAD_DIM + d) * 2), "h"(kv) : "memory");
-                    asm volatile("st.shared.u16 [%0], %1;" :: "r"(v_tile + (j * HEAD_DIM + d) * 2), "h"(vv) : "memory");
+                    const u32 at = (j * HEAD_DIM + d) * 2;
+                    asm volatile("st.shared.u16 [%0], %1;" :: "r"(k_tile + at), "h"(kv) : "memory");
+                    asm volatile("st.shared.u16 [%0], %1;" :: "r"(v_tile + at), "h"(vv) : "memory");
                 }
                 __syncthreads();
             }
@@ -408,7 +332,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_block(
                 float mx = NEG_INF;
                 for (int j = lane; j < KV_TILE; j += 32) mx = fmaxf(mx, s[j]);
 #pragma unroll
-                for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+                for (int o = 16; o > 0; o >>= 1)
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
                 const float m_old = stats[warp];
                 const float m_new = fmaxf(m_old, mx);  // finite: the tile has a key
                 float sum = 0.f;
@@ -448,7 +373,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_block(
             }
             __syncthreads();  // this buffer is free: the tile after next goes into it
             if (first + 2 * KV_TILE < end) {
-                load_tile(k_tile, v_tile, k_cache, v_cache, block_table, first + 2 * KV_TILE, end, g);
+                load_tile(k_tile, v_tile, k_cache, v_cache, block_table, first + 2 * KV_TILE, end,
+                          g);
                 cp_async_commit();
             }
         }
@@ -466,57 +392,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_block(
             partial_ml[(blockIdx.x * GROUP + tid) * 2] = attends ? stats[tid] : NEG_INF;
             partial_ml[(blockIdx.x * GROUP + tid) * 2 + 1] = attends ? stats[GROUP + tid] : 0.f;
         }
-        // every split of the group waits for the others (the group's count), then merges its
-        // slice of the group's outputs: the loads of a slice are all in flight at once
-        __syncthreads();
-        if (tid == 0) {
-            asm volatile("red.release.gpu.global.add.u64 [%0], 1;" :: "l"(counters + g) : "memory");
-            u64 v;
-            do {
-                asm volatile("ld.acquire.gpu.global.u64 %0, [%1];"
-                             : "=l"(v) : "l"(counters + g) : "memory");
-            } while (v < group_base + SPLITS);
-        }
-        __syncthreads();
-        {
-            // the K / V tiles' room (every tile has landed): the group's (max, sum) per split and
-            // head, one weight per split and head, the slice's products per split
-            float* ml = (float*)(smem + BARS_BYTES + STAGES * SLOT_BYTES);  // [SPLITS][GROUP][2]
-            float* wts = ml + 2 * SPLITS * GROUP;                            // [SPLITS][GROUP]
-            float* prod = wts + SPLITS * GROUP;                              // [SLICE][SPLITS]
-            constexpr int SLICE = (GROUP * HEAD_DIM + SPLITS - 1) / SPLITS;
-            const float* src = partial_ml + (u64)g * SPLITS * GROUP * 2;
-            for (int i = tid; i < 2 * SPLITS * GROUP; i += THREADS) ml[i] = ldcg_f32(src + i);
-            __syncthreads();
-            for (int r = warp; r < GROUP; r += WARPS) {
-                float m = NEG_INF;
-                for (int s = lane; s < SPLITS; s += 32) m = fmaxf(m, ml[(s * GROUP + r) * 2]);
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-                float l = 0.f;
-                for (int s = lane; s < SPLITS; s += 32)
-                    l = fmaf(ml[(s * GROUP + r) * 2 + 1], __expf(ml[(s * GROUP + r) * 2] - m), l);
-                l = warp_sum(l);
-                for (int s = lane; s < SPLITS; s += 32)
-                    wts[s * GROUP + r] = __expf(ml[(s * GROUP + r) * 2] - m) / l;
-            }
-            __syncthreads();
-            const float* accs = partial_acc + (u64)g * SPLITS * GROUP * HEAD_DIM;
-            const int first_e = split * SLICE;
-            for (int i = tid; i < SLICE * SPLITS; i += THREADS) {
-                const int e = first_e + i / SPLITS, s = i % SPLITS;
-                if (e < GROUP * HEAD_DIM)
-                    prod[i] = wts[s * GROUP + e / HEAD_DIM] * ldcg_f32(accs + (u64)s * GROUP * HEAD_DIM + e);
-            }
-            __syncthreads();
-            for (int i = tid; i < SLICE; i += THREADS) {
-                const int e = first_e + i;
-                if (e >= GROUP * HEAD_DIM) break;
-                float o = 0.f;
-                for (int s = 0; s < SPLITS; ++s) o += prod[i * SPLITS + s];
-                attn[(g * GROUP) * HEAD_DIM + e] = to_dtype(o);
-            }
-        }
+        // the merge's scratch is the K / V tiles' room: every tile has landed
+        merge_group_slice(
+            (float*)(smem + BARS_BYTES + STAGES * SLOT_BYTES), partial_ml, partial_acc,
+            counters + g, group_base + SPLITS, attn, g, split);
     }
     mark(timing, 5);
     grid_sync(sync, base + 2ull * gridDim.x);
