@@ -21,10 +21,12 @@ rounding of the normed input, float32 accumulation) and by the roundings after i
   picks a few keys and its output stays O(1), where the absolute tolerance ``t`` means something.
 
 A block that forgets the residual add, the norm, the rotation of either q or k, a head's KV group
-or the o projection is off by O(1) of the output. Cases: batch-1 decodes (where a GPU kernel takes
-the block) over one key, a short context and over 1K keys, GQA 4 and 8, head dims 64 and 128,
-with and without the q/k norm, NeoX halves and GPT-J pairs; a batch of three decodes and a mixed
-step, which a backend may also fuse.
+or the o projection is off by O(1) of the output. Cases: batch-1 decodes (where a GPU kernel
+takes the block) over one key, a short context and over 1K keys, GQA 4 and 8, head dims 64 and
+128, with and without the q/k norm, NeoX halves and GPT-J pairs; a batch of three decodes and a
+mixed step, which a backend may also fuse. In a captured graph (a decode bucket of one sequence,
+as the executor captures it), replays with new inputs must equal eager calls on the same inputs
+exactly, as the graph family requires of every backend.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from conformance_tests.batches import (
     build_batch,
     one_cpu_thread,
     random_caches,
+    runner_or_skip,
     spec_or_skip,
 )
 from conformance_tests.solution_variants import _solution_under_test  # noqa: F401
@@ -290,3 +293,69 @@ def test_attention_block(
 ) -> None:
     worst = check_block(platform, group, head_dim, shape, qk_norm, is_neox, dtype, device)
     record_error(worst)
+
+
+def check_block_in_graph(
+    platform: Platform, group: int, head_dim: int, qk_norm: bool, dtype, device
+) -> None:
+    """The block captured as a one-sequence decode bucket (an eager call first, as the
+    executor's warm-up makes one) and replayed twice with new hidden and residual rows: each
+    replay's outputs equal an eager call's on the same inputs, bit for bit. Skips as
+    ``check_block`` does."""
+    runner = runner_or_skip(platform)
+    caps = platform.capabilities.attention
+    if head_dim not in caps.head_dims:
+        pytest.skip(f"{platform.name} does not list head_dim {head_dim} ({list(caps.head_dims)})")
+    spec = spec_or_skip(platform, dtype, head_dim, caps.block_sizes[0], group)
+    h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    rng = random.Random(f"block graph {group} {head_dim} {qk_norm} {dtype}")
+    seqs = [Seq(1, 300)]
+    num_blocks = math.ceil(300 / spec.block_size) + 3
+    rows = allocate_blocks(seqs, spec.block_size, num_blocks, rng)
+    batch = build_batch(BatchKind.DECODE, seqs, rows, spec.block_size, device)
+    backend = platform.attention_backend(spec)
+    backend.bind_kv_caches(random_caches(1, num_blocks, spec, device, rng))
+    backend.plan(batch.metadata)  # eagerly first: a backend that never fuses may refuse graphs
+    if not backend.fuses_block:
+        pytest.skip(f"{type(backend).__name__} does not fuse the attention block of this step")
+    key = ("decode", 1)
+    backend.plan(batch.metadata, graph_key=key)
+    rotary = RotaryEmbedding(d, d, 4096, 10000.0).to(device)
+    block = random_block(spec, dtype, device, 7, qk_norm, rotary)
+    attn = Attention(h, d, spec.softmax_scale, hkv, layer_id=0)
+    positions = torch.tensor([299], dtype=torch.int32, device=device)
+    hidden = rand((1, HIDDEN), dtype, device, seed=1)
+    residual = rand((1, HIDDEN), dtype, device, seed=2, scale=2.0)
+    ctx = ForwardContext(
+        metadata=batch.metadata, attention={0: backend}, collective=platform.collective(None)
+    )
+
+    def step():
+        return attn.forward_block(block, hidden, residual, positions)
+
+    with forward_context(ctx):
+        step()  # the warm-up: whatever a backend builds, it builds outside the capture
+        platform.synchronize()
+        runner.capture(key, step)
+    for seed in (11, 12):
+        hidden.copy_(rand((1, HIDDEN), dtype, device, seed=seed))
+        residual.copy_(rand((1, HIDDEN), dtype, device, seed=seed + 1, scale=2.0))
+        backend.plan(batch.metadata, graph_key=key)
+        backend.before_replay(key)
+        replayed = [t.clone() for t in runner.replay(key)]
+        backend.plan(batch.metadata)
+        with forward_context(ctx):
+            eager = step()
+        platform.synchronize()
+        for name, r, e in zip(("output", "new residual"), replayed, eager):
+            assert torch.equal(r, e), (
+                f"the replayed block's {name} differs from an eager call on the same inputs "
+                f"(max difference {float((r.float() - e.float()).abs().max()):.3e})"
+            )
+
+
+@pytest.mark.parametrize(
+    "group,head_dim,qk_norm", [(4, 64, False), (8, 128, True)], ids=["gqa4-d64", "gqa8-d128-qknorm"]
+)
+def test_attention_block_in_a_graph(group, head_dim, qk_norm, platform, dtype, device) -> None:
+    check_block_in_graph(platform, group, head_dim, qk_norm, dtype, device)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance_tests.test_attention_block import check_block
+from conformance_tests.test_attention_block import check_block, check_block_in_graph
 from tests.support.block_attention import SequenceBlockPlatform, StaleKeyBlockPlatform
 
 CASES = [  # (group, head dim, shape, q/k norm, NeoX)
@@ -39,3 +39,10 @@ def test_a_backend_that_does_not_fuse_the_step_is_skipped() -> None:
     with pytest.raises(pytest.skip.Exception, match="does not fuse"):
         check_block(SequenceBlockPlatform(), 8, 64, "mixed", True, True, torch.float32,
                     torch.device("cpu"))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_plain_sequence_replays_as_it_runs_eagerly(dtype) -> None:
+    for group, head_dim, qk_norm in [(4, 64, False), (8, 128, True)]:
+        check_block_in_graph(SequenceBlockPlatform(), group, head_dim, qk_norm, dtype,
+                             torch.device("cpu"))  # fmt: skip
