@@ -119,6 +119,16 @@ ULP_BITS = {torch.bfloat16: 8, torch.float16: 11}  # significand bits, the impli
 ULP_FLOOR = 2.0**-6
 
 
+def ulp(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per element of float64 ``y``: one unit in the last place of ``y`` rounded to ``dtype``
+    (at ``ULP_FLOOR`` for smaller magnitudes); for float32, ``2^-20`` relative plus ``1e-7``."""
+    if dtype in ULP_BITS:
+        rounded = y.to(dtype).to(F64)
+        exponent = torch.floor(torch.log2(rounded.abs().clamp_min(ULP_FLOOR)))
+        return torch.exp2(exponent - (ULP_BITS[dtype] - 1))
+    return y.abs() * 2.0**-20 + 1e-7
+
+
 def max_ulps(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> float:
     """Largest distance of ``out`` from ``ref`` rounded once to ``dtype``, in units in the last
     place of that rounded value (inf for NaN)."""

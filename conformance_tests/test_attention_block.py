@@ -33,24 +33,27 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 from conformance_tests import ops_reference as ops_ref
-from conformance_tests import reference, solution_variants
+from conformance_tests import reference
 from conformance_tests.batches import (
     Seq,
     allocate_blocks,
     build_batch,
-    one_cpu_thread,
     random_caches,
     runner_or_skip,
     spec_or_skip,
 )
 from conformance_tests.solution_variants import _solution_under_test  # noqa: F401
-from conformance_tests.test_fused import check_residual, gemv_bound, norm_reference
+from conformance_tests.test_attention_qk_norm import (  # the same grid of solutions and dtypes
+    _one_cpu_thread,  # noqa: F401
+    pytest_generate_tests,  # noqa: F401
+    rand,
+)
+from conformance_tests.test_fused import _UNIT_ROUNDOFF, check_residual, gemv_bound, norm_reference
 from conformance_tests.tolerances import tolerance
 from xhal.interfaces import AttentionBlock, BatchKind, Platform
 from xhal.interfaces.forward_context import ForwardContext, forward_context
@@ -64,7 +67,6 @@ EPS = 1e-5
 QK_EPS = 1e-6
 HIDDEN = 384  # not the heads' H * D: the two projections' row lengths differ
 NUM_LAYERS = 2
-_UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 SHAPES = {  # name -> (kind, sequences)
     "one-key": (BatchKind.DECODE, [Seq(1, 1)]),
     "short": (BatchKind.DECODE, [Seq(1, 37)]),
@@ -85,36 +87,6 @@ CASES = [  # (group, head dim, shape, q/k norm, NeoX halves or GPT-J pairs)
     (4, 128, "three", False, True),
     (8, 64, "mixed", True, True),
 ]
-
-
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    solution_variants.parametrize(metafunc)
-    if "dtype" in metafunc.fixturenames:
-        from conformance_tests import grid
-
-        caps = grid.platform_of(metafunc.config).capabilities.attention
-        dtypes = [d for d in (torch.float32, torch.bfloat16) if d in caps.dtypes]
-        metafunc.parametrize("dtype", dtypes, ids=[str(d).removeprefix("torch.") for d in dtypes])
-
-
-@pytest.fixture(autouse=True)
-def _one_cpu_thread() -> Iterator[None]:
-    with one_cpu_thread():
-        yield
-
-
-def rand(shape, dtype, device, seed: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=g, dtype=F64).clamp(-2.5, 2.5) * scale + shift
-    return x.to(device, dtype)
-
-
-def _ulp(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if dtype in ops_ref.ULP_BITS:
-        rounded = y.to(dtype).to(F64)
-        exponent = torch.floor(torch.log2(rounded.abs().clamp_min(ops_ref.ULP_FLOOR)))
-        return torch.exp2(exponent - (ops_ref.ULP_BITS[dtype] - 1))
-    return y.abs() * 2.0**-20 + 1e-7
 
 
 def random_block(spec, dtype, device, seed: int, qk_norm: bool, rotary) -> AttentionBlock:
@@ -176,9 +148,9 @@ def key_bound(k_ref, k_pre, k_normed, qkv_bound_k, block, dtype) -> torch.Tensor
         w_max = block.k_norm_weight.detach().cpu().double().abs().max()
         rms = (k_pre.pow(2).mean(-1, keepdim=True) + QK_EPS).sqrt()
         head_bound = head_bound * w_max * (1 + k_pre.abs().amax(-1, keepdim=True) / rms) / rms
-    bound = 2.0 * head_bound + _ulp(k_ref, dtype)
+    bound = 2.0 * head_bound + ops_ref.ulp(k_ref, dtype)
     if k_normed is not None:
-        bound = bound + 2 * _UNIT[dtype] * k_normed.abs().amax(-1, keepdim=True)
+        bound = bound + 2 * _UNIT_ROUNDOFF[dtype] * k_normed.abs().amax(-1, keepdim=True)
     return bound
 
 
@@ -268,7 +240,7 @@ def check_block(
         attn_stored = attn_ref.to(dtype).to(F64)
         w_o = block.o_weight.detach().cpu().double()
         o_ref = attn_stored @ w_o.T
-        radius = tolerance("attention", dtype) + _ulp(attn_stored, dtype)
+        radius = tolerance("attention", dtype) + ops_ref.ulp(attn_stored, dtype)
         o_bound = gemv_bound(attn_stored, w_o, o_ref, dtype) + 4 * ((radius**2) @ (w_o**2).T).sqrt()
         err = (out.detach().cpu()[batch.real_rows].to(F64) - o_ref).abs()
         over = float((err / o_bound).nan_to_num(float("inf")).max())

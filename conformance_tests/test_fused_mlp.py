@@ -41,14 +41,6 @@ CASES = [(1, 256, 96), (2, 200, 72), (3, 64, 40), (4, 520, 136), (6, 128, 64)]
 # (sm_90's 132 CTAs: gate_up 3.9 units of 64 KB against 3 stages, down 15.5 of 8 KB against 8)
 
 
-def _ulp(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if dtype in ref.ULP_BITS:
-        rounded = y.to(dtype).to(F64)
-        exponent = torch.floor(torch.log2(rounded.abs().clamp_min(ref.ULP_FLOOR)))
-        return torch.exp2(exponent - (ref.ULP_BITS[dtype] - 1))
-    return y.abs() * 2.0**-20 + 1e-7
-
-
 def mlp_reference(x, res, g, w_gu, w_down, dtype, b_gu=None, b_down=None):
     """float64: (the rounded activation a, each activation's allowed deviation D, y, the new
     residual)."""
@@ -56,7 +48,7 @@ def mlp_reference(x, res, g, w_gu, w_down, dtype, b_gu=None, b_down=None):
     w_gu64, w_down64 = w_gu.detach().to("cpu", F64), w_down.detach().to("cpu", F64)
     normed, gu_exact, summed = norm_reference(x, res, g, EPS, w_gu, b_gu, dtype)
     gu = gu_exact.to(dtype).to(F64)  # gate_up as the projection stores it
-    radius = gemv_bound(normed, w_gu64, gu_exact, dtype) + _ulp(gu, dtype)
+    radius = gemv_bound(normed, w_gu64, gu_exact, dtype) + ref.ulp(gu, dtype)
     gate, up = gu[:, :inter], gu[:, inter:]
     bg, bu = radius[:, :inter], radius[:, inter:]
     sig = torch.sigmoid(gate)
@@ -64,7 +56,7 @@ def mlp_reference(x, res, g, w_gu, w_down, dtype, b_gu=None, b_down=None):
     dsilu = sig * (1 + gate * (1 - sig))  # silu'(gate), at most 1.1 in magnitude
     act_exact = silu * up
     act = act_exact.to(dtype).to(F64)
-    deviation = (dsilu * up).abs() * bg + silu.abs() * bu + 1.1 * bg * bu + _ulp(act, dtype)
+    deviation = (dsilu * up).abs() * bg + silu.abs() * bu + 1.1 * bg * bu + ref.ulp(act, dtype)
     y = act @ w_down64.T
     if b_down is not None:
         y = y + b_down.detach().to("cpu", F64)
@@ -81,7 +73,7 @@ def check_block(
     err = (out.detach().to("cpu", F64) - y_ref).abs()
     record_error(float(err.max()))
     bound = (
-        _ulp(y_ref, dtype)
+        ref.ulp(y_ref, dtype)
         + 4 * ((deviation * deviation) @ (w64 * w64).T).sqrt()
         + (w64.shape[1] / 64 + 16) * 2.0**-24 * (a.abs() @ w64.abs().T)
     )
