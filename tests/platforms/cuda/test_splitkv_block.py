@@ -7,39 +7,30 @@ runs only on a GPU (the same check there, and ``bench_model --pdl auto auto-attn
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from conformance_tests.test_attention_block import check_block
 from tests.support.triton_env import NO_RUNTIME_LOOPS, RUNTIME_LOOPS  # before any Triton kernel
+from tests.support.triton_interpreted_platform import InterpretedTritonPlatform
 from xhal.interfaces import AttentionSpec, BatchKind
-from xhal.platforms.cpu_ref.platform import CpuPlatform
 
 pytestmark = pytest.mark.skipif(not RUNTIME_LOOPS, reason=f"split-KV decode {NO_RUNTIME_LOOPS}")
 
 
-class _BlockPlatform(CpuPlatform):
-    """The CPU reference whose attention is the native-block backend over Triton's attention."""
+class _BlockPlatform(InterpretedTritonPlatform):
+    """The interpreted Triton platform whose attention is the native-block backend."""
 
     name = "cuda-block-interpreted"
-    capabilities = dataclasses.replace(
-        CpuPlatform.capabilities,
-        graphs=False,
-        attention=dataclasses.replace(
-            CpuPlatform.capabilities.attention,
-            dtypes=(torch.float32, torch.bfloat16, torch.float16),
-            head_dims=(64, 128),
-            any_head_dim=False,
-        ),
-    )
 
     def attention_backend(self, spec: AttentionSpec):
-        from xhal.platforms.cuda.splitkv_block import with_block_decode
+        from xhal.platforms.cuda.splitkv_attention import with_splitkv_decode
+        from xhal.platforms.cuda.splitkv_block import SplitKVBlockAttention
         from xhal.platforms.cuda.triton_attention import TritonAttention
 
-        return with_block_decode(spec, TritonAttention(spec), num_sms=4)
+        return with_splitkv_decode(
+            spec, TritonAttention(spec), num_sms=4, backend=SplitKVBlockAttention
+        )
 
 
 @pytest.mark.parametrize(

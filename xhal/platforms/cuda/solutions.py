@@ -129,10 +129,13 @@ class SplitKVBlockProvider(SplitKVFlashInferProvider):
     persistent launch (``splitkv_block.py``)."""
 
     def attention_backend(self, spec):
-        from xhal.platforms.cuda.splitkv_block import with_block_decode
+        from xhal.platforms.cuda.splitkv_attention import with_splitkv_decode
+        from xhal.platforms.cuda.splitkv_block import SplitKVBlockAttention
 
         flashinfer = FlashInferAttentionProvider.attention_backend(self, spec)
-        return with_block_decode(spec, flashinfer, self._sms, *splitkv_seqs(spec))
+        return with_splitkv_decode(
+            spec, flashinfer, self._sms, *splitkv_seqs(spec), backend=SplitKVBlockAttention
+        )
 
 
 def tilelang_ops(platform: object):

@@ -36,13 +36,15 @@ def with_splitkv_decode(
     num_sms: int,
     min_seqs: int = 1,
     max_seqs: int | None = None,
+    backend: type[SplitKVDecodeAttention] | None = None,
 ) -> AttentionBackend:
     """``fallback`` with its decode steps of ``min_seqs`` sequences and more (fewer than
     ``max_seqs`` when given) on the split-KV kernel, or ``fallback`` itself for a spec the kernel
-    does not take."""
+    does not take. ``backend``: a subclass to make instead (``splitkv_block.py``'s, which also
+    runs one-sequence decode blocks in one launch)."""
     if unsupported(spec) is not None:
         return fallback
-    return SplitKVDecodeAttention(spec, fallback, num_sms, min_seqs, max_seqs)
+    return (backend or SplitKVDecodeAttention)(spec, fallback, num_sms, min_seqs, max_seqs)
 
 
 @dataclass

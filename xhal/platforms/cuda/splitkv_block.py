@@ -18,7 +18,7 @@ import torch
 
 from xhal.interfaces.attention import AttentionBackend, AttentionBlock, AttentionSpec
 from xhal.platforms.cuda import native, pdl
-from xhal.platforms.cuda.splitkv_attention import SplitKVDecodeAttention, unsupported
+from xhal.platforms.cuda.splitkv_attention import SplitKVDecodeAttention
 
 logger = logging.getLogger(__name__)
 
@@ -154,18 +154,3 @@ class SplitKVBlockAttention(SplitKVDecodeAttention):
                 q3, k3 = ops.rotary_embedding(positions, q3, k3, table, neox)
                 out = self.forward(layer_id, q3, k3, v3)
         return ops.linear(out.reshape(num_tokens, h * d), block.o_weight), summed
-
-
-def with_block_decode(
-    spec: AttentionSpec,
-    fallback: AttentionBackend,
-    num_sms: int,
-    min_seqs: int = 1,
-    max_seqs: int | None = None,
-) -> AttentionBackend:
-    """``fallback`` with its decode steps of ``min_seqs`` sequences and more (fewer than
-    ``max_seqs``) on the split-KV kernel and its one-sequence decode blocks on the block kernel;
-    ``fallback`` itself for a spec the split-KV kernel does not take."""
-    if unsupported(spec) is not None:
-        return fallback
-    return SplitKVBlockAttention(spec, fallback, num_sms, min_seqs, max_seqs)
