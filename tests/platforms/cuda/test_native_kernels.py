@@ -16,9 +16,24 @@ import subprocess
 import pytest
 
 from xhal.platforms.cuda import native
-from xhal.platforms.cuda.kernels import gemv_stream, mlp_block
+from xhal.platforms.cuda.kernels import attn_block, gemv_stream, mlp_block
 
 H100_SHARED = 232448  # shared_memory_per_block_optin of sm_90
+
+
+def compile_sm90(source, defines: dict, tmp_path, *, warnings: bool = True) -> None:
+    """``nvcc -cubin`` of ``source`` for sm_90 with ``defines``: it builds, spills nothing
+    (ptxas -v) and, unless ``warnings``, prints no warning."""
+    cmd = ["nvcc", "-cubin", *native._options("sm_90", defines, source.parent), "-Xptxas", "-v"]
+    proc = subprocess.run(
+        [*cmd, "-o", str(tmp_path / "k.cubin"), str(source)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    if not warnings:
+        assert "warning" not in proc.stderr, proc.stderr
+    spills = re.findall(r"(\d+) bytes spill stores", proc.stderr)
+    assert spills and all(s == "0" for s in spills), proc.stderr
 
 
 def used_shared(p: mlp_block.Plan, hidden: int, inter: int, rows: int) -> int:
@@ -74,15 +89,7 @@ def test_kernel_compiles_for_sm90_without_spills(hidden, inter, rows, tmp_path) 
         "DTYPE_BF16": 1, "M_ROWS": rows, "HIDDEN": hidden, "INTER": inter, "PAIRS": p.pairs,
         "DOWN_ROWS": p.down_rows, "STAGES1": p.stages1, "STAGES2": p.stages2, "USE_PDL": 1,
     }  # fmt: skip
-    cmd = ["nvcc", "-cubin", *native._options("sm_90", defines, mlp_block.SOURCE.parent)]
-    cmd += ["-Xptxas", "-v"]
-    proc = subprocess.run(
-        [*cmd, "-o", str(tmp_path / "k.cubin"), str(mlp_block.SOURCE)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    spills = re.findall(r"(\d+) bytes spill stores", proc.stderr)
-    assert spills and all(s == "0" for s in spills), proc.stderr
+    compile_sm90(mlp_block.SOURCE, defines, tmp_path)
 
 
 @pytest.mark.parametrize("k,rows", [(2048, 1), (2048, 4), (4096, 2), (14336, 1), (64, 4)])
@@ -109,15 +116,7 @@ def test_stream_gemv_compiles_for_sm90_without_spills(k, rows, norm, tmp_path) -
         "DTYPE_BF16": 0, "M_ROWS": rows, "K": k, "R": p.rows, "STAGES": p.stages,
         "NORM": norm, "USE_PDL": 1,
     }  # fmt: skip
-    cmd = ["nvcc", "-cubin", *native._options("sm_90", defines, gemv_stream.SOURCE.parent)]
-    proc = subprocess.run(
-        [*cmd, "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(gemv_stream.SOURCE)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert "warning" not in proc.stderr, proc.stderr
-    spills = re.findall(r"(\d+) bytes spill stores", proc.stderr)
-    assert spills and all(s == "0" for s in spills), proc.stderr
+    compile_sm90(gemv_stream.SOURCE, defines, tmp_path, warnings=False)
 
 
 def test_chunk_alignment_is_what_16_byte_reads_need() -> None:
@@ -148,8 +147,6 @@ def block_shared(p, hidden: int, heads: int, kv_heads: int, head_dim: int) -> in
 
 @pytest.mark.parametrize("hidden,heads,kv_heads,head_dim", BLOCK_SHAPES)
 def test_attention_block_plans_fit_the_shared_memory(hidden, heads, kv_heads, head_dim) -> None:
-    from xhal.platforms.cuda.kernels import attn_block
-
     p = attn_block.plan(hidden, heads, kv_heads, head_dim, 132, H100_SHARED)
     assert p is not None
     assert p.shared_mem == block_shared(p, hidden, heads, kv_heads, head_dim) <= H100_SHARED
@@ -160,8 +157,6 @@ def test_attention_block_plans_fit_the_shared_memory(hidden, heads, kv_heads, he
 
 
 def test_attention_block_plan_refuses_what_the_kernel_cannot_take() -> None:
-    from xhal.platforms.cuda.kernels import attn_block
-
     assert attn_block.plan(2048, 64, 4, 128, 132, H100_SHARED) is None  # GQA group 16
     assert attn_block.plan(2050, 32, 8, 64, 132, H100_SHARED) is None  # 16-byte chunks
     assert attn_block.plan(2048, 32, 8, 64, 4, H100_SHARED) is None  # fewer CTAs than KV heads
@@ -174,8 +169,6 @@ def test_attention_block_plan_refuses_what_the_kernel_cannot_take() -> None:
 def test_attention_block_compiles_for_sm90_without_spills(
     hidden, heads, kv_heads, head_dim, qk_norm, neox, tmp_path
 ) -> None:
-    from xhal.platforms.cuda.kernels import attn_block
-
     p = attn_block.plan(hidden, heads, kv_heads, head_dim, 132, H100_SHARED)
     defines = {
         "DTYPE_BF16": 1, "HIDDEN": hidden, "NUM_HEADS": heads, "NUM_KV": kv_heads,
@@ -183,12 +176,4 @@ def test_attention_block_compiles_for_sm90_without_spills(
         "SPLITS": p.splits, "PAGE": 16, "ROWS1": p.rows1, "ROWS3": p.rows3,
         "STAGES": p.stages, "SLOT_BYTES": p.slot_bytes, "USE_PDL": 1,
     }  # fmt: skip
-    cmd = ["nvcc", "-cubin", *native._options("sm_90", defines, attn_block.SOURCE.parent)]
-    proc = subprocess.run(
-        [*cmd, "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(attn_block.SOURCE)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert "warning" not in proc.stderr, proc.stderr
-    spills = re.findall(r"(\d+) bytes spill stores", proc.stderr)
-    assert spills and all(s == "0" for s in spills), proc.stderr
+    compile_sm90(attn_block.SOURCE, defines, tmp_path, warnings=False)
