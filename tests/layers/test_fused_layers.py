@@ -76,22 +76,35 @@ def _unfused_forward(
         return inner.norm(hidden, residual)[0]
 
 
-def test_llama_calls_the_fused_ops_and_matches_the_unfused_sequence() -> None:
+def _random_model(model_class, config: dict):
+    """``model_class(config)`` with N(0, 0.2) weights (seeded)."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(CONFIG).eval()
+    model = model_class(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.2)
-    platform = platforms.get("cpu")
+    return model
+
+
+def _eager_executor(model, platform) -> tuple[ModelExecutor, list]:
+    """An eager executor of ``model`` on ``platform`` with its caches bound and zeroed (the
+    cached prefix every run reads)."""
     cfg = ExecutorConfig(
         dtype=torch.float32, block_size=16, max_num_seqs=2, max_model_len=64, enforce_eager=True
     )
     executor = ModelExecutor(model, platform, cfg)
     caches = executor.allocate_kv_caches(num_blocks=8)
-    for cache in caches:  # the cached prefix both runs read: zeros
+    for cache in caches:
         cache.key.zero_()
         cache.value.zero_()
     executor.bind_kv_caches(caches)
+    return executor, caches
+
+
+def test_llama_calls_the_fused_ops_and_matches_the_unfused_sequence() -> None:
+    model = _random_model(LlamaForCausalLM, CONFIG)
+    platform = platforms.get("cpu")
+    executor, caches = _eager_executor(model, platform)
     ids, pos, meta = decode_metadata(2, 32, "cpu", CONFIG["vocab_size"])
     counting = _CountingOps()
     with ops.using("cpu", counting):
@@ -250,23 +263,11 @@ def test_a_backend_that_fuses_the_block_gets_every_layer_but_the_first(architect
     from tests.support.block_attention import SequenceBlockPlatform
 
     config = dict(CONFIG, architectures=[architecture], head_dim=16)
-    torch.manual_seed(0)
-    model = get_model_class(architecture)(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.2)
-    cfg = ExecutorConfig(
-        dtype=torch.float32, block_size=16, max_num_seqs=2, max_model_len=64, enforce_eager=True
-    )
+    model = _random_model(get_model_class(architecture), config)
     ids, pos, meta = decode_metadata(2, 32, "cpu", config["vocab_size"])
     outputs, backends = [], []
     for platform in (platforms.get("cpu"), SequenceBlockPlatform()):
-        executor = ModelExecutor(model, platform, cfg)
-        caches = executor.allocate_kv_caches(num_blocks=8)
-        for cache in caches:  # the cached prefix both runs read: zeros
-            cache.key.zero_()
-            cache.value.zero_()
-        executor.bind_kv_caches(caches)
+        executor, _ = _eager_executor(model, platform)
         outputs.append(executor.execute(ids, pos, meta))
         backends.append(executor.backends)
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-6, atol=1e-6)
