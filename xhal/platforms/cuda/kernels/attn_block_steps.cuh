@@ -32,9 +32,9 @@ __device__ __forceinline__ void cp_async_wait() {
 
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 
-// A grid barrier on a 64-bit arrival count that only grows (every launch adds 2 * gridDim.x):
-// each CTA adds its arrival with a release reduction (no round trip) and waits until the count
-// reaches `target`. The release / acquire pair at gpu scope, with the CTA barriers around it,
+// A barrier of the CTAs that add to a 64-bit arrival count that only grows (the whole grid, 2 *
+// gridDim.x a launch; or one KV head's splits, SPLITS a launch): each CTA adds its arrival with a
+// release reduction (no round trip) and waits until the count reaches `target`. The release / acquire pair at gpu scope, with the CTA barriers around it,
 // carries every thread's stores before the barrier to every thread after it.
 __device__ __forceinline__ void grid_sync(u64* count, u64 target) {
     __syncthreads();
@@ -94,15 +94,7 @@ __device__ __forceinline__ void merge_group_slice(
     u16* attn, int g, int split)
 {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    __syncthreads();
-    if (tid == 0) {
-        asm volatile("red.release.gpu.global.add.u64 [%0], 1;" :: "l"(count) : "memory");
-        u64 v;
-        do {
-            asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(count) : "memory");
-        } while (v < target);
-    }
-    __syncthreads();
+    grid_sync(count, target);  // a barrier of the group's splits alone
     // the group's (max, sum) per split and head, one weight per split and head, the slice's
     // products per split: the loads of a slice are all in flight at once
     float* ml = scratch;                   // [SPLITS][GROUP][2]
