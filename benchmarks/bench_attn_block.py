@@ -2,10 +2,10 @@
 against the chain it replaces, in one process: a few layers of distinct random weights, one
 decode token, ctx 2K, pages of 16, bf16. Each path runs every layer back to back inside one CUDA
 graph (the chain: the norm + qkv GEMV, the split-KV attention with rotary and the KV write, the o
-GEMV, as ``triton-splitkv`` runs them); us per layer against the bytes a layer reads (qkv and o
-weights, norm, KV) over the read ceiling measured in the same run. Then the block once more,
-built with ``TIMING``: each CTA's time at the kernel's phase boundaries, median and latest over
-the CTAs, from the earliest start.
+GEMV: what a layer runs when its backend declines the block); us per layer against the bytes a
+layer reads (qkv and o weights, norm, KV) over the read ceiling measured in the same run. Then
+the block once more, built with ``TIMING``: each CTA's time at the kernel's phase boundaries,
+median and latest over the CTAs, from the earliest start.
 
     python -m benchmarks.bench_attn_block --shape llama3.2-1b
 """
@@ -19,9 +19,10 @@ import torch
 import xhal
 from benchmarks.common import ceilings, table, time_cuda
 from benchmarks.llama_model import decode_metadata
+from xhal import ops
 from xhal.interfaces import AttentionBlock, AttentionSpec, LayerCache
 from xhal.interfaces.forward_context import ForwardContext, forward_context
-from xhal.layers import Attention, RotaryEmbedding
+from xhal.layers import Attention, RMSNorm, RotaryEmbedding
 
 # hidden, heads, KV heads, head dim, Qwen3's q/k norms
 SHAPES = {
@@ -87,13 +88,33 @@ def main() -> None:
     def block_chain() -> torch.Tensor:
         h, r = x, residual
         for i in range(layers):
-            h, r = attns[i].forward_block(blocks[i], h, r, positions)
+            fused = attns[i].forward_block(blocks[i], h, r, positions)
+            if fused is None:
+                raise RuntimeError(f"the block kernel declined layer {i}: nothing to time")
+            h, r = fused
         return h
 
+    def head_norm(weight: torch.Tensor | None, eps: float) -> RMSNorm | None:
+        if weight is None:
+            return None
+        norm = RMSNorm(head_dim, eps).to(device)
+        norm.weight.data = weight
+        return norm
+
+    qk_norms = [(head_norm(b.q_norm_weight, b.qk_norm_eps), head_norm(b.k_norm_weight,
+                 b.qk_norm_eps)) for b in blocks]  # fmt: skip
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+
     def sequence_chain() -> torch.Tensor:
+        """The layer's own path on the same backend (RopeAttention.forward_normed when the
+        block is declined): the fused norm + qkv GEMV, the attention with its q/k norm,
+        rotary and KV write, the o GEMV."""
         h, r = x, residual
-        for i in range(layers):
-            h, r = block_backend.sequence(i, blocks[i], h, r, positions)
+        for i, b in enumerate(blocks):
+            qkv, r = ops.add_rms_norm_linear(h, r, b.norm_weight, b.norm_eps, b.qkv_weight)
+            q, k, v = qkv.split(sizes, dim=-1)
+            out = attns[i](q, k, v, positions, rotary, *qk_norms[i])
+            h = ops.linear(out, b.o_weight)
         return h
 
     per_layer = qkv_rows * hidden * 2 + hidden * heads * head_dim * 2 + hidden * 2

@@ -94,12 +94,11 @@ class RopeAttention(nn.Module):
         """``(self(positions, norm(hidden, residual)[0]), hidden + residual)``: the residual add,
         the input norm and the whole attention, in one backend call when the step's backend runs
         the block (``AttentionBackend.forward_block``), else as the fused norm + qkv projection,
-        then ``attend``."""
+        then ``attend`` (also when the backend declines the call)."""
         if self.block_fusable and self.attn.fuses_block():
-            out, residual = self.attn.forward_block(
-                self.block_weights(norm), hidden, residual, positions
-            )
-            return self.o_proj.reduce_partial(out), residual
+            fused = self.attn.forward_block(self.block_weights(norm), hidden, residual, positions)
+            if fused is not None:
+                return self.o_proj.reduce_partial(fused[0]), fused[1]
         qkv, residual = self.qkv_proj.forward_normed(hidden, residual, norm)
         return self.attend(positions, qkv), residual
 

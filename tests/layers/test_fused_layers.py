@@ -273,3 +273,21 @@ def test_a_backend_that_fuses_the_block_gets_every_layer_but_the_first(architect
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-6, atol=1e-6)
     calls = sum(b.block_calls for b in backends[1])
     assert calls == config["num_hidden_layers"] - 1
+
+
+def test_a_declined_block_runs_the_layers_own_sequence() -> None:
+    """A backend that says ``fuses_block`` may still decline a call (``forward_block`` returns
+    None): the layer then runs its unfused path, with the reference's output."""
+    from models.registry import get_model_class
+    from tests.support.block_attention import DecliningBlockPlatform
+
+    config = dict(CONFIG, architectures=["Qwen3ForCausalLM"], head_dim=16)
+    model = _random_model(get_model_class("Qwen3ForCausalLM"), config)
+    ids, pos, meta = decode_metadata(2, 32, "cpu", config["vocab_size"])
+    outputs, backends = [], []
+    for platform in (platforms.get("cpu"), DecliningBlockPlatform()):
+        executor, _ = _eager_executor(model, platform)
+        outputs.append(executor.execute(ids, pos, meta))
+        backends.append(executor.backends)
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)
+    assert sum(b.block_calls for b in backends[1]) == config["num_hidden_layers"] - 1

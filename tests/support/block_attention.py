@@ -93,3 +93,19 @@ class StaleKeyBlockPlatform(CpuPlatform):
     def attention_backend(self, spec: AttentionSpec) -> CpuAttention:
         self.capabilities.attention.check(spec)
         return _StaleKeyBlockAttention(spec)
+
+
+class _DecliningBlockAttention(SequenceBlockAttention):
+    """Says ``fuses_block`` for decode steps, then declines every call (counted)."""
+
+    def forward_block(self, layer_id, block, hidden, residual, positions):
+        self.block_calls += 1
+        return None
+
+
+class DecliningBlockPlatform(CpuPlatform):
+    name = "cpu-block-declining"
+
+    def attention_backend(self, spec: AttentionSpec) -> CpuAttention:
+        self.capabilities.attention.check(spec)
+        return _DecliningBlockAttention(spec)

@@ -204,7 +204,7 @@ class AttentionBackend(ABC):
         hidden: torch.Tensor,
         residual: torch.Tensor,
         positions: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A decoder layer's whole attention block in one call, for a backend whose kernel runs
         it as one launch: ``(o, summed)`` where ``summed = hidden + residual`` (stored in the
         dtype), ``qkv = linear(rms_norm(summed, norm_weight), qkv_weight)`` (a kernel may skip
@@ -212,7 +212,11 @@ class AttentionBackend(ABC):
         per head when the block has the weights (``forward_qk_norm``), then rotated, the KV
         write and attention as ``forward_rotary`` defines them, and ``o = linear(attn,
         o_weight)``: this rank's partial product, which the caller reduces over the ranks.
-        ``hidden``, ``residual`` ``[T, hidden]``. The same invariants as ``forward``."""
+        ``hidden``, ``residual`` ``[T, hidden]``. The same invariants as ``forward``.
+
+        None declines this call (operands the kernel does not read, or a shape first met under
+        graph capture, where nothing can be built) before anything is computed or written: the
+        layer then runs its own unfused sequence, so a backend never keeps a copy of it."""
         raise NotImplementedError(f"{type(self).__name__} does not fuse the attention block")
 
     def before_replay(self, graph_key: Hashable) -> None:

@@ -108,9 +108,10 @@ class Attention(nn.Module):
         hidden: torch.Tensor,
         residual: torch.Tensor,
         positions: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(o, hidden + residual)`` by the backend's ``forward_block``, when ``fuses_block``:
-        ``o`` is this rank's partial o projection ``[T, hidden]``, which the caller reduces."""
+        ``o`` is this rank's partial o projection ``[T, hidden]``, which the caller reduces.
+        None when the backend declines this call: the caller runs the unfused sequence."""
         return self._backend().forward_block(self.layer_id, block, hidden, residual, positions)
 
     def _backend(self):

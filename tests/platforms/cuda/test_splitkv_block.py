@@ -1,16 +1,15 @@
 """The ``native-block`` decode backend's host side off the GPU (``splitkv_block.py``): it offers
-the attention block for decode steps of one sequence only, and a call its kernel cannot take
-(here: CPU tensors, as an operand the kernel does not read would be on the GPU) runs the block as
-the plain sequence on the split-KV backend, its Triton kernels in the interpreter, and passes the
-conformance check of the block (``conformance_tests/test_attention_block.py``). The kernel itself
-runs only on a GPU (the same check there, and ``bench_model --pdl auto auto-attn-block``)."""
+the attention block for decode steps of one sequence only, and declines a call its kernel cannot
+take (here: CPU tensors, as an operand the kernel does not read would be on the GPU) before it
+writes anything, so that the layer runs its own sequence. The kernel itself runs only on a GPU
+(the conformance check of the block there, ``conformance_tests/test_attention_block.py``, and
+``bench_model --pdl auto auto-attn-block``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conformance_tests.test_attention_block import check_block
 from tests.support.triton_env import NO_RUNTIME_LOOPS, RUNTIME_LOOPS  # before any Triton kernel
 from tests.support.triton_interpreted_platform import InterpretedTritonPlatform
 from xhal.interfaces import AttentionSpec, BatchKind
@@ -33,16 +32,29 @@ class _BlockPlatform(InterpretedTritonPlatform):
         )
 
 
-@pytest.mark.parametrize(
-    "group,head_dim,shape,qk_norm",
-    [(4, 64, "short", False), (8, 128, "one-key", True), (4, 128, "short", True)],
-)
-def test_a_call_the_kernel_cannot_take_runs_the_sequence(group, head_dim, shape, qk_norm) -> None:
-    worst = check_block(
-        _BlockPlatform(), group, head_dim, shape, qk_norm, True, torch.bfloat16,
-        torch.device("cpu"),
+def test_a_call_the_kernel_cannot_take_is_declined_before_any_write() -> None:
+    import random
+
+    from conformance_tests.batches import Seq, allocate_blocks, build_batch
+    from xhal.interfaces import AttentionBlock, LayerCache
+
+    spec = AttentionSpec(8, 2, 64, torch.bfloat16, 16)
+    backend = _BlockPlatform().attention_backend(spec)
+    cache = LayerCache(*(torch.randn(8, 16, 2, 64).to(torch.bfloat16) for _ in range(2)))
+    before = cache.key.clone(), cache.value.clone()
+    backend.bind_kv_caches([cache])
+    rows = allocate_blocks([Seq(1, 20)], 16, 8, random.Random(0))
+    backend.plan(build_batch(BatchKind.DECODE, [Seq(1, 20)], rows, 16, "cpu").metadata)
+    assert backend.fuses_block
+    hidden = 256
+    w = lambda *size: torch.randn(size).to(torch.bfloat16)  # noqa: E731
+    block = AttentionBlock(
+        w(hidden), 1e-5, w(12 * 64, hidden), w(hidden, 8 * 64),
+        torch.randn(4096, 64), True,
     )  # fmt: skip
-    assert worst <= 1.0
+    positions = torch.tensor([19], dtype=torch.int32)
+    assert backend.forward_block(0, block, w(1, hidden), w(1, hidden), positions) is None
+    assert torch.equal(cache.key, before[0]) and torch.equal(cache.value, before[1])
 
 
 def test_the_block_is_offered_for_one_sequence_decodes_only() -> None:

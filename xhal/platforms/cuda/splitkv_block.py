@@ -6,8 +6,8 @@ persistent launch: ``kernels/attn_block.cu``. The ``native-block`` solution of
 The block is offered (``fuses_block``) for steps of one sequence on sm_90+ with a CUDA compiler,
 for specs the kernel takes (fp16 / bf16, GQA groups up to 8, no sliding window or soft cap). A
 call the kernel cannot take (operands it does not read, or a shape first met under graph capture,
-where nothing can be built) runs the block as the plain sequence on this backend, with the same
-results up to the fused family's tolerances.
+where nothing can be built) is declined (``forward_block`` returns None), and the layer runs its
+unfused sequence on this backend.
 """
 
 from __future__ import annotations
@@ -67,21 +67,7 @@ class SplitKVBlockAttention(SplitKVDecodeAttention):
         hidden: torch.Tensor,
         residual: torch.Tensor,
         positions: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        launched = self._launch(layer_id, block, hidden, residual, positions)
-        if launched is not None:
-            return launched
-        return self.sequence(layer_id, block, hidden, residual, positions)
-
-    def _kernel(self, device: torch.device):
-        kernel = self._kernels.get(device)
-        if kernel is None:
-            from xhal.platforms.cuda.kernels.attn_block import AttentionBlockKernel
-
-            kernel = self._kernels[device] = AttentionBlockKernel(device)
-        return kernel
-
-    def _launch(self, layer_id, block, hidden, residual, positions):
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The kernel's ``(out, residual_out)``, or None when it cannot take this call."""
         from xhal.platforms.cuda.kernels import attn_block
 
@@ -122,35 +108,10 @@ class SplitKVBlockAttention(SplitKVDecodeAttention):
         self._launched.add(key)
         return out
 
-    def sequence(self, layer_id, block, hidden, residual, positions):
-        """The block as the plain sequence on this backend: what the layer runs without the
-        block (the benchmarks' peer of the kernel)."""
-        from xhal import ops
+    def _kernel(self, device: torch.device):
+        kernel = self._kernels.get(device)
+        if kernel is None:
+            from xhal.platforms.cuda.kernels.attn_block import AttentionBlockKernel
 
-        s = self.spec
-        h, hkv, d = s.num_heads, s.num_kv_heads, s.head_dim
-        qkv, summed = ops.add_rms_norm_linear(
-            hidden, residual, block.norm_weight, block.norm_eps, block.qkv_weight
-        )
-        num_tokens = qkv.shape[0]
-        q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
-        q3 = q.view(num_tokens, h, d)  # [T, H, D] views of the qkv rows
-        k3, v3 = k.view(num_tokens, hkv, d), v.view(num_tokens, hkv, d)
-        table, neox = block.cos_sin_cache, block.is_neox
-        if block.q_norm_weight is not None and self.fuses_qk_norm:
-            out = self.forward_qk_norm(
-                layer_id, q3, k3, v3, positions, table, neox, block.q_norm_weight,
-                block.k_norm_weight, block.qk_norm_eps,
-            )  # fmt: skip
-        else:
-            if block.q_norm_weight is not None:
-                q, k = ops.qk_rms_norm(
-                    q, k, block.q_norm_weight, block.k_norm_weight, block.qk_norm_eps
-                )
-                q3, k3 = q.view(num_tokens, h, d), k.view(num_tokens, hkv, d)
-            if self.fuses_rotary:
-                out = self.forward_rotary(layer_id, q3, k3, v3, positions, table, neox)
-            else:
-                q3, k3 = ops.rotary_embedding(positions, q3, k3, table, neox)
-                out = self.forward(layer_id, q3, k3, v3)
-        return ops.linear(out.reshape(num_tokens, h * d), block.o_weight), summed
+            kernel = self._kernels[device] = AttentionBlockKernel(device)
+        return kernel
