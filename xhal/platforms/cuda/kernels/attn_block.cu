@@ -38,10 +38,6 @@
 
 #define THREADS 256
 #define WARPS (THREADS / 32)
-#ifndef TIMING  // 1: each CTA's thread 0 stores %globaltimer at the phase boundaries (bench only)
-#define TIMING 0
-#endif
-
 #include "stream_common.cuh"
 
 #define GROUP (NUM_HEADS / NUM_KV)

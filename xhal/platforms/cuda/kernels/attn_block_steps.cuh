@@ -1,5 +1,5 @@
 // The steps of attn_block.cu that are not its phases' skeleton: cached and asynchronous loads,
-// the one-way grid barrier, the phase clock, the K / V tile loads of phase 2 and the merge of a
+// the one-way grid barrier, the K / V tile loads of phase 2 and the merge of a
 // KV head's splits. Included by attn_block.cu after its shape macros (GROUP, HEAD_DIM, SPLITS,
 // PAGE, KV_TILE, ...), which these steps read.
 
@@ -46,17 +46,6 @@ __device__ __forceinline__ void grid_sync(u64* count, u64 target) {
         } while (v < target);
     }
     __syncthreads();
-}
-
-// TIMING: the time of mark `i` of this CTA (thread 0) into timing[blockIdx.x * 8 + i]
-__device__ __forceinline__ void mark(u64* timing, int i) {
-#if TIMING
-    if (threadIdx.x == 0) {
-        u64 t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        timing[blockIdx.x * 8 + i] = t;
-    }
-#endif
 }
 
 __device__ __forceinline__ float lds_f16(u32 addr) {  // one dtype value from shared memory

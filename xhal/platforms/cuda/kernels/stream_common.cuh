@@ -4,10 +4,14 @@
 // input rows (optionally the residual add + RMSNorm) held in registers, and the dot products of a
 // stage of weight rows with them, reduced to one value per row and input row.
 //
-// The includer defines DTYPE_BF16 (else fp16), USE_PDL and THREADS. No headers: NVRTC compiles
-// these files as they are.
+// The includer defines DTYPE_BF16 (else fp16), USE_PDL and THREADS, and may define TIMING. No
+// headers: NVRTC compiles these files as they are.
 
 #pragma once
+
+#ifndef TIMING  // 1: each CTA's thread 0 stores %globaltimer at the phase boundaries (bench only)
+#define TIMING 0
+#endif
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -171,6 +175,17 @@ __device__ __forceinline__ void grid_barrier(u32* sync, u32 next_gen) {
         __threadfence();
     }
     __syncthreads();
+}
+
+// TIMING: the time of mark `i` of this CTA (thread 0) into timing[blockIdx.x * 8 + i]
+__device__ __forceinline__ void mark(u64* timing, int i) {
+#if TIMING
+    if (threadIdx.x == 0) {
+        u64 t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        timing[blockIdx.x * 8 + i] = t;
+    }
+#endif
 }
 
 // this CTA's share [begin, end) of `units` split as evenly as the grid allows
