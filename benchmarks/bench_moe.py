@@ -265,10 +265,13 @@ def main() -> None:
     if args.check:
         from benchmarks.check_moe_small import LAYERS, check_small_experts
 
-        checked = check_small_experts(model, rate)
-        print(table(checked, f"batch-1 router + pair GEMVs, {LAYERS} layers chained in one graph, "
-                             "per PDL setting (gate-up / down trigger): "
+        checked, phases = check_small_experts(model, rate)
+        print(table(checked, f"batch-1 router + experts, {LAYERS} layers chained in one graph, "
+                             "per PDL setting of the pair GEMVs (gate-up / down trigger) or "
+                             "layout of the persistent block: "
                              "rel_err against float64, outputs against the plain kernels'"))
+        print(table(phases, "the persistent block in that chain, each CTA's clock at its phase "
+                            "boundaries (the last layer's launch), from the earliest start"))
     batches = sorted(args.batches)
     executors, caches = graph_and_eager_executors(model, platform, batches, BLOCK, CTX)
     capture = executors[False].capture_graphs(progress=False)
@@ -303,9 +306,16 @@ def main() -> None:
                 row["pipelined_x_floor"] = row["pipelined_ms"] / floor_ms
         row["graph_speedup"] = row["eager_ms"] / row["graph_ms"]
         timed = []
+        if peers and batch in peer_batches:
+            graph = executors[False]
+            mine = graph.compute_logits(graph.execute(ids, pos, meta)).double()
         for name, peer in peers.items() if batch in peer_batches else ():
             step = lambda peer=peer: peer.compute_logits(peer.execute(ids, pos, meta))  # noqa: E731
-            r = {"batch": batch, "pdl": name, "graph_ms": time_cuda(step, iters=30, warmup=2)}
+            # the peer's logits against the default graph's: a kernel that computes the same
+            # function differs by rounding only
+            diff = float((step().double() - mine).abs().max() / mine.abs().max())
+            r = {"batch": batch, "pdl": name, "logits_rel_diff": diff}
+            r["graph_ms"] = time_cuda(step, iters=30, warmup=2)
             r["pipelined_ms"] = time_cuda_pipelined(step, steps=10, reps=3)
             r["pipelined_x_floor"] = r["pipelined_ms"] / floor_ms
             timed.append((r, step))

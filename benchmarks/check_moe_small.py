@@ -1,9 +1,10 @@
 """The batch-1 MoE chain of a Qwen3-30B-A3B-shaped model on the GPU per PDL setting of the pair
-GEMVs (``moe_small.py``): each layer's fused norm + router + top-k, gate-up and down + combine,
-layer after layer (a layer's output is the next one's input), captured in one CUDA graph, so
-every PDL launch waits on the kernel it really follows. Checked against float64 on that layer's
-own routed inputs after two replays with different inputs, compared bit for bit with the plain
-kernels, then timed per layer against the bytes it must read.
+GEMVs (``moe_small.py``), and with the persistent expert block (``moe_block.cu``) in their place:
+each layer's fused norm + router + top-k, then the experts, layer after layer (a layer's output
+is the next one's input), captured in one CUDA graph, so every PDL launch waits on the kernel it
+really follows. Checked against float64 on that layer's own routed inputs after two replays with
+different inputs, compared bit for bit with the plain kernels, then timed per layer against the
+bytes it must read; last, the persistent block's phase clock in the same chain.
 
 ``bench_moe --check`` runs it on the benchmark's model before its steps.
 """
@@ -15,14 +16,19 @@ import torch
 from benchmarks.common import capture_graph, time_cuda
 from conformance_tests import moe_reference as ref
 from xhal.platforms.cuda import pdl
-from xhal.platforms.cuda.kernels import moe_router, moe_small
+from xhal.platforms.cuda.kernels import moe_block, moe_router, moe_small
 
 LAYERS = 8  # 8 x 76 MB of routed experts per replay: past L2, as in a step
-# name -> (gate-up, down) triggers
+# name -> (gate-up, down) triggers of the pair GEMVs, or the persistent block under PDL with
+# its stage widths (moe_block.plan's pairs / down_rows; {}: the plan's own)
 SETTINGS = {
     "plain (tree before)": (pdl.OFF, pdl.OFF),
     "late / late (default)": (pdl.LATE, pdl.LATE),
     "late / early": (pdl.LATE, pdl.EARLY),
+    "native block (moe_block.cu)": {},
+    "native, 2 pairs a phase-1 stage": {"pairs": 2},
+    "native, 16 rows a phase-2 stage": {"down_rows": 16},
+    "native, 4 rows a phase-2 stage": {"down_rows": 4},
 }
 
 
@@ -44,10 +50,11 @@ def experts_float64(
     return out
 
 
-def check_small_experts(model, rate: float) -> list[dict]:
+def check_small_experts(model, rate: float) -> tuple[list[dict], list[dict]]:
     """One row per setting: max error against float64 relative to the output's largest magnitude
     (beside the moe family's bf16 tolerance for outputs of magnitude 1), whether
-    the outputs equal the plain kernels', us per layer and its ratio to the read floor."""
+    the outputs equal the plain kernels', us per layer and its ratio to the read floor. Then the
+    persistent block's phase clock in the same chain (``phase_rows``)."""
     mlps = [layer.mlp for layer in model.model.layers[:LAYERS]]
     norms = [layer.post_attention_layernorm for layer in model.model.layers[:LAYERS]]
     w13 = mlps[0].experts.w13_weight
@@ -57,20 +64,26 @@ def check_small_experts(model, rate: float) -> list[dict]:
     residual = torch.empty_like(x)
     top_k = mlps[0].experts.top_k
 
+    def experts_for(setting):
+        """The experts' call of a setting: the pair GEMVs with its triggers, or a persistent
+        block of its stage widths (kernels and sync words of its own)."""
+        if not isinstance(setting, dict):
+            return lambda *args: moe_small.small_experts(*args, triggers=setting)
+        widths = lambda *shape: moe_block.plan(*shape, **setting)  # noqa: E731
+        block = moe_block.MoeBlock(device, plan_for=widths)
+        return lambda *args: block(*args, use_pdl=True)
+
     def fill() -> None:
         x.copy_(torch.randn(x.shape, device=device, generator=g))
         residual.copy_(torch.randn(x.shape, device=device, generator=g))
 
-    def chain(triggers) -> list[tuple]:
+    def chain(experts) -> list[tuple]:
         hidden_in, res, saved = x, residual, []
         for mlp, norm in zip(mlps, norms):
             _, normed, summed, weights, ids = moe_router.add_rms_norm_route(
                 hidden_in, res, norm.weight, norm.eps, mlp.gate.weight, top_k, True
             )
-            out = moe_small.small_experts(
-                normed, mlp.experts.w13_weight, mlp.experts.w2_weight, weights, ids,
-                triggers=triggers,
-            )
+            out = experts(normed, mlp.experts.w13_weight, mlp.experts.w2_weight, weights, ids)
             saved.append((normed, weights, ids, out))
             hidden_in, res = out, summed
         return saved
@@ -80,10 +93,12 @@ def check_small_experts(model, rate: float) -> list[dict]:
     rows, plain = [], None
     for name, setting in SETTINGS.items():
         fill()
-        chain(setting)  # compiles outside the capture
+        experts = experts_for(setting)
+        chain(experts)  # compiles outside the capture
         outputs: list[tuple] = []
-        def captured(setting=setting) -> None:
-            outputs[:] = chain(setting)  # capture_graph runs it twice: the captured ones stay
+
+        def captured(experts=experts) -> None:
+            outputs[:] = chain(experts)  # capture_graph runs it twice: the captured ones stay
 
         graph = capture_graph(captured)
         errors, results = [], []
@@ -106,4 +121,21 @@ def check_small_experts(model, rate: float) -> list[dict]:
             "setting": name, "rel_err": max(errors), "tol": ref.EXPERTS_TOLERANCE[dtype],
             "equal_to_plain": same, "us/layer": us, "floor_us": floor_us, "x_floor": us / floor_us,
         })
-    return rows
+    # the block's phases in the same chain (the last layer's launch of a replay), built with TIMING
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    timing = torch.zeros(sms, 8, dtype=torch.int64, device=device)
+    block = moe_block.MoeBlock(device, timing=timing)
+    timed = lambda *args: block(*args, use_pdl=True)  # noqa: E731
+    chain(timed)
+    graph = capture_graph(lambda: chain(timed))
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    t = timing.cpu().double()
+    start = t[:, 0].min()
+    phase_rows = []
+    for i, mark in enumerate(moe_block.MoeBlock.MARKS):
+        col = t[:, i] - start
+        phase_rows.append({"mark": mark, "median us": float(col.median()) / 1e3,
+                           "latest us": float(col.max()) / 1e3})  # fmt: skip
+    return rows, phase_rows

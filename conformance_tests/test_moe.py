@@ -100,6 +100,9 @@ def test_route_ties_pick_the_lower_expert(renormalize, dtype, device, record_err
 
 EXPERT_CASES = {
     "one-token": (1, 8, 2, 64, 32, None),
+    # a decode token at a model's hidden size (Qwen3-MoE's top-8): a one-token kernel's wide
+    # stages, its row blocks spread over many units, experts far apart in memory
+    "one-token-wide": (1, 16, 8, 2048, 96, None),
     "few-tokens-many-experts": (5, 64, 8, 128, 48, None),
     "many-tokens-per-expert": (77, 8, 2, 64, 96, None),
     "crowded-few-experts": (130, 16, 4, 32, 64, [3, 7, 12, 13]),  # 12 experts get no token
@@ -131,7 +134,7 @@ def test_experts_of_strided_tokens(dtype, device, record_error) -> None:
     check_experts(out, ref.experts(x, w13, w2, weights.float(), ids), dtype, record_error)
 
 
-@pytest.mark.parametrize("num_tokens", [3, 40])
+@pytest.mark.parametrize("num_tokens", [1, 3, 40])
 def test_route_and_experts_in_a_graph(num_tokens, platform, dtype, device, record_error) -> None:
     """Decode steps run the MoE layer captured: replay after the tokens and logits changed in
     place (routing to other experts) must compute the new step, not the captured one."""

@@ -16,7 +16,7 @@ import subprocess
 import pytest
 
 from xhal.platforms.cuda import native
-from xhal.platforms.cuda.kernels import attn_block, gemv_stream, mlp_block
+from xhal.platforms.cuda.kernels import attn_block, gemv_stream, mlp_block, moe_block
 
 H100_SHARED = 232448  # shared_memory_per_block_optin of sm_90
 
@@ -177,3 +177,47 @@ def test_attention_block_compiles_for_sm90_without_spills(
         "STAGES": p.stages, "SLOT_BYTES": p.slot_bytes, "USE_PDL": 1,
     }  # fmt: skip
     compile_sm90(attn_block.SOURCE, defines, tmp_path, warnings=False)
+
+
+# (hidden, per-rank expert intermediate, top-k): Qwen3-30B-A3B, Mixtral-8x7B, Qwen3-235B-A22B,
+# Qwen2-57B-A14B, the conformance cases
+MOE_SHAPES = [(2048, 768, 8), (4096, 14336, 2), (4096, 1536, 8), (3584, 2560, 8), (2048, 96, 8),
+              (64, 32, 2)]  # fmt: skip
+
+
+def moe_shared(p: moe_block.Plan, hidden: int, inter: int, top_k: int) -> int:
+    """The kernel's layout (moe_block.cu): ring, act, two buffers of per-warp partial sums, the
+    routing, alignment, mbarriers."""
+    ring = max(p.stages1 * 2 * p.pairs * hidden * 2, p.stages2 * p.down_rows * inter * 2)
+    parts = 2 * 8 * max(2 * p.pairs, p.down_rows) * 4
+    return ring + top_k * inter * 2 + parts + 8 * top_k + 8 + 8 * (p.stages1 + p.stages2)
+
+
+@pytest.mark.parametrize("hidden,inter,top_k", MOE_SHAPES)
+def test_moe_block_plans_fit_the_shared_memory(hidden, inter, top_k) -> None:
+    p = moe_block.plan(hidden, inter, top_k, H100_SHARED, 132)
+    assert p is not None
+    assert p.shared_mem == moe_shared(p, hidden, inter, top_k) <= H100_SHARED
+    assert 2 <= p.stages1 <= 8 and 2 <= p.stages2 <= 8
+    assert inter % p.pairs == 0 and hidden % p.down_rows == 0
+    assert p.down_rows * inter * 2 <= 32 * 1024
+    # every CTA gets a row block of the down phase where the hidden size allows it
+    assert hidden // p.down_rows >= 132 or p.down_rows == 1
+
+
+def test_moe_block_plan_refuses_what_the_kernel_cannot_take() -> None:
+    assert moe_block.plan(2050, 768, 8, H100_SHARED, 132) is None  # rows of 16-byte chunks
+    assert moe_block.plan(2048, 764, 8, H100_SHARED, 132) is None
+    assert moe_block.plan(2048, 768, 0, H100_SHARED, 132) is None
+    assert moe_block.plan(8192, 28672, 8, H100_SHARED, 132) is None  # act leaves no two stages
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("hidden,inter,top_k", MOE_SHAPES[:2] + MOE_SHAPES[-2:])
+def test_moe_block_compiles_for_sm90_without_spills(hidden, inter, top_k, tmp_path) -> None:
+    p = moe_block.plan(hidden, inter, top_k, H100_SHARED, 132)
+    defines = {
+        "DTYPE_BF16": 1, "HIDDEN": hidden, "INTER": inter, "TOP_K": top_k, "PAIRS": p.pairs,
+        "DOWN_ROWS": p.down_rows, "STAGES1": p.stages1, "STAGES2": p.stages2, "USE_PDL": 1,
+    }  # fmt: skip
+    compile_sm90(moe_block.SOURCE, defines, tmp_path, warnings=False)

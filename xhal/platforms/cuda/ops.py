@@ -25,6 +25,7 @@ from xhal.platforms.cuda.kernels import (
     gemv_stream,
     mlp_block,
     moe,
+    moe_block,
     moe_route,
     moe_router,
     norm,
@@ -44,7 +45,11 @@ class CudaOps(DeviceOps):
     # environment variable raises it to measure the tensor-core path (17-64 rows) in a model step
     gemv_max_rows = 1
 
-    def __init__(self) -> None:
+    def __init__(self, native_moe_block: bool = False) -> None:
+        """``native_moe_block``: ``moe_experts`` takes the persistent expert block where it can
+        (the ``native`` solution of ``moe_experts``; measured slower than the Triton pair GEMVs,
+        so not the default)."""
+        self.native_moe_block = native_moe_block
         self._gemv_loaded: set[tuple] = set()
         self._natives: dict[tuple, object] = {}  # (family, device) -> its launcher
         self._native_missing_logged = False
@@ -249,6 +254,19 @@ class CudaOps(DeviceOps):
         return moe_route.route(router_logits, top_k, renormalize)
 
     def moe_experts(self, x, w13, w2, topk_weights, topk_ids):
+        """The Triton fused MoE (moe_small's pair GEMVs for a few tokens, grouped GEMMs beyond);
+        with ``native_moe_block`` (the ``native`` solution), one token's experts in one
+        persistent launch in a graph on sm_90+ (``kernels/moe_block.cu``)."""
+        if (
+            self.native_moe_block
+            and self.fused
+            and moe_block.supports(x, w13, w2, topk_weights, topk_ids)
+        ):
+            block = self._native(x.device, moe_block.MoeBlock)
+            use_pdl = bool(pdl.mode(x.device))
+            key = ("moe_block", *w13.shape, topk_ids.shape[1], x.dtype, x.device, use_pdl)
+            if block is not None and self._graph_kernel(key):
+                return block(x, w13, w2, topk_weights, topk_ids, use_pdl)
         return moe.fused_experts(x, w13, w2, topk_weights, topk_ids)
 
     def add_rms_norm_moe_route(

@@ -53,6 +53,13 @@ class TritonMlpPair:
         return DeviceOps.add_rms_norm_gated_mlp(self._ops, *args)
 
 
+def native_moe_ops(platform: object):
+    """CudaOps whose ``moe_experts`` runs the persistent expert block where it can."""
+    from xhal.platforms.cuda.ops import CudaOps
+
+    return CudaOps(native_moe_block=True)
+
+
 class GroupedMoe:
     """The fused MoE without its small-token pair path: the grouped GEMMs for every batch."""
 
@@ -332,6 +339,20 @@ SOLUTIONS = (
         _req(TRITON),
         20,
         description="grouped GEMMs; the pair GEMVs of moe_small for a few tokens",
+    ),
+    # below triton: it conforms but measured slower on an H100 (Qwen3-30B-A3B shape, batch 1:
+    # router + experts 36.5 against 35.1 us a layer, decode step 3.47 against 3.41 ms;
+    # docs/h200-results.md, seventeenth session). XHAL_KERNEL_MOE_EXPERTS=native picks it
+    Solution(
+        "moe_experts",
+        "native",
+        "xhal.platforms.cuda.solutions:native_moe_ops",
+        Requirement(device_type="cuda", min_compute_capability=(9, 0), packages=(TRITON,)),
+        18,
+        description=(
+            "one persistent launch for one fp16/bf16 token in a graph (TMA expert stream, one "
+            "grid barrier; kernels/moe_block.cu, built by NVRTC); the triton solution otherwise"
+        ),
     ),
     Solution(
         "moe_experts",
