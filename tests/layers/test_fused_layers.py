@@ -254,40 +254,40 @@ class _QkNormCounting(CpuOps):
         return super().qk_rms_norm(q, k, q_weight, k_weight, eps)
 
 
-@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
-def test_a_backend_that_fuses_the_block_gets_every_layer_but_the_first(architecture) -> None:
-    """With a backend that says ``fuses_block`` for decode steps, each decoder layer with a
-    residual hands it its whole attention block (norm, qkv, q/k norm for Qwen3, rotary,
-    attention, o) and gets the output the reference's own sequence gives."""
+def _decode_on(block_platform, architecture: str) -> tuple[list[torch.Tensor], int, int]:
+    """A decode step of a random model on the reference and on ``block_platform``: both
+    outputs, the block calls the latter's backends got, and the model's layer count."""
     from models.registry import get_model_class
-    from tests.support.block_attention import SequenceBlockPlatform
 
     config = dict(CONFIG, architectures=[architecture], head_dim=16)
     model = _random_model(get_model_class(architecture), config)
     ids, pos, meta = decode_metadata(2, 32, "cpu", config["vocab_size"])
     outputs, backends = [], []
-    for platform in (platforms.get("cpu"), SequenceBlockPlatform()):
+    for platform in (platforms.get("cpu"), block_platform):
         executor, _ = _eager_executor(model, platform)
         outputs.append(executor.execute(ids, pos, meta))
         backends.append(executor.backends)
-    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-6, atol=1e-6)
     calls = sum(b.block_calls for b in backends[1])
-    assert calls == config["num_hidden_layers"] - 1
+    return outputs, calls, config["num_hidden_layers"]
+
+
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_a_backend_that_fuses_the_block_gets_every_layer_but_the_first(architecture) -> None:
+    """With a backend that says ``fuses_block`` for decode steps, each decoder layer with a
+    residual hands it its whole attention block (norm, qkv, q/k norm for Qwen3, rotary,
+    attention, o) and gets the output the reference's own sequence gives."""
+    from tests.support.block_attention import SequenceBlockPlatform
+
+    outputs, calls, layers = _decode_on(SequenceBlockPlatform(), architecture)
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-6, atol=1e-6)
+    assert calls == layers - 1
 
 
 def test_a_declined_block_runs_the_layers_own_sequence() -> None:
     """A backend that says ``fuses_block`` may still decline a call (``forward_block`` returns
     None): the layer then runs its unfused path, with the reference's output."""
-    from models.registry import get_model_class
     from tests.support.block_attention import DecliningBlockPlatform
 
-    config = dict(CONFIG, architectures=["Qwen3ForCausalLM"], head_dim=16)
-    model = _random_model(get_model_class("Qwen3ForCausalLM"), config)
-    ids, pos, meta = decode_metadata(2, 32, "cpu", config["vocab_size"])
-    outputs, backends = [], []
-    for platform in (platforms.get("cpu"), DecliningBlockPlatform()):
-        executor, _ = _eager_executor(model, platform)
-        outputs.append(executor.execute(ids, pos, meta))
-        backends.append(executor.backends)
+    outputs, calls, layers = _decode_on(DecliningBlockPlatform(), "Qwen3ForCausalLM")
     torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)
-    assert sum(b.block_calls for b in backends[1]) == config["num_hidden_layers"] - 1
+    assert calls == layers - 1

@@ -262,6 +262,20 @@ def max_shared_mem(device: torch.device) -> int:
     return getattr(props, "shared_memory_per_block_optin", 0) or 227 * 1024
 
 
+def ring_stages(
+    max_shared_mem: int, fixed: int, stage1: int, stage2: int, depth: int, max_stages: int = 8
+) -> tuple[int, int, int] | None:
+    """How many stages of two phases' widths (bytes) one ring holds beside ``fixed`` bytes and
+    the 8-byte mbarriers of ``max_stages`` of each, at most ``max_stages`` each: ``(stages1,
+    stages2, shared memory used)``, or None when either would be under ``depth``. The
+    persistent kernels' phases take turns in one ring (mlp_block.cu, moe_block.cu)."""
+    ring = max_shared_mem - fixed - 8 * 2 * max_stages
+    s1, s2 = min(max_stages, ring // stage1), min(max_stages, ring // stage2)
+    if s1 < depth or s2 < depth:
+        return None
+    return s1, s2, fixed + max(s1 * stage1, s2 * stage2) + 8 * (s1 + s2)
+
+
 class KernelCache:
     """One source's kernel on one device, built once per set of ``-D`` defines (a shape). A
     build cannot happen under CUDA graph capture: callers build a shape with an eager call

@@ -60,11 +60,9 @@ def plan(hidden: int, inter: int, rows: int, max_shared_mem: int) -> Plan | None
                     continue
                 stage1, stage2 = 2 * pairs * hidden * 2, down_rows * inter * 2
                 fixed = rows * inter * 2 + 4 * (2 * _WARPS * 2 * pairs * rows + _WARPS * rows)
-                ring = max_shared_mem - fixed - 8 * 2 * _MAX_STAGES
-                s1, s2 = min(_MAX_STAGES, ring // stage1), min(_MAX_STAGES, ring // stage2)
-                if s1 >= depth and s2 >= depth:
-                    used = fixed + max(s1 * stage1, s2 * stage2) + 8 * (s1 + s2)
-                    return Plan(pairs, down_rows, s1, s2, used)
+                fit = native.ring_stages(max_shared_mem, fixed, stage1, stage2, depth, _MAX_STAGES)
+                if fit is not None:
+                    return Plan(pairs, down_rows, *fit)
     return None
 
 

@@ -93,11 +93,9 @@ def plan(
                 continue
             stage1, stage2 = 2 * p * hidden * 2, down_rows * inter * 2
             fixed = fixed_bytes(p, down_rows, inter, top_k)
-            ring = max_shared_mem - fixed - 8 * 2 * _MAX_STAGES
-            s1, s2 = min(_MAX_STAGES, ring // stage1), min(_MAX_STAGES, ring // stage2)
-            if s1 >= depth and s2 >= depth:
-                used = fixed + max(s1 * stage1, s2 * stage2) + 8 * (s1 + s2)
-                return Plan(p, down_rows, s1, s2, used)
+            fit = native.ring_stages(max_shared_mem, fixed, stage1, stage2, depth, _MAX_STAGES)
+            if fit is not None:
+                return Plan(p, down_rows, *fit)
     return None
 
 
