@@ -20,15 +20,14 @@ from xhal.platforms.cuda.kernels import moe_block, moe_router, moe_small
 
 LAYERS = 8  # 8 x 76 MB of routed experts per replay: past L2, as in a step
 # name -> (gate-up, down) triggers of the pair GEMVs, or the persistent block under PDL with
-# its stage widths (moe_block.plan's pairs / down_rows; {}: the plan's own)
+# its stage widths (moe_block.plan's pairs / down_rows; {}: the plan's own) or late_down
 SETTINGS = {
     "plain (tree before)": (pdl.OFF, pdl.OFF),
     "late / late (default)": (pdl.LATE, pdl.LATE),
     "late / early": (pdl.LATE, pdl.EARLY),
     "native block (moe_block.cu)": {},
     "native, 2 pairs a phase-1 stage": {"pairs": 2},
-    "native, 16 rows a phase-2 stage": {"down_rows": 16},
-    "native, 4 rows a phase-2 stage": {"down_rows": 4},
+    "native, down stages after the barrier": {"late_down": True},
 }
 
 
@@ -69,8 +68,12 @@ def check_small_experts(model, rate: float) -> tuple[list[dict], list[dict]]:
         block of its stage widths (kernels and sync words of its own)."""
         if not isinstance(setting, dict):
             return lambda *args: moe_small.small_experts(*args, triggers=setting)
-        widths = lambda *shape: moe_block.plan(*shape, **setting)  # noqa: E731
-        block = moe_block.MoeBlock(device, plan_for=widths)
+        widths = {k: v for k, v in setting.items() if k != "late_down"}
+        block = moe_block.MoeBlock(
+            device,
+            plan_for=lambda *shape: moe_block.plan(*shape, **widths),
+            late_down=setting.get("late_down", False),
+        )
         return lambda *args: block(*args, use_pdl=True)
 
     def fill() -> None:

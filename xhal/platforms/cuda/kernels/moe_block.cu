@@ -29,6 +29,10 @@
 
 #include "stream_common.cuh"
 
+#ifndef LATE_DOWN  // 1: the first phase-2 stages requested after the grid barrier (a benchmark's
+#define LATE_DOWN 0  // peer: does the stream in flight slow the barrier's round trips?)
+#endif
+
 #define CHUNKS2 (INTER / 8)    // 16-byte chunks of an intermediate-sized row
 #define CPT1 ((HIDDEN / 8 + THREADS - 1) / THREADS)
 #define CPT2 ((CHUNKS2 + THREADS - 1) / THREADS)
@@ -142,15 +146,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_block(
         }
     }
 
-    // ---- phase 2's first stages, then every CTA's act ----
+    // ---- phase 2's first stages (before the barrier unless LATE_DOWN), then every CTA's act ----
     __syncthreads();  // every read of the ring in phase 1 is done
     mark(timing, 2);
-    if (tid == 0) {
+    if (tid == 0 && !LATE_DOWN) {
         fence_async_shared();
         for (u32 s = 0; s < n2 && s < STAGES2; ++s)
             issue_stage2(ring, smem_u32(bars + STAGES1 + s), w2, expert_s[s % TOP_K], b2 + s / TOP_K, s);
     }
     grid_barrier(sync, next_gen);
+    if (tid == 0 && LATE_DOWN) {
+        fence_async_shared();
+        for (u32 s = 0; s < n2 && s < STAGES2; ++s)
+            issue_stage2(ring, smem_u32(bars + STAGES1 + s), w2, expert_s[s % TOP_K], b2 + s / TOP_K, s);
+    }
     mark(timing, 3);
     for (int i = tid; i < TOP_K * CHUNKS2; i += THREADS) sts128(act_s + i * 16, load_cg(act + i * 8));
     __syncthreads();

@@ -137,15 +137,20 @@ class MoeBlock:
     MARKS = ("start", "routing read", "phase 1 done", "barrier passed", "act loaded", "end")
 
     def __init__(
-        self, device: torch.device, plan_for=plan, timing: torch.Tensor | None = None
+        self,
+        device: torch.device,
+        plan_for=plan,
+        timing: torch.Tensor | None = None,
+        late_down: bool = False,
     ) -> None:
         """``plan_for(hidden, inter, top_k, max_shared_mem, num_sms)`` picks each shape's stages
         (``plan``; a benchmark may pass its own to compare layouts). ``timing`` (int64 ``[SMs,
         8]``, benchmarks only): each CTA's ``%globaltimer`` at ``MARKS``, the kernel built with
-        ``TIMING``."""
+        ``TIMING``. ``late_down`` (benchmarks only): the first down stages requested after the
+        grid barrier instead of before it."""
         self._kernels = native.KernelCache(SOURCE, "moe_block", device)
         self._plan_for = plan_for
-        self.timing = timing
+        self.timing, self.late_down = timing, late_down
         self.sync = torch.zeros(2, dtype=torch.int32, device=device)
 
     def __call__(
@@ -166,6 +171,7 @@ class MoeBlock:
             "DTYPE_BF16": int(x.dtype == torch.bfloat16), "HIDDEN": hidden, "INTER": inter,
             "TOP_K": top_k, "PAIRS": p.pairs, "DOWN_ROWS": p.down_rows, "STAGES1": p.stages1,
             "STAGES2": p.stages2, "USE_PDL": int(use_pdl), "TIMING": int(self.timing is not None),
+            "LATE_DOWN": int(self.late_down),
         }  # fmt: skip
         kernel = k.get(defines, p.shared_mem)
         out = x.new_empty(1, hidden)
