@@ -18,8 +18,9 @@
 //
 // The helpers are stream_common.cuh's. Compile-time shape (NVRTC -D options, see moe_block.py):
 // DTYPE_BF16 (else fp16), HIDDEN, INTER (the per-rank expert intermediate size), TOP_K, PAIRS,
-// DOWN_ROWS, STAGES1, STAGES2, USE_PDL, TIMING (stream_common.cuh). Runtime: the pointers, x's
-// row stride (elements) and the TIMING buffer (unused without it).
+// DOWN_ROWS, STAGES1, STAGES2, USE_PDL; for benchmarks TIMING (stream_common.cuh) and LATE_DOWN
+// (below). Runtime: the pointers, x's row stride (elements) and the TIMING buffer (unused without
+// it).
 //
 // Sync words (sync[0] arrivals, sync[1] generation) are zero before the first launch and are
 // left ready for the next one; launches sharing them must not overlap (one stream).
