@@ -12,8 +12,10 @@ grid barrier between the two projections.
 Measured (H100, Qwen3-30B-A3B shape, docs/h200-results.md, seventeenth session): router + experts
 36.5 us a layer against 35.1 with the pair GEMVs, the decode step 3.47 against 3.41 ms. Unlike the
 dense MLP block, no weight here is known before the wait for the router, so the stream starts
-only after it, and the grid barrier costs about what the pair's second launch did. Hence the
-``native`` solution is registered below ``triton`` (``XHAL_KERNEL_MOE_EXPERTS=native`` picks it).
+only after it (4 us into the launch), and the grid barrier passed 3.8 us after its last arrival
+(the phase clock, ``benchmarks/check_moe_small.py``), where phase 1 itself streamed at 0.91 of
+the read ceiling. Hence the ``native`` solution is registered below ``triton``
+(``XHAL_KERNEL_MOE_EXPERTS=native`` picks it).
 
 Shapes it takes (``plan``): one token, fp16 / bf16, hidden and intermediate sizes multiples of 8
 whose stages fit in shared memory at least two deep; sm_90+.
