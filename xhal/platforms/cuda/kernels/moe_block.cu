@@ -52,11 +52,13 @@ static_assert(HIDDEN % 8 == 0 && INTER % 8 == 0, "rows are read in 16-byte chunk
 static_assert(INTER % PAIRS == 0 && HIDDEN % DOWN_ROWS == 0, "whole stages");
 static_assert(TOP_K <= THREADS, "one thread loads each routing entry");
 
-// PAIRS gate rows of expert `e` and their PAIRS up rows (w13[e]: gate rows, then up rows)
+// phase-1 unit u of the grid's TOP_K * UNITS1: PAIRS gate rows of expert e = expert_s[u / UNITS1]
+// (pair block u % UNITS1) and their PAIRS up rows (w13[e]: gate rows, then up rows)
 __device__ __forceinline__ void issue_stage1(
-    u32 ring, u32 bar, const u16* w13, u32 e, u32 unit, u32 slot)
+    u32 ring, u32 bar, const u16* w13, const u32* expert_s, u32 u, u32 slot)
 {
     const u32 half = PAIRS * HIDDEN * 2;
+    const u32 e = expert_s[u / UNITS1], unit = u % UNITS1;
     const u16* base = w13 + (u64)e * (2ull * INTER * HIDDEN);
     const u16* gate = base + (u64)unit * PAIRS * HIDDEN;
     const u16* up = base + ((u64)INTER + (u64)unit * PAIRS) * HIDDEN;
@@ -66,13 +68,24 @@ __device__ __forceinline__ void issue_stage1(
     bulk_copy(dst + half, up, half, bar);
 }
 
-// DOWN_ROWS rows of w2[e] (w2[e]: [HIDDEN, INTER])
+// this CTA's phase-2 stage s: the DOWN_ROWS rows of row block b2 + s / TOP_K of w2[e], e the
+// token's expert s % TOP_K (w2[e]: [HIDDEN, INTER])
 __device__ __forceinline__ void issue_stage2(
-    u32 ring, u32 bar, const u16* w2, u32 e, u32 unit, u32 slot)
+    u32 ring, u32 bar, const u16* w2, const u32* expert_s, u32 b2, u32 s, u32 slot)
 {
+    const u32 e = expert_s[s % TOP_K], unit = b2 + s / TOP_K;
     const u16* rows = w2 + (u64)e * ((u64)HIDDEN * INTER) + (u64)unit * DOWN_ROWS * INTER;
     mbar_expect(bar, STAGE2_BYTES);
     bulk_copy(ring + slot * STAGE2_BYTES, rows, STAGE2_BYTES, bar);
+}
+
+// the first STAGES2 of this CTA's n2 phase-2 stages, into slots 0.. (thread 0)
+__device__ __forceinline__ void issue_first_stages2(
+    u32 ring, const u64* bars2, const u16* w2, const u32* expert_s, u32 b2, u32 n2)
+{
+    fence_async_shared();
+    for (u32 s = 0; s < n2 && s < STAGES2; ++s)
+        issue_stage2(ring, smem_u32(bars2 + s), w2, expert_s, b2, s, s);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_block(
@@ -110,10 +123,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_block(
     __syncthreads();  // the mbarriers are initialised and the routing is in shared memory
     mark(timing, 1);
     if (tid == 0) {
-        for (u32 k = 0; k < n1 && k < STAGES1; ++k) {
-            const u32 u = b1 + k;
-            issue_stage1(ring, smem_u32(bars + k), w13, expert_s[u / UNITS1], u % UNITS1, k);
-        }
+        for (u32 k = 0; k < n1 && k < STAGES1; ++k)
+            issue_stage1(ring, smem_u32(bars + k), w13, expert_s, b1 + k, k);
     }
 
     u32 next_gen = 0;
@@ -134,9 +145,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_block(
         stage_dots<HIDDEN, 1, CPT1, ROWS1>(ring + slot * STAGE1_BYTES, h, p);
         __syncthreads();  // the stage is read and its parts written
         if (tid == 0 && k + STAGES1 < n1) {
-            const u32 u = b1 + k + STAGES1;
             fence_async_shared();
-            issue_stage1(ring, smem_u32(bars + slot), w13, expert_s[u / UNITS1], u % UNITS1, slot);
+            issue_stage1(ring, smem_u32(bars + slot), w13, expert_s, b1 + k + STAGES1, slot);
         }
         if (tid < PAIRS) {
             const u32 u = b1 + k;
@@ -150,17 +160,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_block(
     // ---- phase 2's first stages (before the barrier unless LATE_DOWN), then every CTA's act ----
     __syncthreads();  // every read of the ring in phase 1 is done
     mark(timing, 2);
-    if (tid == 0 && !LATE_DOWN) {
-        fence_async_shared();
-        for (u32 s = 0; s < n2 && s < STAGES2; ++s)
-            issue_stage2(ring, smem_u32(bars + STAGES1 + s), w2, expert_s[s % TOP_K], b2 + s / TOP_K, s);
-    }
+    if (tid == 0 && !LATE_DOWN) issue_first_stages2(ring, bars + STAGES1, w2, expert_s, b2, n2);
     grid_barrier(sync, next_gen);
-    if (tid == 0 && LATE_DOWN) {
-        fence_async_shared();
-        for (u32 s = 0; s < n2 && s < STAGES2; ++s)
-            issue_stage2(ring, smem_u32(bars + STAGES1 + s), w2, expert_s[s % TOP_K], b2 + s / TOP_K, s);
-    }
+    if (tid == 0 && LATE_DOWN) issue_first_stages2(ring, bars + STAGES1, w2, expert_s, b2, n2);
     mark(timing, 3);
     for (int i = tid; i < TOP_K * CHUNKS2; i += THREADS) sts128(act_s + i * 16, load_cg(act + i * 8));
     __syncthreads();
@@ -203,9 +205,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_block(
         }
         __syncthreads();  // the stage is read (and a row block's parts written)
         if (tid == 0 && s + STAGES2 < n2) {
-            const u32 t = s + STAGES2;
             fence_async_shared();
-            issue_stage2(ring, smem_u32(bars + STAGES1 + slot), w2, expert_s[t % TOP_K], b2 + t / TOP_K, slot);
+            issue_stage2(ring, smem_u32(bars + STAGES1 + slot), w2, expert_s, b2, s + STAGES2, slot);
         }
         if (last && tid < DOWN_ROWS)
             out[(b2 + block) * DOWN_ROWS + tid] = to_dtype(stage_sum<1, DOWN_ROWS>(p, tid, 0));
