@@ -17,7 +17,7 @@ import argparse
 import torch
 
 import xhal
-from benchmarks.common import ceilings, table, time_cuda
+from benchmarks.common import ceilings, phase_rows, table, time_cuda
 from benchmarks.llama_model import decode_metadata
 from xhal import ops
 from xhal.interfaces import AttentionBlock, AttentionSpec, LayerCache
@@ -150,14 +150,8 @@ def main() -> None:
             torch.cuda.synchronize()
         finally:
             block_backend._kernels[device] = saved
-    t = timing.cpu().double()
-    start = t[:, 0].min()
-    phase_rows = []
-    for i, mark in enumerate(MARKS):
-        col = t[:, i][t[:, i] > 0] - start
-        phase_rows.append({"mark": mark, "median us": float(col.median()) / 1e3,
-                           "latest us": float(col.max()) / 1e3, "CTAs": col.numel()})  # fmt: skip
-    print(table(phase_rows, "one block launch, each CTA's clock at the phase boundaries"))
+    print(table(phase_rows(timing, MARKS), "one block launch, each CTA's clock at the phase "
+                                           "boundaries"))
 
 
 if __name__ == "__main__":

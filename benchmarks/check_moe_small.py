@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.common import capture_graph, time_cuda
+from benchmarks.common import capture_graph, phase_rows, time_cuda
 from conformance_tests import moe_reference as ref
 from xhal.platforms.cuda import pdl
 from xhal.platforms.cuda.kernels import moe_block, moe_router, moe_small
@@ -53,7 +53,7 @@ def check_small_experts(model, rate: float) -> tuple[list[dict], list[dict]]:
     """One row per setting: max error against float64 relative to the output's largest magnitude
     (beside the moe family's bf16 tolerance for outputs of magnitude 1), whether
     the outputs equal the plain kernels', us per layer and its ratio to the read floor. Then the
-    persistent block's phase clock in the same chain (``phase_rows``)."""
+    persistent block's phase clock in the same chain."""
     mlps = [layer.mlp for layer in model.model.layers[:LAYERS]]
     norms = [layer.post_attention_layernorm for layer in model.model.layers[:LAYERS]]
     w13 = mlps[0].experts.w13_weight
@@ -134,11 +134,4 @@ def check_small_experts(model, rate: float) -> tuple[list[dict], list[dict]]:
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
-    t = timing.cpu().double()
-    start = t[:, 0].min()
-    phase_rows = []
-    for i, mark in enumerate(moe_block.MoeBlock.MARKS):
-        col = t[:, i] - start
-        phase_rows.append({"mark": mark, "median us": float(col.median()) / 1e3,
-                           "latest us": float(col.max()) / 1e3})  # fmt: skip
-    return rows, phase_rows
+    return rows, phase_rows(timing, moe_block.MoeBlock.MARKS)

@@ -6,7 +6,7 @@ import contextlib
 import ctypes
 import functools
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -313,6 +313,20 @@ def ceilings() -> dict[str, float]:
         f"(read only; {parts}), bf16 matmul {fl / 1e12:.0f} TFLOP/s"
     )
     return {"bandwidth": bw, "read_bandwidth": read["read"], "flops": fl}
+
+
+def phase_rows(timing: torch.Tensor, marks: Sequence[str]) -> list[dict]:
+    """A native kernel's phase clock as table rows: ``timing`` int64 ``[CTAs, 8]`` of
+    ``%globaltimer`` (ns) per CTA at each of ``marks`` (a ``TIMING`` build), median and latest
+    over the CTAs that reached the mark, in us from the earliest start."""
+    t = timing.cpu().double()
+    start = t[:, 0].min()
+    rows = []
+    for i, mark in enumerate(marks):
+        col = t[:, i][t[:, i] > 0] - start
+        rows.append({"mark": mark, "median us": float(col.median()) / 1e3,
+                     "latest us": float(col.max()) / 1e3, "CTAs": col.numel()})  # fmt: skip
+    return rows
 
 
 def table(rows: list[dict], title: str) -> str:

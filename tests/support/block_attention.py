@@ -79,20 +79,24 @@ class _StaleKeyBlockAttention(SequenceBlockAttention):
         return out
 
 
-class SequenceBlockPlatform(CpuPlatform):
+class _BlockPlatform(CpuPlatform):
+    """The reference platform whose attention is ``backend_class``."""
+
+    backend_class: type[CpuAttention]
+
+    def attention_backend(self, spec: AttentionSpec) -> CpuAttention:
+        self.capabilities.attention.check(spec)
+        return self.backend_class(spec)
+
+
+class SequenceBlockPlatform(_BlockPlatform):
     name = "cpu-block-sequence"
-
-    def attention_backend(self, spec: AttentionSpec) -> CpuAttention:
-        self.capabilities.attention.check(spec)
-        return SequenceBlockAttention(spec)
+    backend_class = SequenceBlockAttention
 
 
-class StaleKeyBlockPlatform(CpuPlatform):
+class StaleKeyBlockPlatform(_BlockPlatform):
     name = "cpu-block-stale-key"
-
-    def attention_backend(self, spec: AttentionSpec) -> CpuAttention:
-        self.capabilities.attention.check(spec)
-        return _StaleKeyBlockAttention(spec)
+    backend_class = _StaleKeyBlockAttention
 
 
 class _DecliningBlockAttention(SequenceBlockAttention):
@@ -103,9 +107,6 @@ class _DecliningBlockAttention(SequenceBlockAttention):
         return None
 
 
-class DecliningBlockPlatform(CpuPlatform):
+class DecliningBlockPlatform(_BlockPlatform):
     name = "cpu-block-declining"
-
-    def attention_backend(self, spec: AttentionSpec) -> CpuAttention:
-        self.capabilities.attention.check(spec)
-        return _DecliningBlockAttention(spec)
+    backend_class = _DecliningBlockAttention
