@@ -12,6 +12,7 @@ import ctypes
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -21,9 +22,9 @@ from xhal.platforms.cuda.kernels import attn_block, gemv_stream, mlp_block, moe_
 H100_SHARED = 232448  # shared_memory_per_block_optin of sm_90
 
 
-def compile_sm90(source, defines: dict, tmp_path, *, warnings: bool = True) -> None:
+def compile_sm90(source, defines: dict, tmp_path, *, warnings: bool = True) -> Path:
     """``nvcc -cubin`` of ``source`` for sm_90 with ``defines``: it builds, spills nothing
-    (ptxas -v) and, unless ``warnings``, prints no warning."""
+    (ptxas -v) and, unless ``warnings``, prints no warning. Returns the cubin."""
     cmd = ["nvcc", "-cubin", *native._options("sm_90", defines, source.parent), "-Xptxas", "-v"]
     proc = subprocess.run(
         [*cmd, "-o", str(tmp_path / "k.cubin"), str(source)],
@@ -34,6 +35,31 @@ def compile_sm90(source, defines: dict, tmp_path, *, warnings: bool = True) -> N
         assert "warning" not in proc.stderr, proc.stderr
     spills = re.findall(r"(\d+) bytes spill stores", proc.stderr)
     assert spills and all(s == "0" for s in spills), proc.stderr
+    return tmp_path / "k.cubin"
+
+
+def cuobjdump() -> str | None:
+    """cuobjdump from the CUDA toolkit, else the copy Triton's wheel ships."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import triton.backends.nvidia as nvidia_backend
+    except ImportError:
+        return None
+    path = Path(nvidia_backend.__file__).parent / "bin" / "cuobjdump"
+    return str(path) if path.exists() else None
+
+
+def global_reads_before_the_wait(cubin: Path) -> list[str]:
+    """The SASS global loads and atomics ahead of the first ``griddepcontrol.wait`` (ACQBULK)."""
+    sass = subprocess.run(
+        [cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, timeout=120
+    ).stdout
+    assert "ACQBULK" in sass, "a PDL build waits for the kernel ahead"
+    ahead = sass.split("ACQBULK", 1)[0]
+    reads = re.compile(r"\b(LDG|LD\.E|ATOMG|RED)")
+    return [line.strip() for line in ahead.splitlines() if reads.search(line)]
 
 
 def used_shared(p: mlp_block.Plan, hidden: int, inter: int, rows: int) -> int:
@@ -221,3 +247,40 @@ def test_moe_block_compiles_for_sm90_without_spills(hidden, inter, top_k, tmp_pa
         "DOWN_ROWS": p.down_rows, "STAGES1": p.stages1, "STAGES2": p.stages2, "USE_PDL": 1,
     }  # fmt: skip
     compile_sm90(moe_block.SOURCE, defines, tmp_path, warnings=False)
+
+
+@pytest.mark.skipif(
+    shutil.which("nvcc") is None or cuobjdump() is None, reason="nvcc or cuobjdump is missing"
+)
+@pytest.mark.parametrize(
+    "kernel,hidden,inter,extra", [("moe", 2048, 768, 8), ("moe", 4096, 14336, 2),
+                                  ("moe", 2048, 96, 8), ("mlp", 2048, 8192, 1),
+                                  ("gemv", 2048, 0, 1), ("gemv", 4096, 0, 0)],
+)  # fmt: skip
+def test_nothing_the_kernel_ahead_writes_is_read_before_the_wait(
+    kernel, hidden, inter, extra, tmp_path
+) -> None:
+    """These kernels read only their weights before the PDL wait, and those by TMA: any global
+    load ahead of it reads the kernel ahead's output early. ptxas moved plain loads of the
+    routing above griddepcontrol.wait in one version of moe_block.cu (the previous replay's
+    routing was read: wrong outputs, then an illegal address), so the sources load such data
+    through asm volatile helpers; this keeps it that way."""
+    if kernel == "moe":
+        p = moe_block.plan(hidden, inter, extra, H100_SHARED, 132)
+        source, defines = moe_block.SOURCE, {
+            "HIDDEN": hidden, "INTER": inter, "TOP_K": extra, "PAIRS": p.pairs,
+            "DOWN_ROWS": p.down_rows, "STAGES1": p.stages1, "STAGES2": p.stages2,
+        }  # fmt: skip
+    elif kernel == "mlp":
+        p = mlp_block.plan(hidden, inter, extra, H100_SHARED)
+        source, defines = mlp_block.SOURCE, {
+            "M_ROWS": extra, "HIDDEN": hidden, "INTER": inter, "PAIRS": p.pairs,
+            "DOWN_ROWS": p.down_rows, "STAGES1": p.stages1, "STAGES2": p.stages2,
+        }  # fmt: skip
+    else:
+        p = gemv_stream.plan(hidden, 1, H100_SHARED)
+        source, defines = gemv_stream.SOURCE, {
+            "M_ROWS": 1, "K": hidden, "R": p.rows, "STAGES": p.stages, "NORM": extra,
+        }  # fmt: skip
+    cubin = compile_sm90(source, {"DTYPE_BF16": 1, "USE_PDL": 1, **defines}, tmp_path)
+    assert global_reads_before_the_wait(cubin) == []

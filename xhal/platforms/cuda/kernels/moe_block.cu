@@ -117,8 +117,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_block(
     }
     pdl_wait();  // x and the routing are the kernels' ahead
     if (tid < TOP_K) {
-        weight_s[tid] = topk_weights[tid];
-        expert_s[tid] = (u32)topk_ids[tid];
+        weight_s[tid] = __uint_as_float(load_u32_cg(topk_weights + tid));  // never above the
+        expert_s[tid] = load_u32_cg(topk_ids + tid);                        // wait (the helper)
     }
     __syncthreads();  // the mbarriers are initialised and the routing is in shared memory
     mark(timing, 1);

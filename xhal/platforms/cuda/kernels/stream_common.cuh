@@ -93,6 +93,15 @@ __device__ __forceinline__ chunk16 load_cg(const void* p) {
     return v;
 }
 
+// a 32-bit global load of data the kernel ahead wrote: asm volatile, so that the compiler keeps it
+// after pdl_wait (ptxas moved plain loads of const __restrict__ data, LDG.E.CONSTANT, above
+// griddepcontrol.wait in a version of moe_block.cu: the previous graph replay's routing was read)
+__device__ __forceinline__ u32 load_u32_cg(const void* p) {
+    u32 v;
+    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
 __device__ __forceinline__ u32 smem_u32(const void* p) {
     u32 a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
