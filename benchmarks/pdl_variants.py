@@ -55,9 +55,14 @@ PDL_VARIANTS = {
     # auto with a one-sequence decode step's attention blocks in one persistent launch each
     # (the native-block solution of paged_decode_attention, kernels/attn_block.cu)
     "auto-attn-block": ("1", "auto"),
+    # auto with one token's routed experts in one persistent launch a layer (the native
+    # solution of moe_experts, kernels/moe_block.cu) in place of the pair GEMVs
+    "auto-moe-native": ("1", "auto"),
 }
 # variant -> the paged_decode_attention solution its executor's backends are made with
 ATTENTION_SOLUTION = {"auto-attn-block": "native-block"}
+# variant -> (op, solution): the device ops its executor warms up and captures with
+OPS_SOLUTION = {"auto-moe-native": ("moe_experts", "native")}
 # variant -> moe_small's settings while it captures (pdl.OFF = 0, LATE = 2, EARLY = 1)
 _MOE_SMALL = {
     "auto-moe-plain": {"TRIGGERS": (0, 0)},
@@ -199,6 +204,19 @@ def _attention_solution(platform, name: str) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _ops_solution(platform, name: str) -> Iterator[None]:
+    """The variant's device ops (the platform's chosen ones with one op's solution replaced)
+    serving the platform's device while its executor warms up and captures."""
+    if name not in OPS_SOLUTION:
+        yield
+        return
+    from xhal import ops
+
+    with ops.using(platform.device_type, platform.kernels.ops_with(*OPS_SOLUTION[name])):
+        yield
+
+
 def add_argument(parser: argparse.ArgumentParser) -> None:
     """``--pdl NAME ...``: the settings to capture and time besides the default executor. Also
     loads ``BENCH_GEMV_TABLE``, before the benchmark builds any executor."""
@@ -231,7 +249,7 @@ def capture_per_variant(
     """One executor per variant over ``caches``, its decode graphs captured under that setting."""
     executors = {}
     for name in variants:
-        with pdl_variant(name), _attention_solution(platform, name):
+        with pdl_variant(name), _attention_solution(platform, name), _ops_solution(platform, name):
             executors[name] = ex = ModelExecutor(model, platform, config)
             ex.bind_kv_caches(caches)
             ex.capture_graphs(progress=False)
