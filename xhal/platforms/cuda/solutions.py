@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from xhal import env
 from xhal.solutions.solution import Config, Package, Requirement, Solution
 
 TRITON = Package("triton", "pip install 'xhal[cuda]' (triton)")
@@ -23,163 +22,6 @@ TILELANG = Package(
     " scripts/fetch_tilelang_wheels.sh for a machine without network)",
 )
 _HALF = (torch.float16, torch.bfloat16)
-_WORKSPACE_BYTES = 128 * 1024 * 1024
-
-
-def cuda_ops(platform: object):
-    from xhal.platforms.cuda.ops import CudaOps
-
-    return CudaOps()
-
-
-def flashinfer_ops(platform: object):
-    from xhal.platforms.cuda.ops import FlashInferOps
-
-    return FlashInferOps()
-
-
-class TritonMlpPair:
-    """The gated MLP block as the two fused Triton GEMVs (norm + gate_up, SiLU gate + down): the
-    persistent block's peer, and what runs where that block cannot."""
-
-    def __init__(self, platform: object) -> None:
-        from xhal.platforms.cuda.ops import CudaOps
-
-        self._ops = CudaOps()
-
-    def add_rms_norm_gated_mlp(self, *args):
-        from xhal.interfaces.ops import DeviceOps
-
-        return DeviceOps.add_rms_norm_gated_mlp(self._ops, *args)
-
-
-def native_moe_ops(platform: object):
-    """CudaOps whose ``moe_experts`` runs the persistent expert block where it can."""
-    from xhal.platforms.cuda.ops import CudaOps
-
-    return CudaOps(native_moe_block=True)
-
-
-class GroupedMoe:
-    """The fused MoE without its small-token pair path: the grouped GEMMs for every batch."""
-
-    def __init__(self, platform: object) -> None:
-        from xhal.platforms.cuda.kernels import moe
-
-        self._moe = moe
-
-    def moe_experts(self, x, w13, w2, topk_weights, topk_ids):
-        config = self._moe.default_config(topk_ids.numel(), w13.shape[0])
-        return self._moe.fused_experts(x, w13, w2, topk_weights, topk_ids, config)
-
-
-_workspaces: dict[torch.device, torch.Tensor] = {}
-
-
-def _flashinfer_workspace(device: torch.device) -> torch.Tensor:
-    """One zeroed workspace per device, shared by every FlashInfer wrapper of both providers
-    below (steps run one after another, and each plans before it runs)."""
-    if device not in _workspaces:
-        _workspaces[device] = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-    return _workspaces[device]
-
-
-def _num_sms(platform) -> int:
-    return torch.cuda.get_device_properties(platform.device()).multi_processor_count
-
-
-class FlashInferAttentionProvider:
-    def __init__(self, platform) -> None:
-        self._device = platform.device()
-
-    def attention_backend(self, spec):
-        from xhal.platforms.cuda.attention import FlashInferAttention
-
-        prefill = env.flashinfer_prefill()
-        workspace = _flashinfer_workspace(self._device)
-        return FlashInferAttention(spec, workspace, prefill_backend=prefill)
-
-
-def splitkv_seqs(spec) -> tuple[int, int | None]:
-    """The decode batches ``triton-splitkv`` runs on the split-KV Triton kernel, ``(first,
-    end)``: buckets of ``first`` up to (not including) ``end`` sequences (None: no end);
-    FlashInfer's decode for the others. By GQA group, from one decode layer (rotary + KV write +
-    attention, as a model runs it) in a CUDA graph, H200, bf16, ctx 2K, pages of 16, us at
-    batch 1 / 4 / 16 / 64 (benchmarks/bench_splitkv.py; docs/h200-results.md, eighth session,
-    17:22 UTC run; rotary and the KV write inside the split-KV launch):
-    - group 4, 32 q / 8 kv heads, D=128: split-KV 10.4 / 20.0 / 42.9 / 127, FlashInfer 14.6 /
-      22.3 / 54.2 / 146; D=64: 7.68 / 12.5 / 24.6 / 70.0 against 13.6 / 17.2 / 37.3 / 92.3.
-      Every bucket (groups below 4 are not measured).
-    - group 8, 32 / 4 heads, D=128: 13.2 / 14.5 / 32.8 / 87.6 against 13.9 / 17.3 / 35.2 /
-      84.7: split-KV below 64 sequences, FlashInfer from 64 (the seventh session, with the KV
-      write as its own launch, had FlashInfer ahead at batch 1 and 16 and behind at 64).
-    """
-    return (1, None) if spec.group_size <= 4 else (1, 64)
-
-
-class SplitKVFlashInferProvider(FlashInferAttentionProvider):
-    """FlashInfer attention whose small decode steps run the split-KV Triton kernel."""
-
-    def __init__(self, platform) -> None:
-        super().__init__(platform)
-        self._sms = _num_sms(platform)
-
-    def attention_backend(self, spec):
-        from xhal.platforms.cuda.splitkv_attention import with_splitkv_decode
-
-        flashinfer = super().attention_backend(spec)
-        return with_splitkv_decode(spec, flashinfer, self._sms, *splitkv_seqs(spec))
-
-
-class SplitKVBlockProvider(SplitKVFlashInferProvider):
-    """``triton-splitkv`` whose one-sequence decode steps run each layer's attention block in one
-    persistent launch (``splitkv_block.py``)."""
-
-    def attention_backend(self, spec):
-        from xhal.platforms.cuda.splitkv_attention import with_splitkv_decode
-        from xhal.platforms.cuda.splitkv_block import SplitKVBlockAttention
-
-        flashinfer = FlashInferAttentionProvider.attention_backend(self, spec)
-        return with_splitkv_decode(
-            spec, flashinfer, self._sms, *splitkv_seqs(spec), backend=SplitKVBlockAttention
-        )
-
-
-def tilelang_ops(platform: object):
-    from xhal.platforms.cuda.tilelang_ops import TileLangOps
-
-    return TileLangOps()
-
-
-class TileLangAttentionProvider:
-    """TileLang's split-KV paged decode for the specs it is built for (fp16 / bf16, head dim 128,
-    no window or soft cap), the Triton kernel for the rest and for prefill steps."""
-
-    def __init__(self, platform) -> None:
-        self._sms = torch.cuda.get_device_properties(platform.device()).multi_processor_count
-
-    def attention_backend(self, spec):
-        from xhal.platforms.cuda.tilelang_attention import TileLangAttention, unsupported
-        from xhal.platforms.cuda.triton_attention import TritonAttention
-
-        fallback = TritonAttention(spec)
-        if unsupported(spec) is not None:
-            return fallback
-        return TileLangAttention(spec, fallback, self._sms)
-
-
-class TritonAttentionProvider:
-    """The Triton attention: every decode step on the split-KV kernel, the rest on the paged
-    attention kernel (one program per token and KV head)."""
-
-    def __init__(self, platform) -> None:
-        self._sms = _num_sms(platform)
-
-    def attention_backend(self, spec):
-        from xhal.platforms.cuda.splitkv_attention import with_splitkv_decode
-        from xhal.platforms.cuda.triton_attention import TritonAttention
-
-        return with_splitkv_decode(spec, TritonAttention(spec), self._sms)
 
 
 def _req(*packages: Package, dtypes: tuple[torch.dtype, ...] | None = None) -> Requirement:
@@ -194,8 +36,8 @@ _GEMV_CONFIGS = (
     Config("split-k-x2", {"split_scale": 2.0}),
     Config("split-k-half", {"split_scale": 0.5}),
 )
-_OPS = "xhal.platforms.cuda.solutions:cuda_ops"
-_FI_OPS = "xhal.platforms.cuda.solutions:flashinfer_ops"
+_OPS = "xhal.platforms.cuda.providers:cuda_ops"
+_FI_OPS = "xhal.platforms.cuda.providers:flashinfer_ops"
 _TORCH = "xhal.platforms.common.torch_ops:TorchOps"
 
 SOLUTIONS = (
@@ -234,7 +76,7 @@ SOLUTIONS = (
     Solution(
         "fused_add_rms_norm",
         "tilelang",
-        "xhal.platforms.cuda.solutions:tilelang_ops",
+        "xhal.platforms.cuda.providers:tilelang_ops",
         _req(TILELANG),
         15,
         description="TileLang's for hidden sizes a multiple of 256, Triton otherwise",
@@ -310,7 +152,7 @@ SOLUTIONS = (
     Solution(
         "add_rms_norm_gated_mlp",
         "triton",
-        "xhal.platforms.cuda.solutions:TritonMlpPair",
+        "xhal.platforms.cuda.providers:TritonMlpPair",
         _req(TRITON),
         20,
         description="the fused GEMV pair: norm + gate_up, then the SiLU gate + down",
@@ -346,7 +188,7 @@ SOLUTIONS = (
     Solution(
         "moe_experts",
         "native",
-        "xhal.platforms.cuda.solutions:native_moe_ops",
+        "xhal.platforms.cuda.providers:native_moe_ops",
         Requirement(device_type="cuda", min_compute_capability=(9, 0), packages=(TRITON,)),
         18,
         description=(
@@ -357,7 +199,7 @@ SOLUTIONS = (
     Solution(
         "moe_experts",
         "triton-grouped",
-        "xhal.platforms.cuda.solutions:GroupedMoe",
+        "xhal.platforms.cuda.providers:GroupedMoe",
         _req(TRITON),
         15,
         description="grouped GEMMs for every batch",
@@ -369,11 +211,11 @@ SOLUTIONS = (
         for name, target, req, priority in (
             (
                 "flashinfer",
-                "xhal.platforms.cuda.solutions:FlashInferAttentionProvider",
+                "xhal.platforms.cuda.providers:FlashInferAttentionProvider",
                 _req(FLASHINFER, dtypes=_HALF),
                 30,
             ),
-            ("triton", "xhal.platforms.cuda.solutions:TritonAttentionProvider", _req(TRITON), 20),
+            ("triton", "xhal.platforms.cuda.providers:TritonAttentionProvider", _req(TRITON), 20),
         )
     ),
     # decode only: prefill steps stay on FlashInfer (paged_prefill_attention=flashinfer);
@@ -381,7 +223,7 @@ SOLUTIONS = (
     Solution(
         "paged_decode_attention",
         "triton-splitkv",
-        "xhal.platforms.cuda.solutions:SplitKVFlashInferProvider",
+        "xhal.platforms.cuda.providers:SplitKVFlashInferProvider",
         _req(FLASHINFER, TRITON, dtypes=_HALF),
         35,
         description=(
@@ -396,7 +238,7 @@ SOLUTIONS = (
     Solution(
         "paged_decode_attention",
         "native-block",
-        "xhal.platforms.cuda.solutions:SplitKVBlockProvider",
+        "xhal.platforms.cuda.providers:SplitKVBlockProvider",
         Requirement(
             device_type="cuda",
             min_compute_capability=(9, 0),
@@ -415,7 +257,7 @@ SOLUTIONS = (
     Solution(
         "paged_decode_attention",
         "tilelang",
-        "xhal.platforms.cuda.solutions:TileLangAttentionProvider",
+        "xhal.platforms.cuda.providers:TileLangAttentionProvider",
         Requirement(device_type="cuda", dtypes=_HALF, head_dims=(128,), packages=(TILELANG,)),
         25,
         description="TileLang split-KV decode (head dim 128, no window or soft cap); Triton beyond",
