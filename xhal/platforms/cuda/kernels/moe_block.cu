@@ -31,7 +31,7 @@
 #include "stream_common.cuh"
 
 #ifndef LATE_DOWN  // 1: the first phase-2 stages requested after the grid barrier (a benchmark's
-#define LATE_DOWN 0  // peer: does the stream in flight slow the barrier's round trips?)
+#define LATE_DOWN 0  // peer; measured slower: the stream in flight is not what slows the barrier)
 #endif
 
 #define CHUNKS2 (INTER / 8)    // 16-byte chunks of an intermediate-sized row

@@ -18,8 +18,8 @@ the read ceiling. Hence the ``native`` solution is registered below ``triton``
 (``XHAL_KERNEL_MOE_EXPERTS=native`` picks it). The eighteenth session measured both ideas for
 that barrier (docs/h200-results.md): requesting the down stages after it (``late_down``) made
 the chain slower (37.7 against 36.6 us a layer), and a version without any grid barrier (counts
-of each expert's finished units, a watcher warp; branch ``moe-block-counts``) streamed the whole
-75.5 MB at 0.88 of the ceiling once the routing was read and still took 37.6 us a layer.
+of each expert's finished units, a watcher warp; not kept, the section describes it) streamed
+the whole 75.5 MB at 0.88 of the ceiling once the routing was read, and took 37.6 us a layer.
 
 Shapes it takes (``plan``): one token, fp16 / bf16, hidden and intermediate sizes multiples of 8
 whose stages fit in shared memory at least two deep; sm_90+.
