@@ -59,10 +59,11 @@ PDL_VARIANTS = {
     # solution of moe_experts, kernels/moe_block.cu) in place of the pair GEMVs
     "auto-moe-native": ("1", "auto"),
 }
-# variant -> the paged_decode_attention solution its executor's backends are made with
-ATTENTION_SOLUTION = {"auto-attn-block": "native-block"}
-# variant -> (op, solution): the device ops its executor warms up and captures with
-OPS_SOLUTION = {"auto-moe-native": ("moe_experts", "native")}
+# variant -> (op, solution) its executor is made, warmed up and captured with
+FORCED_SOLUTION = {
+    "auto-attn-block": ("paged_decode_attention", "native-block"),
+    "auto-moe-native": ("moe_experts", "native"),
+}
 # variant -> moe_small's settings while it captures (pdl.OFF = 0, LATE = 2, EARLY = 1)
 _MOE_SMALL = {
     "auto-moe-plain": {"TRIGGERS": (0, 0)},
@@ -194,26 +195,22 @@ def _moe_small(name: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _attention_solution(platform, name: str) -> Iterator[None]:
-    """The variant's decode attention solution forced while its executor makes its backends
-    (a backend keeps the solution it was made with)."""
-    if name not in ATTENTION_SOLUTION:
-        yield
-        return
-    with platform.kernels.forcing("paged_decode_attention", ATTENTION_SOLUTION[name]):
-        yield
-
-
-@contextlib.contextmanager
-def _ops_solution(platform, name: str) -> Iterator[None]:
-    """The variant's device ops (the platform's chosen ones with one op's solution replaced)
-    serving the platform's device while its executor warms up and captures."""
-    if name not in OPS_SOLUTION:
+def _forced_solution(platform, name: str) -> Iterator[None]:
+    """The variant's solution of one op while its executor makes its backends, warms up and
+    captures: an attention op through the platform's forcing (a backend keeps the solution it
+    was made with), a device op by serving the platform's chosen ops with that one replaced."""
+    if name not in FORCED_SOLUTION:
         yield
         return
     from xhal import ops
+    from xhal.solutions.op_names import ATTENTION_OPS
 
-    with ops.using(platform.device_type, platform.kernels.ops_with(*OPS_SOLUTION[name])):
+    op, solution = FORCED_SOLUTION[name]
+    if op in ATTENTION_OPS:
+        forced = platform.kernels.forcing(op, solution)
+    else:
+        forced = ops.using(platform.device_type, platform.kernels.ops_with(op, solution))
+    with forced:
         yield
 
 
@@ -249,7 +246,7 @@ def capture_per_variant(
     """One executor per variant over ``caches``, its decode graphs captured under that setting."""
     executors = {}
     for name in variants:
-        with pdl_variant(name), _attention_solution(platform, name), _ops_solution(platform, name):
+        with pdl_variant(name), _forced_solution(platform, name):
             executors[name] = ex = ModelExecutor(model, platform, config)
             ex.bind_kv_caches(caches)
             ex.capture_graphs(progress=False)
