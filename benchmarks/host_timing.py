@@ -178,15 +178,17 @@ def timing(
             setattr(owner, name, original)
 
 
-def call_breakdown(executor: ModelExecutor, ids, pos, meta, iters: int = 50) -> list[dict]:
+def call_breakdown(
+    executor: ModelExecutor, ids, pos, meta, iters: int = 50, mode: str = "idle"
+) -> list[dict]:
     """Median host microseconds per step spent in each timed call, exclusive of the timed calls it
-    makes (device idle at entry), and the rest of ``execute`` (Python between them) as "other".
-    The wrappers add about half a microsecond per call."""
+    makes (entered as ``enter(mode)``), and the rest of ``execute`` (Python between them) as
+    "other". The wrappers add about half a microsecond per call."""
     per_step: list[dict[str, float]] = []
     for _ in range(iters):
         totals: dict[str, float] = {}
+        enter(mode, lambda: executor.execute(ids, pos, meta))
         with timing(totals):
-            enter("idle")
             t0 = time.perf_counter()
             executor.execute(ids, pos, meta)
             totals["execute (whole call)"] = time.perf_counter() - t0
