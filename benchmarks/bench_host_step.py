@@ -11,14 +11,16 @@ the same weights and caches first. ``--baseline DIR`` also runs the decode graph
 tree (``DIR/xhal/executor/decode_graph.py``, loaded beside this tree's) on the same model,
 caches and kernels, repeats interleaved: a before/after in one process. ``--inputs`` says where
 the step's tensors are handed over: ``host`` (as a host builds them; the graphs stage them in one
-pinned copy) and ``device`` (already uploaded), both by default, or ``served`` (host tensors but
-for the ids, the last step's int64 tokens on the device: xhal-serve's steady decode step). Last,
+pinned copy) and ``device`` (already uploaded), both by default, ``served`` (host tensors but
+for the ids, the tokens the step before sampled into the executor's ``token_ids``, read in place:
+xhal-serve's steady decode step; this tree only, not ``--baseline``'s) or ``ids64`` (the same
+with the tokens as int64 in a tensor of their own, copied in after the pinned copy). Last,
 the CUDA runtime calls of one step, outside the graph, counted with the profiler (after every
 timing: once the profiler has run in a process, CUDA calls cost more).
 
     python -m benchmarks.bench_host_step [--shapes llama3-8b llama3.2-1b] [--batches 1 64]
         [--repeats 5] [--steps 200] [--baseline DIR] [--parts] [--calls]
-        [--inputs host served device]
+        [--inputs host served ids64 device]
 """
 
 from __future__ import annotations
@@ -63,6 +65,15 @@ def on_host(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> tu
     return ids.cpu(), pos.cpu(), host
 
 
+def _sampled_into(executor: ModelExecutor, ids: torch.Tensor) -> torch.Tensor:
+    """``ids`` written where xhal-serve's sampler leaves a step's tokens: the executor's
+    ``token_ids``, which the next decode step reads in place."""
+    buffer = executor.token_ids(ids.shape[0])
+    if buffer is None:
+        raise SystemExit("--inputs served needs decode graphs with token_ids (this tree's)")
+    return buffer.copy_(ids)
+
+
 def _runtime_calls(executor: ModelExecutor, ids, pos, meta) -> str:
     """The CUDA runtime calls one ``execute`` makes that queue device work, by name."""
     from torch.profiler import ProfilerActivity, profile
@@ -79,7 +90,7 @@ def _runtime_calls(executor: ModelExecutor, ids, pos, meta) -> str:
 def measure_shape(
     shape: str, batches: list[int], args, read_rate: float
 ) -> tuple[list[dict], list[tuple]]:
-    """The rows of one shape, and (row, executor, step) for the runtime-call count."""
+    """The rows of one shape, and (row index, executor, step) for the runtime-call count."""
     platform = xhal.platforms.get("cuda")
     device, config = platform.device(), SHAPES[shape]
     model = random_model(device, config)
@@ -101,21 +112,26 @@ def measure_shape(
         ex.bind_kv_caches(caches)
         if ex is not eager:
             ex.capture_graphs(progress=False)
-    rows = []
+    rows, steps = [], []
     for batch in batches:
         ids, pos, meta = decode_metadata(batch, CTX, device, config["vocab_size"])
         reference = eager.compute_logits(eager.execute(ids, pos, meta))
         read = decode_read_bytes(config, weight_bytes, batch, CTX)
         read_floor_ms = read["honest"] / read_rate * 1e3
-        handed = {"device": (ids, pos, meta), "host": on_host(ids, pos, meta)}
-        # as xhal-serve hands a steady decode step: host tensors but for the ids, the tokens
-        # the step before sampled (int64, still on the device)
-        handed["served"] = (ids.long(), *handed["host"][1:])
+        host = on_host(ids, pos, meta)
+        # as xhal-serve hands a steady decode step: host tensors but for the ids, the tokens the
+        # step before sampled into the executor's token_ids (read in place); ids64: the same
+        # tokens as int64 in a tensor of their own (copied in: a host that samples elsewhere)
+        shared = {"device": (ids, pos, meta), "host": host, "ids64": (ids.long(), *host[1:])}
+        handed = {}
+        for name, ex in trees.items():
+            for inputs in args.inputs:
+                handed[name, inputs] = shared.get(inputs) or (_sampled_into(ex, ids), *host[1:])
         runs = [(name, inputs) for name in trees for inputs in args.inputs]
         per_run: dict[tuple[str, str], dict] = {}
         first = None  # the first run's logits: every other run's must be the same bits
         for name, inputs in runs:
-            ex, step_args = trees[name], handed[inputs]
+            ex, step_args = trees[name], handed[name, inputs]
             logits = ex.compute_logits(ex.execute(*step_args))
             err = float((logits - reference).abs().max() / reference.abs().max())
             first = logits if first is None else first
@@ -128,11 +144,11 @@ def measure_shape(
         for _ in range(args.repeats):  # interleaved, so a noisy spell hits every run
             for name, inputs in runs:
                 per_run[name, inputs]["host"].append(
-                    host_time_us(trees[name], [handed[inputs]], iters=args.steps)
+                    host_time_us(trees[name], [handed[name, inputs]], iters=args.steps)
                 )
         if args.parts:  # where it goes, and how the way the call is entered changes it
             for name, inputs in runs:
-                ex, step = trees[name], [handed[inputs]]
+                ex, step = trees[name], [handed[name, inputs]]
                 parts = host_breakdown(ex, *step[0], iters=args.steps)
                 inflight = host_breakdown(ex, *step[0], args.steps, "inflight")
                 per_run[name, inputs]["parts"] = {
@@ -142,11 +158,15 @@ def measure_shape(
                     "host_busy_us": host_time_us(ex, step, 50, "busy"),
                     "host_inflight_us": host_time_us(ex, step, args.steps, "inflight"),
                 }
-        if args.calls:  # every timed call's exclusive host time, per run (idle entry)
+        if args.calls:  # every timed call's exclusive host time, per run (idle and in flight)
             for name, inputs in runs:
-                calls = call_breakdown(trees[name], *handed[inputs], iters=50)
-                print(table(calls, f"--- {shape} batch {batch}, {name}, {inputs} inputs: calls"))
+                for mode in ("idle", "inflight"):
+                    step = handed[name, inputs]
+                    calls = call_breakdown(trees[name], *step, iters=50, mode=mode)
+                    title = f"--- {shape} batch {batch}, {name}, {inputs} inputs, {mode}: calls"
+                    print(table(calls, title))
         for (name, inputs), r in per_run.items():
+            steps.append((len(rows), trees[name], handed[name, inputs]))
             rows.append({
                 "shape": shape, "batch": batch, "tree": name, "inputs": inputs,
                 "host_us_median": statistics.median(r["host"]),
@@ -156,13 +176,6 @@ def measure_shape(
                 "max_rel_err_vs_eager": r["err"], "bitwise_as_first_run": r["same_as_first"],
                 **r.get("parts", {}),
             })  # fmt: skip
-    steps = []
-    for row in rows:
-        step = decode_metadata(row["batch"], CTX, device, config["vocab_size"])
-        if row["inputs"] != "device":
-            host = on_host(*step)
-            step = (step[0].long(), *host[1:]) if row["inputs"] == "served" else host
-        steps.append((row, trees[row["tree"]], step))
     return rows, steps
 
 
@@ -176,12 +189,13 @@ def main() -> None:
     parser.add_argument(
         "--inputs",
         nargs="+",
-        choices=["host", "served", "device"],
+        choices=["host", "served", "ids64", "device"],
         default=["host", "device"],
         help="where the step's tensors are handed to execute: host (as a host builds them: one "
-        "pinned copy inside execute), served (host, but the ids are the last step's int64 "
-        "tokens on the device, as xhal-serve hands a steady decode step) or device (already "
-        "uploaded: one multi-tensor copy)",
+        "pinned copy inside execute), served (host, but the ids are the tokens the step before "
+        "sampled into the executor's token_ids, as xhal-serve hands a steady decode step), ids64 "
+        "(the same, the tokens int64 in a tensor of their own) or device (already uploaded: one "
+        "multi-tensor copy)",
     )
     parser.add_argument(
         "--parts",
@@ -194,8 +208,9 @@ def main() -> None:
     parser.add_argument(
         "--calls",
         action="store_true",
-        help="also each timed call's exclusive host time per step (host_timing.call_breakdown: "
-        "the staging routes, the event wait and record, copies, plan, replay)",
+        help="also each timed call's exclusive host time per step, entered idle and in flight "
+        "(host_timing.call_breakdown: the staging routes, the event wait and record, copies, "
+        "plan, replay)",
     )
     args = parser.parse_args()
     read_rate = read_bandwidth()["read"]
@@ -204,8 +219,8 @@ def main() -> None:
     for shape in args.shapes:
         shape_rows, steps = measure_shape(shape, args.batches, args, read_rate)
         print(table(shape_rows, f"--- {shape}"), flush=True)
+        counted += [(shape_rows[i], ex, step) for i, ex, step in steps]
         rows += shape_rows
-        counted += steps
     for row, ex, step in counted:  # last: the profiler slows every later CUDA call of a process
         row["runtime_calls_per_step"] = _runtime_calls(ex, *step)
     print(

@@ -264,6 +264,45 @@ def test_decode_ids_handed_apart_are_copied_in_after_the_pinned_copy(routes):
         assert out[:, 2].tolist() == meta.slot_mapping.tolist()
 
 
+@pytest.mark.parametrize("routes", ["host", "device", "host-device"])
+def test_decode_ids_written_into_token_ids_are_read_in_place(routes):
+    """A caller that samples on the device writes the next step's tokens into
+    ``token_ids(b)`` and hands that view as the ids: the graph reads them where they are (the
+    pinned upload starts past them, the device route copies none) with the step's own
+    positions and slots; a step with ids of its own still overwrites them."""
+    from tests.support.routed_decode_graphs import RoutedGraphs
+
+    config = ExecutorConfig(max_num_seqs=8, max_model_len=64, block_size=16)
+    graphs = RoutedGraphs(
+        routes,
+        xhal.platforms.get("cpu"),
+        [],
+        config,
+        forward=lambda ids, pos, m: torch.stack([ids, pos, m.slot_mapping], dim=1),
+    )
+    starts = []
+    upload = graphs.packed.upload
+    graphs.packed.upload = lambda *a, **k: starts.append(k.get("start", 0)) or upload(*a, **k)
+    assert graphs.token_ids(9) is None and graphs.token_ids(8).dtype == torch.int32
+    host = PagedHost(64, 16)
+    host.step([(i, [1] * (3 + i)) for i in range(3)])
+    for step in range(4):
+        ids, pos, meta = host.step([(i, [step]) for i in range(3)])
+        in_place = step % 2 == 1
+        if in_place:
+            graphs.token_ids(3).copy_(torch.tensor([100 + 10 * step + i for i in range(3)]))
+            want = graphs.token_ids(3).tolist()
+            ids = graphs.token_ids(3)
+        else:
+            want = ids.tolist()
+        out = graphs.run(ids, pos, meta, bucket=4)
+        assert out[:3, 0].tolist() == want
+        assert out[:3, 1].tolist() == pos.tolist()
+        assert out[:3, 2].tolist() == meta.slot_mapping.tolist()
+        if graphs._route() == "host":
+            assert starts.pop() == (graphs.packed.offsets["positions"] if in_place else 0)
+
+
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "piecewise"])
 def test_warm_up_prefill_writes_no_cache(checkpoint_factory, enforce_eager):
     h = Harness(checkpoint_factory("llama_tied"), enforce_eager=enforce_eager)

@@ -42,8 +42,10 @@ class DecodeGraphs:
     (``packed_inputs.py``): a step handed on the host (CPU tensors, as a host builds it) is
     written into a pinned buffer and crosses in one host-to-device copy, padding rows included,
     all in one call into torch (a multi-tensor copy whose host pairs fill the buffer); one
-    already on the device goes in one multi-tensor copy. The graph derives the KV
-    prefix sums and lays the block table out (``staged_table.py``) before its first layer.
+    already on the device goes in one multi-tensor copy. Token ids handed as ``token_ids(b)``
+    itself (where a caller sampling on the device wrote them) are read in place: nothing copies
+    them. The graph derives the KV prefix sums and lays the block table out
+    (``staged_table.py``) before its first layer.
 
     With ``logits`` (hidden ``[N, hidden]`` -> float32 logits of every row), a bucket of at most
     ``LOGITS_MAX_BUCKET`` rows also captures it over the bucket's static output, and
@@ -74,6 +76,8 @@ class DecodeGraphs:
         )  # fmt: skip
         views = self.packed.views
         self.input_ids, self.positions = views["input_ids"], views["positions"]
+        self._ids_at = self.input_ids.data_ptr()  # a step's ids that start here are in place
+        self._positions_at = self.packed.offsets["positions"]  # where such a step's upload starts
         self.slot_mapping, self.kv_seq_lens = views["slot_mapping"], views["kv_seq_lens"]
         self._table_at = self.packed.offsets["block_table"]  # a step copies up to its table's end
         self._host_live = [0] * self.packed.slots  # per host buffer: rows its last step filled
@@ -105,6 +109,14 @@ class DecodeGraphs:
         """The host memory a step's staging writes (the pinned ring, the host twin of the KV
         lengths): copies into it are memcpys on the host, never device calls."""
         return [*self.packed.host_buffers, self.kv_seq_lens_host]
+
+    def token_ids(self, n: int) -> torch.Tensor | None:
+        """The first ``n`` rows of the graphs' token ids (int32, on the device), or None past
+        the largest bucket. A caller that samples on the device may write a step's tokens here
+        (in stream order, after the step that produced them): a decode step then handed exactly
+        this view (or its first rows) as its ids reads them in place, with no copy. The values
+        stay until the next step is queued, whose staging may write these rows."""
+        return self.input_ids[:n] if n <= self.sizes[-1] else None
 
     def bucket_for(self, metadata: AttentionMetadata) -> int | None:
         """The bucket that can run this batch, or None when it must run eagerly."""
@@ -173,6 +185,10 @@ class DecodeGraphs:
         """Whether a host-staged step's token ids go through the pinned buffer too."""
         return input_ids.is_cpu
 
+    def _ids_in_place(self, input_ids: torch.Tensor) -> bool:
+        """Whether the step's token ids are ``token_ids(b)`` itself: nothing to stage."""
+        return input_ids.data_ptr() == self._ids_at and input_ids.dtype == torch.int32
+
     def _stage_host(
         self, input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata
     ) -> None:
@@ -196,16 +212,18 @@ class DecodeGraphs:
         # at a time), and one .numpy() costs less than a view
         host["block_table"][: rows * width] = table.numpy().reshape(-1)
         kv = m.kv_seq_lens_host
-        ids_on_host = self._ids_from_host(input_ids)
-        fill = self._fill_rows(slot, b, ids_on_host)
-        if ids_on_host:
-            packed.upload(
-                self._table_at + rows * width,
-                (fill, [input_ids, positions, m.slot_mapping, kv, kv]),
-            )
+        end = self._table_at + rows * width
+        if self._ids_in_place(input_ids):  # the upload starts past them
+            fill = self._fill_rows(slot, b, False)
+            sources = [positions, m.slot_mapping, kv, kv]
+            packed.upload(end, (fill, sources), start=self._positions_at)
+        elif self._ids_from_host(input_ids):
+            fill = self._fill_rows(slot, b, True)
+            packed.upload(end, (fill, [input_ids, positions, m.slot_mapping, kv, kv]))
         else:  # after the pinned copy in stream order, which carries stale ids
+            fill = self._fill_rows(slot, b, False)
             packed.upload(
-                self._table_at + rows * width,
+                end,
                 (fill, [positions, m.slot_mapping, kv, kv]),
                 (self._row_views(b)[:1], [input_ids]),
             )
@@ -238,6 +256,8 @@ class DecodeGraphs:
         )
         dst = [*self._row_views(b), *table_dst]
         src = [input_ids, positions, m.slot_mapping, m.kv_seq_lens, *table_src]
+        if self._ids_in_place(input_ids):
+            del dst[0], src[0]
         if self._live > b:  # a stale slot could belong to a block since given to another sequence
             stale = self._live - b
             dst += [self.slot_mapping[b : self._live], self.kv_seq_lens[b : self._live]]

@@ -241,6 +241,15 @@ class ModelExecutor:
             return None
         return graphs.run(input_ids, positions, metadata, bucket)
 
+    def token_ids(self, n: int) -> torch.Tensor | None:
+        """Where a caller that samples on the device may write the ``n`` tokens the next decode
+        step reads (int32 ``[n]``, on the device), or None when no decode graph could read
+        them there (graphs off, or more rows than the largest bucket). A step handed this view
+        as its ids runs without copying them; any other step may take it like any ids. Write
+        it after the step that produced the tokens (in stream order); its values last until
+        the next step is queued."""
+        return None if self.decode_graphs is None else self.decode_graphs.token_ids(n)
+
     def compute_logits(
         self, hidden: torch.Tensor, selected_idxes: torch.Tensor | None = None
     ) -> torch.Tensor:

@@ -25,8 +25,8 @@ import torch
 from xhal.executor.upload_fences import UploadFences
 
 _ALIGN = 16  # int32 values: 64 bytes, the alignment a tensor of its own would have
-# (count -> device view, host views) pairs kept per slot; a long-running server's counts are
-# bounded by its batch sizes times its table widths, and past this many the cache starts over
+# ((start, count) -> device view, host view) pairs kept per slot; a long-running server's counts
+# are bounded by its batch sizes times its table widths, and past this many the cache starts over
 _MAX_COUNTS = 4096
 # the ring's length: as many buffers as fit in this many pinned bytes, within these bounds
 _RING_BYTES = 8 << 20
@@ -83,7 +83,9 @@ class PackedInputs:
             if self._async
             else None
         )
-        self._pairs: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in self._host]
+        self._pairs: list[dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]] = [
+            {} for _ in self._host
+        ]
         self.slots, self.group = slots, group
         self.slot = 0  # which host buffer ``begin`` handed out last (for a caller's own state)
         self._uploads = 0
@@ -112,8 +114,10 @@ class PackedInputs:
         count: int,
         fill: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None,
         then: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None,
+        start: int = 0,
     ) -> None:
-        """Queue the copy of the first ``count`` values of the buffer ``begin`` handed out.
+        """Queue the copy of values ``[start, count)`` of the buffer ``begin`` handed out (a step
+        whose first field is already on the device starts past it).
 
         ``fill`` (destinations in that buffer, e.g. views of ``host_tensors[slot]``, and host
         sources) is copied in first and ``then`` (pairs on the device) after the upload, all in
@@ -121,11 +125,12 @@ class PackedInputs:
         order given (host pairs are memcpys done before the upload is queued; device pairs
         queue behind it on the same stream)."""
         pairs = self._pairs[self.slot]
-        pair = pairs.get(count)
+        pair = pairs.get((start, count))
         if pair is None:
             if len(pairs) >= _MAX_COUNTS:
                 pairs.clear()
-            pair = pairs[count] = self.buffer[:count], self._host[self.slot][:count]
+            host = self._host[self.slot]
+            pair = pairs[start, count] = self.buffer[start:count], host[start:count]
         if fill is None and then is None:
             pair[0].copy_(pair[1], non_blocking=self._async)
         else:

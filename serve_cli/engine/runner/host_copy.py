@@ -14,13 +14,15 @@ class HostCopy:
     On an asynchronous device the copies go non-blocking into pinned memory, followed by an event:
     ``tolist`` then waits for exactly the work queued before the copies, not for a next step
     launched meanwhile. On the CPU (or a device without events or pinned memory) the tensors are
-    kept and ``tolist`` reads them directly, synchronizing as a plain read does.
+    cloned where they are and ``tolist`` reads the clones, synchronizing as a plain read does: a
+    clone, since a tensor may be a buffer the next step rewrites (the executor's ``token_ids``).
     """
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self._tensors = tensors
         self._event: Any = None
-        if not tensors or all(t.device.type == "cpu" for t in tensors):
+        if all(t.device.type == "cpu" for t in tensors):
+            self._tensors = [t.clone() for t in tensors]
             return
         try:
             hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
@@ -29,7 +31,9 @@ class HostCopy:
             event = torch.Event(device=tensors[0].device)
             event.record()
         except (RuntimeError, NotImplementedError, AttributeError, TypeError):
-            return  # no pinned memory or events here: read the device tensors in tolist
+            # no pinned memory or events here: read clones on the device in tolist
+            self._tensors = [t.clone() for t in tensors]
+            return
         self._tensors, self._event = hosts, event
 
     def tolist(self) -> list[Any]:

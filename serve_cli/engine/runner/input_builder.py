@@ -48,8 +48,8 @@ class HostStep:
 
 @dataclass(frozen=True)
 class PreviousTokens:
-    """The tokens the step before samples, still on the device: int64 ``tokens[i]`` is
-    ``request_ids[i]``'s."""
+    """The tokens the step before samples, still on the device: ``tokens[i]`` (int64, or int32
+    where the sampler wrote them into the executor's ``token_ids``) is ``request_ids[i]``'s."""
 
     request_ids: Sequence[str]
     tokens: torch.Tensor

@@ -151,8 +151,11 @@ class ModelRunner:
         if logits is None:
             return LaunchedStep([], None)
         rids = step.sampled_request_ids
+        # the tokens where the next decode step's graph reads them, so it copies none; the
+        # workers of a tensor-parallel group take int64 tokens by broadcast instead
+        out = self.executor.token_ids(len(rids)) if self.workers is None else None
         pending = self.sampler.launch(
-            logits, [params[r] for r in rids], [generators.get(r) for r in rids]
+            logits, [params[r] for r in rids], [generators.get(r) for r in rids], out
         )
         return LaunchedStep(rids, pending)
 

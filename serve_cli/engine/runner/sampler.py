@@ -16,7 +16,7 @@ _SEED_MASK = (1 << 63) - 1  # torch generators take seeds that fit a signed 64-b
 
 @dataclass
 class PendingSample:
-    """One step's sampling, queued on the device: ``tokens`` int64 ``[S]`` stays there (the next
+    """One step's sampling, queued on the device: ``tokens`` ``[S]`` stays there (the next
     step's placeholders read it) while its copy to the host, and that of any logprobs, is under
     way; ``resolve`` waits for the copies only."""
 
@@ -67,14 +67,21 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        out: torch.Tensor | None = None,
     ) -> PendingSample:
-        """Queue ``sample``'s work on the device and start reading its results back; no sync."""
+        """Queue ``sample``'s work on the device and start reading its results back; no sync.
+        The tokens go into ``out`` when given (``[S]``, e.g. the executor's ``token_ids``, where
+        the next decode step reads them without a copy), else into an int64 tensor of their
+        own."""
         shared = [i for i, g in enumerate(generators) if g is None]
         if len(shared) == len(params):  # no seeded row: no index to upload
             # a copy of its own: the next step's sampling must not overwrite what is read back
-            tokens = self._sample_rows(logits, params, None).to(torch.long, copy=True)
-        else:
+            picked = self._sample_rows(logits, params, None)
+            tokens = picked.to(torch.long, copy=True) if out is None else out.copy_(picked)
+        elif out is None:
             tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+        else:
+            tokens = out
         if shared and len(shared) < len(params):
             index = _index(shared, logits.device)
             picked = self._sample_rows(logits[index], [params[i] for i in shared], None)
@@ -118,7 +125,7 @@ class Sampler:
         ``[R, n]`` (most likely first), of the log-softmax of the raw logits, on the device."""
         index = _index(rows, logits.device)
         logp = torch.log_softmax(logits[index].float(), dim=-1)  # [R, V]
-        chosen = logp.gather(1, tokens[index].view(-1, 1)).view(-1)
+        chosen = logp.gather(1, tokens[index].view(-1, 1).long()).view(-1)
         n = min(max(params[i].logprobs for i in rows), logp.shape[-1])
         top_vals, top_ids = logp.topk(n, dim=-1)
         return [chosen, top_vals, top_ids]

@@ -109,9 +109,10 @@ def test_decode_graphs_fed_on_the_host_match_eager(
     llama_gqa_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With decode graphs (the reference platform's), steady decode steps reach the executor as
-    host tensors with their ids still where the step before sampled them, staged by the graph
-    in one copy: greedy outputs equal a synchronous eager engine's on the same platform, over
-    batches that grow, shrink and change order (requests of different lengths finish apart)."""
+    host tensors with their ids still where the step before sampled them (the executor's
+    ``token_ids``, read in place), staged by the graph in one copy: greedy outputs equal a
+    synchronous eager engine's on the same platform, over batches that grow, shrink and change
+    order (requests of different lengths finish apart)."""
     monkeypatch.setenv("XHAL_SERVE_CPU_PLATFORM", "cpu")
     prompts = _prompts([7, 19, 3, 30, 11], seed=13)
     requests = {
@@ -120,9 +121,18 @@ def test_decode_graphs_fed_on_the_host_match_eager(
     }
     eager = _run(_engine(llama_gqa_dir, False, enforce_eager=True), requests)
     graphs = _engine(llama_gqa_dir, True, enforce_eager=False)
-    assert graphs.runner.executor.decode_graphs is not None
-    _assert_same(_run(graphs, requests), eager)
     decode = graphs.runner.executor.decode_graphs
+    assert decode is not None
+    in_place: list[bool] = []
+    check = decode._ids_in_place
+
+    def counted(ids: torch.Tensor) -> bool:
+        in_place.append(check(ids))
+        return in_place[-1]
+
+    monkeypatch.setattr(decode, "_ids_in_place", counted)
+    _assert_same(_run(graphs, requests), eager)
+    assert any(in_place), "no decode step read its ids in place"
     assert any(("decode", b) in decode.graphs for b in decode.sizes), "no decode graph ran"
 
 
