@@ -8,8 +8,8 @@ from xhal.executor.decode_graph import DecodeGraphs
 class RoutedGraphs(DecodeGraphs):
     """Decode graphs whose steps take the route ``routes`` names in turn: ``host`` (numpy into the
     pinned buffer, one copy), ``ids`` (the host route with the token ids copied in after it, as
-    a served step's ids on the device are) or ``device`` (the multi-tensor copy of a step already
-    on the device); all run on CPU tensors here."""
+    ids on the device other than the graphs' own ``token_ids`` are) or ``device`` (the
+    multi-tensor copy of a step already on the device); all run on CPU tensors here."""
 
     def __init__(self, routes: str, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -201,7 +201,7 @@ class InputBuilder:
         metadata = from_xllm(view, self.convention, check=self.check)
         if holes:
             assert previous is not None
-            if in_order:  # int64 tokens into the int32 ids, converted by the copy
+            if in_order:  # int64 tokens (or int32 ones) into the int32 ids, by one copy
                 dev["input_ids"][: len(holes)].copy_(previous.tokens[: len(holes)])
             else:
                 tokens = previous.tokens.index_select(0, dev["sources"].long())
