@@ -42,6 +42,18 @@ def head_dim(config: dict) -> int:
     return config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
 
 
+def shape_weight_bytes(config: dict, elt: int = 2) -> int:
+    """Bytes of every weight of a Llama-shaped ``config`` (the embedding table once when tied to
+    the LM head, twice otherwise), computed from its sizes: what ``decode_read_bytes`` takes
+    where no model is built (the served figures)."""
+    h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    q = config["num_attention_heads"] * head_dim(config)
+    kv = config["num_key_value_heads"] * head_dim(config)
+    layer = h * (q + 2 * kv) + q * h + 3 * inter * h + 2 * h  # qkv, o, gate_up + down, 2 norms
+    tables = vocab * h * (1 if config["tie_word_embeddings"] else 2)
+    return (config["num_hidden_layers"] * layer + h + tables) * elt
+
+
 def decode_read_bytes(
     config: dict, weight_bytes: int, batch: int, ctx: int, elt: int = 2
 ) -> dict[str, int]:

@@ -50,7 +50,10 @@ for stage in $stages; do
     bench_*) py -m benchmarks.$stage ${BENCH_ARGS:-} 2>&1 | tee "$out/$stage.txt" || status=1 ;;
     serve)  # xhal-serve --device cuda on random Llama-3-shaped models (SERVE_SHAPES, default both
       # the 3.2-1B and the 8B shapes), each at concurrency 1 and 64, under xhal-bench-serve;
-      # prompt and output lengths SERVE_INPUT_LEN / SERVE_OUTPUT_LEN (default 1024 / 128)
+      # prompt and output lengths SERVE_INPUT_LEN / SERVE_OUTPUT_LEN (default 1024 / 128); the
+      # read ceiling first, so the summary sets concurrency 1's bytes per token against it
+      py -m benchmarks.read_ceiling | tee -a "$out/serve_bench.txt"
+      echo "=== serve lengths ${SERVE_INPUT_LEN:-1024} ${SERVE_OUTPUT_LEN:-128}" | tee -a "$out/serve_bench.txt"
       for shape in ${SERVE_SHAPES:-llama3.2-1b llama3-8b}; do
         dir=$(python3 -m benchmarks.make_dummy_model "/tmp/dummy-$shape" "$shape" | tail -1)
         python3 -m serve_cli --device cuda --model "$dir" --load-format dummy --dtype bfloat16 \

@@ -103,11 +103,35 @@ def benchmarks(out: Path) -> list[str]:
             itl = re.search(r"P50 ITL \(ms\)\s+([\d.]+)", body)
             if tpot and ttft:
                 extra = f", ITL p50 {itl.group(1)} ms" if itl else ""
+                if itl and c == 1:
+                    extra += served_rate(shape.strip(), float(itl.group(1)), sections[0])
                 lines.append(
                     f"xhal-serve {shape}concurrency {c:>2}: TPOT {tpot.group(1)} ms, "
                     f"TTFT p50 {ttft.group(1)} ms{extra}"
                 )
     return lines
+
+
+def served_rate(shape: str, itl_ms: float, head: str) -> str:
+    """`` = G GB/token at R TB/s, P% of the read ceiling`` for a batch-1 inter-token latency of a
+    Llama shape the benchmarks know, when ``head`` (what the serve stage printed before its
+    runs) gives the read ceiling and the lengths; the bytes are a decode step's at the run's
+    mean context (the prompt and half the output). Empty otherwise."""
+    ceiling = re.search(r"^=== read ceiling ([\d.]+) TB/s", head, flags=re.MULTILINE)
+    lengths = re.search(r"^=== serve lengths (\d+) (\d+)", head, flags=re.MULTILINE)
+    try:
+        from benchmarks.llama_model import SHAPES, decode_read_bytes, shape_weight_bytes
+    except ImportError:  # run from elsewhere than the repository root
+        return ""
+    config = SHAPES.get(shape)
+    if config is None or ceiling is None or lengths is None:
+        return ""
+    ctx = int(lengths.group(1)) + int(lengths.group(2)) // 2
+    step = decode_read_bytes(config, shape_weight_bytes(config), 1, ctx)["honest"]
+    rate = step / (itl_ms * 1e-3)
+    share = rate / (float(ceiling.group(1)) * 1e12)
+    gb, tbs = step / 1e9, rate / 1e12
+    return f" = {gb:.2f} GB/token at {tbs:.2f} TB/s, {share:.0%} of the read ceiling"
 
 
 def main() -> None:

@@ -95,9 +95,18 @@ def test_summary_reads_one_serve_run_per_shape_and_the_read_floor(tmp_path: Path
     )
     text = "\n".join(gpu_summary.benchmarks(tmp_path))
     assert "1.23x floor (1.43x read floor)" in text
-    assert "llama3.2-1b concurrency  1: TPOT 1.2 ms, TTFT p50 9.1 ms, ITL p50 1.1 ms" in text
+    assert "llama3.2-1b concurrency  1: TPOT 1.2 ms, TTFT p50 9.1 ms, ITL p50 1.1 ms\n" in text
     assert "llama3.2-1b concurrency 64: TPOT 5.5 ms" in text
     assert "llama3-8b concurrency  1: TPOT 4.7 ms, TTFT p50 30.0 ms, ITL p50 4.6 ms" in text
+    # with the read ceiling and the lengths the serve stage prints first: the 1B shape's 2.47 GB
+    # of weights and 32 KB of KV a token at the mean context of 1,024 + 64, over the ITL
+    (tmp_path / "serve_bench.txt").write_text(
+        "=== read ceiling 4.33 TB/s\n=== serve lengths 1024 128\n"
+        + "=== serve llama3.2-1b concurrency 1\n"
+        + run.format(ttft=12.6, tpot=0.96, itl=0.95)
+    )
+    text = "\n".join(gpu_summary.benchmarks(tmp_path))
+    assert "ITL p50 0.95 ms = 2.51 GB/token at 2.64 TB/s, 61% of the read ceiling" in text
 
 
 def test_summary_of_an_empty_folder(tmp_path: Path, capsys, monkeypatch) -> None:
