@@ -174,7 +174,14 @@ def test_packed_linear_serves_every_batch_of_two_rows_or_more() -> None:
     float64 product for decode batches and a prefill's rows alike (widths that are not a multiple
     of the tile, row counts that are not a multiple of its row group, a strided x); one row, a
     weight changed in place since packing and a weight that died are not served by it, and small
-    matrices are not packed."""
+    matrices are not packed. (``forced``: whichever of it and MKL this CPU measured faster.)"""
+    from xhal.platforms.cpu_fast.packed import forced
+
+    with forced():
+        _packed_linear_cases()
+
+
+def _packed_linear_cases() -> None:
     from xhal.platforms.cpu_fast.packed import MIN_ELEMENTS, TILE, PackedWeights
 
     g = torch.Generator().manual_seed(6)
@@ -205,3 +212,45 @@ def test_packed_linear_serves_every_batch_of_two_rows_or_more() -> None:
     assert packed.add(other) and len(packed._packed) == 1  # the stale entry is gone
     del other
     assert not packed._packed  # a weight that dies takes its copy along
+
+
+@pytest.mark.skipif(not __import__("xhal.platforms.cpu_fast.packed").platforms.cpu_fast.packed
+                    .available(), reason="cpu-fast's native kernels are not built here")
+def test_packed_or_mkl_is_chosen_per_bucket_by_timing_and_kept_on_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first product of a (rows rounded up to a power of two, N, K, threads) bucket times the
+    packed copy against MKL; MKL takes the bucket only when clearly faster (a near tie stays
+    packed); the choice is kept for the bucket and on disk, where a new process reads it without
+    timing, even with timing off."""
+    from xhal.platforms.cpu_fast import packed as module
+
+    monkeypatch.setenv("XHAL_CACHE_DIR", str(tmp_path))
+    timed: list[str] = []
+
+    def fake(product, mkl) -> list[float]:  # seconds per call of each
+        timed.append(fake.rows)
+        return list({8: (1.0, 2.0), 512: (1.0, 0.5), 32: (1.0, 0.98)}[fake.rows])
+
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(640, 256, generator=g)
+    weights = module.PackedWeights(measure=fake)
+    assert weights.add(weight)
+    for rows, served in ((8, True), (512, False), (32, True), (5, True)):
+        fake.rows = 1 << (rows - 1).bit_length()
+        out = weights.linear(torch.randn(rows, 256, generator=g), weight, None)
+        assert (out is not None) == served, rows
+    assert timed == [8, 512, 32]  # 5 rows share the 8-row bucket: no timing
+    threads = torch.get_num_threads()
+    assert weights.choices == {
+        f"m{m}-n640-k256-t{threads}": m != 512 for m in (8, 512, 32)
+    }
+    monkeypatch.setenv("XHAL_AUTOTUNE", "0")
+    again = module.PackedWeights(measure=lambda *fns: pytest.fail("timed a cached bucket"))
+    assert again.add(weight)
+    assert again.linear(torch.randn(300, 256, generator=g), weight, None) is None
+    assert again.linear(torch.randn(7, 256, generator=g), weight, None) is not None
+    with module.forced():
+        assert again.linear(torch.randn(300, 256, generator=g), weight, None) is not None
+    # an unseen bucket with timing off and nothing cached: the packed copy
+    assert again.linear(torch.randn(2, 256, generator=g), weight, None) is not None

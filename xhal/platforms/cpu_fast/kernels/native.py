@@ -65,6 +65,13 @@ def _cpu_features() -> str:
         return ""
 
 
+def build_key() -> str:
+    """What names a build: its sources, flags and this CPU's features (16 hex digits)."""
+    source = b"".join(path.read_bytes() for path in SOURCES)
+    key = hashlib.sha256(source + repr(FLAGS).encode() + _cpu_features().encode()).hexdigest()
+    return key[:16]
+
+
 def _build(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -84,9 +91,7 @@ def _load() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("cpu-fast: no C compiler (gcc or cc) on PATH; using the torch path")
         return None
-    source = b"".join(path.read_bytes() for path in SOURCES)
-    key = hashlib.sha256(source + repr(FLAGS).encode() + _cpu_features().encode()).hexdigest()
-    target = Path(env.cache_dir()) / "cpu_fast" / f"decode_kernels-{key[:16]}.so"
+    target = Path(env.cache_dir()) / "cpu_fast" / f"decode_kernels-{build_key()}.so"
     try:
         if not target.is_file():
             _build(compiler, target)
