@@ -242,9 +242,7 @@ def test_packed_or_mkl_is_chosen_per_bucket_by_timing_and_kept_on_disk(
         assert (out is not None) == served, rows
     assert timed == [8, 512, 32]  # 5 rows share the 8-row bucket: no timing
     threads = torch.get_num_threads()
-    assert weights.choices == {
-        f"m{m}-n640-k256-t{threads}": m != 512 for m in (8, 512, 32)
-    }
+    assert weights.choices == {(m, 640, 256, threads): m != 512 for m in (8, 512, 32)}
     monkeypatch.setenv("XHAL_AUTOTUNE", "0")
     again = module.PackedWeights(measure=lambda *fns: pytest.fail("timed a cached bucket"))
     assert again.add(weight)

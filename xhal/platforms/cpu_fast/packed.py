@@ -73,11 +73,15 @@ def forced() -> Iterator[None]:
         _forced = saved
 
 
-def bucket(rows: int, width: int, depth: int) -> str:
+def bucket(rows: int, width: int, depth: int) -> tuple[int, int, int, int]:
     """The bucket a product's choice is made for: rows rounded up to a power of two, the
     weight's shape, torch's thread count (MKL and the kernel scale differently with it)."""
-    m = 1 << (rows - 1).bit_length()
-    return f"m{m}-n{width}-k{depth}-t{torch.get_num_threads()}"
+    return 1 << (rows - 1).bit_length(), width, depth, torch.get_num_threads()
+
+
+def bucket_name(key: tuple[int, int, int, int]) -> str:
+    """A bucket as the autotuning cache names it: ``m<rows>-n<N>-k<K>-t<threads>``."""
+    return "m{}-n{}-k{}-t{}".format(*key)
 
 
 def quickest(*fns: Callable[[], object]) -> list[float]:
@@ -137,7 +141,7 @@ class PackedWeights:
     def __init__(self, measure: Callable[..., list[float]] = quickest) -> None:
         self._packed: dict[int, tuple[weakref.ref, torch.Tensor, int, int]] = {}
         self.measure = measure  # seconds per call of each callable (a test's clock replaces it)
-        self.choices: dict[str, bool] = {}  # bucket -> whether the packed copy serves it
+        self.choices: dict[tuple, bool] = {}  # bucket -> whether the packed copy serves it
         self._cache = None  # the autotuning cache, opened on the first choice
 
     def add(self, weight: torch.Tensor) -> bool:
@@ -203,26 +207,27 @@ class PackedWeights:
         return product()
 
     def _choose(
-        self, key: str, product: Callable[[], torch.Tensor], mkl: Callable[[], torch.Tensor]
+        self, key: tuple, product: Callable[[], torch.Tensor], mkl: Callable[[], torch.Tensor]
     ) -> bool:
         """Whether the packed copy serves bucket ``key``: as this CPU's cache says, else timed
         against MKL now on the call's own operands (the winner written to the cache), else
         (timing off) the packed copy."""
         if self._cache is None:
             self._cache = _tuning_cache()
-        cached = self._cache.get(CHOICE_KEY, key)
+        name = bucket_name(key)
+        cached = self._cache.get(CHOICE_KEY, name)
         if cached in ("packed", "mkl"):
             serves = cached == "packed"
         elif env.autotune():
             packed_s, mkl_s = self.measure(product, mkl)
             serves = not mkl_s < MARGIN * packed_s
             try:
-                self._cache.put(CHOICE_KEY, key, "packed" if serves else "mkl")
+                self._cache.put(CHOICE_KEY, name, "packed" if serves else "mkl")
             except OSError as e:  # a read-only cache costs a new timing next start, not a step
                 logger.warning("cpu-fast: cannot write the tuning cache %s (%s)", e.filename, e)
             logger.info(
                 "cpu-fast: %s -> %s (packed %.1f us, MKL %.1f us)",
-                key, "packed" if serves else "MKL", packed_s * 1e6, mkl_s * 1e6,
+                name, "packed" if serves else "MKL", packed_s * 1e6, mkl_s * 1e6,
             )  # fmt: skip
         else:
             serves = True
