@@ -23,10 +23,12 @@ from xhal.interfaces.cache import LayerCache
 NUM_BLOCKS, NUM_LAYERS = 64, 2
 
 
-def _spec(dtype: torch.dtype = torch.float32, block_size: int = 16, **features) -> AttentionSpec:
+def _spec(
+    dtype: torch.dtype = torch.float32, block_size: int = 16, head_dim: int = 32, **features
+) -> AttentionSpec:
     return AttentionSpec(
-        num_heads=8, num_kv_heads=2, head_dim=32, dtype=dtype, block_size=block_size,
-        scale=32**-0.5, **features,
+        num_heads=8, num_kv_heads=2, head_dim=head_dim, dtype=dtype, block_size=block_size,
+        scale=head_dim**-0.5, **features,
     )
 
 
@@ -77,6 +79,13 @@ STEPS = [
 @pytest.mark.parametrize("block_size", [16, 128])
 def test_matches_the_reference(block_size: int) -> None:
     _run_both(_spec(block_size=block_size), STEPS)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 48], ids=["64", "128", "48-generic"])
+def test_matches_the_reference_at_each_head_dim(head_dim: int) -> None:
+    """The native decode attention's register paths (head dims 32, 64 and 128, over keys more
+    than its prefetch distance and not a multiple of 16) and its generic loop (48)."""
+    _run_both(_spec(head_dim=head_dim), STEPS)
 
 
 def test_matches_the_reference_with_a_window_and_a_logit_cap() -> None:

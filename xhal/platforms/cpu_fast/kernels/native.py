@@ -1,4 +1,5 @@
-"""cpu-fast's native kernels (``decode_kernels.c``, ``small_gemm.c``, ``prefill_attention.c``):
+"""cpu-fast's native kernels (``decode_kernels.c``, ``small_gemm.c``, ``prefill_attention.c``,
+the ``vec16.h`` they share):
 built once with the C compiler into the cache directory, keyed by the sources, the flags and this
 CPU's features, then loaded by ctypes.
 Without a compiler (or when ``XHAL_CPU_NATIVE=0``) ``library()`` is None, one log line says why,
@@ -28,6 +29,7 @@ SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in ("decode_kernels.c", "small_gemm.c", "prefill_attention.c")
 )
+HEADERS = (Path(__file__).with_name("vec16.h"),)  # included by the sources: part of a build's key
 # -fopenmp: the source's `omp simd` reductions and the decode attention's threads; the library
 # links libgomp.so.1, which resolves to the copy torch has loaded (its pool, its thread count)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
@@ -67,7 +69,7 @@ def _cpu_features() -> str:
 
 def build_key() -> str:
     """What names a build: its sources, flags and this CPU's features (16 hex digits)."""
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     key = hashlib.sha256(source + repr(FLAGS).encode() + _cpu_features().encode()).hexdigest()
     return key[:16]
 
