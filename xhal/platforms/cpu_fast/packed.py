@@ -10,7 +10,7 @@ matrix, the fastest there. Costs the packed matrices' bytes once more. Without t
 kernels (no compiler, ``XHAL_CPU_NATIVE=0``) nothing is packed and MKL serves every product.
 
 Which of the two is faster depends on the CPU: on an Intel Sapphire Rapids (AVX-512, 2 threads)
-MKL wins a 1,300-row prefill's products by 10-26% and the small qkv / o products of decode
+MKL wins a 1,300-row prefill's products by 9-26% and the small qkv / o products of decode
 batches by up to 40%, while the packed copy keeps gate / up, down and the LM head at decode
 batches. So the first product of each (rows rounded up to a power of two, N, K, threads) is
 timed both ways on its own operands and the faster one serves that bucket from then on, kept on
