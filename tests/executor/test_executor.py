@@ -235,22 +235,28 @@ def test_decode_staging_resets_rows_a_larger_step_left(routes):
     assert padded.kv_cu_seq_lens.tolist() == [0, n, n + 1, n + 2, n + 3]
 
 
-@pytest.mark.parametrize("routes", ["ids", "host-ids", "ids-device"])
-def test_decode_ids_handed_apart_are_copied_in_after_the_pinned_copy(routes):
-    """A served decode step hands its metadata on the host and its ids where the step before
-    sampled them (int64, on the device): the graph reads exactly those ids over the stale ones
-    the pinned buffer carries, with the step's own positions and slots, whichever route the
-    steps around it take."""
+def _echo_graphs(routes: str):
+    """Decode graphs on the reference platform, routed as ``routes`` says, whose "model"
+    returns each row's id, position and slot: what the graph read."""
     from tests.support.routed_decode_graphs import RoutedGraphs
 
     config = ExecutorConfig(max_num_seqs=8, max_model_len=64, block_size=16)
-    graphs = RoutedGraphs(
+    return RoutedGraphs(
         routes,
         xhal.platforms.get("cpu"),
         [],
         config,
         forward=lambda ids, pos, m: torch.stack([ids, pos, m.slot_mapping], dim=1),
     )
+
+
+@pytest.mark.parametrize("routes", ["ids", "host-ids", "ids-device"])
+def test_decode_ids_handed_apart_are_copied_in_after_the_pinned_copy(routes):
+    """A served decode step hands its metadata on the host and its ids where the step before
+    sampled them (int64, on the device): the graph reads exactly those ids over the stale ones
+    the pinned buffer carries, with the step's own positions and slots, whichever route the
+    steps around it take."""
+    graphs = _echo_graphs(routes)
     host = PagedHost(64, 16)
     host.step([(i, [1] * (3 + i)) for i in range(3)])
     for step in range(4):
@@ -270,16 +276,7 @@ def test_decode_ids_written_into_token_ids_are_read_in_place(routes):
     ``token_ids(b)`` and hands that view as the ids: the graph reads them where they are (the
     pinned upload starts past them, the device route copies none) with the step's own
     positions and slots; a step with ids of its own still overwrites them."""
-    from tests.support.routed_decode_graphs import RoutedGraphs
-
-    config = ExecutorConfig(max_num_seqs=8, max_model_len=64, block_size=16)
-    graphs = RoutedGraphs(
-        routes,
-        xhal.platforms.get("cpu"),
-        [],
-        config,
-        forward=lambda ids, pos, m: torch.stack([ids, pos, m.slot_mapping], dim=1),
-    )
+    graphs = _echo_graphs(routes)
     starts = []
     upload = graphs.packed.upload
     graphs.packed.upload = lambda *a, **k: starts.append(k.get("start", 0)) or upload(*a, **k)
