@@ -68,7 +68,8 @@ def on_host(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> tu
 def _sampled_into(executor: ModelExecutor, ids: torch.Tensor) -> torch.Tensor:
     """``ids`` written where xhal-serve's sampler leaves a step's tokens: the executor's
     ``token_ids``, which the next decode step reads in place."""
-    buffer = executor.token_ids(ids.shape[0])
+    graphs = executor.decode_graphs
+    buffer = executor.token_ids(ids.shape[0]) if hasattr(graphs, "token_ids") else None
     if buffer is None:
         raise SystemExit("--inputs served needs decode graphs with token_ids (this tree's)")
     return buffer.copy_(ids)
