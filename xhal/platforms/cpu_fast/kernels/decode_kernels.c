@@ -188,9 +188,7 @@ static float softmax_weights(float *s, int64_t n) {
         memcpy(s + whole, tail, sizeof(float) * (size_t)(n - whole));
         sum16 += e;
     }
-    float total = 0.0f;
-    for (int64_t i = 0; i < 16; i++) total += sum16[i];
-    return total;
+    return hsum16(sum16);
 }
 
 /* (key, kv head) pairs of a step from which its attention runs on several threads: 8 sequences
@@ -227,6 +225,16 @@ int xhal_decode_attention(const float *q, const float *k, const float *v, int64_
     /* scratch per thread, had before anything is written: a group's rotated queries and its
      * scores */
     size_t per_thread = (size_t)(group * dim + group * (max_len > 0 ? max_len : 1));
+    /* the register paths of this head dim, or none (the loop below) */
+    void (*key_scores)(const float *, int64_t, int64_t, int64_t, const float *, const int64_t *,
+                       int64_t, float, float, float *, int64_t) =
+        dim == 32 ? key_scores_32 : dim == 64 ? key_scores_64 : dim == 128 ? key_scores_128 : NULL;
+    void (*weighted_sum)(const float *, int64_t, int64_t, float, const float *, const int64_t *,
+                         int64_t, float *) =
+        dim == 32    ? weighted_sum_32
+        : dim == 64  ? weighted_sum_64
+        : dim == 128 ? weighted_sum_128
+                     : NULL;
     float *scratch = malloc(sizeof(float) * per_thread * (size_t)threads);
     if (scratch == NULL) return -1;
     for (int64_t b = 0; b < num_seqs; b++) {
@@ -250,24 +258,20 @@ int xhal_decode_attention(const float *q, const float *k, const float *v, int64_
         int64_t hi = lens[b], lo = window > 0 && hi > window ? hi - window : 0;
         const int64_t *rows_b = kv_rows + b * max_len;
         const float *keys_h = k_cache + kh * dim, *values_h = v_cache + kh * dim;
-        if (dim == 32 || dim == 64 || dim == 128) {
-            (dim == 32    ? key_scores_32
-             : dim == 64 ? key_scores_64
-                         : key_scores_128)(q_rot, group, lo, hi, keys_h, rows_b, row, scale,
-                                           soft_cap, scores, max_len);
+        if (key_scores != NULL) {
+            key_scores(q_rot, group, lo, hi, keys_h, rows_b, row, scale, soft_cap, scores,
+                       max_len);
             for (int64_t g = 0; g < group; g++) {
                 float *sg = scores + g * max_len;
                 float inv = 1.0f / softmax_weights(sg + lo, hi - lo);
-                (dim == 32    ? weighted_sum_32
-                 : dim == 64 ? weighted_sum_64
-                             : weighted_sum_128)(sg, lo, hi, inv, values_h, rows_b, row,
-                                                 out + (b * heads + kh * group + g) * dim);
+                weighted_sum(sg, lo, hi, inv, values_h, rows_b, row,
+                             out + (b * heads + kh * group + g) * dim);
             }
             continue;
         }
         for (int64_t p = lo; p < hi; p++) {  // every query head of the group, key by key
-            if (p + AHEAD < hi) prefetch_row(k_cache + rows_b[p + AHEAD] * row + kh * dim, dim);
-            const float *key = k_cache + rows_b[p] * row + kh * dim;
+            if (p + AHEAD < hi) prefetch_row(keys_h + rows_b[p + AHEAD] * row, dim);
+            const float *key = keys_h + rows_b[p] * row;
             for (int64_t g = 0; g < group; g++) {
                 float s = dot(q_rot + g * dim, key, dim) * scale;
                 if (soft_cap > 0.0f) s = soft_cap * tanhf(s / soft_cap);
@@ -280,9 +284,8 @@ int xhal_decode_attention(const float *q, const float *k, const float *v, int64_
             float total = softmax_weights(sg + lo, hi - lo);
             memset(o, 0, sizeof(float) * (size_t)dim);
             for (int64_t p = lo; p < hi; p++) {
-                if (p + AHEAD < hi)
-                    prefetch_row(v_cache + rows_b[p + AHEAD] * row + kh * dim, dim);
-                const float *value = v_cache + rows_b[p] * row + kh * dim;
+                if (p + AHEAD < hi) prefetch_row(values_h + rows_b[p + AHEAD] * row, dim);
+                const float *value = values_h + rows_b[p] * row;
                 float weight = sg[p] / total;
 #pragma omp simd
                 for (int64_t i = 0; i < dim; i++) o[i] += weight * value[i];
