@@ -58,6 +58,17 @@ PDL_VARIANTS = {
     # auto with one token's routed experts in one persistent launch a layer (the native
     # solution of moe_experts, kernels/moe_block.cu) in place of the pair GEMVs
     "auto-moe-native": ("1", "auto"),
+    # the one-row stream kernels beside each other (XHAL_CUDA_OVERLAP=1: half an SM's shared
+    # memory each, the MLP block and o letting the next kernel launch before their wait, o on
+    # the native stream GEMV), and the tree before it (XHAL_CUDA_OVERLAP=0)
+    "auto-overlap": ("1", "auto"),
+    "auto-no-overlap": ("1", "auto"),
+    # auto-overlap with the split-KV launch triggering right after its wait: o's CTAs start
+    # beside the attention and request their whole weight slice while it runs
+    "auto-overlap-attn-early": ("1", "auto"),
+    # auto-overlap with the MoE down + combine kernel triggering right after its wait, so the
+    # next layer's norm + qkv GEMV (half an SM) lands beside the expert stream
+    "auto-overlap-moe-down-early": ("1", "auto"),
 }
 # variant -> (op, solution) its executor is made, warmed up and captured with
 FORCED_SOLUTION = {
@@ -68,6 +79,7 @@ FORCED_SOLUTION = {
 _MOE_SMALL = {
     "auto-moe-plain": {"TRIGGERS": (0, 0)},
     "auto-moe-down-early": {"TRIGGERS": (2, 1)},
+    "auto-overlap-moe-down-early": {"TRIGGERS": (2, 1)},
 }
 PREVIOUS_GEMV = "auto-previous-gemv"
 # variant -> further settings it captures under
@@ -77,7 +89,12 @@ EXTRA_ENV = {
     "auto-mlp-pair": {"XHAL_CUDA_MLP_BLOCK": "0"},
     "auto-triton-gemv": {"XHAL_CUDA_NATIVE_GEMV": "0"},
     "auto-triton-only": {"XHAL_CUDA_MLP_BLOCK": "0", "XHAL_CUDA_NATIVE_GEMV": "0"},
+    "auto-overlap": {"XHAL_CUDA_OVERLAP": "1"},
+    "auto-no-overlap": {"XHAL_CUDA_OVERLAP": "0"},
+    "auto-overlap-attn-early": {"XHAL_CUDA_OVERLAP": "1"},
+    "auto-overlap-moe-down-early": {"XHAL_CUDA_OVERLAP": "1"},
 }
+_ATTENTION_EARLY = ("auto-attn-early", "auto-overlap-attn-early")
 _TREE_TUNED: dict = {}  # TUNED as the tree has it, before load_gemv_table
 
 
@@ -158,9 +175,9 @@ def _gemv_table(name: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _attention_trigger(name: str) -> Iterator[None]:
-    """The split-KV launch's trigger early while ``auto-attn-early`` captures (the launch reads
-    ``TRIGGER`` per call; the executor's warm-up before capture compiles it)."""
-    if name != "auto-attn-early":
+    """The split-KV launch's trigger early while a variant of ``_ATTENTION_EARLY`` captures (the
+    launch reads ``TRIGGER`` per call; the executor's warm-up before capture compiles it)."""
+    if name not in _ATTENTION_EARLY:
         yield
         return
     from xhal.platforms.cuda import pdl

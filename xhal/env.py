@@ -137,6 +137,17 @@ def cuda_native_gemv() -> bool:
     return _flag("XHAL_CUDA_NATIVE_GEMV", True)
 
 
+def cuda_overlap() -> bool:
+    """``XHAL_CUDA_OVERLAP``: a one-row decode graph's stream kernels (the MLP block, the layer's
+    stream GEMVs: qkv with its norm, o) each take at most half an SM's shared memory
+    (``native.beside_share``), and the MLP block and o let the next kernel launch before their
+    wait, so its CTAs request their weights while the kernel ahead still streams or waits
+    (``xhal/platforms/cuda/pdl.py``, rule 3); o runs on the native stream GEMV. ``0`` keeps each
+    kernel's whole-SM ring and the launch after its last stage. Read per call: a graph keeps what
+    it was captured with."""
+    return _flag("XHAL_CUDA_OVERLAP", False)
+
+
 def cuda_triton_activation() -> bool:
     """``XHAL_CUDA_TRITON_ACTIVATION``: the CUDA platform's gated activations (``silu_and_mul``,
     ``gelu_and_mul``, and the activation before the down projection at 2+ rows) as one Triton

@@ -121,13 +121,17 @@ def test_nvrtc_is_looked_for_where_torch_and_cuda_keep_it() -> None:
 
 @needs_nvcc_and_cuobjdump
 @pytest.mark.parametrize(
-    "hidden,inter,rows", [(2048, 8192, 1), (4096, 14336, 1), (3584, 18944, 4), (256, 96, 3)]
-)
-def test_kernel_compiles_for_sm90_without_spills(hidden, inter, rows, tmp_path) -> None:
-    p = mlp_block.plan(hidden, inter, rows, H100_SHARED)
+    "hidden,inter,rows,early",
+    [(2048, 8192, 1, 0), (4096, 14336, 1, 0), (3584, 18944, 4, 0), (256, 96, 3, 0),
+     (2048, 8192, 1, 1)],
+)  # fmt: skip
+def test_kernel_compiles_for_sm90_without_spills(hidden, inter, rows, early, tmp_path) -> None:
+    budget = native.beside_share(H100_SHARED) if early else H100_SHARED
+    p = mlp_block.plan(hidden, inter, rows, budget)
     defines = {
         "DTYPE_BF16": 1, "M_ROWS": rows, "HIDDEN": hidden, "INTER": inter, "PAIRS": p.pairs,
         "DOWN_ROWS": p.down_rows, "STAGES1": p.stages1, "STAGES2": p.stages2, "USE_PDL": 1,
+        "EARLY": early,
     }  # fmt: skip
     cubin = compile_sm90(mlp_block.SOURCE, defines, tmp_path)
     assert global_reads_before_the_wait(cubin) == []
@@ -145,18 +149,43 @@ def test_stream_gemv_plans_fit(k, rows) -> None:
 def test_stream_gemv_plan_refuses_what_the_kernel_cannot_take() -> None:
     assert gemv_stream.plan(2048, 5, H100_SHARED) is None
     assert gemv_stream.plan(2050, 1, H100_SHARED) is None
-    assert gemv_stream.plan(2048, 1, H100_SHARED, ring_bytes=40 * 1024) is None  # one stage
+    assert gemv_stream.plan(2048, 1, H100_SHARED, ring_bytes=6 * 1024) is None  # one row, once
     assert gemv_stream.plan(14336, 2, H100_SHARED) is None  # 112 input floats a thread
+
+
+def test_a_small_budget_takes_fewer_rows_a_stage_and_a_short_slice_fewer_stages() -> None:
+    assert gemv_stream.plan(2048, 1, H100_SHARED, ring_bytes=40 * 1024).rows == 3
+    half = native.beside_share(H100_SHARED)
+    assert gemv_stream.plan(4096, 1, half).rows == 4  # three 32 KB stages, not one of 64
+    assert gemv_stream.plan(2048, 1, half, units=2).stages == 2  # a 1B o slice: two units a CTA
+
+
+@pytest.mark.parametrize(
+    "hidden,inter,k", [(2048, 8192, 2048), (4096, 14336, 4096), (3584, 18944, 3584)]
+)
+def test_beside_plans_leave_room_for_the_next_kernel(hidden, inter, k) -> None:
+    """Under env.cuda_overlap the MLP block and the next layer's norm + qkv GEMV share an SM:
+    both plans fit half of it, reserves included."""
+    half = native.beside_share(H100_SHARED)
+    assert half == 115712
+    block = mlp_block.plan(hidden, inter, 1, half)
+    gemv = gemv_stream.plan(k, 1, half)
+    sm_total = H100_SHARED + 1024
+    assert block is not None and gemv is not None
+    assert block.shared_mem + gemv.shared_mem + 2 * 1024 <= sm_total
 
 
 @needs_nvcc_and_cuobjdump
 @pytest.mark.parametrize("bf16", [0, 1])
-@pytest.mark.parametrize("k,rows,norm", [(2048, 1, 1), (4096, 1, 0), (14336, 1, 0), (64, 4, 1)])
-def test_stream_gemv_compiles_for_sm90_without_spills(k, rows, norm, bf16, tmp_path) -> None:
+@pytest.mark.parametrize(
+    "k,rows,norm,early",
+    [(2048, 1, 1, 0), (4096, 1, 0, 0), (14336, 1, 0, 0), (64, 4, 1, 0), (2048, 1, 0, 1)],
+)
+def test_stream_gemv_compiles_for_sm90_without_spills(k, rows, norm, early, bf16, tmp_path) -> None:
     p = gemv_stream.plan(k, rows, H100_SHARED)
     defines = {
         "DTYPE_BF16": bf16, "M_ROWS": rows, "K": k, "R": p.rows, "STAGES": p.stages,
-        "NORM": norm, "USE_PDL": 1,
+        "NORM": norm, "USE_PDL": 1, "EARLY": early,
     }  # fmt: skip
     cubin = compile_sm90(gemv_stream.SOURCE, defines, tmp_path, warnings=False)
     assert global_reads_before_the_wait(cubin) == []

@@ -262,6 +262,17 @@ def max_shared_mem(device: torch.device) -> int:
     return getattr(props, "shared_memory_per_block_optin", 0) or 227 * 1024
 
 
+_RESERVED_PER_CTA = 1024  # shared memory the hardware keeps per resident CTA (sm_80, sm_90)
+
+
+def beside_share(max_shared_mem: int) -> int:
+    """The shared memory a CTA may take so that a CTA of the next kernel taking as much fits on
+    the same SM: half of an SM's (the per-CTA opt-in ``max_shared_mem`` plus the reserve), less
+    each CTA's reserve (113 KB on sm_90). The stream kernels take this under
+    ``env.cuda_overlap``."""
+    return (max_shared_mem + _RESERVED_PER_CTA) // 2 - _RESERVED_PER_CTA
+
+
 def ring_stages(
     max_shared_mem: int, fixed: int, stage1: int, stage2: int, depth: int, max_stages: int = 8
 ) -> tuple[int, int, int] | None:

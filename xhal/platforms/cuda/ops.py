@@ -171,13 +171,18 @@ class CudaOps(DeviceOps):
             and x.dim() == 2
             and x.shape[0] <= mlp_block.ROUTED_ROWS
             and env.cuda_mlp_block()
-            and mlp_block.supports(x, residual, norm_weight, gate_up_weight, down_weight)
         ):
-            block = self._native(x.device, mlp_block.MlpBlock)
-            use_pdl = bool(pdl.mode(x.device))
-            key = ("mlp_block", *x.shape, down_weight.shape[1], x.dtype, x.device, use_pdl)
-            if block is not None and self._graph_kernel(key):
-                return block(x, residual, norm_weight, eps, gate_up_weight, down_weight, use_pdl)
+            operands = (x, residual, norm_weight, gate_up_weight, down_weight)
+            beside = env.cuda_overlap() and mlp_block.supports(*operands, beside=True)
+            if mlp_block.supports(*operands, beside=beside):
+                block = self._native(x.device, mlp_block.MlpBlock)
+                use_pdl = bool(pdl.mode(x.device))
+                key = ("mlp_block", *x.shape, down_weight.shape[1], x.dtype, x.device, use_pdl,
+                       beside)  # fmt: skip
+                if block is not None and self._graph_kernel(key):
+                    return block(
+                        x, residual, norm_weight, eps, gate_up_weight, down_weight, use_pdl, beside
+                    )
         return super().add_rms_norm_gated_mlp(
             x, residual, norm_weight, eps, gate_up_weight, down_weight, gate_up_bias, down_bias
         )
@@ -185,22 +190,33 @@ class CudaOps(DeviceOps):
     def _stream_gemv(self, x, weight, bias, residual=None, norm_weight=None, eps=0.0):
         """``gemv_stream.cu`` (a one-row GEMV, its weights through TMA bulk copies, the first
         stages requested before the PDL wait) when it takes the call, else None. The norm form
-        when given the residual and norm weight."""
+        when given the residual and norm weight. Plain GEMVs come here from ``MIN_PLAIN_BYTES``
+        (LM heads), and under ``env.cuda_overlap`` all of them: there a layer's projection
+        (under ``MIN_PLAIN_BYTES``) takes half an SM, and a plain one lets the next kernel
+        launch before its wait."""
+        overlap = env.cuda_overlap()
+        layer = weight.numel() * 2 < gemv_stream.MIN_PLAIN_BYTES
         if not (
             bias is None
             and x.dim() == 2
             and x.shape[0] <= gemv_stream.ROUTED_ROWS
             and env.cuda_native_gemv()
-            and (residual is not None or weight.numel() * 2 >= gemv_stream.MIN_PLAIN_BYTES)
-            and gemv_stream.supports(x, weight, residual, norm_weight)
+            and (residual is not None or not layer or overlap)
         ):
+            return None
+        beside = overlap and layer
+        if not gemv_stream.supports(x, weight, residual, norm_weight, beside):
             return None
         kernels = self._native(x.device, gemv_stream.GemvStream)
         use_pdl = bool(pdl.mode(x.device))
-        key = ("stream_gemv", *x.shape, x.dtype, x.device, residual is not None, use_pdl)
+        early = beside and residual is None
+        key = (
+            "stream_gemv", *x.shape, weight.shape[0], x.dtype, x.device, residual is not None,
+            use_pdl, beside,
+        )  # fmt: skip
         if kernels is None or not self._graph_kernel(key):
             return None
-        return kernels(x, weight, use_pdl, residual, norm_weight, eps)
+        return kernels(x, weight, use_pdl, residual, norm_weight, eps, beside, early)
 
     def _native(self, device: torch.device, family):
         """The device's launcher of a native kernel family (``family(device)``), made on the first

@@ -66,6 +66,18 @@ same rule: before their wait they initialise their shared-memory barriers and re
 rows by TMA bulk copies, nothing else; they read the kernel ahead's output after it, and
 trigger after their last weight stage (late), so they are gated too.
 
+The exception is ``env.cuda_overlap``: there the MLP block and a layer's plain stream GEMV (o)
+trigger *before* their wait, once every CTA has requested its first stages, and each stream
+kernel keeps to half an SM's shared memory (``native.beside_share``), so the next kernel's CTAs
+land beside them and request their own weights while the kernel ahead still streams (the MLP
+block) or waits (o, behind the attention). Those two are then not gated, so the kernel after
+each may start before the one two ahead has finished: it must read nothing but weights before
+its wait. What follows them does just that: the next layer's norm + qkv stream GEMV or the LM
+head (TMA weight stages), the MLP block, a mixture of experts' norm + router (its router rows),
+the Triton stream GEMVs (a weight tile) and the RMSNorm kernel (its weight). The split-KV launch,
+whose reads before the wait are the ones rule 1 argues, always follows a gated kernel (the norm
++ qkv GEMV, or the q/k norm).
+
 A non-PDL kernel (cuBLAS, FlashInfer, torch) in the chain is safe either way: it starts only once
 the kernel ahead has finished, and a PDL kernel after it launches when it finishes.
 

@@ -12,13 +12,22 @@
 // rows live in registers (stream_common.cuh's load_input); each stage's rows are reduced over
 // the CTA and stored.
 //
-// Compile-time: DTYPE_BF16, M_ROWS, K, R, STAGES, NORM, USE_PDL. Runtime: pointers, N (rows of
-// w), the row strides of x and residual (elements), eps.
+// Compile-time: DTYPE_BF16, M_ROWS, K, R, STAGES, NORM, USE_PDL, EARLY. Runtime: pointers, N (rows
+// of w), the row strides of x and residual (elements), eps.
+//
+// EARLY=1 lets the next kernel launch as soon as every CTA has requested its first stages, before
+// the wait (the overlap of env.cuda_overlap: the ring then takes at most half an SM's shared
+// memory, so the next kernel's CTA fits beside it and requests its own weights while this one
+// runs). Else the next kernel launches after the last stage. pdl.py has why either is safe.
 
 #define THREADS 256
 #define WARPS (THREADS / 32)
 
 #include "stream_common.cuh"
+
+#ifndef EARLY
+#define EARLY 0
+#endif
 
 #define CPT ((K / 8 + THREADS - 1) / THREADS)
 #define STAGE_BYTES (R * K * 2)
@@ -53,6 +62,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemv_stream(
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         for (u32 k = 0; k < units && k < STAGES; ++k) issue(ring, smem_u32(bars + k), w, n, begin + k, k);
     }
+#if EARLY
+    pdl_launch_dependents();  // the next kernel may launch beside this one
+#endif
     pdl_wait();  // x and residual are the kernel ahead's
     __syncthreads();  // the mbarriers are initialised
 
@@ -77,5 +89,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemv_stream(
             if (row < n) out[(u64)m * n + row] = to_dtype(stage_sum<M_ROWS, R>(p, r, m));
         }
     }
+#if !EARLY
     pdl_launch_dependents();  // the weights are streamed: the next kernel may take the SMs
+#endif
 }

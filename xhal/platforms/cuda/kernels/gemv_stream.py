@@ -46,25 +46,32 @@ class Plan:
 
 
 @functools.cache
-def plan(k: int, m: int, max_shared_mem: int, ring_bytes: int = _RING_BYTES) -> Plan | None:
-    """Stages of up to 8 weight rows and 64 KB, as many as ``ring_bytes`` holds (at most 8, at
-    least 2), or None; also None where the input rows would not fit in 64 registers a thread
-    (``K * m <= 16384``). The kernel's layout: ring, parts, norm sums, mbarriers."""
+def plan(k: int, m: int, max_shared_mem: int, ring_bytes: int = _RING_BYTES,
+         units: int | None = None) -> Plan | None:  # fmt: skip
+    """Stages of up to 8 weight rows and 64 KB (fewer rows where three such stages would not fit
+    the budget), as many as ``ring_bytes`` and ``max_shared_mem`` hold, at most 8; None where
+    that is under 2 or the input rows would not fit in 64 registers a thread (``K * m <=
+    16384``). Given the ``units`` of rows a CTA streams, no more stages than those. The kernel's
+    layout: ring, parts, norm sums, mbarriers."""
     chunks_per_thread = -(-k // (8 * THREADS))
     if k % 8 or not 1 <= m <= MAX_ROWS or chunks_per_thread * 8 * m > 64:
         return None
-    rows = max(1, min(8, 65536 // (k * 2)))
+    budget = min(ring_bytes, max_shared_mem)
+    rows = max(1, min(8, 65536 // (k * 2), budget // (3 * k * 2)))
     stage = rows * k * 2
     fixed = 4 * (2 * _WARPS * rows * m + _WARPS * m)
     stages = min(_MAX_STAGES, min(ring_bytes, max_shared_mem - fixed - 8 * _MAX_STAGES) // stage)
     if stages < 2:
         return None
+    if units is not None:  # no stage the CTA would never fill
+        stages = min(stages, units)
     return Plan(rows, stages, stages * stage + fixed + 8 * stages)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
-             norm_weight: torch.Tensor | None = None) -> bool:  # fmt: skip
-    """Whether the kernel takes these operands (the caller falls back otherwise)."""
+             norm_weight: torch.Tensor | None = None, beside: bool = False) -> bool:  # fmt: skip
+    """Whether the kernel takes these operands (the caller falls back otherwise); ``beside``:
+    in the shared memory ``native.beside_share`` leaves it."""
     if not native.takes_rows(x, MAX_ROWS):
         return False
     k = x.shape[1]
@@ -80,7 +87,8 @@ def supports(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | Non
         return False
     if not native.chunk_aligned(rows, tensors):
         return False
-    return plan(k, x.shape[0], native.max_shared_mem(x.device)) is not None
+    budget = native.max_shared_mem(x.device)
+    return plan(k, x.shape[0], native.beside_share(budget) if beside else budget) is not None
 
 
 class GemvStream:
@@ -92,11 +100,17 @@ class GemvStream:
         self._kernels = native.KernelCache(SOURCE, "gemv_stream", device)
         self._plan_for = plan_for
 
-    def _shape(self, rows: int, k: int, dtype: torch.dtype, norm: bool, pdl: bool):
-        p = self._plan_for(k, rows, self._kernels.max_shared_mem)
+    def _shape(self, rows: int, k: int, n: int, dtype: torch.dtype, norm: bool, pdl: bool,
+               beside: bool, early: bool):  # fmt: skip
+        if beside:  # half an SM, and no more stages than a CTA's share of the rows fills
+            share = native.beside_share(self._kernels.max_shared_mem)
+            units = -(-n // plan(k, rows, share).rows)
+            p = plan(k, rows, share, units=-(-units // min(self._kernels.num_sms, units)))
+        else:
+            p = self._plan_for(k, rows, self._kernels.max_shared_mem)
         defines = {
             "DTYPE_BF16": int(dtype == torch.bfloat16), "M_ROWS": rows, "K": k, "R": p.rows,
-            "STAGES": p.stages, "NORM": int(norm), "USE_PDL": int(pdl),
+            "STAGES": p.stages, "NORM": int(norm), "USE_PDL": int(pdl), "EARLY": int(early),
         }  # fmt: skip
         return defines, p
 
@@ -108,13 +122,17 @@ class GemvStream:
         residual: torch.Tensor | None = None,
         norm_weight: torch.Tensor | None = None,
         eps: float = 0.0,
+        beside: bool = False,
+        early: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(x @ weight.T, None)``, or with a residual and norm weight ``(rms_norm(x + residual)
-        @ weight.T, x + residual)``; ``supports`` said yes for these operands."""
+        @ weight.T, x + residual)``; ``supports`` said yes for these operands (with ``beside``).
+        ``beside``: the ring in ``native.beside_share`` of an SM; ``early``: the next kernel
+        launches before the wait (``EARLY`` in gemv_stream.cu)."""
         rows, k = x.shape
         n = weight.shape[0]
         norm = residual is not None
-        defines, p = self._shape(rows, k, x.dtype, norm, use_pdl)
+        defines, p = self._shape(rows, k, n, x.dtype, norm, use_pdl, beside, early and use_pdl)
         kernel = self._kernels.get(defines, p.shared_mem)
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         summed = torch.empty(rows, k, dtype=x.dtype, device=x.device) if norm else None

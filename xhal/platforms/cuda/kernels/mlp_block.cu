@@ -18,7 +18,8 @@
 // The helpers are stream_common.cuh's. Compile-time shape (NVRTC -D options, see mlp_block.py):
 // DTYPE_BF16 (else fp16), M_ROWS, HIDDEN, INTER (the per-rank intermediate size), PAIRS (gate/up
 // row pairs per phase-1 stage), DOWN_ROWS (w_down rows per phase-2 stage), STAGES1, STAGES2,
-// USE_PDL.
+// USE_PDL, EARLY (1: the next kernel may launch once every CTA has requested its first stages,
+// before the wait, as in gemv_stream.cu; else after the last stage).
 // Runtime: the pointers, the row strides of x and residual (elements) and eps.
 //
 // Sync words (sync[0] arrivals, sync[1] generation) are zero before the first launch and are
@@ -28,6 +29,10 @@
 #define WARPS (THREADS / 32)
 
 #include "stream_common.cuh"
+
+#ifndef EARLY
+#define EARLY 0
+#endif
 
 #define CHUNKS2 (INTER / 8)    // 16-byte chunks of an intermediate-sized row
 #define CPT1 ((HIDDEN / 8 + THREADS - 1) / THREADS)
@@ -88,6 +93,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mlp_block(
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         for (u32 k = 0; k < n1 && k < STAGES1; ++k) issue_stage1(ring, smem_u32(bars + k), w_gu, b1 + k, k);
     }
+#if EARLY
+    pdl_launch_dependents();  // the next kernel may launch beside this one
+#endif
     pdl_wait();  // x and residual are the kernel ahead's
     __syncthreads();  // the mbarriers are initialised
 
@@ -177,5 +185,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mlp_block(
             out[m * HIDDEN + (b2 + k) * DOWN_ROWS + r] = to_dtype(stage_sum<M_ROWS, DOWN_ROWS>(p, r, m));
         }
     }
+#if !EARLY
     pdl_launch_dependents();  // the weights are streamed: the next kernel may take the SMs
+#endif
 }

@@ -72,8 +72,10 @@ def supports(
     norm_weight: torch.Tensor,
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
+    beside: bool = False,
 ) -> bool:
-    """Whether the persistent launch takes these operands (the caller falls back otherwise)."""
+    """Whether the persistent launch takes these operands (the caller falls back otherwise);
+    ``beside``: in the shared memory ``native.beside_share`` leaves it."""
     if not native.takes_rows(x, MAX_ROWS):
         return False
     hidden, inter = x.shape[1], w_down.shape[1]
@@ -90,7 +92,9 @@ def supports(
         return False
     if not native.chunk_aligned((x, residual), tensors):
         return False
-    return plan(hidden, inter, x.shape[0], native.max_shared_mem(x.device)) is not None
+    budget = native.max_shared_mem(x.device)
+    budget = native.beside_share(budget) if beside else budget
+    return plan(hidden, inter, x.shape[0], budget) is not None
 
 
 class MlpBlock:
@@ -104,12 +108,14 @@ class MlpBlock:
         self._plan_for = plan_for
         self.sync = torch.zeros(2, dtype=torch.int32, device=device)
 
-    def _shape(self, rows: int, hidden: int, inter: int, dtype: torch.dtype, pdl: bool):
-        p = self._plan_for(hidden, inter, rows, self._kernels.max_shared_mem)
+    def _shape(self, rows: int, hidden: int, inter: int, dtype: torch.dtype, pdl: bool,
+               beside: bool):  # fmt: skip
+        budget = self._kernels.max_shared_mem
+        p = self._plan_for(hidden, inter, rows, native.beside_share(budget) if beside else budget)
         defines = {
             "DTYPE_BF16": int(dtype == torch.bfloat16), "M_ROWS": rows, "HIDDEN": hidden,
             "INTER": inter, "PAIRS": p.pairs, "DOWN_ROWS": p.down_rows, "STAGES1": p.stages1,
-            "STAGES2": p.stages2, "USE_PDL": int(pdl),
+            "STAGES2": p.stages2, "USE_PDL": int(pdl), "EARLY": int(beside and pdl),
         }  # fmt: skip
         return defines, p
 
@@ -122,11 +128,14 @@ class MlpBlock:
         w_gate_up: torch.Tensor,
         w_down: torch.Tensor,
         use_pdl: bool,
+        beside: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, residual_out)``; ``supports`` said yes for these operands."""
+        """``(out, residual_out)``; ``supports`` said yes for these operands (with ``beside``).
+        ``beside``: the ring in ``native.beside_share`` of an SM, and the next kernel launches
+        before the wait (``EARLY`` in mlp_block.cu)."""
         rows, hidden = x.shape
         inter = w_down.shape[1]
-        defines, p = self._shape(rows, hidden, inter, x.dtype, use_pdl)
+        defines, p = self._shape(rows, hidden, inter, x.dtype, use_pdl, beside)
         kernel = self._kernels.get(defines, p.shared_mem)
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
         residual_out = torch.empty_like(out)
