@@ -69,6 +69,10 @@ PDL_VARIANTS = {
     # auto-overlap with the MoE down + combine kernel triggering right after its wait, so the
     # next layer's norm + qkv GEMV (half an SM) lands beside the expert stream
     "auto-overlap-moe-down-early": ("1", "auto"),
+    # one or two parts of the overlap (env.cuda_overlap), with the split-KV launch early
+    "auto-overlap-o-attn-early": ("1", "auto"),
+    "auto-overlap-o-qkv-attn-early": ("1", "auto"),
+    "auto-overlap-mlp-qkv-attn-early": ("1", "auto"),
 }
 # variant -> (op, solution) its executor is made, warmed up and captured with
 FORCED_SOLUTION = {
@@ -93,8 +97,14 @@ EXTRA_ENV = {
     "auto-no-overlap": {"XHAL_CUDA_OVERLAP": "0"},
     "auto-overlap-attn-early": {"XHAL_CUDA_OVERLAP": "1"},
     "auto-overlap-moe-down-early": {"XHAL_CUDA_OVERLAP": "1"},
+    "auto-overlap-o-attn-early": {"XHAL_CUDA_OVERLAP": "o"},
+    "auto-overlap-o-qkv-attn-early": {"XHAL_CUDA_OVERLAP": "o,qkv"},
+    "auto-overlap-mlp-qkv-attn-early": {"XHAL_CUDA_OVERLAP": "mlp,qkv"},
 }
-_ATTENTION_EARLY = ("auto-attn-early", "auto-overlap-attn-early")
+_ATTENTION_EARLY = (
+    "auto-attn-early", "auto-overlap-attn-early", "auto-overlap-o-attn-early",
+    "auto-overlap-o-qkv-attn-early", "auto-overlap-mlp-qkv-attn-early",
+)  # fmt: skip
 _TREE_TUNED: dict = {}  # TUNED as the tree has it, before load_gemv_table
 
 

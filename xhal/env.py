@@ -137,15 +137,29 @@ def cuda_native_gemv() -> bool:
     return _flag("XHAL_CUDA_NATIVE_GEMV", True)
 
 
-def cuda_overlap() -> bool:
-    """``XHAL_CUDA_OVERLAP``: a one-row decode graph's stream kernels (the MLP block, the layer's
-    stream GEMVs: qkv with its norm, o) each take at most half an SM's shared memory
-    (``native.beside_share``), and the MLP block and o let the next kernel launch before their
-    wait, so its CTAs request their weights while the kernel ahead still streams or waits
-    (``xhal/platforms/cuda/pdl.py``, rule 3); o runs on the native stream GEMV. ``0`` keeps each
-    kernel's whole-SM ring and the launch after its last stage. Read per call: a graph keeps what
-    it was captured with."""
-    return _flag("XHAL_CUDA_OVERLAP", False)
+OVERLAP_PARTS = ("mlp", "qkv", "o")
+
+
+def cuda_overlap() -> frozenset[str]:
+    """``XHAL_CUDA_OVERLAP``: which of a one-row decode graph's stream kernels run beside their
+    neighbours, ``1`` (all), ``0`` (none, the default) or a comma list of ``mlp`` (the MLP block
+    takes half an SM's shared memory, ``native.beside_share``, and lets the next kernel launch
+    before its wait), ``qkv`` (the norm + qkv stream GEMV takes half an SM) and ``o`` (the
+    layer's plain projections run on the native stream GEMV in half an SM and let the next kernel
+    launch before their wait). The next kernel's CTAs then request their weights while the kernel
+    ahead still streams or waits (``xhal/platforms/cuda/pdl.py``). Read per call: a graph keeps
+    what it was captured with."""
+    raw = os.environ.get("XHAL_CUDA_OVERLAP", "0").strip().lower()
+    if raw in ("0", "", "off", "false", "no"):
+        return frozenset()
+    if raw in ("1", "on", "true", "yes"):
+        return frozenset(OVERLAP_PARTS)
+    parts = frozenset(p.strip() for p in raw.split(","))
+    if not parts <= set(OVERLAP_PARTS):
+        raise ValueError(
+            f"XHAL_CUDA_OVERLAP={raw!r}: use 1, 0 or a comma list of {', '.join(OVERLAP_PARTS)}"
+        )
+    return parts
 
 
 def cuda_triton_activation() -> bool:

@@ -173,7 +173,7 @@ class CudaOps(DeviceOps):
             and env.cuda_mlp_block()
         ):
             operands = (x, residual, norm_weight, gate_up_weight, down_weight)
-            beside = env.cuda_overlap() and mlp_block.supports(*operands, beside=True)
+            beside = "mlp" in env.cuda_overlap() and mlp_block.supports(*operands, beside=True)
             if mlp_block.supports(*operands, beside=beside):
                 block = self._native(x.device, mlp_block.MlpBlock)
                 use_pdl = bool(pdl.mode(x.device))
@@ -191,20 +191,19 @@ class CudaOps(DeviceOps):
         """``gemv_stream.cu`` (a one-row GEMV, its weights through TMA bulk copies, the first
         stages requested before the PDL wait) when it takes the call, else None. The norm form
         when given the residual and norm weight. Plain GEMVs come here from ``MIN_PLAIN_BYTES``
-        (LM heads), and under ``env.cuda_overlap`` all of them: there a layer's projection
-        (under ``MIN_PLAIN_BYTES``) takes half an SM, and a plain one lets the next kernel
-        launch before its wait."""
-        overlap = env.cuda_overlap()
+        (LM heads), and with ``o`` in ``env.cuda_overlap`` all of them; a layer's projection
+        (under ``MIN_PLAIN_BYTES``) named there takes half an SM, and a plain one lets the next
+        kernel launch before its wait."""
         layer = weight.numel() * 2 < gemv_stream.MIN_PLAIN_BYTES
+        beside = layer and ("o" if residual is None else "qkv") in env.cuda_overlap()
         if not (
             bias is None
             and x.dim() == 2
             and x.shape[0] <= gemv_stream.ROUTED_ROWS
             and env.cuda_native_gemv()
-            and (residual is not None or not layer or overlap)
+            and (residual is not None or not layer or beside)
         ):
             return None
-        beside = overlap and layer
         if not gemv_stream.supports(x, weight, residual, norm_weight, beside):
             return None
         kernels = self._native(x.device, gemv_stream.GemvStream)

@@ -48,21 +48,30 @@ class Plan:
 
 
 @functools.cache
-def plan(hidden: int, inter: int, rows: int, max_shared_mem: int) -> Plan | None:
-    """The widest stages that fit at least three deep (two for the widest models), or None.
-    The layout of the shared memory is the kernel's: ring, act, parts, norm sums, mbarriers."""
+def plan(
+    hidden: int, inter: int, rows: int, max_shared_mem: int, widest: bool = False
+) -> Plan | None:
+    """The widest stages that fit at least three deep (two for the widest models), or None;
+    ``widest``: the widest stages that fit at least two deep, before any depth (what a ring in
+    half an SM takes, ``native.beside_share``: a CTA's work per stage is what bounds narrow
+    stages). The layout of the shared memory is the kernel's: ring, act, parts, norm sums,
+    mbarriers."""
     if hidden % 8 or inter % 8 or not 1 <= rows <= MAX_ROWS:
         return None
-    for depth in (3, 2):
-        for pairs in (4, 2, 1):
-            for down_rows in (2, 1):
-                if inter % pairs or hidden % down_rows:
-                    continue
-                stage1, stage2 = 2 * pairs * hidden * 2, down_rows * inter * 2
-                fixed = rows * inter * 2 + 4 * (2 * _WARPS * 2 * pairs * rows + _WARPS * rows)
-                fit = native.ring_stages(max_shared_mem, fixed, stage1, stage2, depth, _MAX_STAGES)
-                if fit is not None:
-                    return Plan(pairs, down_rows, *fit)
+    widths = [(pairs, down_rows) for pairs in (4, 2, 1) for down_rows in (2, 1)]
+    order = (
+        [(depth, *w) for w in widths for depth in (3, 2)]
+        if widest
+        else [(depth, *w) for depth in (3, 2) for w in widths]
+    )
+    for depth, pairs, down_rows in order:
+        if inter % pairs or hidden % down_rows:
+            continue
+        stage1, stage2 = 2 * pairs * hidden * 2, down_rows * inter * 2
+        fixed = rows * inter * 2 + 4 * (2 * _WARPS * 2 * pairs * rows + _WARPS * rows)
+        fit = native.ring_stages(max_shared_mem, fixed, stage1, stage2, depth, _MAX_STAGES)
+        if fit is not None:
+            return Plan(pairs, down_rows, *fit)
     return None
 
 
@@ -93,8 +102,9 @@ def supports(
     if not native.chunk_aligned((x, residual), tensors):
         return False
     budget = native.max_shared_mem(x.device)
-    budget = native.beside_share(budget) if beside else budget
-    return plan(hidden, inter, x.shape[0], budget) is not None
+    if beside:
+        budget = native.beside_share(budget)
+    return plan(hidden, inter, x.shape[0], budget, widest=beside) is not None
 
 
 class MlpBlock:
@@ -111,7 +121,10 @@ class MlpBlock:
     def _shape(self, rows: int, hidden: int, inter: int, dtype: torch.dtype, pdl: bool,
                beside: bool):  # fmt: skip
         budget = self._kernels.max_shared_mem
-        p = self._plan_for(hidden, inter, rows, native.beside_share(budget) if beside else budget)
+        if beside:
+            p = plan(hidden, inter, rows, native.beside_share(budget), widest=True)
+        else:
+            p = self._plan_for(hidden, inter, rows, budget)
         defines = {
             "DTYPE_BF16": int(dtype == torch.bfloat16), "M_ROWS": rows, "HIDDEN": hidden,
             "INTER": inter, "PAIRS": p.pairs, "DOWN_ROWS": p.down_rows, "STAGES1": p.stages1,
