@@ -37,6 +37,20 @@ def test_the_switch_defaults_on_and_reads_its_values(monkeypatch) -> None:
         env.cuda_pdl_trigger()
 
 
+def test_the_overlap_switch_names_its_parts(monkeypatch) -> None:
+    monkeypatch.delenv("XHAL_CUDA_OVERLAP", raising=False)
+    assert env.cuda_overlap() == frozenset()
+    monkeypatch.setenv("XHAL_CUDA_OVERLAP", "1")
+    assert env.cuda_overlap() == {"mlp", "qkv", "o"}
+    monkeypatch.setenv("XHAL_CUDA_OVERLAP", "0")
+    assert env.cuda_overlap() == frozenset()
+    monkeypatch.setenv("XHAL_CUDA_OVERLAP", "O, qkv")
+    assert env.cuda_overlap() == {"o", "qkv"}
+    monkeypatch.setenv("XHAL_CUDA_OVERLAP", "mlp,attention")
+    with pytest.raises(ValueError, match="use 1, 0 or a comma list of mlp, qkv, o"):
+        env.cuda_overlap()
+
+
 def test_cpu_tensors_never_take_pdl(monkeypatch) -> None:
     monkeypatch.setenv("XHAL_CUDA_PDL", "1")
     cpu = torch.device("cpu")

@@ -194,15 +194,20 @@ class CudaOps(DeviceOps):
         (LM heads), and with ``o`` in ``env.cuda_overlap`` all of them; a layer's projection
         (under ``MIN_PLAIN_BYTES``) named there takes half an SM, and a plain one lets the next
         kernel launch before its wait."""
-        layer = weight.numel() * 2 < gemv_stream.MIN_PLAIN_BYTES
-        beside = layer and ("o" if residual is None else "qkv") in env.cuda_overlap()
         if not (
             bias is None
             and x.dim() == 2
             and x.shape[0] <= gemv_stream.ROUTED_ROWS
             and env.cuda_native_gemv()
-            and (residual is not None or not layer or beside)
         ):
+            return None
+        layer = weight.numel() * 2 < gemv_stream.MIN_PLAIN_BYTES
+        beside = (
+            layer
+            and ("o" if residual is None else "qkv") in env.cuda_overlap()
+            and gemv_stream.supports(x, weight, residual, norm_weight, beside=True)
+        )
+        if residual is None and layer and not beside:
             return None
         if not gemv_stream.supports(x, weight, residual, norm_weight, beside):
             return None
