@@ -7,7 +7,10 @@
 //   out          = act @ w_down^T
 //
 // for M rows (1-4 tokens; the platform sends it one, mlp_block.py ROUTED_ROWS). One CTA per SM,
-// every CTA resident at once (the grid is the SM count and one CTA fills an SM's shared memory).
+// every CTA resident at once (the grid is the SM count and one CTA fills an SM's shared memory;
+// with EARLY it takes half, so an SM may hold a CTA of a kernel ahead or behind, or two of these:
+// no kernel ahead waits for this one and none behind launches before every CTA here runs, so
+// every CTA finds room).
 // Phase 1 streams w_gate_up, phase 2 streams w_down; between them one grid-wide barrier (the down
 // projection needs every act value). Weights never depend on the kernels ahead, so each CTA keeps
 // its next weight rows in flight across every wait: the first phase-1 stages are requested before
