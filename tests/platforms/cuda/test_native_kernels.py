@@ -126,10 +126,7 @@ def test_nvrtc_is_looked_for_where_torch_and_cuda_keep_it() -> None:
      (2048, 8192, 1, 1)],
 )  # fmt: skip
 def test_kernel_compiles_for_sm90_without_spills(hidden, inter, rows, early, tmp_path) -> None:
-    if early:
-        p = mlp_block.plan(hidden, inter, rows, native.beside_share(H100_SHARED), widest=True)
-    else:
-        p = mlp_block.plan(hidden, inter, rows, H100_SHARED)
+    p = (mlp_block.beside_plan if early else mlp_block.plan)(hidden, inter, rows, H100_SHARED)
     defines = {
         "DTYPE_BF16": 1, "M_ROWS": rows, "HIDDEN": hidden, "INTER": inter, "PAIRS": p.pairs,
         "DOWN_ROWS": p.down_rows, "STAGES1": p.stages1, "STAGES2": p.stages2, "USE_PDL": 1,
@@ -170,7 +167,7 @@ def test_beside_plans_leave_room_for_the_next_kernel(hidden, inter, k) -> None:
     both plans fit half of it, reserves included."""
     half = native.beside_share(H100_SHARED)
     assert half == 115712
-    block = mlp_block.plan(hidden, inter, 1, half, widest=True)
+    block = mlp_block.beside_plan(hidden, inter, 1, H100_SHARED)
     gemv = gemv_stream.plan(k, 1, half)
     sm_total = H100_SHARED + 1024
     assert block is not None and gemv is not None

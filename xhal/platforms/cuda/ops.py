@@ -174,7 +174,7 @@ class CudaOps(DeviceOps):
         ):
             operands = (x, residual, norm_weight, gate_up_weight, down_weight)
             beside = "mlp" in env.cuda_overlap() and mlp_block.supports(*operands, beside=True)
-            if mlp_block.supports(*operands, beside=beside):
+            if beside or mlp_block.supports(*operands):
                 block = self._native(x.device, mlp_block.MlpBlock)
                 use_pdl = bool(pdl.mode(x.device))
                 key = ("mlp_block", *x.shape, down_weight.shape[1], x.dtype, x.device, use_pdl,
@@ -207,10 +207,11 @@ class CudaOps(DeviceOps):
             and ("o" if residual is None else "qkv") in env.cuda_overlap()
             and gemv_stream.supports(x, weight, residual, norm_weight, beside=True)
         )
-        if residual is None and layer and not beside:
-            return None
-        if not gemv_stream.supports(x, weight, residual, norm_weight, beside):
-            return None
+        if not beside:
+            if residual is None and layer:  # a layer's plain projection stays on Triton's GEMV
+                return None
+            if not gemv_stream.supports(x, weight, residual, norm_weight):
+                return None
         kernels = self._native(x.device, gemv_stream.GemvStream)
         use_pdl = bool(pdl.mode(x.device))
         early = beside and residual is None

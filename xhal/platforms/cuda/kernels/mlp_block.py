@@ -75,6 +75,12 @@ def plan(
     return None
 
 
+def beside_plan(hidden: int, inter: int, rows: int, max_shared_mem: int) -> Plan | None:
+    """``plan`` in the half of an SM ``native.beside_share`` leaves (``env.cuda_overlap``), the
+    widest stages first."""
+    return plan(hidden, inter, rows, native.beside_share(max_shared_mem), widest=True)
+
+
 def supports(
     x: torch.Tensor,
     residual: torch.Tensor,
@@ -102,9 +108,8 @@ def supports(
     if not native.chunk_aligned((x, residual), tensors):
         return False
     budget = native.max_shared_mem(x.device)
-    if beside:
-        budget = native.beside_share(budget)
-    return plan(hidden, inter, x.shape[0], budget, widest=beside) is not None
+    planner = beside_plan if beside else plan
+    return planner(hidden, inter, x.shape[0], budget) is not None
 
 
 class MlpBlock:
@@ -120,11 +125,8 @@ class MlpBlock:
 
     def _shape(self, rows: int, hidden: int, inter: int, dtype: torch.dtype, pdl: bool,
                beside: bool):  # fmt: skip
-        budget = self._kernels.max_shared_mem
-        if beside:
-            p = plan(hidden, inter, rows, native.beside_share(budget), widest=True)
-        else:
-            p = self._plan_for(hidden, inter, rows, budget)
+        planner = beside_plan if beside else self._plan_for
+        p = planner(hidden, inter, rows, self._kernels.max_shared_mem)
         defines = {
             "DTYPE_BF16": int(dtype == torch.bfloat16), "M_ROWS": rows, "HIDDEN": hidden,
             "INTER": inter, "PAIRS": p.pairs, "DOWN_ROWS": p.down_rows, "STAGES1": p.stages1,
