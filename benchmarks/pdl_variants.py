@@ -32,9 +32,10 @@ PDL_VARIANTS = {
     # the tree as committed before BENCH_GEMV_TABLE loaded its rows, with the size rule alone:
     # the ninth session's behaviour (its TUNED, plain weight loads)
     "tree-before": ("1", "by-size"),
-    # auto with the split-KV launch triggering right after its wait (splitkv_decode.TRIGGER
-    # early): the o GEMV's programs start beside the attention and load their first weight tile
-    # while it runs, where the late trigger starts them in its tail
+    # auto with the split-KV launch triggering right after its wait at every batch, the overlap
+    # off (splitkv_decode.TRIGGER early, XHAL_CUDA_OVERLAP=0): the o GEMV's programs start beside
+    # the attention and load their first weight tile while it runs, where the late trigger starts
+    # them in its tail
     "auto-attn-early": ("1", "auto"),
     # auto with the MoE pair GEMVs (moe_small.py) as plain launches: the tree before they took PDL
     "auto-moe-plain": ("1", "auto"),
@@ -58,32 +59,39 @@ PDL_VARIANTS = {
     # auto with one token's routed experts in one persistent launch a layer (the native
     # solution of moe_experts, kernels/moe_block.cu) in place of the pair GEMVs
     "auto-moe-native": ("1", "auto"),
-    # the one-row stream kernels beside each other (XHAL_CUDA_OVERLAP=1: half an SM's shared
-    # memory each, the MLP block and o letting the next kernel launch before their wait, o on
-    # the native stream GEMV), and the tree before it (XHAL_CUDA_OVERLAP=0)
-    "auto-overlap": ("1", "auto"),
+    # the tree before the one-row stream kernels ran beside each other (XHAL_CUDA_OVERLAP=0,
+    # which auto has on: half an SM's shared memory each, the MLP block and o letting the next
+    # kernel launch before their wait, o on the native stream GEMV, the one-sequence split-KV
+    # launch triggering right after its wait)
     "auto-no-overlap": ("1", "auto"),
-    # auto-overlap with the split-KV launch triggering right after its wait: o's CTAs start
-    # beside the attention and request their whole weight slice while it runs
-    "auto-overlap-attn-early": ("1", "auto"),
-    # auto-overlap with the MoE down + combine kernel triggering right after its wait, so the
-    # next layer's norm + qkv GEMV (half an SM) lands beside the expert stream
+    # auto with the one-sequence split-KV launch triggering late (splitkv_decode.TRIGGER_BESIDE)
+    "auto-overlap-attn-late": ("1", "auto"),
+    # auto with the MLP block beside where half an SM holds its rings two deep (the 8B's and
+    # Qwen2.5-7B's plans; mlp_block.BESIDE_DEPTH 2 where the tree has 3)
+    "auto-overlap-mlp-shallow": ("1", "auto"),
+    # auto with the MoE down + combine kernel triggering right after its wait, so the next
+    # layer's norm + qkv GEMV (half an SM) lands beside the expert stream
     "auto-overlap-moe-down-early": ("1", "auto"),
-    # one or two parts of the overlap (env.cuda_overlap), with the split-KV launch early
-    "auto-overlap-o-attn-early": ("1", "auto"),
-    "auto-overlap-o-qkv-attn-early": ("1", "auto"),
-    "auto-overlap-mlp-qkv-attn-early": ("1", "auto"),
+    # one or two parts of the overlap (env.cuda_overlap); the split-KV launch triggers early
+    # where o is one of them
+    "auto-overlap-o": ("1", "auto"),
+    "auto-overlap-o-qkv": ("1", "auto"),
+    "auto-overlap-mlp-qkv": ("1", "auto"),
 }
 # variant -> (op, solution) its executor is made, warmed up and captured with
 FORCED_SOLUTION = {
     "auto-attn-block": ("paged_decode_attention", "native-block"),
     "auto-moe-native": ("moe_experts", "native"),
 }
-# variant -> moe_small's settings while it captures (pdl.OFF = 0, LATE = 2, EARLY = 1)
-_MOE_SMALL = {
-    "auto-moe-plain": {"TRIGGERS": (0, 0)},
-    "auto-moe-down-early": {"TRIGGERS": (2, 1)},
-    "auto-overlap-moe-down-early": {"TRIGGERS": (2, 1)},
+# variant -> {kernel module: {attribute: value}} its launchers read per call while it captures
+# (pdl.OFF = 0, EARLY = 1, LATE = 2; the executor's warm-up before capture compiles them)
+_MODULE_SETTINGS = {
+    "auto-attn-early": {"splitkv_decode": {"TRIGGER": 1}},
+    "auto-overlap-attn-late": {"splitkv_decode": {"TRIGGER_BESIDE": 2}},
+    "auto-overlap-mlp-shallow": {"mlp_block": {"BESIDE_DEPTH": 2}},
+    "auto-moe-plain": {"moe_small": {"TRIGGERS": (0, 0)}},
+    "auto-moe-down-early": {"moe_small": {"TRIGGERS": (2, 1)}},
+    "auto-overlap-moe-down-early": {"moe_small": {"TRIGGERS": (2, 1)}},
 }
 PREVIOUS_GEMV = "auto-previous-gemv"
 # variant -> further settings it captures under
@@ -91,20 +99,18 @@ EXTRA_ENV = {
     "auto-torch-activation": {"XHAL_CUDA_TRITON_ACTIVATION": "0"},
     "auto-qk-norm-apart": {"XHAL_CUDA_FUSED_QK_NORM": "0"},
     "auto-mlp-pair": {"XHAL_CUDA_MLP_BLOCK": "0"},
-    "auto-triton-gemv": {"XHAL_CUDA_NATIVE_GEMV": "0"},
-    "auto-triton-only": {"XHAL_CUDA_MLP_BLOCK": "0", "XHAL_CUDA_NATIVE_GEMV": "0"},
-    "auto-overlap": {"XHAL_CUDA_OVERLAP": "1"},
+    # the trees before the native kernels, before the overlap too
+    "auto-triton-gemv": {"XHAL_CUDA_NATIVE_GEMV": "0", "XHAL_CUDA_OVERLAP": "0"},
+    "auto-triton-only": {
+        "XHAL_CUDA_MLP_BLOCK": "0", "XHAL_CUDA_NATIVE_GEMV": "0", "XHAL_CUDA_OVERLAP": "0"
+    },
+    "tree-before": {"XHAL_CUDA_OVERLAP": "0"},
+    "auto-attn-early": {"XHAL_CUDA_OVERLAP": "0"},
     "auto-no-overlap": {"XHAL_CUDA_OVERLAP": "0"},
-    "auto-overlap-attn-early": {"XHAL_CUDA_OVERLAP": "1"},
-    "auto-overlap-moe-down-early": {"XHAL_CUDA_OVERLAP": "1"},
-    "auto-overlap-o-attn-early": {"XHAL_CUDA_OVERLAP": "o"},
-    "auto-overlap-o-qkv-attn-early": {"XHAL_CUDA_OVERLAP": "o,qkv"},
-    "auto-overlap-mlp-qkv-attn-early": {"XHAL_CUDA_OVERLAP": "mlp,qkv"},
+    "auto-overlap-o": {"XHAL_CUDA_OVERLAP": "o"},
+    "auto-overlap-o-qkv": {"XHAL_CUDA_OVERLAP": "o,qkv"},
+    "auto-overlap-mlp-qkv": {"XHAL_CUDA_OVERLAP": "mlp,qkv"},
 }
-_ATTENTION_EARLY = (
-    "auto-attn-early", "auto-overlap-attn-early", "auto-overlap-o-attn-early",
-    "auto-overlap-o-qkv-attn-early", "auto-overlap-mlp-qkv-attn-early",
-)  # fmt: skip
 _TREE_TUNED: dict = {}  # TUNED as the tree has it, before load_gemv_table
 
 
@@ -184,41 +190,21 @@ def _gemv_table(name: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _attention_trigger(name: str) -> Iterator[None]:
-    """The split-KV launch's trigger early while a variant of ``_ATTENTION_EARLY`` captures (the
-    launch reads ``TRIGGER`` per call; the executor's warm-up before capture compiles it)."""
-    if name not in _ATTENTION_EARLY:
-        yield
-        return
-    from xhal.platforms.cuda import pdl
-    from xhal.platforms.cuda.kernels import splitkv_decode
+def _module_settings(name: str) -> Iterator[None]:
+    """The kernel modules' settings of ``_MODULE_SETTINGS`` replaced while the variant captures."""
+    import importlib
 
-    saved = splitkv_decode.TRIGGER
-    splitkv_decode.TRIGGER = pdl.EARLY
+    saved = []
     try:
+        for module_name, settings in _MODULE_SETTINGS.get(name, {}).items():
+            module = importlib.import_module(f"xhal.platforms.cuda.kernels.{module_name}")
+            for key, value in settings.items():
+                saved.append((module, key, getattr(module, key)))
+                setattr(module, key, value)
         yield
     finally:
-        splitkv_decode.TRIGGER = saved
-
-
-@contextlib.contextmanager
-def _moe_small(name: str) -> Iterator[None]:
-    """moe_small's PDL settings replaced while a variant of ``_MOE_SMALL`` captures (the pair
-    GEMVs read them per call; the executor's warm-up compiles them)."""
-    if name not in _MOE_SMALL:
-        yield
-        return
-    from xhal.platforms.cuda.kernels import moe_small
-
-    settings = _MOE_SMALL[name]
-    saved = {key: getattr(moe_small, key) for key in settings}
-    for key, value in settings.items():
-        setattr(moe_small, key, value)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            setattr(moe_small, key, value)
+        for module, key, value in reversed(saved):
+            setattr(module, key, value)
 
 
 @contextlib.contextmanager
@@ -263,7 +249,7 @@ def pdl_variant(name: str) -> Iterator[None]:
         **dict(zip(("XHAL_CUDA_PDL", "XHAL_CUDA_PDL_TRIGGER"), PDL_VARIANTS[name])),
         **EXTRA_ENV.get(name, {}),
     }
-    with environment(settings), _gemv_table(name), _attention_trigger(name), _moe_small(name):
+    with environment(settings), _gemv_table(name), _module_settings(name):
         yield
 
 

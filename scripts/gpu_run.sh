@@ -50,13 +50,13 @@ for stage in $stages; do
       timeout -k 10 "${STAGE_TIMEOUT:-0}" bash examples/cpp_host/bench_cuda.sh "$out" 2>&1 | tee "$out/cpp_host.txt" || status=1 ;;
     bench_*) py -m benchmarks.$stage ${BENCH_ARGS:-} 2>&1 | tee "$out/$stage.txt" || status=1 ;;
     overlap)  # XHAL_CUDA_OVERLAP's peers (benchmarks/pdl_variants.py), batch-1 steps, one process a model
-      early="auto-attn-early auto-overlap-attn-early auto-overlap-o-attn-early auto-overlap-mlp-qkv-attn-early"
+      peers="auto-no-overlap auto-attn-early auto-overlap-attn-late auto-overlap-o auto-overlap-o-qkv"
       for shape in llama3.2-1b llama3-8b; do
         py -m benchmarks.bench_model --shape $shape --batches 1 --no-hf \
-          --pdl auto-no-overlap auto-overlap $early 2>&1 | tee "$out/overlap-$shape.txt" || status=1
+          --pdl $peers auto-overlap-mlp-shallow 2>&1 | tee "$out/overlap-$shape.txt" || status=1
       done
       py -m benchmarks.bench_moe --batches 1 --no-hf --no-sweep --pdl-batches 1 \
-        --pdl auto-no-overlap auto-overlap $early auto-overlap-moe-down-early 2>&1 | tee "$out/overlap-moe.txt" || status=1 ;;
+        --pdl $peers auto-overlap-moe-down-early 2>&1 | tee "$out/overlap-moe.txt" || status=1 ;;
     serve)  # xhal-serve --device cuda on random Llama-3-shaped models (SERVE_SHAPES, default both
       # the 3.2-1B and the 8B shapes), each at concurrency 1 and 64, under xhal-bench-serve;
       # prompt and output lengths SERVE_INPUT_LEN / SERVE_OUTPUT_LEN (default 1024 / 128); the

@@ -142,14 +142,17 @@ OVERLAP_PARTS = ("mlp", "qkv", "o")
 
 def cuda_overlap() -> frozenset[str]:
     """``XHAL_CUDA_OVERLAP``: which of a one-row decode graph's stream kernels run beside their
-    neighbours, ``1`` (all), ``0`` (none, the default) or a comma list of ``mlp`` (the MLP block
-    takes half an SM's shared memory, ``native.beside_share``, and lets the next kernel launch
-    before its wait), ``qkv`` (the norm + qkv stream GEMV takes half an SM) and ``o`` (the
-    layer's plain projections run on the native stream GEMV in half an SM and let the next kernel
-    launch before their wait). The next kernel's CTAs then request their weights while the kernel
-    ahead still streams or waits (``xhal/platforms/cuda/pdl.py``). Read per call: a graph keeps
-    what it was captured with."""
-    raw = os.environ.get("XHAL_CUDA_OVERLAP", "0").strip().lower()
+    neighbours, ``1`` (all, the default), ``0`` (none) or a comma list of ``mlp`` (the MLP block
+    takes half an SM's shared memory, ``native.beside_share``, where that keeps its rings deep
+    enough, ``mlp_block.BESIDE_DEPTH``, and lets the next kernel launch before its wait), ``qkv``
+    (the norm + qkv stream GEMV takes half an SM) and ``o`` (the layer's plain projections run on
+    the native stream GEMV in half an SM and let the next kernel launch before their wait; the
+    one-sequence split-KV launch ahead of o then triggers right after its wait,
+    ``splitkv_decode.TRIGGER_BESIDE``). The next kernel's CTAs then request their weights while
+    the kernel ahead still streams or waits (``xhal/platforms/cuda/pdl.py``; what it measured:
+    docs/h200-results.md, twenty-first session). Read per call: a graph keeps what it was
+    captured with."""
+    raw = os.environ.get("XHAL_CUDA_OVERLAP", "1").strip().lower()
     if raw in ("0", "", "off", "false", "no"):
         return frozenset()
     if raw in ("1", "on", "true", "yes"):

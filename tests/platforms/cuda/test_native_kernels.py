@@ -159,19 +159,27 @@ def test_a_small_budget_takes_fewer_rows_a_stage_and_a_short_slice_fewer_stages(
     assert gemv_stream.plan(2048, 1, half, units=2).stages == 2  # a 1B o slice: two units a CTA
 
 
-@pytest.mark.parametrize(
-    "hidden,inter,k", [(2048, 8192, 2048), (4096, 14336, 4096), (3584, 18944, 3584)]
-)
-def test_beside_plans_leave_room_for_the_next_kernel(hidden, inter, k) -> None:
+@pytest.mark.parametrize("hidden,inter", [(2048, 8192), (896, 4864), (576, 1536)])
+def test_beside_plans_leave_room_for_the_next_kernel(hidden, inter) -> None:
     """Under env.cuda_overlap the MLP block and the next layer's norm + qkv GEMV share an SM:
-    both plans fit half of it, reserves included."""
+    both plans fit half of it, reserves included, the block's rings BESIDE_DEPTH deep."""
     half = native.beside_share(H100_SHARED)
     assert half == 115712
     block = mlp_block.beside_plan(hidden, inter, 1, H100_SHARED)
-    gemv = gemv_stream.plan(k, 1, half)
+    gemv = gemv_stream.plan(hidden, 1, half)
     sm_total = H100_SHARED + 1024
     assert block is not None and gemv is not None
+    assert min(block.stages1, block.stages2) >= mlp_block.BESIDE_DEPTH
     assert block.shared_mem + gemv.shared_mem + 2 * 1024 <= sm_total
+
+
+@pytest.mark.parametrize("hidden,inter", [(4096, 14336), (3584, 18944), (3072, 8192)])
+def test_an_mlp_block_too_shallow_in_half_an_sm_keeps_the_whole_sm(hidden, inter) -> None:
+    """Llama-3-8B, Qwen2.5-7B, Llama-3.2-3B: half an SM holds their widest stages two deep
+    only, so the block takes the whole SM; the qkv GEMV still goes beside."""
+    assert mlp_block.beside_plan(hidden, inter, 1, H100_SHARED) is None
+    assert mlp_block.plan(hidden, inter, 1, H100_SHARED) is not None
+    assert gemv_stream.plan(hidden, 1, native.beside_share(H100_SHARED)) is not None
 
 
 @needs_nvcc_and_cuobjdump

@@ -39,7 +39,7 @@ def test_the_switch_defaults_on_and_reads_its_values(monkeypatch) -> None:
 
 def test_the_overlap_switch_names_its_parts(monkeypatch) -> None:
     monkeypatch.delenv("XHAL_CUDA_OVERLAP", raising=False)
-    assert env.cuda_overlap() == frozenset()
+    assert env.cuda_overlap() == {"mlp", "qkv", "o"}
     monkeypatch.setenv("XHAL_CUDA_OVERLAP", "1")
     assert env.cuda_overlap() == {"mlp", "qkv", "o"}
     monkeypatch.setenv("XHAL_CUDA_OVERLAP", "0")
@@ -49,6 +49,18 @@ def test_the_overlap_switch_names_its_parts(monkeypatch) -> None:
     monkeypatch.setenv("XHAL_CUDA_OVERLAP", "mlp,attention")
     with pytest.raises(ValueError, match="use 1, 0 or a comma list of mlp, qkv, o"):
         env.cuda_overlap()
+
+
+def test_the_split_kv_launch_triggers_early_for_one_sequence_with_o_beside(monkeypatch) -> None:
+    from xhal.platforms.cuda.kernels import splitkv_decode
+
+    monkeypatch.delenv("XHAL_CUDA_OVERLAP", raising=False)
+    assert splitkv_decode.trigger(1) == pdl.EARLY
+    assert splitkv_decode.trigger(2) == splitkv_decode.TRIGGER == pdl.LATE
+    monkeypatch.setenv("XHAL_CUDA_OVERLAP", "mlp,qkv")
+    assert splitkv_decode.trigger(1) == pdl.LATE
+    monkeypatch.setenv("XHAL_CUDA_OVERLAP", "0")
+    assert splitkv_decode.trigger(1) == pdl.LATE
 
 
 def test_cpu_tensors_never_take_pdl(monkeypatch) -> None:

@@ -36,7 +36,8 @@ The rule every PDL kernel here follows:
    kernel after it;
 3. it triggers its dependents ``EARLY`` (right after its wait) or ``LATE`` (after its weight
    stream, before its stores); small kernels always trigger early, the split-KV decode launch
-   late (after its K / V tiles; ``kernels/splitkv_decode.py`` has the figures). A GEMV triggers as
+   late (after its K / V tiles; ``kernels/splitkv_decode.py`` has the figures), or early for one
+   sequence under ``env.cuda_overlap``'s ``o`` (below). A GEMV triggers as
    ``XHAL_CUDA_PDL_TRIGGER`` says, ``AUTO`` by default: early below ``EARLY_BYTES`` of weight,
    late above, since the next kernel's programs, parked on the SMs through a long weight stream,
    cost more than the ramp they hide, while a short stream gains from the earlier start. The
@@ -66,8 +67,9 @@ same rule: before their wait they initialise their shared-memory barriers and re
 rows by TMA bulk copies, nothing else; they read the kernel ahead's output after it, and
 trigger after their last weight stage (late), so they are gated too.
 
-The exception is ``env.cuda_overlap``: there the MLP block and a layer's plain stream GEMV (o)
-trigger *before* their wait, once every CTA has requested its first stages, and each stream
+The exception is ``env.cuda_overlap`` (on by default): there the MLP block (where half an SM
+holds its rings ``mlp_block.BESIDE_DEPTH`` deep) and a layer's plain stream GEMV (o) trigger
+*before* their wait, once every CTA has requested its first stages, and each stream
 kernel keeps to half an SM's shared memory (``native.beside_share``), so the next kernel's CTAs
 land beside them and request their own weights while the kernel ahead still streams (the MLP
 block) or waits (o, behind the attention). Those two are then not gated, so the kernel after
@@ -76,7 +78,9 @@ its wait. What follows them does just that: the next layer's norm + qkv stream G
 head (TMA weight stages), the MLP block, a mixture of experts' norm + router (its router rows),
 the Triton stream GEMVs (a weight tile) and the RMSNorm kernel (its weight). The split-KV launch,
 whose reads before the wait are the ones rule 1 argues, always follows a gated kernel (the norm
-+ qkv GEMV, or the q/k norm).
++ qkv GEMV, or the q/k norm). With o beside, the one-sequence split-KV launch triggers right after
+its wait (``splitkv_decode.TRIGGER_BESIDE``), so o's CTAs land beside the attention and hold their
+weight slice while it runs; it stays gated.
 
 A non-PDL kernel (cuBLAS, FlashInfer, torch) in the chain is safe either way: it starts only once
 the kernel ahead has finished, and a PDL kernel after it launches when it finishes.

@@ -33,6 +33,13 @@ ROUTED_ROWS = 1
 THREADS = 256
 _WARPS = THREADS // 32
 _MAX_STAGES = 8
+# Under env.cuda_overlap the block runs in half an SM only where its widest stages fit there at
+# least this deep in both phases; it keeps the whole SM otherwise. H100, batch-1 steps, each
+# setting's graphs in one process (docs/h200-results.md, twenty-first session): the 1B shape's
+# half-SM plan (3 x 32 KB stages a phase) with the other parts made the step 1.07 ms against the
+# tree's 1.12; the 8B's (2 x 32 KB gate/up stages) made it 5.98 against 5.66 ms with every part
+# on, 5.68 with the attention's early trigger too, and the other parts without it 5.56-5.58
+BESIDE_DEPTH = 3
 
 
 @dataclass(frozen=True)
@@ -77,8 +84,11 @@ def plan(
 
 def beside_plan(hidden: int, inter: int, rows: int, max_shared_mem: int) -> Plan | None:
     """``plan`` in the half of an SM ``native.beside_share`` leaves (``env.cuda_overlap``), the
-    widest stages first."""
-    return plan(hidden, inter, rows, native.beside_share(max_shared_mem), widest=True)
+    widest stages first; None where it keeps a phase's ring under ``BESIDE_DEPTH`` stages."""
+    p = plan(hidden, inter, rows, native.beside_share(max_shared_mem), widest=True)
+    if p is None or min(p.stages1, p.stages2) < BESIDE_DEPTH:
+        return None
+    return p
 
 
 def supports(

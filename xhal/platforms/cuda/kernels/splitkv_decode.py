@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from xhal import env
 from xhal.platforms.cuda import pdl
 from xhal.platforms.cuda.kernels.l2_prefetch import line_elements, lines, prefetch_l2
 from xhal.platforms.cuda.kernels.splitkv_merge import merge
@@ -66,7 +67,19 @@ MAX_GROUP = ROWS
 # 1B 22.6 / 21.1 / 21.2 / 20.6 (4 tiles at the MoE shape: 33.3). Late with 2 tiles is the one
 # setting measured at every shape and never behind the plain launch.
 TRIGGER = pdl.LATE
+# One sequence with o beside (``env.cuda_overlap``'s ``o``): the o projection after this launch
+# then takes half an SM and holds its weight slice while it waits, so the launch triggers right
+# after its wait and o's CTAs land beside it. H100, batch-1 steps with every part of the overlap
+# on (docs/h200-results.md, twenty-first session): 1B 1.07 against 1.14 ms with the late trigger,
+# Qwen3-30B-A3B 3.31 against 3.37 (the tree before the overlap: 1.12, 3.41)
+TRIGGER_BESIDE = pdl.EARLY
 PREFETCH_TILES = 2
+
+
+def trigger(batch: int) -> int:
+    """Where a launch of ``batch`` sequences under PDL lets the next kernel launch: ``TRIGGER``,
+    or ``TRIGGER_BESIDE`` for one sequence with ``o`` in ``env.cuda_overlap``."""
+    return TRIGGER_BESIDE if batch == 1 and "o" in env.cuda_overlap() else TRIGGER
 
 
 @triton.jit
@@ -320,7 +333,8 @@ def splitkv_decode(
     that, q given unnormed (Qwen3's q_norm / k_norm: no ``qk_rms_norm`` launch before).
 
     ``use_pdl``: ``pdl.OFF`` (the plain kernel), ``pdl.EARLY`` (trigger right after the wait) or
-    ``pdl.LATE`` (after the last K/V load); by default ``TRIGGER`` where ``pdl.mode`` is on.
+    ``pdl.LATE`` (after the last K/V load); by default ``trigger(batch)`` where ``pdl.mode`` is
+    on.
     Under PDL a program loads the lengths, page ids and rotary row and asks L2 for ``prefetch``
     tiles of its split before waiting for the kernel ahead (pdl.py, rule 1), so that dependent
     chain runs under that kernel's tail."""
@@ -347,7 +361,7 @@ def splitkv_decode(
     new_args, rot_args, half, is_neox = fused_args(q, k_cache, new, rotary)
     qk_args = norm_args(q, new, qk_norm)
     if use_pdl is None:
-        use_pdl = TRIGGER if pdl.mode(q.device) else pdl.OFF
+        use_pdl = trigger(batch) if pdl.mode(q.device) else pdl.OFF
     use_pdl = int(use_pdl)
     if use_pdl not in (pdl.OFF, pdl.EARLY, pdl.LATE) or prefetch < 0:
         raise ValueError(
