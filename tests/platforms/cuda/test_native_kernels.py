@@ -182,6 +182,18 @@ def test_an_mlp_block_too_shallow_in_half_an_sm_keeps_the_whole_sm(hidden, inter
     assert gemv_stream.plan(hidden, 1, native.beside_share(H100_SHARED)) is not None
 
 
+def test_what_fits_half_an_sm_fits_the_whole_sm() -> None:
+    """CudaOps asks ``fits_beside`` only of operands ``supports`` took (whole-SM plans)."""
+    half = native.beside_share(H100_SHARED)
+    for hidden in range(64, 8193, 64):
+        for rows in (1, 2, 4):
+            if gemv_stream.plan(hidden, rows, half) is not None:
+                assert gemv_stream.plan(hidden, rows, H100_SHARED) is not None
+            for inter in (96, 1536, 4864, 8192, 8960, 14336, 18944, 28672):
+                if mlp_block.beside_plan(hidden, inter, rows, H100_SHARED) is not None:
+                    assert mlp_block.plan(hidden, inter, rows, H100_SHARED) is not None
+
+
 @needs_nvcc_and_cuobjdump
 @pytest.mark.parametrize("bf16", [0, 1])
 @pytest.mark.parametrize(

@@ -171,18 +171,17 @@ class CudaOps(DeviceOps):
             and x.dim() == 2
             and x.shape[0] <= mlp_block.ROUTED_ROWS
             and env.cuda_mlp_block()
+            and mlp_block.supports(x, residual, norm_weight, gate_up_weight, down_weight)
         ):
-            operands = (x, residual, norm_weight, gate_up_weight, down_weight)
-            beside = "mlp" in env.cuda_overlap() and mlp_block.supports(*operands, beside=True)
-            if beside or mlp_block.supports(*operands):
-                block = self._native(x.device, mlp_block.MlpBlock)
-                use_pdl = bool(pdl.mode(x.device))
-                key = ("mlp_block", *x.shape, down_weight.shape[1], x.dtype, x.device, use_pdl,
-                       beside)  # fmt: skip
-                if block is not None and self._graph_kernel(key):
-                    return block(
-                        x, residual, norm_weight, eps, gate_up_weight, down_weight, use_pdl, beside
-                    )
+            beside = "mlp" in env.cuda_overlap() and mlp_block.fits_beside(x, down_weight)
+            block = self._native(x.device, mlp_block.MlpBlock)
+            use_pdl = bool(pdl.mode(x.device))
+            key = ("mlp_block", *x.shape, down_weight.shape[1], x.dtype, x.device, use_pdl,
+                   beside)  # fmt: skip
+            if block is not None and self._graph_kernel(key):
+                return block(
+                    x, residual, norm_weight, eps, gate_up_weight, down_weight, use_pdl, beside
+                )
         return super().add_rms_norm_gated_mlp(
             x, residual, norm_weight, eps, gate_up_weight, down_weight, gate_up_bias, down_bias
         )
@@ -199,19 +198,17 @@ class CudaOps(DeviceOps):
             and x.dim() == 2
             and x.shape[0] <= gemv_stream.ROUTED_ROWS
             and env.cuda_native_gemv()
+            and gemv_stream.supports(x, weight, residual, norm_weight)
         ):
             return None
         layer = weight.numel() * 2 < gemv_stream.MIN_PLAIN_BYTES
         beside = (
             layer
             and ("o" if residual is None else "qkv") in env.cuda_overlap()
-            and gemv_stream.supports(x, weight, residual, norm_weight, beside=True)
+            and gemv_stream.fits_beside(x)
         )
-        if not beside:
-            if residual is None and layer:  # a layer's plain projection stays on Triton's GEMV
-                return None
-            if not gemv_stream.supports(x, weight, residual, norm_weight):
-                return None
+        if residual is None and layer and not beside:  # stays on Triton's GEMV
+            return None
         kernels = self._native(x.device, gemv_stream.GemvStream)
         use_pdl = bool(pdl.mode(x.device))
         early = beside and residual is None

@@ -69,9 +69,8 @@ def plan(k: int, m: int, max_shared_mem: int, ring_bytes: int = _RING_BYTES,
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
-             norm_weight: torch.Tensor | None = None, beside: bool = False) -> bool:  # fmt: skip
-    """Whether the kernel takes these operands (the caller falls back otherwise); ``beside``:
-    in the shared memory ``native.beside_share`` leaves it."""
+             norm_weight: torch.Tensor | None = None) -> bool:  # fmt: skip
+    """Whether the kernel takes these operands (the caller falls back otherwise)."""
     if not native.takes_rows(x, MAX_ROWS):
         return False
     k = x.shape[1]
@@ -87,8 +86,14 @@ def supports(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | Non
         return False
     if not native.chunk_aligned(rows, tensors):
         return False
-    budget = native.max_shared_mem(x.device)
-    return plan(k, x.shape[0], native.beside_share(budget) if beside else budget) is not None
+    return plan(k, x.shape[0], native.max_shared_mem(x.device)) is not None
+
+
+def fits_beside(x: torch.Tensor) -> bool:
+    """Whether operands ``supports`` takes also run in half an SM (``native.beside_share``;
+    what fits there fits the whole SM, so nothing ``supports`` checked is asked again)."""
+    share = native.beside_share(native.max_shared_mem(x.device))
+    return plan(x.shape[1], x.shape[0], share) is not None
 
 
 class GemvStream:
@@ -100,12 +105,18 @@ class GemvStream:
         self._kernels = native.KernelCache(SOURCE, "gemv_stream", device)
         self._plan_for = plan_for
 
+    def _grid(self, n: int, rows_per_unit: int) -> tuple[int, int]:
+        """``(units, CTAs)`` of a launch over ``n`` weight rows: units of ``rows_per_unit`` rows,
+        one CTA per SM at most."""
+        units = -(-n // rows_per_unit)
+        return units, min(self._kernels.num_sms, units)
+
     def _shape(self, rows: int, k: int, n: int, dtype: torch.dtype, norm: bool, pdl: bool,
                beside: bool, early: bool):  # fmt: skip
         if beside:  # half an SM, and no more stages than a CTA's share of the rows fills
             share = native.beside_share(self._kernels.max_shared_mem)
-            units = -(-n // plan(k, rows, share).rows)
-            p = plan(k, rows, share, units=-(-units // min(self._kernels.num_sms, units)))
+            units, ctas = self._grid(n, plan(k, rows, share).rows)
+            p = plan(k, rows, share, units=-(-units // ctas))
         else:
             p = self._plan_for(k, rows, self._kernels.max_shared_mem)
         defines = {
@@ -140,6 +151,5 @@ class GemvStream:
         args = [ctypes.c_void_p(0 if t is None else t.data_ptr()) for t in pointers]
         args += [ctypes.c_uint(n), ctypes.c_longlong(x.stride(0))]
         args += [ctypes.c_longlong(residual.stride(0) if norm else 0), ctypes.c_float(eps)]
-        units = (n + p.rows - 1) // p.rows
-        kernel.launch(min(self._kernels.num_sms, units), THREADS, args, use_pdl)
+        kernel.launch(self._grid(n, p.rows)[1], THREADS, args, use_pdl)
         return out, summed

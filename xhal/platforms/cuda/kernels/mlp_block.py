@@ -97,10 +97,8 @@ def supports(
     norm_weight: torch.Tensor,
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
-    beside: bool = False,
 ) -> bool:
-    """Whether the persistent launch takes these operands (the caller falls back otherwise);
-    ``beside``: in the shared memory ``native.beside_share`` leaves it."""
+    """Whether the persistent launch takes these operands (the caller falls back otherwise)."""
     if not native.takes_rows(x, MAX_ROWS):
         return False
     hidden, inter = x.shape[1], w_down.shape[1]
@@ -117,9 +115,14 @@ def supports(
         return False
     if not native.chunk_aligned((x, residual), tensors):
         return False
+    return plan(hidden, inter, x.shape[0], native.max_shared_mem(x.device)) is not None
+
+
+def fits_beside(x: torch.Tensor, w_down: torch.Tensor) -> bool:
+    """Whether operands ``supports`` takes also run in half an SM (``beside_plan``; what fits
+    there fits the whole SM, so nothing ``supports`` checked is asked again)."""
     budget = native.max_shared_mem(x.device)
-    planner = beside_plan if beside else plan
-    return planner(hidden, inter, x.shape[0], budget) is not None
+    return beside_plan(x.shape[1], w_down.shape[1], x.shape[0], budget) is not None
 
 
 class MlpBlock:
