@@ -74,6 +74,9 @@ PDL_VARIANTS = {
     "auto-overlap-moe-down-early": ("1", "auto"),
     # one or two parts of the overlap (env.cuda_overlap); the split-KV launch triggers early
     # where o is one of them
+    # auto with the 2- to 64-row projections on the tensor-core skinny GEMM (kernels/skinny_mma.cu,
+    # XHAL_CUDA_SKINNY_MMA=1) in place of cuBLAS
+    "auto-skinny-mma": ("1", "auto"),
     "auto-overlap-o": ("1", "auto"),
     "auto-overlap-o-qkv": ("1", "auto"),
     "auto-overlap-mlp-qkv": ("1", "auto"),
@@ -107,6 +110,7 @@ EXTRA_ENV = {
     "tree-before": {"XHAL_CUDA_OVERLAP": "0"},
     "auto-attn-early": {"XHAL_CUDA_OVERLAP": "0"},
     "auto-no-overlap": {"XHAL_CUDA_OVERLAP": "0"},
+    "auto-skinny-mma": {"XHAL_CUDA_SKINNY_MMA": "1"},
     "auto-overlap-o": {"XHAL_CUDA_OVERLAP": "o"},
     "auto-overlap-o-qkv": {"XHAL_CUDA_OVERLAP": "o,qkv"},
     "auto-overlap-mlp-qkv": {"XHAL_CUDA_OVERLAP": "mlp,qkv"},

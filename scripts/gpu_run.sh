@@ -2,7 +2,8 @@
 # One run on the GPU machine: install the carried wheels, then the stages named on the command
 # line (default: conformance (cuda, cuda-triton), bench_gemv, bench_attention, bench_model); also
 # serve, cpp_host (examples/cpp_host/bench_cuda.sh), conformance-<device>, pytest (PYTEST_ARGS),
-# overlap (XHAL_CUDA_OVERLAP's benchmark peers at batch 1: 1B, 8B, MoE),
+# overlap (XHAL_CUDA_OVERLAP's benchmark peers at batch 1: 1B, 8B, MoE), skinny (the tensor-core
+# skinny GEMM: bench_skinny_mma, its linear conformance cases, the 8B step at 16 and 64 rows),
 # solutions (the kernels chosen, checked against the pre-solution choices), tune (xhal-tune
 # twice), tilelang (installs
 # TileLang's wheels: scripts/tilelang_wheels.sh), prebuild (FlashInfer's JIT modules compiled side by side) and pack.
@@ -57,6 +58,13 @@ for stage in $stages; do
       done
       py -m benchmarks.bench_moe --batches 1 --no-hf --no-sweep --pdl-batches 1 \
         --pdl $peers auto-overlap-moe-down-early 2>&1 | tee "$out/overlap-moe.txt" || status=1 ;;
+    skinny)  # the tensor-core skinny GEMM (benchmarks/bench_skinny_mma.py: its checks, its launch
+      # shapes against cuBLAS), linear's conformance cases through it, the 8B step with it
+      py -m benchmarks.bench_skinny_mma 2>&1 | tee "$out/skinny.txt" || status=1
+      XHAL_CUDA_SKINNY_MMA=1 py -m pytest -q conformance_tests/test_ops.py conformance_tests/test_fused.py \
+        --device cuda -k linear 2>&1 | tail -15 | tee -a "$out/skinny.txt" || status=1
+      py -m benchmarks.bench_model --shape llama3-8b --batches ${SKINNY_BATCHES:-16 64} --no-hf \
+        --pdl auto-skinny-mma 2>&1 | tee "$out/skinny-8b.txt" || status=1 ;;
     serve)  # xhal-serve --device cuda on random Llama-3-shaped models (SERVE_SHAPES, default both
       # the 3.2-1B and the 8B shapes), each at concurrency 1 and 64, under xhal-bench-serve;
       # prompt and output lengths SERVE_INPUT_LEN / SERVE_OUTPUT_LEN (default 1024 / 128); the

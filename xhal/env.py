@@ -137,6 +137,14 @@ def cuda_native_gemv() -> bool:
     return _flag("XHAL_CUDA_NATIVE_GEMV", True)
 
 
+def cuda_skinny_mma() -> bool:
+    """``XHAL_CUDA_SKINNY_MMA``: a decode graph's 2- to 64-row projections on the tensor-core
+    skinny GEMM on sm_90+ (``kernels/skinny_mma.cu``: a cluster's K-split partials summed on
+    chip) in place of cuBLAS; off by default (``1`` turns it on for the benchmarks' peer
+    ``auto-skinny-mma``). Read per call: a graph keeps what it was captured with."""
+    return _flag("XHAL_CUDA_SKINNY_MMA", False)
+
+
 OVERLAP_PARTS = ("mlp", "qkv", "o")
 
 

@@ -34,7 +34,11 @@ import torch
 from xhal import env
 
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+_CU_TENSOR_MAP_DATA_TYPE_UINT16 = 1  # the copies move bits: fp16 and bf16 alike
+_CU_TENSOR_MAP_SWIZZLE_128B = 3
+_CU_TENSOR_MAP_L2_PROMOTION_L2_256B = 3
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, pad to 8, 64-byte value
@@ -213,26 +217,70 @@ class Kernel:
             )
         self.shared_mem = shared_mem
 
-    def launch(self, grid: int, block: int, args: Sequence[ctypes._SimpleCData], pdl: bool) -> None:
+    def launch(
+        self, grid: int, block: int, args: Sequence[ctypes._CData], pdl: bool, cluster: int = 1
+    ) -> None:
         """Launch on torch's current stream; ``args`` are the kernel's parameters as ctypes
-        values in order (``c_void_p`` for a pointer)."""
+        values in order (``c_void_p`` for a pointer, a ``TensorMap`` by value). ``cluster``:
+        CTAs a thread-block cluster (along x; ``grid`` a multiple of it)."""
         params = (ctypes.c_void_p * len(args))(
             *(ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args)
         )
-        attr = _LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
-        attr.value[0] = 1
+        attrs = (_LaunchAttribute * 2)()
+        count = 0
+        if pdl:
+            attrs[count].id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attrs[count].value[0] = 1
+            count += 1
+        if cluster > 1:
+            attrs[count].id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attrs[count].value[0], attrs[count].value[1], attrs[count].value[2] = cluster, 1, 1
+            count += 1
         config = _LaunchConfig(
             grid=(ctypes.c_uint * 3)(grid, 1, 1),
             block=(ctypes.c_uint * 3)(block, 1, 1),
             shared_mem_bytes=self.shared_mem,
             stream=ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
-            attrs=ctypes.pointer(attr) if pdl else None,
-            num_attrs=1 if pdl else 0,
+            attrs=attrs if count else None,
+            num_attrs=count,
         )
         _check(
             _driver().cuLaunchKernelEx(ctypes.byref(config), self._fn, params, None),
             "cuLaunchKernelEx",
         )
+
+
+class TensorMap(ctypes.Structure):
+    """A TMA tensor map (``CUtensorMap``: 128 opaque bytes on 64), passed to a kernel by value.
+    ctypes aligns a structure to 8 bytes at most, so ``tensor_map`` places it in a larger buffer
+    the map keeps alive."""
+
+    _fields_ = [("words", ctypes.c_uint64 * 16)]
+
+
+def tensor_map(t: torch.Tensor, box_rows: int, box_cols: int = 64) -> TensorMap:
+    """The tensor map of a 2-D fp16 / bf16 tensor (unit column stride, row stride and start on
+    16 bytes) that TMA copies in boxes of ``box_rows`` x ``box_cols`` (``box_cols`` * 2 bytes at
+    most 128) into shared memory with the 128-byte swizzle (16-byte chunk c of row r lands at
+    chunk c ^ (r % 8) of its 128-byte row, from a 1024-byte aligned tile); rows and columns past
+    the tensor's read as zeros."""
+    rows, cols = t.shape
+    dims = (ctypes.c_uint64 * 2)(cols, rows)
+    strides = (ctypes.c_uint64 * 1)(t.stride(0) * t.element_size())
+    box = (ctypes.c_uint32 * 2)(box_cols, box_rows)
+    unit = (ctypes.c_uint32 * 2)(1, 1)
+    buffer = ctypes.create_string_buffer(ctypes.sizeof(TensorMap) + 64)
+    out = TensorMap.from_address((ctypes.addressof(buffer) + 63) & ~63)
+    out.buffer = buffer
+    _check(
+        _driver().cuTensorMapEncodeTiled(
+            ctypes.byref(out), _CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, ctypes.c_void_p(t.data_ptr()),
+            dims, strides, box, unit, 0, _CU_TENSOR_MAP_SWIZZLE_128B,
+            _CU_TENSOR_MAP_L2_PROMOTION_L2_256B, 0,
+        ),
+        "cuTensorMapEncodeTiled",
+    )  # fmt: skip
+    return out
 
 
 def takes_rows(x: torch.Tensor, max_rows: int) -> bool:

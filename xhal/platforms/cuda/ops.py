@@ -31,6 +31,7 @@ from xhal.platforms.cuda.kernels import (
     norm,
     qk_norm,
     rotary,
+    skinny_mma,
 )
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,9 @@ class CudaOps(DeviceOps):
         out = self._stream_gemv(x, weight, bias)
         if out is not None:
             return out[0]
+        out = self._skinny_mma(x, weight, bias)
+        if out is not None:
+            return out
         use_pdl = pdl.mode(x.device)
         key = (
             "linear", x.shape[0], *weight.shape, x.stride(), x.dtype, x.device, bias is not None,
@@ -219,6 +223,24 @@ class CudaOps(DeviceOps):
         if kernels is None or not self._graph_kernel(key):
             return None
         return kernels(x, weight, use_pdl, residual, norm_weight, eps, beside, early)
+
+    def _skinny_mma(self, x, weight, bias):
+        """``skinny_mma.cu`` (2 to 64 rows on the tensor cores, K split over a cluster) when
+        ``env.cuda_skinny_mma`` is on and it takes the call, else None."""
+        if not (
+            bias is None
+            and x.dim() == 2
+            and self.gemv_max_rows < x.shape[0] <= skinny_mma.MAX_ROWS
+            and env.cuda_skinny_mma()
+            and skinny_mma.supports(x, weight)
+        ):
+            return None
+        kernels = self._native(x.device, skinny_mma.SkinnyMma)
+        use_pdl = bool(pdl.mode(x.device))
+        key = ("skinny_mma", *x.shape, x.stride(0), weight.shape[0], x.dtype, x.device, use_pdl)
+        if kernels is None or not self._graph_kernel(key):
+            return None
+        return kernels(x, weight, use_pdl)
 
     def _native(self, device: torch.device, family):
         """The device's launcher of a native kernel family (``family(device)``), made on the first

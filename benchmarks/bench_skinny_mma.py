@@ -1,0 +1,174 @@
+"""The decode batch's projections at 16 to 64 rows on the H200: the tensor-core skinny GEMM
+(``xhal/platforms/cuda/kernels/skinny_mma.cu``: a cluster of CTAs splits K, TMA tiles, mma.sync,
+the partials summed on chip) against cuBLAS, against the read floor.
+
+    python -m benchmarks.bench_skinny_mma [--models 8b 1b] [--rows 16 64] [--sweep-rows 64]
+
+First the checks: every launch shape timed, and a few odd ones (rows that are not a multiple of
+16, weights whose rows or K are not a multiple of the tile), against a float64 product; then a
+chain of three PDL launches in one CUDA graph, each reading the previous output, replayed on a
+new input written in place, against cuBLAS's chain. Then each projection as one CUDA graph of
+CALLS calls cycling through enough weight copies to overflow L2, replays back to back; floor =
+the weight bytes over the read-only ceiling measured in this run. At ``--sweep-rows`` every
+launch shape that fills 70-100% of the SMs is timed, elsewhere the one ``plan`` picks.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.bench_gemv import weight_copies
+from benchmarks.common import capture_graph, read_bandwidth, table, time_cuda_pipelined
+
+CALLS = 20
+# (model, projection) -> (N, K)
+PROJECTIONS = {
+    ("8b", "qkv"): (6144, 4096),
+    ("8b", "o"): (4096, 4096),
+    ("8b", "gate_up"): (28672, 4096),
+    ("8b", "down"): (4096, 14336),
+    ("1b", "qkv"): (3072, 2048),
+    ("1b", "o"): (2048, 2048),
+    ("1b", "gate_up"): (16384, 2048),
+    ("1b", "down"): (2048, 8192),
+}
+# (rows, N, K) checked besides the timed shapes: rows off the tile, a short last block, K off 64
+ODD = ((1, 4096, 4096), (5, 4096, 4096), (17, 4096, 4096), (33, 4000, 4096), (64, 4096, 4000))
+
+
+def error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).abs().max() / want.abs().max()).item()
+
+
+def sweep(skinny, m: int, n: int, k: int) -> list:
+    """Every launch shape of ``m`` rows filling 70-100% of the SMs (``plan``'s among them)."""
+    from xhal.platforms.cuda import native
+    from xhal.platforms.cuda.kernels import skinny_mma
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    smem = native.max_shared_mem(torch.device("cuda"))
+    mt = 16 * -(-m // 16)
+    found = []
+    for wr, warp_counts in ((32, (4, 6, 8, 12)), (64, (4, 6, 8))):
+        for warps in warp_counts:
+            for ks in (1, 2, 4, 8):
+                p = skinny_mma.shape(mt, wr, warps, ks, k, smem)
+                if p is not None and 0.7 * sms <= p.ctas(n) <= sms:
+                    found.append(p)
+    chosen = skinny.plan(m, n, k)
+    return found if chosen in found else [chosen, *found]
+
+
+def label(p) -> str:
+    return f"{p.wr}x{p.warps} ks{p.ks} s{p.stages}"
+
+
+def check(skinny, device, use_pdl) -> list[dict]:
+    rows = []
+    for m, n, k in ODD:
+        w = (torch.randn(n, k, device=device) / k**0.5).to(torch.bfloat16)
+        x = torch.randn(m, k, device=device).to(torch.bfloat16)
+        want = x.double() @ w.double().T
+        got = skinny(x, w, use_pdl)
+        base = F.linear(x, w)
+        rows.append({
+            "case": f"{m} rows, {n}x{k}", "plan": label(skinny.plan(m, n, k)),
+            "err": f"{error(got, want):.2e}", "cuBLAS err": f"{error(base, want):.2e}",
+        })  # fmt: skip
+    # a PDL chain in one graph: each launch reads the previous output
+    n = k = 4096
+    ws = [(torch.randn(n, k, device=device) / k**0.5).to(torch.bfloat16) for _ in range(3)]
+    x = torch.randn(64, k, device=device).to(torch.bfloat16)
+
+    def chain(f):
+        y = x
+        for w in ws:
+            y = f(y, w)
+        return y
+
+    graph_out = {}
+
+    def run():
+        graph_out["y"] = chain(lambda a, w: skinny(a, w, use_pdl))
+
+    graph = capture_graph(run)
+    for trial in range(2):
+        x.copy_(torch.randn(64, k, device=device).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = chain(F.linear)
+        rows.append({
+            "case": f"PDL chain of 3, 64x4096x4096, replay {trial + 1}", "plan": "",
+            "err": f"{error(graph_out['y'], want.double()):.2e}", "cuBLAS err": "(reference)",
+        })  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["8b", "1b"])
+    parser.add_argument("--rows", nargs="+", type=int, default=[16, 32, 64])
+    parser.add_argument("--sweep-rows", nargs="*", type=int, default=[64])
+    args = parser.parse_args()
+
+    from xhal.platforms.cuda import native, pdl
+    from xhal.platforms.cuda.kernels import skinny_mma
+
+    device = torch.device("cuda")
+    read = read_bandwidth(1 << 30)["read"]
+    print(f"read ceiling {read / 1e12:.2f} TB/s; native compiler: {native.compiler()}")
+    use_pdl = bool(pdl.mode(device))
+    skinny = skinny_mma.SkinnyMma(device)
+    print(table(check(skinny, device, use_pdl), "checks against float64 (max error / max |ref|)"))
+
+    rows, best = [], []
+    for (model, name), (n, k) in PROJECTIONS.items():
+        if model not in args.models:
+            continue
+        nbytes = n * k * 2
+        weights = [
+            (torch.randn(n, k, device=device) / k**0.5).to(torch.bfloat16)
+            for _ in range(weight_copies(nbytes, device))
+        ]
+        floor_us = nbytes / read * 1e6
+        for m in args.rows:
+            x = torch.randn(m, k, device=device).to(torch.bfloat16)
+            want = x.double() @ weights[0].double().T
+            calls = {"cuBLAS": lambda w: F.linear(x, w)}
+            shapes = sweep(skinny, m, n, k) if m in args.sweep_rows else [skinny.plan(m, n, k)]
+            for p in shapes:
+                tag = label(p) + (" (plan)" if p == skinny.plan(m, n, k) else "")
+                calls[tag] = lambda w, p=p: skinny(x, w, use_pdl, p)
+            timed = {}
+            for tag, call in calls.items():
+                err = error(call(weights[0]), want)
+                torch.cuda.synchronize()
+
+                def chain(call=call):
+                    for i in range(CALLS):
+                        call(weights[i % len(weights)])
+
+                graph = capture_graph(chain)
+                us = time_cuda_pipelined(graph.replay, steps=10, reps=7) * 1e3 / CALLS
+                del graph
+                timed[tag] = us
+                rows.append({
+                    "projection": f"{model} {name} {n}x{k}", "rows": m, "variant": tag,
+                    "us": round(us, 2), "of read": round(floor_us / us, 3), "err": f"{err:.2e}",
+                })  # fmt: skip
+            top = min((t for t in timed if t != "cuBLAS"), key=timed.get)
+            best.append({
+                "projection": f"{model} {name}", "rows": m, "cuBLAS us": round(timed["cuBLAS"], 2),
+                "cuBLAS of read": round(floor_us / timed["cuBLAS"], 3), "best": top,
+                "best us": round(timed[top], 2), "best of read": round(floor_us / timed[top], 3),
+                "cuBLAS / best": round(timed["cuBLAS"] / timed[top], 3),
+            })  # fmt: skip
+    print(table(rows, f"every variant (floor: weight bytes at {read / 1e12:.2f} TB/s)"))
+    print(table(best, "best launch shape against cuBLAS"))
+
+
+if __name__ == "__main__":
+    main()

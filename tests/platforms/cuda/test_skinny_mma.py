@@ -1,0 +1,81 @@
+"""The tensor-core skinny GEMM's host side, off the GPU (``kernels/skinny_mma.py``): the launch
+shapes ``plan`` picks fill the SMs without passing them, fit the shared memory and keep the
+kernel's rules; the tensor map and cluster launch structures have the driver's layout; the source
+compiles for sm_90 without spills and requests nothing but weights before its PDL wait. The
+kernel runs only on the GPU: ``benchmarks/bench_skinny_mma.py`` checks it against float64 and
+times it, and the conformance ops family runs ``linear`` through it with
+``XHAL_CUDA_SKINNY_MMA=1``."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from tests.platforms.cuda.test_native_kernels import (
+    H100_SHARED,
+    compile_sm90,
+    global_reads_before_the_wait,
+    needs_nvcc_and_cuobjdump,
+)
+from xhal.platforms.cuda import native
+from xhal.platforms.cuda.kernels import skinny_mma
+
+SMS = 132
+# Llama-3-8B and Llama-3.2-1B projections: qkv, o, gate_up, down
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+          (3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # fmt: skip
+
+
+@pytest.mark.parametrize("m", [1, 2, 16, 17, 48, 64])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_plans_fill_the_sms_and_fit_the_shared_memory(m, n, k) -> None:
+    p = skinny_mma.plan(m, n, k, SMS, H100_SHARED)
+    assert p is not None
+    assert p.mt >= m and p.mt % 16 == 0
+    assert 0.75 * SMS <= p.ctas(n) <= SMS
+    assert p.warps >= 4 and p.bn % 32 == 0 and (p.bn // p.ks) % 4 == 0
+    assert 2 <= p.stages <= 8 and p.ks <= skinny_mma.MAX_CLUSTER
+    stage = (p.bn + p.mt) * 128
+    ring, part = p.stages * stage, p.mt * (p.bn + 4) * 4
+    assert p.shared_mem == 1024 + max(ring, part) + 8 * p.stages <= H100_SHARED
+
+
+def test_plan_refuses_what_the_kernel_cannot_take() -> None:
+    assert skinny_mma.plan(65, 4096, 4096, SMS, H100_SHARED) is None  # past MAX_ROWS
+    assert skinny_mma.plan(0, 4096, 4096, SMS, H100_SHARED) is None
+    # more weight rows than one CTA an SM can cover with one block each (an LM head)
+    assert skinny_mma.plan(64, 128256, 4096, SMS, H100_SHARED) is None
+    assert skinny_mma.shape(64, 32, 4, 16, 4096, H100_SHARED) is None  # past the cluster
+    assert skinny_mma.shape(24, 32, 4, 1, 4096, H100_SHARED) is None  # rows of n8 pairs
+    assert skinny_mma.shape(64, 64, 8, 1, 4096, 64 * 1024) is None  # not two stages
+
+
+def test_the_wider_block_wins_where_the_bytes_a_cta_streams_tie() -> None:
+    # 8B o: 32 blocks of 128 rows x K/4 and 16 blocks of 256 rows x K/8 both fill 128 SMs; the
+    # second streams fewer bytes a CTA (x's slice shrinks with the K range)
+    p = skinny_mma.plan(64, 4096, 4096, SMS, H100_SHARED)
+    assert (p.bn, p.ks) == (256, 8)
+
+
+def test_tensor_maps_and_cluster_launches_have_the_driver_layout() -> None:
+    assert ctypes.sizeof(native.TensorMap) == 128  # CU_TENSOR_MAP_NUM_QWORDS * 8
+    attrs = (native._LaunchAttribute * 2)()
+    attrs[1].id = native._CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attrs[1].value[0] = 8
+    raw = bytes(attrs)
+    assert int.from_bytes(raw[72:76], "little") == 4  # the second attribute 72 bytes on
+    assert int.from_bytes(raw[80:84], "little") == 8  # its clusterDim.x at the union's start
+
+
+@needs_nvcc_and_cuobjdump
+@pytest.mark.parametrize("bf16", [0, 1])
+@pytest.mark.parametrize("m,n,k", [(64, 6144, 4096), (64, 4096, 14336), (16, 2048, 2048),
+                                   (48, 28672, 4096), (64, 2048, 8192)])  # fmt: skip
+def test_kernel_compiles_for_sm90_without_spills(m, n, k, bf16, tmp_path) -> None:
+    import torch
+
+    p = skinny_mma.plan(m, n, k, SMS, H100_SHARED)
+    dtype = torch.bfloat16 if bf16 else torch.float16
+    cubin = compile_sm90(skinny_mma.SOURCE, p.defines(dtype, True), tmp_path, warnings=False)
+    assert global_reads_before_the_wait(cubin) == []

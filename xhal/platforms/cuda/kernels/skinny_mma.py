@@ -1,0 +1,151 @@
+"""A skinny GEMM for 1 to 64 rows on the tensor cores: ``skinny_mma.cu`` (what it computes and
+how), built by ``native.py``. Its place is a decode batch's projections (issue 12's batch-64
+step), where cuBLAS streams the 8B shape's qkv, o and down weights at 0.66-0.76 of the read
+ceiling.
+
+``plan`` picks the launch shape of (rows, N, K): a cluster of ``ks`` CTAs a block of ``bn`` weight
+rows, each CTA one of ``ks`` ranges of K, at most one CTA an SM. Among the shapes that fit, the one
+whose CTA streams the fewest bytes (its weight slice plus, at half weight, its x slice, which
+comes from L2) wins; ties go to the wider block (less of x through L2), then the smaller cluster.
+
+Shapes it takes (``supports``): fp16 / bf16, K and the row strides multiples of 8 elements, a
+contiguous weight, no bias; sm_90+.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from xhal.platforms.cuda import native
+
+SOURCE = Path(__file__).with_name("skinny_mma.cu")
+MAX_ROWS = 64
+MAX_CLUSTER = 8  # the portable cluster size
+_MAX_STAGES = 8
+_ALIGN = 1024  # the kernel rounds its shared memory up to 1 KB (the swizzle is by address)
+# (weight rows a warp, most warps): a warp's accumulators are WR x 64 fp32 at 64 rows
+_WARP_SHAPES = ((64, 8), (32, 12), (16, 16))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A launch shape: input rows of the tile, weight rows a warp, warps, CTAs a cluster, ring
+    stages, shared memory (bytes)."""
+
+    mt: int
+    wr: int
+    warps: int
+    ks: int
+    stages: int
+    shared_mem: int
+
+    @property
+    def bn(self) -> int:
+        """Weight rows a cluster."""
+        return self.wr * self.warps
+
+    def ctas(self, n: int) -> int:
+        return -(-n // self.bn) * self.ks
+
+    def defines(self, dtype: torch.dtype, pdl: bool) -> dict[str, int]:
+        return {
+            "DTYPE_BF16": int(dtype == torch.bfloat16), "MT": self.mt, "WR": self.wr,
+            "WARPS": self.warps, "KS": self.ks, "STAGES": self.stages, "USE_PDL": int(pdl),
+        }  # fmt: skip
+
+
+def shape(mt: int, wr: int, warps: int, ks: int, k: int, max_shared_mem: int,
+          stages: int | None = None) -> Plan | None:  # fmt: skip
+    """The plan of one launch shape (``stages``: as many as fit, at most 8, when None), or None
+    where it breaks the kernel's rules or its ring would hold under two stages."""
+    bn = wr * warps
+    boxes = -(-bn // 256)
+    steps = -(-k // 64) // ks
+    if mt % 16 or not 16 <= mt <= MAX_ROWS or wr % 16 or bn % 32 or bn % boxes:
+        return None
+    if (bn // boxes) % 8 or (bn // ks) % 4 or ks > MAX_CLUSTER or steps < 1:
+        return None
+    stage = (bn + mt) * 128
+    part = mt * (bn + 4) * 4
+    fit = (max_shared_mem - _ALIGN - 8 * _MAX_STAGES) // stage
+    stages = min(_MAX_STAGES, fit, steps) if stages is None else stages
+    if stages < min(2, steps) or stages > fit:
+        return None
+    return Plan(mt, wr, warps, ks, stages, _ALIGN + max(stages * stage, part) + 8 * stages)
+
+
+@functools.cache
+def plan(m: int, n: int, k: int, num_sms: int, max_shared_mem: int) -> Plan | None:
+    """The launch shape for ``m`` input rows against an ``[n, k]`` weight (module doc)."""
+    if not 1 <= m <= MAX_ROWS:
+        return None
+    mt = 16 * -(-m // 16)
+    chunks = -(-k // 64)
+    best, best_key = None, None
+    for wr, most in _WARP_SHAPES:
+        for warps in range(4, most + 1):  # a warp on each of the SM's four schedulers
+            for ks in (1, 2, 4, 8):
+                p = shape(mt, wr, warps, ks, k, max_shared_mem)
+                if p is None or p.ctas(n) > num_sms:
+                    continue
+                steps = -(-chunks // ks)
+                key = ((p.bn + 0.5 * mt) * steps, -p.bn, ks)
+                if best_key is None or key < best_key:
+                    best, best_key = p, key
+    return best
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel takes these operands (the caller falls back otherwise)."""
+    if not native.takes_rows(x, MAX_ROWS) or x.stride(1) != 1 or x.stride(0) % 8:
+        return False
+    k = x.shape[1]
+    if weight.dtype != x.dtype or weight.device != x.device or weight.dim() != 2:
+        return False
+    if weight.shape[1] != k or k % 8 or not weight.is_contiguous():
+        return False
+    if x.data_ptr() % 16 or weight.data_ptr() % 16:
+        return False
+    props = torch.cuda.get_device_properties(x.device)
+    smem = native.max_shared_mem(x.device)
+    return plan(x.shape[0], weight.shape[0], k, props.multi_processor_count, smem) is not None
+
+
+class SkinnyMma:
+    """The launches of one device, its kernels by shape, the weights' tensor maps by address."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._kernels = native.KernelCache(SOURCE, "skinny_mma", device)
+        self._weight_maps: dict[tuple, native.TensorMap] = {}
+
+    def plan(self, m: int, n: int, k: int) -> Plan | None:
+        return plan(m, n, k, self._kernels.num_sms, self._kernels.max_shared_mem)
+
+    def _weight_map(self, weight: torch.Tensor, box_rows: int) -> native.TensorMap:
+        key = (weight.data_ptr(), *weight.shape, box_rows)
+        if key not in self._weight_maps:
+            self._weight_maps[key] = native.tensor_map(weight, box_rows)
+        return self._weight_maps[key]
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, use_pdl: bool,
+                 p: Plan | None = None) -> torch.Tensor:  # fmt: skip
+        """``x @ weight.T``; ``supports`` said yes for these operands. ``p``: a launch shape of
+        ``shape`` (a benchmark's), else ``plan``'s."""
+        m, k = x.shape
+        n = weight.shape[0]
+        p = p or self.plan(m, n, k)
+        kernel = self._kernels.get(p.defines(x.dtype, use_pdl), p.shared_mem)
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        boxes = -(-p.bn // 256)
+        args = [
+            self._weight_map(weight, p.bn // boxes), native.tensor_map(x, p.mt),
+            ctypes.c_void_p(out.data_ptr()), ctypes.c_uint(n), ctypes.c_uint(m),
+            ctypes.c_uint(-(-k // 64)), ctypes.c_longlong(out.stride(0)),
+        ]  # fmt: skip
+        kernel.launch(p.ctas(n), p.warps * 32, args, use_pdl, cluster=p.ks)
+        return out
