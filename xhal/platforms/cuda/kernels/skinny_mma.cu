@@ -204,14 +204,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) skinny_mma(
         const u32 row = row0 + r;
         if (c >= m || row >= n) continue;
         u16* dst = out + c * out_stride + row;
-        if (row + 4 <= n) {
+        if (row + 4 <= n && (out_stride & 3) == 0) {  // 8 bytes on 8 (out starts on 16)
             const u32 lo = (u32)to_dtype(s.x) | ((u32)to_dtype(s.y) << 16);
             const u32 hi = (u32)to_dtype(s.z) | ((u32)to_dtype(s.w) << 16);
             asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(dst), "r"(lo), "r"(hi) : "memory");
-        } else {  // the last rows of w: one to three
+        } else {  // the last rows of w, or rows of out off 8 bytes
             dst[0] = to_dtype(s.x);
             if (row + 1 < n) dst[1] = to_dtype(s.y);
             if (row + 2 < n) dst[2] = to_dtype(s.z);
+            if (row + 3 < n) dst[3] = to_dtype(s.w);
         }
     }
     cluster_sync();  // no CTA leaves while the cluster reads its shared memory
