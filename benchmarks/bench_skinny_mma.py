@@ -3,6 +3,7 @@
 the partials summed on chip) against cuBLAS, against the read floor.
 
     python -m benchmarks.bench_skinny_mma [--models 8b 1b] [--rows 16 64] [--sweep-rows 64]
+        [--wgmma]
 
 First the checks: every launch shape timed, and a few odd ones (rows that are not a multiple of
 16, weights whose rows or K are not a multiple of the tile), against a float64 product; then a
@@ -10,7 +11,9 @@ chain of three PDL launches in one CUDA graph, each reading the previous output,
 new input written in place, against cuBLAS's chain. Then each projection as one CUDA graph of
 CALLS calls cycling through enough weight copies to overflow L2, replays back to back; floor =
 the weight bytes over the read-only ceiling measured in this run. At ``--sweep-rows`` every
-launch shape that fills 70-100% of the SMs is timed, elsewhere the one ``plan`` picks.
+launch shape that fills 70-100% of the SMs is timed, elsewhere the one ``plan`` picks;
+``--wgmma`` adds the wgmma build (sm_90a) of each (its own process in ``gpu_run.sh skinny``: a
+fault there must not take the mma.sync figures with it).
 """
 
 from __future__ import annotations
@@ -70,8 +73,22 @@ def sweep(skinny, m: int, n: int, k: int) -> list:
     return found if chosen in found else [chosen, *found]
 
 
+def wgmma_twins(shapes: list, k: int) -> list:
+    """The wgmma build of each launch shape's block and split (16 weight rows a warp)."""
+    from xhal.platforms.cuda import native
+    from xhal.platforms.cuda.kernels import skinny_mma
+
+    smem = native.max_shared_mem(torch.device("cuda"))
+    twins = []
+    for p in shapes:
+        q = skinny_mma.shape(p.mt, 16, p.bn // 16, p.ks, k, smem, wgmma=True)
+        if q is not None and q not in twins:
+            twins.append(q)
+    return twins
+
+
 def label(p) -> str:
-    return f"{p.wr}x{p.warps} ks{p.ks} s{p.stages}"
+    return ("wgmma " if p.wgmma else "") + f"{p.wr}x{p.warps} ks{p.ks} s{p.stages}"
 
 
 def check(skinny, device, use_pdl) -> list[dict]:
@@ -120,6 +137,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["8b", "1b"])
     parser.add_argument("--rows", nargs="+", type=int, default=[16, 32, 64])
     parser.add_argument("--sweep-rows", nargs="*", type=int, default=[64])
+    parser.add_argument(
+        "--wgmma", action="store_true", help="also the wgmma build of every launch shape timed"
+    )
     args = parser.parse_args()
 
     from xhal.platforms.cuda import native, pdl
@@ -130,7 +150,10 @@ def main() -> None:
     print(f"read ceiling {read / 1e12:.2f} TB/s; native compiler: {native.compiler()}")
     use_pdl = bool(pdl.mode(device))
     skinny = skinny_mma.SkinnyMma(device)
-    print(table(check(skinny, device, use_pdl), "checks against float64 (max error / max |ref|)"))
+    if not args.wgmma:  # the wgmma run checks its builds in the table's err column
+        print(
+            table(check(skinny, device, use_pdl), "checks against float64 (max error / max |ref|)")
+        )
 
     rows, best = [], []
     for (model, name), (n, k) in PROJECTIONS.items():
@@ -147,6 +170,8 @@ def main() -> None:
             want = x.double() @ weights[0].double().T
             calls = {"cuBLAS": lambda w: F.linear(x, w)}
             shapes = sweep(skinny, m, n, k) if m in args.sweep_rows else [skinny.plan(m, n, k)]
+            if args.wgmma:
+                shapes += wgmma_twins(shapes, k)
             for p in shapes:
                 tag = label(p) + (" (plan)" if p == skinny.plan(m, n, k) else "")
                 calls[tag] = lambda w, p=p: skinny(x, w, use_pdl, p)

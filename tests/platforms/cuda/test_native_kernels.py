@@ -23,10 +23,12 @@ from xhal.platforms.cuda.kernels import attn_block, gemv_stream, mlp_block, moe_
 H100_SHARED = 232448  # shared_memory_per_block_optin of sm_90
 
 
-def compile_sm90(source, defines: dict, tmp_path, *, warnings: bool = True) -> Path:
-    """``nvcc -cubin`` of ``source`` for sm_90 with ``defines``: it builds, spills nothing
-    (ptxas -v) and, unless ``warnings``, prints no warning. Returns the cubin."""
-    cmd = ["nvcc", "-cubin", *native._options("sm_90", defines, source.parent), "-Xptxas", "-v"]
+def compile_sm90(
+    source, defines: dict, tmp_path, *, warnings: bool = True, arch: str = "sm_90"
+) -> Path:
+    """``nvcc -cubin`` of ``source`` for sm_90 (or ``arch``) with ``defines``: it builds, spills
+    nothing (ptxas -v) and, unless ``warnings``, prints no warning. Returns the cubin."""
+    cmd = ["nvcc", "-cubin", *native._options(arch, defines, source.parent), "-Xptxas", "-v"]
     proc = subprocess.run(
         [*cmd, "-o", str(tmp_path / "k.cubin"), str(source)],
         capture_output=True, text=True, timeout=300,

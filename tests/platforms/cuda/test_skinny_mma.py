@@ -1,7 +1,8 @@
 """The tensor-core skinny GEMM's host side, off the GPU (``kernels/skinny_mma.py``): the launch
 shapes ``plan`` picks fill the SMs without passing them, fit the shared memory and keep the
 kernel's rules; the tensor map and cluster launch structures have the driver's layout; the source
-compiles for sm_90 without spills and requests nothing but weights before its PDL wait. The
+compiles for sm_90 (its wgmma build for sm_90a) without spills and requests nothing but weights
+before its PDL wait. The
 kernel runs only on the GPU: ``benchmarks/bench_skinny_mma.py`` checks it against float64 and
 times it, and the conformance ops family runs ``linear`` through it with
 ``XHAL_CUDA_SKINNY_MMA=1``."""
@@ -79,3 +80,21 @@ def test_kernel_compiles_for_sm90_without_spills(m, n, k, bf16, tmp_path) -> Non
     dtype = torch.bfloat16 if bf16 else torch.float16
     cubin = compile_sm90(skinny_mma.SOURCE, p.defines(dtype, True), tmp_path, warnings=False)
     assert global_reads_before_the_wait(cubin) == []
+
+
+@needs_nvcc_and_cuobjdump
+@pytest.mark.parametrize("mt,warps,ks", [(16, 16, 8), (32, 8, 4), (48, 24, 8), (64, 16, 8)])
+def test_wgmma_build_compiles_for_sm90a_without_spills(mt, warps, ks, tmp_path) -> None:
+    import torch
+
+    p = skinny_mma.shape(mt, 16, warps, ks, 4096, H100_SHARED, wgmma=True)
+    assert p is not None and p.wgmma
+    defines = p.defines(torch.bfloat16, True)
+    cubin = compile_sm90(skinny_mma.SOURCE, defines, tmp_path, warnings=False, arch="sm_90a")
+    assert global_reads_before_the_wait(cubin) == []
+
+
+def test_wgmma_shapes_are_warpgroups_of_16_row_warps() -> None:
+    assert skinny_mma.shape(64, 32, 8, 8, 4096, H100_SHARED, wgmma=True) is None
+    assert skinny_mma.shape(64, 16, 6, 8, 4096, H100_SHARED, wgmma=True) is None
+    assert skinny_mma.shape(64, 16, 16, 8, 4096, H100_SHARED, wgmma=True).bn == 256

@@ -340,10 +340,11 @@ class KernelCache:
     build cannot happen under CUDA graph capture: callers build a shape with an eager call
     first (their warm-up; ``CudaOps._graph_kernel`` is that rule)."""
 
-    def __init__(self, source: Path, entry: str, device: torch.device) -> None:
+    def __init__(self, source: Path, entry: str, device: torch.device, suffix: str = "") -> None:
+        """``suffix``: ``"a"`` builds for the architecture-specific target (``sm_90a``: wgmma)."""
         self.source, self.entry, self.device = source, entry, device
         major, minor = torch.cuda.get_device_capability(device)
-        self.arch = f"sm_{major}{minor}"
+        self.arch = f"sm_{major}{minor}{suffix}"
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.max_shared_mem = max_shared_mem(device)
         self._kernels: dict[tuple, Kernel] = {}

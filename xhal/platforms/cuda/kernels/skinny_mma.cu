@@ -17,12 +17,19 @@
 // the weight tiles of its first stages (pdl.py, rule 1); x, written by the kernel ahead, comes
 // after it. The next kernel may launch once the weight stream is done (late: gated).
 //
+// WGMMA=1 (sm_90a) multiplies with wgmma instead: each warpgroup's four warps take 64 weight rows
+// (WR = 16) and one m64nMTk16 per 16 columns reads both tiles from shared memory through
+// descriptors of the 128-byte swizzle, with no ldmatrix; the accumulators land as mma.sync's do.
+//
 // Compile-time: DTYPE_BF16, MT (input rows of the tile, a multiple of 16), WR (weight rows a
-// warp, a multiple of 16), WARPS, KS (the cluster), STAGES, USE_PDL. Runtime: the two tensor maps
+// warp, a multiple of 16), WARPS, KS (the cluster), STAGES, USE_PDL, WGMMA. Runtime: the two tensor maps
 // (w as [n, K] with a box of [BN / WBOXES, 64], x as [m, K] with a box of [MT, 64]; 128-byte
 // swizzle, zero fill), out, n, m, the 64-column chunks of K, out's row stride.
 
 #define THREADS (WARPS * 32)
+#ifndef WGMMA
+#define WGMMA 0
+#endif
 
 #include "stream_common.cuh"
 
@@ -40,6 +47,7 @@ static_assert(WR % 16 == 0, "a warp's weight rows are m16 tiles");
 static_assert(BN % 32 == 0, "the partial tile's stride keeps the stores conflict free");
 static_assert(WBOX_ROWS * WBOXES == BN && WBOX_ROWS % 8 == 0, "boxes of whole swizzle atoms");
 static_assert(COLS % 4 == 0 && COLS * KS == BN, "the columns split in float4s over the cluster");
+static_assert(!WGMMA || (WR == 16 && WARPS % 4 == 0), "a warpgroup takes 64 weight rows");
 
 // a TMA tensor map, passed by value (__grid_constant__), 64-byte aligned
 struct alignas(64) TmaMap { u64 words[16]; };
@@ -82,6 +90,55 @@ __device__ __forceinline__ void cluster_sync() {
     __syncthreads();
 #endif
 }
+
+#if WGMMA
+// a shared-memory matrix descriptor of a K-major tile TMA wrote with the 128-byte swizzle: rows
+// of 128 bytes, 8-row atoms 1024 bytes apart (the stride offset); the leading offset is unused
+// with this swizzle; 16 columns further along K is 32 bytes further on the start address
+__device__ __forceinline__ u64 smem_desc(u32 addr) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_commit_and_wait() {
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+}
+
+#if DTYPE_BF16
+#define WG_TYPES ".f32.bf16.bf16"
+#else
+#define WG_TYPES ".f32.f16.f16"
+#endif
+#define WG_TAIL "p, 1, 1, 0, 0;\n}"
+#define WG_HEAD(n) "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n" #n "k16" WG_TYPES " "
+#define F4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
+
+// d (this thread's share of 64 weight rows x MT input rows, fp32) += a-tile . b-tile^T over 16
+// columns; d[j] is n8 tile j, laid out as mma.sync's m16n8 accumulator of the warp's 16 rows
+__device__ __forceinline__ void wgmma_step(float (&d)[MT / 8][4], u64 a, u64 b) {
+#if MT == 16
+    asm volatile(WG_HEAD(16) "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, " WG_TAIL
+                 : F4(0), F4(1) : "l"(a), "l"(b));
+#elif MT == 32
+    asm volatile(WG_HEAD(32) "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15},"
+                 " %16, %17, " WG_TAIL
+                 : F4(0), F4(1), F4(2), F4(3) : "l"(a), "l"(b));
+#elif MT == 48
+    asm volatile(WG_HEAD(48) "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+                 " %16, %17, %18, %19, %20, %21, %22, %23}, %24, %25, " WG_TAIL
+                 : F4(0), F4(1), F4(2), F4(3), F4(4), F4(5) : "l"(a), "l"(b));
+#else
+    asm volatile(WG_HEAD(64) "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+                 " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31},"
+                 " %32, %33, " WG_TAIL
+                 : F4(0), F4(1), F4(2), F4(3), F4(4), F4(5), F4(6), F4(7) : "l"(a), "l"(b));
+#endif
+}
+#endif
 
 // four floats at the same shared-memory offset in the cluster's CTA `rank`
 __device__ __forceinline__ f32x4 load_peer(u32 local, u32 rank) {
@@ -136,16 +193,26 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) skinny_mma(
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 
+#if !WGMMA
     // ldmatrix.x4 rows: the weight's four 8x8 matrices are a0-a3 of an m16 tile (rows lane % 16,
     // columns 8 * (lane / 16)); x's are b0, b1 of two n8 tiles (rows lane % 8 + 8 * (lane / 16),
     // columns 8 * (lane / 8 % 2))
     const u32 a_row = warp * WR + (lane & 15), a_chunk = lane >> 4;
     const u32 b_row = (lane & 7) + ((lane >> 4) << 3), b_chunk = (lane >> 3) & 1;
+#endif
 
     for (u32 k = 0; k < steps; ++k) {
         const u32 slot = k % STAGES;
         mbar_wait(bars + 8 * slot, (k / STAGES) & 1);
         const u32 wt = base + slot * STAGE_BYTES, xt = wt + W_BYTES;
+#if WGMMA
+        wgmma_fence();  // the accumulators' registers are the asynchronous MMAs' from here
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)  // the stage's four 16-column steps
+            wgmma_step(acc[0], smem_desc(wt + (warp / 4) * 64 * 128 + kk * 32),
+                       smem_desc(xt + kk * 32));
+        wgmma_commit_and_wait();  // the stage is read
+#else
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {  // the stage's four 16-column steps
             u32 a[WR / 16][4], b[MT / 8][2];
@@ -164,6 +231,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) skinny_mma(
 #pragma unroll
                 for (int j = 0; j < MT / 8; ++j) mma16816(acc[i][j], a[i], b[j][0], b[j][1]);
         }
+#endif
         __syncthreads();  // every warp has read the stage
         if (tid == 0 && k + STAGES < steps) {
             fence_async_shared();

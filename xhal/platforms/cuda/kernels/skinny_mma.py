@@ -43,6 +43,7 @@ class Plan:
     ks: int
     stages: int
     shared_mem: int
+    wgmma: bool = False  # wgmma on sm_90a (wr 16, warps in fours) in place of mma.sync
 
     @property
     def bn(self) -> int:
@@ -56,17 +57,20 @@ class Plan:
         return {
             "DTYPE_BF16": int(dtype == torch.bfloat16), "MT": self.mt, "WR": self.wr,
             "WARPS": self.warps, "KS": self.ks, "STAGES": self.stages, "USE_PDL": int(pdl),
+            "WGMMA": int(self.wgmma),
         }  # fmt: skip
 
 
 def shape(mt: int, wr: int, warps: int, ks: int, k: int, max_shared_mem: int,
-          stages: int | None = None) -> Plan | None:  # fmt: skip
+          stages: int | None = None, wgmma: bool = False) -> Plan | None:  # fmt: skip
     """The plan of one launch shape (``stages``: as many as fit, at most 8, when None), or None
     where it breaks the kernel's rules or its ring would hold under two stages."""
     bn = wr * warps
     boxes = -(-bn // 256)
     steps = -(-k // 64) // ks
     if mt % 16 or not 16 <= mt <= MAX_ROWS or wr % 16 or bn % 32 or bn % boxes:
+        return None
+    if wgmma and (wr != 16 or warps % 4 or warps > 32):
         return None
     if (bn // boxes) % 8 or (bn // ks) % 4 or ks > MAX_CLUSTER or steps < 1:
         return None
@@ -76,7 +80,8 @@ def shape(mt: int, wr: int, warps: int, ks: int, k: int, max_shared_mem: int,
     stages = min(_MAX_STAGES, fit, steps) if stages is None else stages
     if stages < min(2, steps) or stages > fit:
         return None
-    return Plan(mt, wr, warps, ks, stages, _ALIGN + max(stages * stage, part) + 8 * stages)
+    shared = _ALIGN + max(stages * stage, part) + 8 * stages
+    return Plan(mt, wr, warps, ks, stages, shared, wgmma)
 
 
 @functools.cache
@@ -121,6 +126,7 @@ class SkinnyMma:
 
     def __init__(self, device: torch.device) -> None:
         self._kernels = native.KernelCache(SOURCE, "skinny_mma", device)
+        self._wgmma_kernels = native.KernelCache(SOURCE, "skinny_mma", device, suffix="a")
         self._weight_maps: dict[tuple, native.TensorMap] = {}
 
     def plan(self, m: int, n: int, k: int) -> Plan | None:
@@ -139,7 +145,8 @@ class SkinnyMma:
         m, k = x.shape
         n = weight.shape[0]
         p = p or self.plan(m, n, k)
-        kernel = self._kernels.get(p.defines(x.dtype, use_pdl), p.shared_mem)
+        kernels = self._wgmma_kernels if p.wgmma else self._kernels
+        kernel = kernels.get(p.defines(x.dtype, use_pdl), p.shared_mem)
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         boxes = -(-p.bn // 256)
         args = [
