@@ -51,13 +51,16 @@ for stage in $stages; do
       timeout -k 10 "${STAGE_TIMEOUT:-0}" bash examples/cpp_host/bench_cuda.sh "$out" 2>&1 | tee "$out/cpp_host.txt" || status=1 ;;
     bench_*) py -m benchmarks.$stage ${BENCH_ARGS:-} 2>&1 | tee "$out/$stage.txt" || status=1 ;;
     overlap)  # XHAL_CUDA_OVERLAP's peers (benchmarks/pdl_variants.py), batch-1 steps, one process a model
+      # OVERLAP_PEERS (e.g. auto-no-overlap) narrows the peers to those, the same for each model
       peers="auto-no-overlap auto-attn-early auto-overlap-attn-late auto-overlap-o auto-overlap-o-qkv"
+      dense="$peers auto-overlap-mlp-shallow" moe="$peers auto-overlap-moe-down-early"
+      [ -n "${OVERLAP_PEERS:-}" ] && dense=$OVERLAP_PEERS moe=$OVERLAP_PEERS
       for shape in llama3.2-1b llama3-8b; do
         py -m benchmarks.bench_model --shape $shape --batches 1 --no-hf \
-          --pdl $peers auto-overlap-mlp-shallow 2>&1 | tee "$out/overlap-$shape.txt" || status=1
+          --pdl $dense 2>&1 | tee "$out/overlap-$shape.txt" || status=1
       done
       py -m benchmarks.bench_moe --batches 1 --no-hf --no-sweep --pdl-batches 1 \
-        --pdl $peers auto-overlap-moe-down-early 2>&1 | tee "$out/overlap-moe.txt" || status=1 ;;
+        --pdl $moe 2>&1 | tee "$out/overlap-moe.txt" || status=1 ;;
     skinny)  # the tensor-core skinny GEMM (benchmarks/bench_skinny_mma.py: its checks, its launch
       # shapes against cuBLAS), linear's conformance cases through it, the 8B step with it
       py -m benchmarks.bench_skinny_mma 2>&1 | tee "$out/skinny.txt" || status=1
