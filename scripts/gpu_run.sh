@@ -64,11 +64,11 @@ for stage in $stages; do
     skinny)  # the tensor-core skinny GEMM (benchmarks/bench_skinny_mma.py: its checks, its launch
       # shapes against cuBLAS), linear's conformance cases through it, the 8B step with it
       py -m benchmarks.bench_skinny_mma 2>&1 | tee "$out/skinny.txt" || status=1
-      py -m benchmarks.bench_skinny_mma --wgmma --rows 16 64 2>&1 | tee "$out/skinny-wgmma.txt" || status=1
       XHAL_CUDA_SKINNY_MMA=1 py -m pytest -q conformance_tests/test_ops.py conformance_tests/test_fused.py \
         --device cuda -k linear 2>&1 | tail -15 | tee -a "$out/skinny.txt" || status=1
       py -m benchmarks.bench_model --shape llama3-8b --batches ${SKINNY_BATCHES:-16 64} --no-hf \
-        --pdl auto-skinny-mma 2>&1 | tee "$out/skinny-8b.txt" || status=1 ;;
+        --pdl auto-skinny-mma 2>&1 | tee "$out/skinny-8b.txt" || status=1
+      py -m benchmarks.bench_skinny_mma --wgmma --rows 16 64 2>&1 | tee "$out/skinny-wgmma.txt" || status=1 ;;
     serve)  # xhal-serve --device cuda on random Llama-3-shaped models (SERVE_SHAPES, default both
       # the 3.2-1B and the 8B shapes), each at concurrency 1 and 64, under xhal-bench-serve;
       # prompt and output lengths SERVE_INPUT_LEN / SERVE_OUTPUT_LEN (default 1024 / 128); the
