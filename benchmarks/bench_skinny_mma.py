@@ -192,6 +192,7 @@ def main() -> None:
                     "projection": f"{model} {name} {n}x{k}", "rows": m, "variant": tag,
                     "us": round(us, 2), "of read": round(floor_us / us, 3), "err": f"{err:.2e}",
                 })  # fmt: skip
+                print(*rows[-1].values(), sep=" | ", flush=True)  # a cut run keeps what it timed
             top = min((t for t in timed if t != "cuBLAS"), key=timed.get)
             best.append({
                 "projection": f"{model} {name}", "rows": m, "cuBLAS us": round(timed["cuBLAS"], 2),
