@@ -98,3 +98,28 @@ def test_wgmma_shapes_are_warpgroups_of_16_row_warps() -> None:
     assert skinny_mma.shape(64, 32, 8, 8, 4096, H100_SHARED, wgmma=True) is None
     assert skinny_mma.shape(64, 16, 6, 8, 4096, H100_SHARED, wgmma=True) is None
     assert skinny_mma.shape(64, 16, 16, 8, 4096, H100_SHARED, wgmma=True).bn == 256
+
+
+def test_the_switch_is_off_by_default_and_strict(monkeypatch) -> None:
+    from xhal import env
+
+    monkeypatch.delenv("XHAL_CUDA_SKINNY_MMA", raising=False)
+    assert env.cuda_skinny_mma() is False
+    monkeypatch.setenv("XHAL_CUDA_SKINNY_MMA", "1")
+    assert env.cuda_skinny_mma() is True
+    monkeypatch.setenv("XHAL_CUDA_SKINNY_MMA", "sometimes")
+    with pytest.raises(ValueError, match="XHAL_CUDA_SKINNY_MMA"):
+        env.cuda_skinny_mma()
+
+
+def test_cuda_ops_keeps_cublas_for_what_the_kernel_does_not_take(monkeypatch) -> None:
+    import torch
+
+    from xhal.platforms.cuda.ops import CudaOps
+
+    monkeypatch.setenv("XHAL_CUDA_SKINNY_MMA", "1")
+    ops = CudaOps()
+    x, w = torch.randn(16, 64).bfloat16(), torch.randn(32, 64).bfloat16()
+    assert not skinny_mma.supports(x, w)  # not a CUDA tensor
+    assert ops._skinny_mma(x, w, None) is None
+    torch.testing.assert_close(ops.linear(x, w), x @ w.T)
