@@ -61,12 +61,16 @@ def test_the_wider_block_wins_where_the_bytes_a_cta_streams_tie() -> None:
 
 def test_tensor_maps_and_cluster_launches_have_the_driver_layout() -> None:
     assert ctypes.sizeof(native.TensorMap) == 128  # CU_TENSOR_MAP_NUM_QWORDS * 8
-    attrs = (native._LaunchAttribute * 2)()
-    attrs[1].id = native._CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    attrs[1].value[0] = 8
-    raw = bytes(attrs)
-    assert int.from_bytes(raw[72:76], "little") == 4  # the second attribute 72 bytes on
-    assert int.from_bytes(raw[80:84], "little") == 8  # its clusterDim.x at the union's start
+    config = native.launch_config(128, 256, 1024, 0, pdl=True, cluster=8)
+    assert config.num_attrs == 2
+    raw = ctypes.string_at(ctypes.addressof(config.attrs.contents), 2 * 72)
+    assert int.from_bytes(raw[0:4], "little") == 6  # programmatic stream serialization
+    assert int.from_bytes(raw[8:12], "little") == 1
+    assert int.from_bytes(raw[72:76], "little") == 4  # cluster dimension, 72 bytes on
+    assert [int.from_bytes(raw[80 + 4 * i : 84 + 4 * i], "little") for i in range(3)] == [8, 1, 1]
+    assert native.launch_config(1, 32, 0, 0, pdl=False).num_attrs == 0
+    alone = native.launch_config(1, 32, 0, 0, pdl=False, cluster=2)
+    assert alone.num_attrs == 1 and alone.attrs[0].id == 4
 
 
 @needs_nvcc_and_cuobjdump

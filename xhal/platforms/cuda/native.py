@@ -195,6 +195,34 @@ def cubin(source: Path, arch: str, defines: dict[str, int]) -> bytes:
     return image
 
 
+def launch_config(
+    grid: int, block: int, shared_mem: int, stream: int, pdl: bool, cluster: int = 1
+) -> _LaunchConfig:
+    """The ``CUlaunchConfig`` of a 1-D launch: with the programmatic-dependent-launch attribute
+    when ``pdl``, with a cluster of ``cluster`` CTAs along x when above 1 (the attributes' array
+    is kept on the config)."""
+    attrs = (_LaunchAttribute * 2)()
+    count = 0
+    if pdl:
+        attrs[count].id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attrs[count].value[0] = 1
+        count += 1
+    if cluster > 1:
+        attrs[count].id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attrs[count].value[0], attrs[count].value[1], attrs[count].value[2] = cluster, 1, 1
+        count += 1
+    config = _LaunchConfig(
+        grid=(ctypes.c_uint * 3)(grid, 1, 1),
+        block=(ctypes.c_uint * 3)(block, 1, 1),
+        shared_mem_bytes=shared_mem,
+        stream=ctypes.c_void_p(stream),
+        attrs=attrs if count else None,
+        num_attrs=count,
+    )
+    config.attributes = attrs
+    return config
+
+
 class Kernel:
     """One ``extern "C"`` kernel of a loaded cubin on one device."""
 
@@ -226,24 +254,8 @@ class Kernel:
         params = (ctypes.c_void_p * len(args))(
             *(ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args)
         )
-        attrs = (_LaunchAttribute * 2)()
-        count = 0
-        if pdl:
-            attrs[count].id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attrs[count].value[0] = 1
-            count += 1
-        if cluster > 1:
-            attrs[count].id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-            attrs[count].value[0], attrs[count].value[1], attrs[count].value[2] = cluster, 1, 1
-            count += 1
-        config = _LaunchConfig(
-            grid=(ctypes.c_uint * 3)(grid, 1, 1),
-            block=(ctypes.c_uint * 3)(block, 1, 1),
-            shared_mem_bytes=self.shared_mem,
-            stream=ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
-            attrs=attrs if count else None,
-            num_attrs=count,
-        )
+        stream = torch.cuda.current_stream().cuda_stream
+        config = launch_config(grid, block, self.shared_mem, stream, pdl, cluster)
         _check(
             _driver().cuLaunchKernelEx(ctypes.byref(config), self._fn, params, None),
             "cuLaunchKernelEx",
