@@ -8,8 +8,13 @@ rows, each CTA one of ``ks`` ranges of K, at most one CTA an SM. Among the shape
 whose CTA streams the fewest bytes (its weight slice plus, at half weight, its x slice, which
 comes from L2) wins; ties go to the wider block (less of x through L2), then the smaller cluster.
 
+``shape(..., wgmma=True)`` is the wgmma build of a shape (sm_90a): benchmarks time it, ``plan``
+does not pick it.
+
 Shapes it takes (``supports``): fp16 / bf16, K and the row strides multiples of 8 elements, a
-contiguous weight, no bias; sm_90+.
+contiguous weight, no bias; sm_90+. ``CudaOps`` sends it the 2- to 64-row linears only under
+``XHAL_CUDA_SKINNY_MMA=1``: it has not run on a GPU yet (docs/h200-results.md, twenty-second
+session).
 """
 
 from __future__ import annotations
