@@ -127,3 +127,28 @@ def test_cuda_ops_keeps_cublas_for_what_the_kernel_does_not_take(monkeypatch) ->
     assert not skinny_mma.supports(x, w)  # not a CUDA tensor
     assert ops._skinny_mma(x, w, None) is None
     torch.testing.assert_close(ops.linear(x, w), x @ w.T)
+
+
+def test_a_launch_the_driver_refuses_falls_back_to_cublas_for_good(monkeypatch, caplog) -> None:
+    import torch
+
+    from xhal.platforms.cuda.ops import CudaOps
+
+    class Refusing:
+        calls = 0
+
+        def __call__(self, x, weight, use_pdl):
+            Refusing.calls += 1
+            raise RuntimeError("cuLaunchKernelEx failed: CUDA_ERROR_CLUSTER_OUT_OF_RESOURCES")
+
+    monkeypatch.setenv("XHAL_CUDA_SKINNY_MMA", "1")
+    monkeypatch.setattr(skinny_mma, "supports", lambda x, w: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU torch
+    ops = CudaOps()
+    monkeypatch.setattr(ops, "_native", lambda device, family: Refusing())
+    x, w = torch.randn(16, 64), torch.randn(32, 64)
+    with caplog.at_level("WARNING"):
+        torch.testing.assert_close(ops.linear(x, w), x @ w.T)
+    assert "skinny GEMM off" in caplog.text
+    torch.testing.assert_close(ops.linear(x, w), x @ w.T)
+    assert Refusing.calls == 1  # the shape is not tried again

@@ -54,6 +54,7 @@ class CudaOps(DeviceOps):
         self._gemv_loaded: set[tuple] = set()
         self._natives: dict[tuple, object] = {}  # (family, device) -> its launcher
         self._native_missing_logged = False
+        self._skinny_refused: set[tuple] = set()  # shapes whose skinny GEMM failed to launch
         self.fused = env.cuda_fused()
         rows = env.cuda_gemv_max_rows(gemv.MAX_M)
         if rows is not None:
@@ -238,9 +239,16 @@ class CudaOps(DeviceOps):
         kernels = self._native(x.device, skinny_mma.SkinnyMma)
         use_pdl = bool(pdl.mode(x.device))
         key = ("skinny_mma", *x.shape, x.stride(0), weight.shape[0], x.dtype, x.device, use_pdl)
-        if kernels is None or not self._graph_kernel(key):
+        if kernels is None or key in self._skinny_refused or not self._graph_kernel(key):
             return None
-        return kernels(x, weight, use_pdl)
+        try:
+            return kernels(x, weight, use_pdl)
+        except RuntimeError as e:  # a build or launch the driver refuses (the first, eager call)
+            if torch.cuda.is_current_stream_capturing():
+                raise
+            self._skinny_refused.add(key)
+            logger.warning("cuda: skinny GEMM off for %s x %s: %s", tuple(x.shape), weight.shape, e)
+            return None
 
     def _native(self, device: torch.device, family):
         """The device's launcher of a native kernel family (``family(device)``), made on the first
