@@ -1,13 +1,14 @@
 // A skinny GEMM on the tensor cores (sm_90+): out[m, n] = x[m, :] . w[n, :] for the 2 to 64
 // rows of a decode batch, where a projection's cost is streaming its weight, not its FLOPs.
 //
-// A cluster of KS CTAs owns BN weight rows; CTA r of the cluster takes the r-th of KS equal ranges
-// of K. Each streams its [BN, K / KS] slice of w and the matching [MT, K / KS] slice of x through
-// a ring of STAGES stages of 64 columns, both tiles placed by TMA (tensor maps, 128-byte swizzle),
-// and multiplies them with mma.sync m16n8k16 (each warp WR weight rows against the MT input rows,
-// operands by ldmatrix). The cluster then sums its KS fp32 partial tiles in rank order through
-// distributed shared memory (no global partials, no second launch, the same sum every run) and
-// each CTA stores a 1 / KS share of the columns.
+// A cluster of KS CTAs owns BN weight rows; CTA r of the cluster takes the r-th of KS ranges of K
+// (whole 64-column chunks, as even as the chunks allow). Each streams its [BN, K / KS] slice of w
+// and the matching [MT, K / KS] slice of x through a ring of STAGES stages of 64 columns, both
+// tiles placed by TMA (tensor maps, 128-byte swizzle), and multiplies them with mma.sync m16n8k16
+// (each warp WR weight rows against the MT input rows, operands by ldmatrix). The cluster then
+// sums its KS fp32 partial tiles in rank order through distributed shared memory (no global
+// partials, no second launch, the same sum every run) and each CTA stores a 1 / KS share of the
+// columns.
 //
 // Why this shape: at 64 rows a projection reads its weight once and x once per block of BN
 // weight rows (M / BN of the weight's bytes through L2), so blocks are wide; a wide block leaves
@@ -22,9 +23,9 @@
 // descriptors of the 128-byte swizzle, with no ldmatrix; the accumulators land as mma.sync's do.
 //
 // Compile-time: DTYPE_BF16, MT (input rows of the tile, a multiple of 16), WR (weight rows a
-// warp, a multiple of 16), WARPS, KS (the cluster), STAGES, USE_PDL, WGMMA. Runtime: the two tensor maps
-// (w as [n, K] with a box of [BN / WBOXES, 64], x as [m, K] with a box of [MT, 64]; 128-byte
-// swizzle, zero fill), out, n, m, the 64-column chunks of K, out's row stride.
+// warp, a multiple of 16), WARPS, KS (the cluster), STAGES, USE_PDL, WGMMA. Runtime: the two
+// tensor maps (w as [n, K] with a box of [BN / WBOXES, 64], x as [m, K] with a box of [MT, 64];
+// 128-byte swizzle, zero fill), out, n, m, the 64-column chunks of K, out's row stride.
 
 #define THREADS (WARPS * 32)
 #ifndef WGMMA
@@ -96,7 +97,8 @@ __device__ __forceinline__ void cluster_sync() {
 // of 128 bytes, 8-row atoms 1024 bytes apart (the stride offset); the leading offset is unused
 // with this swizzle; 16 columns further along K is 32 bytes further on the start address
 __device__ __forceinline__ u64 smem_desc(u32 addr) {
-    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32)
+           | ((u64)1 << 62);
 }
 
 __device__ __forceinline__ void wgmma_fence() {
@@ -114,7 +116,9 @@ __device__ __forceinline__ void wgmma_commit_and_wait() {
 #define WG_TYPES ".f32.f16.f16"
 #endif
 #define WG_TAIL "p, 1, 1, 0, 0;\n}"
-#define WG_HEAD(n) "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n" #n "k16" WG_TYPES " "
+#define WG_HEAD(n) \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n" #n "k16" WG_TYPES " "
 #define F4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
 
 // d (this thread's share of 64 weight rows x MT input rows, fp32) += a-tile . b-tile^T over 16
@@ -124,17 +128,17 @@ __device__ __forceinline__ void wgmma_step(float (&d)[MT / 8][4], u64 a, u64 b) 
     asm volatile(WG_HEAD(16) "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, " WG_TAIL
                  : F4(0), F4(1) : "l"(a), "l"(b));
 #elif MT == 32
-    asm volatile(WG_HEAD(32) "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15},"
-                 " %16, %17, " WG_TAIL
+    asm volatile(WG_HEAD(32) "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13,"
+                 " %14, %15}, %16, %17, " WG_TAIL
                  : F4(0), F4(1), F4(2), F4(3) : "l"(a), "l"(b));
 #elif MT == 48
-    asm volatile(WG_HEAD(48) "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-                 " %16, %17, %18, %19, %20, %21, %22, %23}, %24, %25, " WG_TAIL
+    asm volatile(WG_HEAD(48) "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13,"
+                 " %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, %24, %25, " WG_TAIL
                  : F4(0), F4(1), F4(2), F4(3), F4(4), F4(5) : "l"(a), "l"(b));
 #else
-    asm volatile(WG_HEAD(64) "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-                 " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31},"
-                 " %32, %33, " WG_TAIL
+    asm volatile(WG_HEAD(64) "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13,"
+                 " %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28,"
+                 " %29, %30, %31}, %32, %33, " WG_TAIL
                  : F4(0), F4(1), F4(2), F4(3), F4(4), F4(5), F4(6), F4(7) : "l"(a), "l"(b));
 #endif
 }
@@ -162,7 +166,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) skinny_mma(
     extern __shared__ unsigned char smem_raw[];
     // the swizzle is a function of the address: stages start on 1024 bytes (the launcher adds 1 KB)
     const u32 raw = smem_u32(smem_raw), base = (raw + 1023u) & ~1023u;
-    float* part = (float*)(smem_raw + (base - raw));  // [MT][PSTRIDE], over the ring once it is read
+    float* part = (float*)(smem_raw + (base - raw));  // [MT][PSTRIDE], over the ring once read
     constexpr u32 RING = STAGES * STAGE_BYTES, PART = MT * PSTRIDE * 4;
     const u32 bars = base + (RING > PART ? RING : PART);  // STAGES mbarriers
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -275,7 +279,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) skinny_mma(
         if (row + 4 <= n && (out_stride & 3) == 0) {  // 8 bytes on 8 (out starts on 16)
             const u32 lo = (u32)to_dtype(s.x) | ((u32)to_dtype(s.y) << 16);
             const u32 hi = (u32)to_dtype(s.z) | ((u32)to_dtype(s.w) << 16);
-            asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(dst), "r"(lo), "r"(hi) : "memory");
+            asm volatile("st.global.v2.u32 [%0], {%1, %2};"
+                         :: "l"(dst), "r"(lo), "r"(hi) : "memory");
         } else {  // the last rows of w, or rows of out off 8 bytes
             dst[0] = to_dtype(s.x);
             if (row + 1 < n) dst[1] = to_dtype(s.y);
