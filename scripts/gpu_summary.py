@@ -28,6 +28,23 @@ def read_table(text: str, title_start: str) -> list[dict[str, str]]:
     return []
 
 
+def read_spaced_table(text: str, title_start: str) -> list[dict[str, str]]:
+    """``read_table`` for tables whose headers and cells hold single spaces: columns are two or
+    more spaces apart."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(title_start) and i + 1 < len(lines):
+            header = re.split(r"\s{2,}", lines[i + 1].strip())
+            rows = []
+            for row in lines[i + 2 :]:
+                cells = re.split(r"\s{2,}", row.strip())
+                if len(cells) != len(header):
+                    break
+                rows.append(dict(zip(header, cells)))
+            return rows
+    return []
+
+
 def conformance(out: Path) -> list[str]:
     lines = []
     for report in sorted(out.glob("conformance-*.json")):
@@ -78,6 +95,15 @@ def benchmarks(out: Path) -> list[str]:
                     for k, v in speedups.items()
                 )
             )
+    for name in ("skinny.txt", "bench_skinny_mma.txt", "skinny-wgmma.txt"):
+        path = out / name
+        if path.exists():
+            for r in read_spaced_table(path.read_text(), "best launch shape against cuBLAS"):
+                lines.append(
+                    f"skinny GEMM {r['projection']} x {r['rows']} rows: cuBLAS {r['cuBLAS us']} us"
+                    f" ({r['cuBLAS of read']} of read), {r['best']} {r['best us']} us"
+                    f" ({r['best of read']}), cuBLAS / best {r['cuBLAS / best']}"
+                )
     attention = out / "bench_attention.txt"
     if attention.exists():
         for r in read_table(attention.read_text(), "decode attention"):

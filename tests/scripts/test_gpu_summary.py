@@ -113,3 +113,22 @@ def test_summary_of_an_empty_folder(tmp_path: Path, capsys, monkeypatch) -> None
     monkeypatch.setattr(sys, "argv", ["gpu_summary.py", str(tmp_path)])
     gpu_summary.main()
     assert "no results" in capsys.readouterr().out
+
+
+def test_summary_reads_the_skinny_gemm_table_as_bench_skinny_mma_prints_it(tmp_path: Path) -> None:
+    best = [
+        {
+            "projection": "8b qkv", "rows": 64, "cuBLAS us": 16.5, "cuBLAS of read": 0.73,
+            "best": "64x6 ks8 s4 (plan)", "best us": 13.1, "best of read": 0.92,
+            "cuBLAS / best": 1.26,
+        }
+    ]  # fmt: skip
+    text = "8b o 4096x4096 | 64 | cuBLAS | 12.4 | 0.65 | 3.1e-03\n"  # the per-variant lines
+    (tmp_path / "bench_skinny_mma.txt").write_text(
+        text + table(best, "best launch shape against cuBLAS") + "\n"
+    )
+    lines = gpu_summary.benchmarks(tmp_path)
+    assert lines == [
+        "skinny GEMM 8b qkv x 64 rows: cuBLAS 16.5 us (0.73 of read), 64x6 ks8 s4 (plan) 13.1 us"
+        " (0.92), cuBLAS / best 1.26"
+    ]
