@@ -9,8 +9,9 @@ First the checks: every launch shape timed, and a few odd ones (rows that are no
 16, weights whose rows or K are not a multiple of the tile), against a float64 product; then a
 chain of three PDL launches in one CUDA graph, each reading the previous output, replayed on a
 new input written in place, against cuBLAS's chain. Then each projection as one CUDA graph of
-CALLS calls cycling through enough weight copies to overflow L2, replays back to back; floor =
-the weight bytes over the read-only ceiling measured in this run. At ``--sweep-rows`` every
+20 calls cycling through enough weight copies to overflow L2, replays back to back
+(``bench_stream_gemv.cycled_graph_us``); floor = the weight bytes over the read-only ceiling
+measured in this run. At ``--sweep-rows`` every
 launch shape that fills 70-100% of the SMs is timed, elsewhere the one ``plan`` picks;
 ``--wgmma`` adds the wgmma build (sm_90a) of each (its own process in ``gpu_run.sh skinny``: a
 fault there must not take the mma.sync figures with it).
@@ -24,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_gemv import weight_copies
-from benchmarks.common import capture_graph, read_bandwidth, table, time_cuda_pipelined
+from benchmarks.bench_stream_gemv import cycled_graph_us, error
+from benchmarks.common import capture_graph, read_bandwidth, table
 
-CALLS = 20
 # (model, projection) -> (N, K)
 PROJECTIONS = {
     ("8b", "qkv"): (6144, 4096),
@@ -48,10 +49,6 @@ ODD = (
     (64, 4096, 4000),
     (7, 1001, 200),
 )
-
-
-def error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want).abs().max() / want.abs().max()).item()
 
 
 def sweep(skinny, m: int, n: int, k: int) -> list:
@@ -179,14 +176,7 @@ def main() -> None:
             for tag, call in calls.items():
                 err = error(call(weights[0]), want)
                 torch.cuda.synchronize()
-
-                def chain(call=call):
-                    for i in range(CALLS):
-                        call(weights[i % len(weights)])
-
-                graph = capture_graph(chain)
-                us = time_cuda_pipelined(graph.replay, steps=10, reps=7) * 1e3 / CALLS
-                del graph
+                us = cycled_graph_us(call, weights)
                 timed[tag] = us
                 rows.append({
                     "projection": f"{model} {name} {n}x{k}", "rows": m, "variant": tag,

@@ -100,19 +100,26 @@ def main() -> None:
             out = call(weights[0])
             torch.cuda.synchronize()
             err = "-" if label.startswith("cuBLAS (no") else f"{error(out, want):.2e}"
-
-            def chain(call=call):
-                for i in range(CALLS):
-                    call(weights[i % len(weights)])
-
-            graph = capture_graph(chain)
-            us = time_cuda_pipelined(graph.replay, steps=10, reps=7) * 1e3 / CALLS
-            del graph
+            us = cycled_graph_us(call, weights)
             rows.append({
                 "model": model, "projection": f"{name} {n}x{k}", "variant": label,
                 "us": round(us, 2), "of ceiling": round(floor_us / us, 3), "max err": err,
             })  # fmt: skip
     print(table(rows, f"one-row projections (floor: weight bytes at {read / 1e12:.2f} TB/s)"))
+
+
+def cycled_graph_us(call, weights: list[torch.Tensor]) -> float:
+    """Microseconds per call of ``call(w)``: CALLS calls cycling through ``weights`` captured in
+    one CUDA graph, its replays issued back to back."""
+
+    def chain() -> None:
+        for i in range(CALLS):
+            call(weights[i % len(weights)])
+
+    graph = capture_graph(chain)
+    us = time_cuda_pipelined(graph.replay, steps=10, reps=7) * 1e3 / CALLS
+    del graph
+    return us
 
 
 def error(got: torch.Tensor, want: torch.Tensor) -> float:
