@@ -31,7 +31,8 @@ FORMULAS = (
     "const u32 r = warp * WR + i * 16 + (lane >> 2) + ((e >> 1) << 3);",
     "const u32 c = j * 8 + 2 * (lane & 3) + (e & 1);",
     "part[c * PSTRIDE + r] = acc[i][j][e];",
-    "const u32 c = q / (COLS / 4), r = rank * COLS + (q % (COLS / 4)) * 4;",
+    "const u32 q0 = rank * QUADS / KS, quads = (rank + 1) * QUADS / KS - q0;",
+    "const u32 c = q / quads, r = (q0 + q % quads) * 4;",
     "const u32 first = rank * kchunks / KS, steps = (rank + 1) * kchunks / KS - first;",
     "return tile + row * 128 + ((chunk ^ (row & 7)) << 4);",
 )
@@ -125,7 +126,10 @@ def cta_partial(w: np.ndarray, x: np.ndarray, wr: int, warps: int, mt: int, chun
     return part
 
 
-@pytest.mark.parametrize("wr,warps,mt,ks,kchunks", [(32, 2, 16, 2, 3), (16, 4, 32, 4, 4)])
+# the last: a cluster of 3 over 5 chunks and 16 float4 columns, neither split even
+@pytest.mark.parametrize(
+    "wr,warps,mt,ks,kchunks", [(32, 2, 16, 2, 3), (16, 4, 32, 4, 4), (16, 4, 16, 3, 5)]
+)
 def test_a_cluster_computes_x_times_w_transposed(wr, warps, mt, ks, kchunks) -> None:
     bn = wr * warps
     rng = np.random.default_rng(0)
@@ -137,9 +141,13 @@ def test_a_cluster_computes_x_times_w_transposed(wr, warps, mt, ks, kchunks) -> 
         steps = (rank + 1) * kchunks // ks - first
         parts.append(cta_partial(w, x, wr, warps, mt, range(first, first + steps)))
     out = np.zeros((mt, bn), dtype=np.int64)
-    cols = bn // ks
+    written = np.zeros((mt, bn), dtype=np.int64)
     for rank in range(ks):  # each CTA stores its share of the columns, summed in rank order
-        for q in range(mt * (cols // 4)):
-            c, r = q // (cols // 4), rank * cols + (q % (cols // 4)) * 4
+        q0 = rank * (bn // 4) // ks
+        quads = (rank + 1) * (bn // 4) // ks - q0
+        for q in range(mt * quads):
+            c, r = q // quads, (q0 + q % quads) * 4
             out[c, r : r + 4] = sum(p[c, r : r + 4] for p in parts)
+            written[c, r : r + 4] += 1
+    assert (written == 1).all()  # every element stored once, by one CTA
     np.testing.assert_array_equal(out, x @ w.T)

@@ -8,11 +8,13 @@
 // (each warp WR weight rows against the MT input rows, operands by ldmatrix). The cluster then
 // sums its KS fp32 partial tiles in rank order through distributed shared memory (no global
 // partials, no second launch, the same sum every run) and each CTA stores a 1 / KS share of the
-// columns.
+// columns (whole float4s, as even as they allow: KS need not divide BN).
 //
 // Why this shape: at 64 rows a projection reads its weight once and x once per block of BN
 // weight rows (M / BN of the weight's bytes through L2), so blocks are wide; a wide block leaves
-// too few blocks to fill the SMs, so K is split, and the split's partials stay on chip.
+// too few blocks to fill the SMs, so K is split, and the split's partials stay on chip. A
+// cluster's CTAs share a GPC, so a launch takes no more clusters than the GPCs hold at once
+// (skinny_mma.py, plan): one more would run alone in a second wave, on one GPC's bandwidth.
 //
 // Before the programmatic-dependent-launch wait a CTA only initialises its mbarriers and requests
 // the weight tiles of its first stages (pdl.py, rule 1); x, written by the kernel ahead, comes
@@ -41,13 +43,13 @@
 #define X_BYTES (MT * 128)
 #define STAGE_BYTES (W_BYTES + X_BYTES)
 #define PSTRIDE (BN + 4)                // floats a row of the partial tile (bank-conflict free)
-#define COLS (BN / KS)                  // the columns this CTA stores
+#define QUADS (BN / 4)                  // the partial tile's float4 columns, shared over the cluster
 
 static_assert(MT % 16 == 0 && MT <= 64, "input rows come in ldmatrix.x4 pairs of n8 tiles");
 static_assert(WR % 16 == 0, "a warp's weight rows are m16 tiles");
 static_assert(BN % 32 == 0, "the partial tile's stride keeps the stores conflict free");
 static_assert(WBOX_ROWS * WBOXES == BN && WBOX_ROWS % 8 == 0, "boxes of whole swizzle atoms");
-static_assert(COLS % 4 == 0 && COLS * KS == BN, "the columns split in float4s over the cluster");
+static_assert(KS >= 1 && KS <= 8 && QUADS >= KS, "a portable cluster, each CTA a column share");
 static_assert(!WGMMA || (WR == 16 && WARPS % 4 == 0), "a warpgroup takes 64 weight rows");
 
 // a TMA tensor map, passed by value (__grid_constant__), 64-byte aligned
@@ -264,8 +266,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) skinny_mma(
     cluster_sync();  // every CTA's partial tile is written
 
     // this CTA's columns: the cluster's KS partials summed in rank order, four at a time
-    for (u32 q = tid; q < MT * (COLS / 4); q += THREADS) {
-        const u32 c = q / (COLS / 4), r = rank * COLS + (q % (COLS / 4)) * 4;
+    const u32 q0 = rank * QUADS / KS, quads = (rank + 1) * QUADS / KS - q0;
+    for (u32 q = tid; q < MT * quads; q += THREADS) {
+        const u32 c = q / quads, r = (q0 + q % quads) * 4;
         const u32 local = smem_u32(part + c * PSTRIDE + r);
         f32x4 s = load_peer(local, 0);
 #pragma unroll
