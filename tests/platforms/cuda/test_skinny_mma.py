@@ -23,19 +23,25 @@ from xhal.platforms.cuda import native
 from xhal.platforms.cuda.kernels import skinny_mma
 
 SMS = 132
+# clusters of 1..8 whole-SM CTAs held at once by 8 GPCs of 18, 18, 18, 18, 16, 16, 14, 14 SMs: a
+# layout that fits what an H100 showed (16 clusters of 8 and 32 of 4 ran in two waves, 12 of 8
+# and 24 of 4 in one; docs/h200-results.md, twenty-third session)
+UNEVEN = tuple(sum(g // size for g in (18, 18, 18, 18, 16, 16, 14, 14)) for size in range(1, 9))
 # Llama-3-8B and Llama-3.2-1B projections: qkv, o, gate_up, down
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
           (3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # fmt: skip
 
 
+@pytest.mark.parametrize("clusters", [None, UNEVEN], ids=["even GPCs", "uneven GPCs"])
 @pytest.mark.parametrize("m", [1, 2, 16, 17, 48, 64])
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_plans_fill_the_sms_and_fit_the_shared_memory(m, n, k) -> None:
-    p = skinny_mma.plan(m, n, k, SMS, H100_SHARED)
+def test_plans_fill_the_sms_in_one_wave_and_fit_the_shared_memory(m, n, k, clusters) -> None:
+    p = skinny_mma.plan(m, n, k, SMS, H100_SHARED, clusters)
     assert p is not None
     assert p.mt >= m and p.mt % 16 == 0
     assert 0.75 * SMS <= p.ctas(n) <= SMS
-    assert p.warps >= 4 and p.bn % 32 == 0 and (p.bn // p.ks) % 4 == 0
+    assert p.blocks(n) <= (clusters or [SMS // size for size in range(1, 9)])[p.ks - 1]
+    assert p.warps >= 4 and p.bn % 32 == 0 and p.bn // 4 >= p.ks
     assert 2 <= p.stages <= 8 and p.ks <= skinny_mma.MAX_CLUSTER
     stage = (p.bn + p.mt) * 128
     ring, part = p.stages * stage, p.mt * (p.bn + 4) * 4
@@ -53,10 +59,21 @@ def test_plan_refuses_what_the_kernel_cannot_take() -> None:
 
 
 def test_the_wider_block_wins_where_the_bytes_a_cta_streams_tie() -> None:
-    # 8B o: 32 blocks of 128 rows x K/4 and 16 blocks of 256 rows x K/8 both fill 128 SMs; the
-    # second streams fewer bytes a CTA (x's slice shrinks with the K range)
+    # 8B o on GPCs that waste no SM: 32 blocks of 128 rows x K/4 and 16 blocks of 256 rows x K/8
+    # both fill 128 SMs; the second streams fewer bytes a CTA (x's slice shrinks with the K range)
     p = skinny_mma.plan(64, 4096, 4096, SMS, H100_SHARED)
     assert (p.bn, p.ks) == (256, 8)
+
+
+def test_a_plan_takes_no_more_clusters_than_the_gpcs_hold() -> None:
+    # the same o on uneven GPCs: 16 clusters of 8 would leave two for a second wave
+    p = skinny_mma.plan(64, 4096, 4096, SMS, H100_SHARED, UNEVEN)
+    assert p.blocks(4096) <= UNEVEN[p.ks - 1] and (p.bn, p.ks) != (256, 8)
+    ranked = skinny_mma.candidates(64, 4096, 4096, SMS, H100_SHARED, UNEVEN)
+    assert ranked[0] == p and all(q.blocks(4096) <= UNEVEN[q.ks - 1] for q in ranked)
+    # a cluster of any size up to 8: K and the columns split as evenly as whole chunks allow
+    assert {q.ks for q in ranked} >= {3, 5, 6, 7}
+    assert skinny_mma.candidates(65, 4096, 4096, SMS, H100_SHARED) == []
 
 
 def test_tensor_maps_and_cluster_launches_have_the_driver_layout() -> None:
@@ -73,14 +90,49 @@ def test_tensor_maps_and_cluster_launches_have_the_driver_layout() -> None:
     assert alone.num_attrs == 1 and alone.attrs[0].id == 4
 
 
-@needs_nvcc_and_cuobjdump
-@pytest.mark.parametrize("bf16", [0, 1])
-@pytest.mark.parametrize("m,n,k", [(64, 6144, 4096), (64, 4096, 14336), (16, 2048, 2048),
-                                   (48, 28672, 4096), (64, 2048, 8192)])  # fmt: skip
-def test_kernel_compiles_for_sm90_without_spills(m, n, k, bf16, tmp_path) -> None:
+def test_the_cluster_query_asks_the_driver_for_the_launch_it_describes(monkeypatch) -> None:
+    import contextlib
+
     import torch
 
-    p = skinny_mma.plan(m, n, k, SMS, H100_SHARED)
+    asked = {}
+
+    class Driver:
+        def cuOccupancyMaxActiveClusters(self, count, fn, config):  # noqa: N802 - the driver's
+            c = config._obj
+            attr = c.attrs[0]
+            asked.update(fn=fn, grid=list(c.grid), block=list(c.block), smem=c.shared_mem_bytes,
+                         attrs=c.num_attrs, id=attr.id, dims=list(attr.value[:3]))  # fmt: skip
+            count._obj.value = 14
+            return 0
+
+    monkeypatch.setattr(native, "_driver", lambda: Driver())
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    kernel = object.__new__(native.Kernel)
+    kernel._fn, kernel.device, kernel.shared_mem = "fn", "cuda:0", 200 * 1024
+    assert kernel.max_active_clusters(8, 128) == 14
+    assert asked == {
+        "fn": "fn", "grid": [8, 1, 1], "block": [128, 1, 1], "smem": 200 * 1024, "attrs": 1,
+        "id": 4, "dims": [8, 1, 1],
+    }  # fmt: skip
+
+
+@needs_nvcc_and_cuobjdump
+def test_the_probe_compiles_for_sm90(tmp_path) -> None:
+    compile_sm90(skinny_mma.SOURCE.with_name("probe.cu"), {}, tmp_path, warnings=False)
+
+
+@needs_nvcc_and_cuobjdump
+@pytest.mark.parametrize("bf16", [0, 1])
+@pytest.mark.parametrize("m,n,k,clusters", [
+    (64, 6144, 4096, None), (64, 4096, 14336, None), (16, 2048, 2048, None),
+    (48, 28672, 4096, None), (64, 2048, 8192, None),
+    (64, 4096, 14336, UNEVEN), (64, 6144, 4096, UNEVEN),  # clusters of 7 and 8 (uneven shares)
+])  # fmt: skip
+def test_kernel_compiles_for_sm90_without_spills(m, n, k, clusters, bf16, tmp_path) -> None:
+    import torch
+
+    p = skinny_mma.plan(m, n, k, SMS, H100_SHARED, clusters)
     dtype = torch.bfloat16 if bf16 else torch.float16
     cubin = compile_sm90(skinny_mma.SOURCE, p.defines(dtype, True), tmp_path, warnings=False)
     assert global_reads_before_the_wait(cubin) == []
@@ -136,6 +188,9 @@ def test_a_launch_the_driver_refuses_falls_back_to_cublas_for_good(monkeypatch, 
 
     class Refusing:
         calls = 0
+
+        def plan(self, m, n, k):
+            return skinny_mma.plan(m, n, k, SMS, H100_SHARED)
 
         def __call__(self, x, weight, use_pdl):
             Refusing.calls += 1

@@ -243,7 +243,21 @@ class Kernel:
                 ),
                 "cuFuncSetAttribute(max dynamic shared memory)",
             )
-        self.shared_mem = shared_mem
+        self.device, self.shared_mem = device, shared_mem
+
+    def max_active_clusters(self, cluster: int, block: int) -> int:
+        """How many clusters of ``cluster`` CTAs of ``block`` threads (and this kernel's shared
+        memory) the device holds at once (``cuOccupancyMaxActiveClusters``)."""
+        config = launch_config(cluster, block, self.shared_mem, 0, False, cluster)
+        count = ctypes.c_int()
+        with torch.cuda.device(self.device):
+            _check(
+                _driver().cuOccupancyMaxActiveClusters(
+                    ctypes.byref(count), self._fn, ctypes.byref(config)
+                ),
+                "cuOccupancyMaxActiveClusters",
+            )
+        return count.value
 
     def launch(
         self, grid: int, block: int, args: Sequence[ctypes._CData], pdl: bool, cluster: int = 1
@@ -345,6 +359,25 @@ def ring_stages(
     if s1 < depth or s2 < depth:
         return None
     return s1, s2, fixed + max(s1 * stage1, s2 * stage2) + 8 * (s1 + s2)
+
+
+@functools.cache
+def _cluster_fit(index: int) -> tuple[int, ...]:
+    device = torch.device("cuda", index)
+    major, minor = torch.cuda.get_device_capability(device)
+    source = Path(__file__).with_name("kernels") / "probe.cu"
+    probe = Kernel(cubin(source, f"sm_{major}{minor}", {}), "probe", device, max_shared_mem(device))
+    return tuple(probe.max_active_clusters(size, 128) for size in range(1, 9))
+
+
+def cluster_fit(device: torch.device) -> tuple[int, ...]:
+    """How many thread-block clusters of 1, 2, ..., 8 CTAs ``device`` holds at once when each
+    CTA takes a whole SM (entry ``size - 1``). A cluster's CTAs share one GPC, and GPCs differ in
+    size (an SXM H100's 132 SMs sit in 8 of them), so this is below ``SMs // size``: a launch of
+    more clusters runs the rest in a second wave. Asked of the driver once a device, on a kernel
+    that does nothing with the largest shared memory a CTA may take; sm_90+."""
+    device = torch.device(device)
+    return _cluster_fit(torch.cuda.current_device() if device.index is None else device.index)
 
 
 class KernelCache:

@@ -3,30 +3,38 @@ how), built by ``native.py``. Its place is a decode batch's projections (issue 1
 step), where cuBLAS streams the 8B shape's qkv, o and down weights at 0.66-0.76 of the read
 ceiling.
 
-``plan`` picks the launch shape of (rows, N, K): a cluster of ``ks`` CTAs a block of ``bn`` weight
-rows, each CTA one of ``ks`` ranges of K, at most one CTA an SM. Among the shapes that fit, the one
-whose CTA streams the fewest bytes (its weight slice plus, at half weight, its x slice, which
-comes from L2) wins; ties go to the wider block (less of x through L2), then the smaller cluster.
+``plan`` picks the launch shape of (rows, N, K): a cluster of ``ks`` CTAs (1 to 8) a block of
+``bn`` weight rows, each CTA one of ``ks`` ranges of K, at most one CTA an SM, and no more clusters
+than the device holds at once (``native.cluster_fit``: a cluster's CTAs share a GPC; on an H100
+the launches of 16 clusters of 8 or 32 of 4 took about twice as long as one wave would, the mark
+of clusters left for a second wave, docs/h200-results.md, twenty-third session). Among the
+shapes that fit (``candidates``), the one whose CTA streams the fewest bytes (its weight slice
+plus, at half weight, its x slice, which comes from L2) wins; ties go to the wider block (less of
+x through L2), then the smaller cluster.
 
 ``shape(..., wgmma=True)`` is the wgmma build of a shape (sm_90a): benchmarks time it, ``plan``
 does not pick it.
 
-Shapes it takes (``supports``): fp16 / bf16, K and the row strides multiples of 8 elements, a
-contiguous weight, no bias; sm_90+. ``CudaOps`` sends it the 2- to 64-row linears only under
-``XHAL_CUDA_SKINNY_MMA=1``: it has not run on a GPU yet (docs/h200-results.md, twenty-second
-session).
+Shapes it takes (``supports``, then ``SkinnyMma.plan``): fp16 / bf16, K and the row strides
+multiples of 8 elements, a contiguous weight, no bias; sm_90+. ``CudaOps`` sends it the 2- to
+64-row linears only under ``XHAL_CUDA_SKINNY_MMA=1``. On an H100 it matched float64 as closely
+as cuBLAS, beat it on the 8B gate_up and lost on qkv, o and down, whose plans then took 16
+clusters of 8 (docs/h200-results.md, twenty-third session); the one-wave plans have not run yet.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from xhal.platforms.cuda import native
+
+logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("skinny_mma.cu")
 MAX_ROWS = 64
@@ -55,8 +63,12 @@ class Plan:
         """Weight rows a cluster."""
         return self.wr * self.warps
 
+    def blocks(self, n: int) -> int:
+        """Clusters a launch against ``n`` weight rows."""
+        return -(-n // self.bn)
+
     def ctas(self, n: int) -> int:
-        return -(-n // self.bn) * self.ks
+        return self.blocks(n) * self.ks
 
     def defines(self, dtype: torch.dtype, pdl: bool) -> dict[str, int]:
         return {
@@ -77,7 +89,7 @@ def shape(mt: int, wr: int, warps: int, ks: int, k: int, max_shared_mem: int,
         return None
     if wgmma and (wr != 16 or warps % 4 or warps > 32):
         return None
-    if (bn // boxes) % 8 or (bn // ks) % 4 or ks > MAX_CLUSTER or steps < 1:
+    if (bn // boxes) % 8 or bn // 4 < ks or ks > MAX_CLUSTER or steps < 1:
         return None
     stage = (bn + mt) * 128
     part = mt * (bn + 4) * 4
@@ -89,29 +101,40 @@ def shape(mt: int, wr: int, warps: int, ks: int, k: int, max_shared_mem: int,
     return Plan(mt, wr, warps, ks, stages, shared, wgmma)
 
 
-@functools.cache
-def plan(m: int, n: int, k: int, num_sms: int, max_shared_mem: int) -> Plan | None:
-    """The launch shape for ``m`` input rows against an ``[n, k]`` weight (module doc)."""
+def candidates(m: int, n: int, k: int, num_sms: int, max_shared_mem: int,
+               clusters: tuple[int, ...] | None = None) -> list[Plan]:  # fmt: skip
+    """Every launch shape for ``m`` input rows against an ``[n, k]`` weight that runs one CTA an
+    SM in one wave, best first (module doc). ``clusters[size - 1]``: how many clusters of
+    ``size`` whole-SM CTAs the device holds at once (``native.cluster_fit``); None assumes GPCs
+    that waste no SM (``num_sms // size``)."""
     if not 1 <= m <= MAX_ROWS:
-        return None
+        return []
     mt = 16 * -(-m // 16)
     chunks = -(-k // 64)
-    best, best_key = None, None
+    fit = clusters or tuple(num_sms // size for size in range(1, MAX_CLUSTER + 1))
+    found = []
     for wr, most in _WARP_SHAPES:
         for warps in range(4, most + 1):  # a warp on each of the SM's four schedulers
-            for ks in (1, 2, 4, 8):
+            for ks in range(1, MAX_CLUSTER + 1):
                 p = shape(mt, wr, warps, ks, k, max_shared_mem)
-                if p is None or p.ctas(n) > num_sms:
-                    continue
-                steps = -(-chunks // ks)
-                key = ((p.bn + 0.5 * mt) * steps, -p.bn, ks)
-                if best_key is None or key < best_key:
-                    best, best_key = p, key
-    return best
+                if p is not None and p.ctas(n) <= num_sms and p.blocks(n) <= fit[ks - 1]:
+                    found.append(p)
+    # the bytes a CTA streams (x's at half weight), then the wider block, then the smaller cluster
+    return sorted(found, key=lambda p: ((p.bn + 0.5 * mt) * -(-chunks // p.ks), -p.bn, p.ks))
+
+
+@functools.cache
+def plan(m: int, n: int, k: int, num_sms: int, max_shared_mem: int,
+         clusters: tuple[int, ...] | None = None) -> Plan | None:  # fmt: skip
+    """The launch shape for ``m`` input rows against an ``[n, k]`` weight: the first of
+    ``candidates``, or None."""
+    found = candidates(m, n, k, num_sms, max_shared_mem, clusters)
+    return found[0] if found else None
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the kernel takes these operands (the caller falls back otherwise)."""
+    """Whether the kernel takes these operands on a device whose GPCs waste no SM (the caller
+    falls back otherwise; ``SkinnyMma.plan`` may still find no shape on the device itself)."""
     if not native.takes_rows(x, MAX_ROWS) or x.stride(1) != 1 or x.stride(0) % 8:
         return False
     k = x.shape[1]
@@ -133,9 +156,16 @@ class SkinnyMma:
         self._kernels = native.KernelCache(SOURCE, "skinny_mma", device)
         self._wgmma_kernels = native.KernelCache(SOURCE, "skinny_mma", device, suffix="a")
         self._weight_maps: dict[tuple, native.TensorMap] = {}
+        try:  # clusters of 1..8 whole-SM CTAs the device holds at once
+            self.clusters: tuple[int, ...] | None = native.cluster_fit(device)
+        except RuntimeError as e:
+            logger.warning("cuda: skinny GEMM plans as if no GPC wasted an SM: %s", e)
+            self.clusters = None
 
     def plan(self, m: int, n: int, k: int) -> Plan | None:
-        return plan(m, n, k, self._kernels.num_sms, self._kernels.max_shared_mem)
+        """The launch shape on this device (its GPCs' sizes counted), or None."""
+        kernels = self._kernels
+        return plan(m, n, k, kernels.num_sms, kernels.max_shared_mem, self.clusters)
 
     def _weight_map(self, weight: torch.Tensor, box_rows: int) -> native.TensorMap:
         key = (weight.data_ptr(), *weight.shape, box_rows)
@@ -145,8 +175,8 @@ class SkinnyMma:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, use_pdl: bool,
                  p: Plan | None = None) -> torch.Tensor:  # fmt: skip
-        """``x @ weight.T``; ``supports`` said yes for these operands. ``p``: a launch shape of
-        ``shape`` (a benchmark's), else ``plan``'s."""
+        """``x @ weight.T`` with the launch shape ``p`` (a benchmark's, from ``shape``), else
+        ``plan``'s; ``supports`` said yes for these operands and ``plan`` found a shape."""
         m, k = x.shape
         n = weight.shape[0]
         p = p or self.plan(m, n, k)
