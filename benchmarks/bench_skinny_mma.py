@@ -11,8 +11,9 @@ chain of three PDL launches in one CUDA graph, each reading the previous output,
 new input written in place, against cuBLAS's chain. Then each projection as one CUDA graph of
 20 calls cycling through enough weight copies to overflow L2, replays back to back
 (``bench_stream_gemv.cycled_graph_us``); floor = the weight bytes over the read-only ceiling
-measured in this run. At ``--sweep-rows`` every
-launch shape that fills 70-100% of the SMs is timed, elsewhere the one ``plan`` picks;
+measured in this run. At ``--sweep-rows`` the first six one-wave launch shapes that fill 70-100%
+of the SMs (``skinny_mma.candidates``) are timed, and the one ``plan`` would pick if the GPCs
+wasted no SM (its waves in the label), elsewhere the one ``plan`` picks;
 ``--wgmma`` adds the wgmma build (sm_90a) of each (its own process in ``gpu_run.sh skinny``: a
 fault there must not take the mma.sync figures with it).
 """
@@ -51,23 +52,26 @@ ODD = (
 )
 
 
-def sweep(skinny, m: int, n: int, k: int) -> list:
-    """Every launch shape of ``m`` rows filling 70-100% of the SMs (``plan``'s among them)."""
+def waves(skinny, p, n: int) -> int:
+    """How many waves the launch of ``p`` against ``n`` weight rows runs in on this device."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    fit = skinny.clusters[p.ks - 1] if skinny.clusters else sms // p.ks
+    return -(-p.blocks(n) // max(1, fit))
+
+
+def sweep(skinny, m: int, n: int, k: int, most: int = 6) -> list:
+    """The first ``most`` of ``candidates`` (one wave, ``plan``'s order) that fill 70-100% of the
+    SMs, and the shape ``plan`` would pick on a device whose GPCs wasted no SM, whatever its
+    waves here."""
     from xhal.platforms.cuda import native
     from xhal.platforms.cuda.kernels import skinny_mma
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     smem = native.max_shared_mem(torch.device("cuda"))
-    mt = 16 * -(-m // 16)
-    found = []
-    for wr, warp_counts in ((32, (4, 6, 8, 12)), (64, (4, 6, 8))):
-        for warps in warp_counts:
-            for ks in (1, 2, 4, 8):
-                p = skinny_mma.shape(mt, wr, warps, ks, k, smem)
-                if p is not None and 0.7 * sms <= p.ctas(n) <= sms:
-                    found.append(p)
-    chosen = skinny.plan(m, n, k)
-    return found if chosen in found else [chosen, *found]
+    found = skinny_mma.candidates(m, n, k, sms, smem, skinny.clusters)
+    filling = [p for p in found if p.ctas(n) >= 0.7 * sms][:most]
+    ideal = skinny_mma.plan(m, n, k, sms, smem)
+    return list(dict.fromkeys([*found[:1], *filling, *([ideal] if ideal else [])]))
 
 
 def wgmma_twins(shapes: list, k: int) -> list:
@@ -84,8 +88,9 @@ def wgmma_twins(shapes: list, k: int) -> list:
     return twins
 
 
-def label(p) -> str:
-    return ("wgmma " if p.wgmma else "") + f"{p.wr}x{p.warps} ks{p.ks} s{p.stages}"
+def label(skinny, p, n: int) -> str:
+    tag = ("wgmma " if p.wgmma else "") + f"{p.wr}x{p.warps} ks{p.ks} s{p.stages}"
+    return tag + (f" ({waves(skinny, p, n)} waves)" if waves(skinny, p, n) > 1 else "")
 
 
 def check(skinny, device, use_pdl) -> list[dict]:
@@ -97,7 +102,7 @@ def check(skinny, device, use_pdl) -> list[dict]:
         got = skinny(x, w, use_pdl)
         base = F.linear(x, w)
         rows.append({
-            "case": f"{m} rows, {n}x{k}", "plan": label(skinny.plan(m, n, k)),
+            "case": f"{m} rows, {n}x{k}", "plan": label(skinny, skinny.plan(m, n, k), n),
             "err": f"{error(got, want):.2e}", "cuBLAS err": f"{error(base, want):.2e}",
         })  # fmt: skip
     # a PDL chain in one graph: each launch reads the previous output
@@ -147,6 +152,8 @@ def main() -> None:
     print(f"read ceiling {read / 1e12:.2f} TB/s; native compiler: {native.compiler()}")
     use_pdl = bool(pdl.mode(device))
     skinny = skinny_mma.SkinnyMma(device)
+    sizes = ", ".join(f"{size}: {fit}" for size, fit in enumerate(skinny.clusters or (), 1))
+    print(f"clusters of whole-SM CTAs the device holds at once, by size: {sizes or 'unknown'}")
     if not args.wgmma:  # the wgmma run checks its builds in the table's err column
         print(
             table(check(skinny, device, use_pdl), "checks against float64 (max error / max |ref|)")
@@ -170,7 +177,7 @@ def main() -> None:
             if args.wgmma:
                 shapes += wgmma_twins(shapes, k)
             for p in shapes:
-                tag = label(p) + (" (plan)" if p == skinny.plan(m, n, k) else "")
+                tag = label(skinny, p, n) + (" (plan)" if p == skinny.plan(m, n, k) else "")
                 calls[tag] = lambda w, p=p: skinny(x, w, use_pdl, p)
             timed = {}
             for tag, call in calls.items():
