@@ -373,9 +373,9 @@ def _cluster_fit(index: int) -> tuple[int, ...]:
 def cluster_fit(device: torch.device) -> tuple[int, ...]:
     """How many thread-block clusters of 1, 2, ..., 8 CTAs ``device`` holds at once when each
     CTA takes a whole SM (entry ``size - 1``). A cluster's CTAs share one GPC, and GPCs differ in
-    size (an SXM H100's 132 SMs sit in 8 of them), so this is below ``SMs // size``: a launch of
-    more clusters runs the rest in a second wave. Asked of the driver once a device, on a kernel
-    that does nothing with the largest shared memory a CTA may take; sm_90+."""
+    size (an SXM H100's 132 SMs sit in 8 of them), so this can be below ``SMs // size``; a
+    launch of more clusters runs the rest in a second wave. Asked of the driver once a device,
+    on a kernel that does nothing with the largest shared memory a CTA may take; sm_90+."""
     device = torch.device(device)
     return _cluster_fit(torch.cuda.current_device() if device.index is None else device.index)
 
