@@ -62,8 +62,9 @@ for stage in $stages; do
       py -m benchmarks.bench_moe --batches 1 --no-hf --no-sweep --pdl-batches 1 \
         --pdl $moe 2>&1 | tee "$out/overlap-moe.txt" || status=1 ;;
     skinny)  # the tensor-core skinny GEMM (benchmarks/bench_skinny_mma.py: its checks, its launch
-      # shapes against cuBLAS), linear's conformance cases through it, the 8B step with it
-      py -m benchmarks.bench_skinny_mma 2>&1 | tee "$out/skinny.txt" || status=1
+      # shapes against cuBLAS; BENCH_ARGS narrows it), linear's conformance cases through it, the
+      # 8B step with it
+      py -m benchmarks.bench_skinny_mma ${BENCH_ARGS:-} 2>&1 | tee "$out/skinny.txt" || status=1
       XHAL_CUDA_SKINNY_MMA=1 py -m pytest -q conformance_tests/test_ops.py conformance_tests/test_fused.py \
         --device cuda -k linear 2>&1 | tail -15 | tee -a "$out/skinny.txt" || status=1
       py -m benchmarks.bench_model --shape llama3-8b --batches ${SKINNY_BATCHES:-16 64} --no-hf \
