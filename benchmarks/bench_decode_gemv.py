@@ -26,7 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.bench_gemv import CALLS, graph_us, weight_copies
+from benchmarks.bench_gemv import CALLS, graph_us, random_weights
 from benchmarks.common import ceilings, table
 from benchmarks.pdl_variants import tree_table
 
@@ -84,10 +84,7 @@ def run_projection(
     prologue, N, K = PROJECTIONS[(model, proj)]
     use_pdl = pdl.mode(device)
     g = torch.Generator(device=device).manual_seed(0)
-    weights = [
-        (torch.randn(N, K, device=device, generator=g) * K**-0.5).to(torch.bfloat16)
-        for _ in range(weight_copies(N * K * 2, device))
-    ]
+    weights = random_weights(N, K, device, g)
     width = 2 * K if prologue == 2 else K
     x = torch.randn(1, width, device=device, generator=g).to(torch.bfloat16)
     res = torch.randn(1, K, device=device, generator=g).to(torch.bfloat16)

@@ -66,6 +66,14 @@ def weight_copies(num_bytes: int, device: torch.device) -> int:
     return max(2, min(CALLS, math.ceil(4 * l2 / num_bytes)))
 
 
+def random_weights(n: int, k: int, device: torch.device, generator=None) -> list[torch.Tensor]:
+    """``weight_copies`` bf16 ``[n, k]`` weights of random values scaled by 1 / sqrt(k)."""
+    return [
+        (torch.randn(n, k, device=device, generator=generator) * k**-0.5).to(torch.bfloat16)
+        for _ in range(weight_copies(n * k * 2, device))
+    ]
+
+
 def candidates(M: int, N: int, K: int, num_sms: int) -> list[tuple[int, int, int, int, int]]:
     """The sweep grid (9-15 configs): the heuristic config at 2, 3 and 4 stages and over 8 warps,
     plus tiles of 4-32 rows holding the most and half the most weights per thread that keep the

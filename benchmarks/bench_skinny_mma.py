@@ -25,7 +25,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from benchmarks.bench_gemv import weight_copies
+from benchmarks.bench_gemv import random_weights
 from benchmarks.bench_stream_gemv import cycled_graph_us, error
 from benchmarks.common import capture_graph, read_bandwidth, table
 
@@ -90,7 +90,8 @@ def wgmma_twins(shapes: list, k: int) -> list:
 
 def label(skinny, p, n: int) -> str:
     tag = ("wgmma " if p.wgmma else "") + f"{p.wr}x{p.warps} ks{p.ks} s{p.stages}"
-    return tag + (f" ({waves(skinny, p, n)} waves)" if waves(skinny, p, n) > 1 else "")
+    count = waves(skinny, p, n)
+    return tag + (f" ({count} waves)" if count > 1 else "")
 
 
 def check(skinny, device, use_pdl) -> list[dict]:
@@ -164,10 +165,7 @@ def main() -> None:
         if model not in args.models:
             continue
         nbytes = n * k * 2
-        weights = [
-            (torch.randn(n, k, device=device) / k**0.5).to(torch.bfloat16)
-            for _ in range(weight_copies(nbytes, device))
-        ]
+        weights = random_weights(n, k, device)
         floor_us = nbytes / read * 1e6
         for m in args.rows:
             x = torch.randn(m, k, device=device).to(torch.bfloat16)

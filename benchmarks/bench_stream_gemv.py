@@ -20,7 +20,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from benchmarks.bench_gemv import weight_copies
+from benchmarks.bench_gemv import random_weights
 from benchmarks.common import capture_graph, read_bandwidth, table, time_cuda_pipelined
 
 CALLS = 20
@@ -65,10 +65,7 @@ def main() -> None:
         if model not in args.models:
             continue
         nbytes = n * k * 2
-        weights = [
-            (torch.randn(n, k, device=device) / k**0.5).to(torch.bfloat16)
-            for _ in range(weight_copies(nbytes, device))
-        ]
+        weights = random_weights(n, k, device)
         x = torch.randn(1, k, device=device).to(torch.bfloat16)
         res = torch.randn(1, k, device=device).to(torch.bfloat16)
         g = (1 + 0.1 * torch.randn(k, device=device)).to(torch.bfloat16)
