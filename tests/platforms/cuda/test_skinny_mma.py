@@ -192,7 +192,7 @@ def test_a_launch_the_driver_refuses_falls_back_to_cublas_for_good(monkeypatch, 
         def plan(self, m, n, k):
             return skinny_mma.plan(m, n, k, SMS, H100_SHARED)
 
-        def __call__(self, x, weight, use_pdl):
+        def __call__(self, x, weight, use_pdl, p):
             Refusing.calls += 1
             raise RuntimeError("cuLaunchKernelEx failed: CUDA_ERROR_CLUSTER_OUT_OF_RESOURCES")
 

@@ -241,10 +241,11 @@ class CudaOps(DeviceOps):
         key = ("skinny_mma", *x.shape, x.stride(0), weight.shape[0], x.dtype, x.device, use_pdl)
         if kernels is None or key in self._skinny_refused or not self._graph_kernel(key):
             return None
-        if kernels.plan(x.shape[0], weight.shape[0], x.shape[1]) is None:  # none in one wave
+        shape = kernels.plan(x.shape[0], weight.shape[0], x.shape[1])
+        if shape is None:  # no launch shape runs in one wave on this device
             return None
         try:
-            return kernels(x, weight, use_pdl)
+            return kernels(x, weight, use_pdl, shape)
         except RuntimeError as e:  # a build or launch the driver refuses (the first, eager call)
             if torch.cuda.is_current_stream_capturing():
                 raise

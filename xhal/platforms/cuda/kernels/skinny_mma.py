@@ -175,8 +175,8 @@ class SkinnyMma:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, use_pdl: bool,
                  p: Plan | None = None) -> torch.Tensor:  # fmt: skip
-        """``x @ weight.T`` with the launch shape ``p`` (a benchmark's, from ``shape``), else
-        ``plan``'s; ``supports`` said yes for these operands and ``plan`` found a shape."""
+        """``x @ weight.T`` with the launch shape ``p`` (``plan``'s, or a benchmark's from
+        ``shape``), else ``plan``'s; ``supports`` said yes for these operands."""
         m, k = x.shape
         n = weight.shape[0]
         p = p or self.plan(m, n, k)
