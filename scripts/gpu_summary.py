@@ -12,32 +12,21 @@ import sys
 from pathlib import Path
 
 
-def read_table(text: str, title_start: str) -> list[dict[str, str]]:
-    """Rows of the first ``benchmarks.common.table`` whose title starts with ``title_start``."""
+def read_table(text: str, title_start: str, spaced: bool = False) -> list[dict[str, str]]:
+    """Rows of the first ``benchmarks.common.table`` whose title starts with ``title_start``.
+    ``spaced``: its headers and cells hold single spaces, so columns are two or more spaces
+    apart."""
+
+    def split(line: str) -> list[str]:
+        return re.split(r"\s{2,}", line.strip()) if spaced else line.split()
+
     lines = text.splitlines()
     for i, line in enumerate(lines):
         if line.startswith(title_start) and i + 1 < len(lines):
-            header = lines[i + 1].split()
+            header = split(lines[i + 1])
             rows = []
             for row in lines[i + 2 :]:
-                cells = row.split()
-                if len(cells) != len(header):
-                    break
-                rows.append(dict(zip(header, cells)))
-            return rows
-    return []
-
-
-def read_spaced_table(text: str, title_start: str) -> list[dict[str, str]]:
-    """``read_table`` for tables whose headers and cells hold single spaces: columns are two or
-    more spaces apart."""
-    lines = text.splitlines()
-    for i, line in enumerate(lines):
-        if line.startswith(title_start) and i + 1 < len(lines):
-            header = re.split(r"\s{2,}", lines[i + 1].strip())
-            rows = []
-            for row in lines[i + 2 :]:
-                cells = re.split(r"\s{2,}", row.strip())
+                cells = split(row)
                 if len(cells) != len(header):
                     break
                 rows.append(dict(zip(header, cells)))
@@ -98,7 +87,7 @@ def benchmarks(out: Path) -> list[str]:
     for name in ("skinny.txt", "bench_skinny_mma.txt", "skinny-wgmma.txt"):
         path = out / name
         if path.exists():
-            for r in read_spaced_table(path.read_text(), "best launch shape against cuBLAS"):
+            for r in read_table(path.read_text(), "best launch shape against cuBLAS", spaced=True):
                 lines.append(
                     f"skinny GEMM {r['projection']} x {r['rows']} rows: cuBLAS {r['cuBLAS us']} us"
                     f" ({r['cuBLAS of read']} of read), {r['best']} {r['best us']} us"
