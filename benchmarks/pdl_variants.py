@@ -72,11 +72,11 @@ PDL_VARIANTS = {
     # auto with the MoE down + combine kernel triggering right after its wait, so the next
     # layer's norm + qkv GEMV (half an SM) lands beside the expert stream
     "auto-overlap-moe-down-early": ("1", "auto"),
-    # one or two parts of the overlap (env.cuda_overlap); the split-KV launch triggers early
-    # where o is one of them
     # auto with the 2- to 64-row projections on the tensor-core skinny GEMM (kernels/skinny_mma.cu,
     # XHAL_CUDA_SKINNY_MMA=1) in place of cuBLAS
     "auto-skinny-mma": ("1", "auto"),
+    # one or two parts of the overlap (env.cuda_overlap); the split-KV launch triggers early
+    # where o is one of them
     "auto-overlap-o": ("1", "auto"),
     "auto-overlap-o-qkv": ("1", "auto"),
     "auto-overlap-mlp-qkv": ("1", "auto"),
