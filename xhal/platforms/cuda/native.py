@@ -361,25 +361,6 @@ def ring_stages(
     return s1, s2, fixed + max(s1 * stage1, s2 * stage2) + 8 * (s1 + s2)
 
 
-@functools.cache
-def _cluster_fit(index: int) -> tuple[int, ...]:
-    device = torch.device("cuda", index)
-    major, minor = torch.cuda.get_device_capability(device)
-    source = Path(__file__).with_name("kernels") / "probe.cu"
-    probe = Kernel(cubin(source, f"sm_{major}{minor}", {}), "probe", device, max_shared_mem(device))
-    return tuple(probe.max_active_clusters(size, 128) for size in range(1, 9))
-
-
-def cluster_fit(device: torch.device) -> tuple[int, ...]:
-    """How many thread-block clusters of 1, 2, ..., 8 CTAs ``device`` holds at once when each
-    CTA takes a whole SM (entry ``size - 1``). A cluster's CTAs share one GPC, and GPCs differ in
-    size (an SXM H100's 132 SMs sit in 8 of them), so this can be below ``SMs // size``; a
-    launch of more clusters runs the rest in a second wave. Asked of the driver once a device,
-    on a kernel that does nothing with the largest shared memory a CTA may take; sm_90+."""
-    device = torch.device(device)
-    return _cluster_fit(torch.cuda.current_device() if device.index is None else device.index)
-
-
 class KernelCache:
     """One source's kernel on one device, built once per set of ``-D`` defines (a shape). A
     build cannot happen under CUDA graph capture: callers build a shape with an eager call
@@ -404,3 +385,21 @@ class KernelCache:
             image = cubin(self.source, self.arch, defines)
             self._kernels[key] = Kernel(image, self.entry, self.device, shared_mem)
         return self._kernels[key]
+
+
+@functools.cache
+def _cluster_fit(index: int) -> tuple[int, ...]:
+    device = torch.device("cuda", index)
+    probe = KernelCache(Path(__file__).with_name("kernels") / "probe.cu", "probe", device)
+    kernel = probe.get({}, max_shared_mem(device))
+    return tuple(kernel.max_active_clusters(size, 128) for size in range(1, 9))
+
+
+def cluster_fit(device: torch.device) -> tuple[int, ...]:
+    """How many thread-block clusters of 1, 2, ..., 8 CTAs ``device`` holds at once when each
+    CTA takes a whole SM (entry ``size - 1``). A cluster's CTAs share one GPC, and GPCs differ in
+    size (an SXM H100's 132 SMs sit in 8 of them), so this can be below ``SMs // size``; a
+    launch of more clusters runs the rest in a second wave. Asked of the driver once a device,
+    on a kernel that does nothing with the largest shared memory a CTA may take; sm_90+."""
+    device = torch.device(device)
+    return _cluster_fit(torch.cuda.current_device() if device.index is None else device.index)
