@@ -12,10 +12,10 @@ new input written in place, against cuBLAS's chain. Then each projection as one 
 20 calls cycling through enough weight copies to overflow L2, replays back to back
 (``bench_stream_gemv.cycled_graph_us``); floor = the weight bytes over the read-only ceiling
 measured in this run. At ``--sweep-rows`` the first six one-wave launch shapes that fill 70-100%
-of the SMs (``skinny_mma.candidates``) are timed, and the one ``plan`` would pick if the GPCs
-wasted no SM (its waves in the label), elsewhere the one ``plan`` picks;
-``--wgmma`` adds the wgmma build (sm_90a) of each (its own process in ``gpu_run.sh skinny``: a
-fault there must not take the mma.sync figures with it).
+of the SMs (``skinny_mma.candidates``, one a block width and cluster size) are timed, and the
+one ``plan`` would pick if the GPCs wasted no SM (its waves in the label), elsewhere the one
+``plan`` picks; ``--wgmma`` adds the wgmma build (sm_90a) of each (its own process in
+``gpu_run.sh skinny``: a fault there must not take the mma.sync figures with it).
 """
 
 from __future__ import annotations
@@ -61,15 +61,18 @@ def waves(skinny, p, n: int) -> int:
 
 def sweep(skinny, m: int, n: int, k: int, most: int = 6) -> list:
     """The first ``most`` of ``candidates`` (one wave, ``plan``'s order) that fill 70-100% of the
-    SMs, and the shape ``plan`` would pick on a device whose GPCs wasted no SM, whatever its
-    waves here."""
+    SMs, one a block width and cluster size, and the shape ``plan`` would pick on a device whose
+    GPCs wasted no SM, whatever its waves here."""
     from xhal.platforms.cuda import native
     from xhal.platforms.cuda.kernels import skinny_mma
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     smem = native.max_shared_mem(torch.device("cuda"))
     found = skinny_mma.candidates(m, n, k, sms, smem, skinny.clusters)
-    filling = [p for p in found if p.ctas(n) >= 0.7 * sms][:most]
+    # one warp shape per block and cluster: a run has room for a few launches a projection
+    distinct = {(p.bn, p.ks): p for p in reversed(found)}  # the first of each, in order
+    filling = [p for p in distinct.values() if p.ctas(n) >= 0.7 * sms]
+    filling = sorted(filling, key=found.index)[:most]
     ideal = skinny_mma.plan(m, n, k, sms, smem)
     return list(dict.fromkeys([*found[:1], *filling, *([ideal] if ideal else [])]))
 

@@ -58,11 +58,38 @@ def test_plan_refuses_what_the_kernel_cannot_take() -> None:
     assert skinny_mma.shape(64, 64, 8, 1, 4096, 64 * 1024) is None  # not two stages
 
 
-def test_the_wider_block_wins_where_the_bytes_a_cta_streams_tie() -> None:
-    # 8B o on GPCs that waste no SM: 32 blocks of 128 rows x K/4 and 16 blocks of 256 rows x K/8
-    # both fill 128 SMs; the second streams fewer bytes a CTA (x's slice shrinks with the K range)
+def test_a_cta_pays_for_the_partial_sums_it_reads_from_its_cluster() -> None:
+    # 8B qkv at 64 rows over 96 CTAs, the three launches the H100 timed (twenty-third session):
+    # each CTA streams the same weight bytes, and the wider the cluster the more of the partial
+    # sums it reads after its stream (0.757, 0.74-0.75, 0.68 of the read ceiling)
+    n, k = 6144, 4096
+    two, four, eight = (skinny_mma.shape(64, 32, warps, ks, k, H100_SHARED)
+                        for warps, ks in ((4, 2), (8, 4), (16, 8)))  # fmt: skip
+    assert [p.ctas(n) for p in (two, four, eight)] == [96, 96, 96]
+    costs = [skinny_mma.cost(p, k) for p in (two, four, eight)]
+    assert costs[0] <= costs[1] < costs[2]
+    # what a CTA streams is its weight slice and half its x slice; the sum adds the rest
+    assert costs[0] == (128 + 32) * 32 * 128 + skinny_mma.EPILOGUE_WEIGHT * 64 * 128 * 4 / 2
+
+
+def test_the_plan_weighs_x_through_l2_against_the_clusters_sum() -> None:
+    # 8B o at 64 rows on GPCs that waste no SM: 64 blocks of 64 rows x K/2, 32 of 128 x K/4 and
+    # 16 of 256 x K/8 all fill 128 SMs; the narrow block reads most x, the wide one most partials
     p = skinny_mma.plan(64, 4096, 4096, SMS, H100_SHARED)
-    assert (p.bn, p.ks) == (256, 8)
+    assert (p.bn, p.ks) == (128, 4)
+    narrow = skinny_mma.shape(64, 16, 4, 2, 4096, H100_SHARED)
+    wide = skinny_mma.shape(64, 64, 4, 8, 4096, H100_SHARED)
+    costs = [skinny_mma.cost(q, 4096) for q in (p, narrow, wide)]
+    assert costs[0] < min(costs[1:])
+
+
+def test_a_launch_that_leaves_a_quarter_of_the_sms_idle_ranks_last() -> None:
+    ranked = skinny_mma.candidates(64, 3072, 2048, SMS, H100_SHARED, UNEVEN)  # 1B qkv
+    busy = [p.ctas(3072) >= 0.75 * SMS for p in ranked]
+    assert busy[0] and busy == sorted(busy, reverse=True)
+    # among the busy ones, the fewest bytes a CTA first
+    costs = [skinny_mma.cost(p, 2048) for p, b in zip(ranked, busy) if b]
+    assert costs == sorted(costs)
 
 
 def test_a_plan_takes_no_more_clusters_than_the_gpcs_hold() -> None:

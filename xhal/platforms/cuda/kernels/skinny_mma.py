@@ -8,9 +8,9 @@ ceiling.
 than the device holds at once (``native.cluster_fit``: a cluster's CTAs share a GPC; on an H100
 the launches of 16 clusters of 8 or 32 of 4 took about twice as long as one wave would, the mark
 of clusters left for a second wave, docs/h200-results.md, twenty-third session). Among the
-shapes that fit (``candidates``), the one whose CTA streams the fewest bytes (its weight slice
-plus, at half weight, its x slice, which comes from L2) wins; ties go to the wider block (less of
-x through L2), then the smaller cluster.
+shapes that fit (``candidates``) and keep at least three quarters of the SMs busy, the one whose
+CTA moves the fewest bytes (``cost``) wins; ties go to the wider block (less of x through L2),
+then the smaller cluster.
 
 ``shape(..., wgmma=True)`` is the wgmma build of a shape (sm_90a): benchmarks time it, ``plan``
 does not pick it.
@@ -101,6 +101,23 @@ def shape(mt: int, wr: int, warps: int, ks: int, k: int, max_shared_mem: int,
     return Plan(mt, wr, warps, ks, stages, shared, wgmma)
 
 
+# what a byte of the partial sum read from another CTA of the cluster costs against a byte of
+# weight: the sum runs after the stream, so nothing hides it. Fitted to the H100 run of the
+# twenty-third session (docs/h200-results.md), 8B qkv at 64 rows over 96 CTAs: 48 clusters of 2,
+# 24 of 4 and 12 of 8 (blocks of 128, 256 and 512 rows, the same weight bytes a CTA) reached
+# 0.757, 0.74-0.75 and 0.68 of the read ceiling, which a weight of 1.8-2.3 reproduces
+EPILOGUE_WEIGHT = 2.0
+
+
+def cost(p: Plan, k: int) -> float:
+    """The bytes a CTA of ``p`` moves against a K of ``k``, in weight bytes: its weight slice; its
+    x slice at half weight (from L2); the cluster's partial sums it reads from its peers (fp32, its
+    share of the columns from the other ``ks - 1`` CTAs) at ``EPILOGUE_WEIGHT``."""
+    steps = -(-(-(-k // 64)) // p.ks)  # its 64-column chunks
+    stream = (p.bn + 0.5 * p.mt) * steps * 128
+    return stream + EPILOGUE_WEIGHT * p.mt * p.bn * 4 * (p.ks - 1) / p.ks
+
+
 def candidates(m: int, n: int, k: int, num_sms: int, max_shared_mem: int,
                clusters: tuple[int, ...] | None = None) -> list[Plan]:  # fmt: skip
     """Every launch shape for ``m`` input rows against an ``[n, k]`` weight that runs one CTA an
@@ -110,7 +127,6 @@ def candidates(m: int, n: int, k: int, num_sms: int, max_shared_mem: int,
     if not 1 <= m <= MAX_ROWS:
         return []
     mt = 16 * -(-m // 16)
-    chunks = -(-k // 64)
     fit = clusters or tuple(num_sms // size for size in range(1, MAX_CLUSTER + 1))
     found = []
     for wr, most in _WARP_SHAPES:
@@ -119,8 +135,9 @@ def candidates(m: int, n: int, k: int, num_sms: int, max_shared_mem: int,
                 p = shape(mt, wr, warps, ks, k, max_shared_mem)
                 if p is not None and p.ctas(n) <= num_sms and p.blocks(n) <= fit[ks - 1]:
                     found.append(p)
-    # the bytes a CTA streams (x's at half weight), then the wider block, then the smaller cluster
-    return sorted(found, key=lambda p: ((p.bn + 0.5 * mt) * -(-chunks // p.ks), -p.bn, p.ks))
+    # launches that leave over a quarter of the SMs idle last (the bytes a CTA moves say nothing
+    # of the HBM bandwidth the idle SMs would have drawn)
+    return sorted(found, key=lambda p: (p.ctas(n) < 0.75 * num_sms, cost(p, k), -p.bn, p.ks))
 
 
 @functools.cache
