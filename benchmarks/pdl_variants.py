@@ -72,9 +72,11 @@ PDL_VARIANTS = {
     # auto with the MoE down + combine kernel triggering right after its wait, so the next
     # layer's norm + qkv GEMV (half an SM) lands beside the expert stream
     "auto-overlap-moe-down-early": ("1", "auto"),
-    # auto with the 2- to 64-row projections on the tensor-core skinny GEMM (kernels/skinny_mma.cu,
-    # XHAL_CUDA_SKINNY_MMA=1) in place of cuBLAS
+    # auto with every 2- to 64-row projection on the tensor-core skinny GEMM (kernels/skinny_mma.cu,
+    # XHAL_CUDA_SKINNY_MMA=1) in place of cuBLAS, and with every one on cuBLAS (=0); auto takes
+    # whichever a timing on the machine found faster, shape by shape (skinny_choice.py)
     "auto-skinny-mma": ("1", "auto"),
+    "auto-no-skinny": ("1", "auto"),
     # one or two parts of the overlap (env.cuda_overlap); the split-KV launch triggers early
     # where o is one of them
     "auto-overlap-o": ("1", "auto"),
@@ -111,6 +113,7 @@ EXTRA_ENV = {
     "auto-attn-early": {"XHAL_CUDA_OVERLAP": "0"},
     "auto-no-overlap": {"XHAL_CUDA_OVERLAP": "0"},
     "auto-skinny-mma": {"XHAL_CUDA_SKINNY_MMA": "1"},
+    "auto-no-skinny": {"XHAL_CUDA_SKINNY_MMA": "0"},
     "auto-overlap-o": {"XHAL_CUDA_OVERLAP": "o"},
     "auto-overlap-o-qkv": {"XHAL_CUDA_OVERLAP": "o,qkv"},
     "auto-overlap-mlp-qkv": {"XHAL_CUDA_OVERLAP": "mlp,qkv"},

@@ -3,7 +3,7 @@
 # line (default: conformance (cuda, cuda-triton), bench_gemv, bench_attention, bench_model); also
 # serve, cpp_host (examples/cpp_host/bench_cuda.sh), conformance-<device>, pytest (PYTEST_ARGS),
 # overlap (XHAL_CUDA_OVERLAP's benchmark peers at batch 1: 1B, 8B, MoE), skinny (the tensor-core
-# skinny GEMM: bench_skinny_mma, its linear conformance cases, the 8B step at 16 and 64 rows),
+# skinny GEMM: bench_skinny_mma, its linear conformance cases, the 8B and 1B steps at 16 and 64 rows),
 # solutions (the kernels chosen, checked against the pre-solution choices), tune (xhal-tune
 # twice), tilelang (installs
 # TileLang's wheels: scripts/tilelang_wheels.sh), prebuild (FlashInfer's JIT modules compiled side by side) and pack.
@@ -63,13 +63,22 @@ for stage in $stages; do
         --pdl $moe 2>&1 | tee "$out/overlap-moe.txt" || status=1 ;;
     skinny)  # the tensor-core skinny GEMM (benchmarks/bench_skinny_mma.py: its checks, its launch
       # shapes against cuBLAS; BENCH_ARGS narrows it), linear's conformance cases through it, the
-      # 8B step with it
+      # 8B and 1B steps at SKINNY_BATCHES (16 64) with it where it timed faster (the default),
+      # everywhere and nowhere, and the choices made (the tuning cache's skinny-mma-or-cublas);
+      # SKINNY_WGMMA=1 adds the wgmma builds' sweep
       py -m benchmarks.bench_skinny_mma ${BENCH_ARGS:-} 2>&1 | tee "$out/skinny.txt" || status=1
       XHAL_CUDA_SKINNY_MMA=1 py -m pytest -q conformance_tests/test_ops.py conformance_tests/test_fused.py \
         --device cuda -k linear 2>&1 | tail -15 | tee -a "$out/skinny.txt" || status=1
-      py -m benchmarks.bench_model --shape llama3-8b --batches ${SKINNY_BATCHES:-16 64} --no-hf \
-        --pdl auto-skinny-mma 2>&1 | tee "$out/skinny-8b.txt" || status=1
-      py -m benchmarks.bench_skinny_mma --wgmma --rows 16 64 2>&1 | tee "$out/skinny-wgmma.txt" || status=1 ;;
+      tuning=$(mktemp -d)
+      for shape in llama3-8b llama3.2-1b; do
+        XHAL_CACHE_DIR=$tuning py -m benchmarks.bench_model --shape $shape --no-hf \
+          --batches ${SKINNY_BATCHES:-16 64} --pdl auto-skinny-mma auto-no-skinny 2>&1 \
+          | tee "$out/skinny-$shape.txt" || status=1
+      done
+      cat "$tuning"/tuning/*.json 2>&1 | tee "$out/skinny-choices.txt"
+      if [ "${SKINNY_WGMMA:-0}" = 1 ]; then
+        py -m benchmarks.bench_skinny_mma --wgmma --rows 16 64 2>&1 | tee "$out/skinny-wgmma.txt" || status=1
+      fi ;;
     serve)  # xhal-serve --device cuda on random Llama-3-shaped models (SERVE_SHAPES, default both
       # the 3.2-1B and the 8B shapes), each at concurrency 1 and 64, under xhal-bench-serve;
       # prompt and output lengths SERVE_INPUT_LEN / SERVE_OUTPUT_LEN (default 1024 / 128); the

@@ -137,12 +137,22 @@ def cuda_native_gemv() -> bool:
     return _flag("XHAL_CUDA_NATIVE_GEMV", True)
 
 
-def cuda_skinny_mma() -> bool:
+def cuda_skinny_mma() -> str:
     """``XHAL_CUDA_SKINNY_MMA``: a decode graph's 2- to 64-row projections on the tensor-core
     skinny GEMM on sm_90+ (``kernels/skinny_mma.cu``: a cluster's K-split partials summed on
-    chip) in place of cuBLAS; off by default (``1`` turns it on for the benchmarks' peer
-    ``auto-skinny-mma``). Read per call: a graph keeps what it was captured with."""
-    return _flag("XHAL_CUDA_SKINNY_MMA", False)
+    chip) or on cuBLAS. ``auto`` (default): whichever a timing on this machine found faster,
+    shape by shape (``platforms/cuda/skinny_choice.py``); ``1``: the skinny GEMM wherever it
+    takes the shape (the benchmarks' peer ``auto-skinny-mma``); ``0``: cuBLAS (``auto-no-skinny``).
+    Read per call: a graph keeps what it was captured with."""
+    raw = os.environ.get("XHAL_CUDA_SKINNY_MMA", "auto")
+    value = raw.strip().lower()
+    if value == "auto":
+        return "auto"
+    if value in ("1", "true", "yes", "on"):
+        return "on"
+    if value in ("0", "false", "no", "off"):
+        return "off"
+    raise ValueError(f"XHAL_CUDA_SKINNY_MMA={raw!r}: use auto (default), 1 or 0")
 
 
 OVERLAP_PARTS = ("mlp", "qkv", "o")

@@ -183,13 +183,14 @@ def test_wgmma_shapes_are_warpgroups_of_16_row_warps() -> None:
     assert skinny_mma.shape(64, 16, 16, 8, 4096, H100_SHARED, wgmma=True).bn == 256
 
 
-def test_the_switch_is_off_by_default_and_strict(monkeypatch) -> None:
+def test_the_switch_is_auto_by_default_and_strict(monkeypatch) -> None:
     from xhal import env
 
     monkeypatch.delenv("XHAL_CUDA_SKINNY_MMA", raising=False)
-    assert env.cuda_skinny_mma() is False
-    monkeypatch.setenv("XHAL_CUDA_SKINNY_MMA", "1")
-    assert env.cuda_skinny_mma() is True
+    assert env.cuda_skinny_mma() == "auto"
+    for raw, mode in (("1", "on"), ("on", "on"), ("0", "off"), ("no", "off"), (" Auto ", "auto")):
+        monkeypatch.setenv("XHAL_CUDA_SKINNY_MMA", raw)
+        assert env.cuda_skinny_mma() == mode
     monkeypatch.setenv("XHAL_CUDA_SKINNY_MMA", "sometimes")
     with pytest.raises(ValueError, match="XHAL_CUDA_SKINNY_MMA"):
         env.cuda_skinny_mma()

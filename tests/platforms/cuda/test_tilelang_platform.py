@@ -34,7 +34,7 @@ def test_without_tilelang_runs_triton_and_says_so_once(monkeypatch, caplog):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # construction only, no launches
     monkeypatch.setattr(
-        cuda_platform, "_device_info", lambda: DeviceInfo("cuda", "NVIDIA H200", (9, 0))
+        cuda_platform, "device_info", lambda: DeviceInfo("cuda", "NVIDIA H200", (9, 0))
     )
     monkeypatch.setattr(
         importlib.util,
@@ -66,7 +66,7 @@ def test_with_tilelang_its_solutions_are_chosen(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(
-        cuda_platform, "_device_info", lambda: DeviceInfo("cuda", "NVIDIA H200", (9, 0))
+        cuda_platform, "device_info", lambda: DeviceInfo("cuda", "NVIDIA H200", (9, 0))
     )
     monkeypatch.setattr(tilelang_platform, "tilelang_missing", lambda: None)
     monkeypatch.setattr(selection, "_importable", lambda module: module in ("triton", "tilelang"))

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from xhal import env
 from xhal.interfaces.ops import DeviceOps
 from xhal.platforms.common import sampling
-from xhal.platforms.cuda import native, pdl
+from xhal.platforms.cuda import native, pdl, skinny_choice
 from xhal.platforms.cuda.kernels import (
     activation,
     fused_gemv,
@@ -55,6 +55,8 @@ class CudaOps(DeviceOps):
         self._natives: dict[tuple, object] = {}  # (family, device) -> its launcher
         self._native_missing_logged = False
         self._skinny_refused: set[tuple] = set()  # shapes whose skinny GEMM failed to launch
+        self._skinny_chosen: dict[tuple, bool] = {}  # shape -> skinny GEMM (True) or cuBLAS
+        self._skinny_choice: skinny_choice.SkinnyChoice | None = None  # made on first use
         self.fused = env.cuda_fused()
         rows = env.cuda_gemv_max_rows(gemv.MAX_M)
         if rows is not None:
@@ -226,32 +228,61 @@ class CudaOps(DeviceOps):
         return kernels(x, weight, use_pdl, residual, norm_weight, eps, beside, early)
 
     def _skinny_mma(self, x, weight, bias):
-        """``skinny_mma.cu`` (2 to 64 rows on the tensor cores, K split over a cluster) when
-        ``env.cuda_skinny_mma`` is on and it takes the call, else None."""
+        """``skinny_mma.cu`` (2 to 64 rows on the tensor cores, K split over a cluster) where it
+        takes the call and ``env.cuda_skinny_mma`` says so (``auto``: where a timing on this
+        machine found it faster than cuBLAS, ``skinny_choice.py``), else None."""
+        mode = env.cuda_skinny_mma()
         if not (
-            bias is None
+            mode != "off"
+            and bias is None
             and x.dim() == 2
             and self.gemv_max_rows < x.shape[0] <= skinny_mma.MAX_ROWS
-            and env.cuda_skinny_mma()
             and skinny_mma.supports(x, weight)
         ):
             return None
         kernels = self._native(x.device, skinny_mma.SkinnyMma)
         use_pdl = bool(pdl.mode(x.device))
         key = ("skinny_mma", *x.shape, x.stride(0), weight.shape[0], x.dtype, x.device, use_pdl)
-        if kernels is None or key in self._skinny_refused or not self._graph_kernel(key):
+        if kernels is None or key in self._skinny_refused:
             return None
         shape = kernels.plan(x.shape[0], weight.shape[0], x.shape[1])
         if shape is None:  # no launch shape runs in one wave on this device
             return None
+        capturing = torch.cuda.is_current_stream_capturing()
         try:
+            if mode == "auto" and not self._skinny_wins(key, kernels, x, weight, use_pdl, shape):
+                return None
+            if not self._graph_kernel(key):
+                return None
             return kernels(x, weight, use_pdl, shape)
         except RuntimeError as e:  # a build or launch the driver refuses (the first, eager call)
-            if torch.cuda.is_current_stream_capturing():
+            if capturing:
                 raise
             self._skinny_refused.add(key)
             logger.warning("cuda: skinny GEMM off for %s x %s: %s", tuple(x.shape), weight.shape, e)
             return None
+
+    def _skinny_wins(self, key, kernels, x, weight, use_pdl, shape) -> bool:
+        """Whether ``auto`` sends this call to the skinny GEMM: the choice of its shape, made by
+        the first eager call (the graph warm-up); a capture before it takes cuBLAS."""
+        if key in self._skinny_chosen:
+            return self._skinny_chosen[key]
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        if self._skinny_choice is None:
+            from xhal.platforms.cuda.platform import device_info
+            from xhal.solutions.tuning_cache import TuningCache
+
+            cache = TuningCache(device_info(x.device.index))
+            self._skinny_choice = skinny_choice.SkinnyChoice(cache)
+        (m, k), n = x.shape, weight.shape[0]
+        self._skinny_chosen[key] = self._skinny_choice.prefers_skinny(
+            skinny_choice.bucket(m, n, k, x.dtype, shape),
+            lambda w: kernels(x, w, use_pdl, shape),
+            lambda w: F.linear(x, w),
+            weight,
+        )
+        return self._skinny_chosen[key]
 
     def _native(self, device: torch.device, family):
         """The device's launcher of a native kernel family (``family(device)``), made on the first

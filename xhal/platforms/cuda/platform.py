@@ -50,7 +50,7 @@ class CudaPlatform(Platform):
 
         self._kernels = Kernels(
             self,
-            _device_info(),
+            device_info(),
             defaults=self.solution_defaults,
             is_capturing=torch.cuda.is_current_stream_capturing,
         )
@@ -113,7 +113,9 @@ class CudaTritonPlatform(CudaPlatform):
     }
 
 
-def _device_info():
+def device_info(index: int | None = None):
+    """The solutions' (and the autotuning cache's) description of CUDA device ``index`` (the
+    current one when None): its name, compute capability and the library versions in use."""
     from importlib.metadata import PackageNotFoundError, version
 
     from xhal.solutions.solution import DeviceInfo
@@ -124,7 +126,7 @@ def _device_info():
             versions.append((package, version(package)))
         except PackageNotFoundError:
             pass
-    index = torch.cuda.current_device()
+    index = torch.cuda.current_device() if index is None else index
     return DeviceInfo(
         "cuda",
         name=torch.cuda.get_device_name(index),

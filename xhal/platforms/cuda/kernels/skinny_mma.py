@@ -16,10 +16,11 @@ then the smaller cluster.
 does not pick it.
 
 Shapes it takes (``supports``, then ``SkinnyMma.plan``): fp16 / bf16, K and the row strides
-multiples of 8 elements, a contiguous weight, no bias; sm_90+. ``CudaOps`` sends it the 2- to
-64-row linears only under ``XHAL_CUDA_SKINNY_MMA=1``. On an H100 it matched float64 as closely
-as cuBLAS, beat it on the 8B gate_up and lost on qkv, o and down, whose plans then took 16
-clusters of 8 (docs/h200-results.md, twenty-third session); the one-wave plans have not run yet.
+multiples of 8 elements, a contiguous weight, no bias; sm_90+. ``CudaOps`` sends it a 2- to
+64-row linear where a timing on the machine found it faster than cuBLAS (``skinny_choice.py``;
+``XHAL_CUDA_SKINNY_MMA=1`` wherever it takes the shape). On an H100 its one-wave plans matched
+float64 as closely as cuBLAS, beat it on every 8B projection at 16 rows and lost on the 8B's qkv
+and o at 64 (docs/h200-results.md, twenty-fifth session).
 """
 
 from __future__ import annotations
