@@ -92,7 +92,7 @@ def wgmma_twins(shapes: list, k: int) -> list:
 
 
 def label(skinny, p, n: int) -> str:
-    tag = ("wgmma " if p.wgmma else "") + f"{p.wr}x{p.warps} ks{p.ks} s{p.stages}"
+    tag = p.label
     count = waves(skinny, p, n)
     return tag + (f" ({count} waves)" if count > 1 else "")
 

@@ -1,7 +1,8 @@
-"""The skinny GEMM against cuBLAS, chosen by timing (``platforms/cuda/skinny_choice.py``), off
-the GPU with fake timings: the faster by the margin wins, the answer is kept on disk and read back
-without timing, ``XHAL_AUTOTUNE=0`` never times, and ``CudaOps.linear`` sends a captured
-projection where its warm-up's choice said. The timings themselves run on the GPU
+"""The skinny GEMM's launch shapes against cuBLAS, chosen by timing
+(``platforms/cuda/skinny_choice.py``), off the GPU with fake timings: the fastest shape wins if it
+beats cuBLAS by the margin, the answer is kept on disk and read back without timing,
+``XHAL_AUTOTUNE=0`` never times, and ``CudaOps.linear`` sends a captured projection where its
+warm-up's choice said. The timings themselves run on the GPU
 (``scripts/gpu_run.sh skinny``)."""
 
 from __future__ import annotations
@@ -18,69 +19,78 @@ from xhal.solutions.tuning_cache import TuningCache
 DEVICE = DeviceInfo("cuda", name="fake H100", library_versions=(("torch", "0"),))
 
 
-def skinny(w):
-    return "skinny"
+def call(label: str):
+    def run(w):
+        return label
 
-
-def cublas(w):
-    return "cublas"
+    return run
 
 
 class FakeTimer:
-    """Seconds a call by which callable it is; counts the timings."""
+    """Seconds a call by the label it returns; counts the timings."""
 
-    def __init__(self, skinny_s: float, cublas_s: float) -> None:
-        self.times = {skinny: skinny_s, cublas: cublas_s}
-        self.calls = 0
+    def __init__(self, **us: float) -> None:
+        self.us, self.calls = us, 0
 
-    def __call__(self, call, weight) -> float:
+    def __call__(self, run, weight) -> float:
         self.calls += 1
-        return self.times[call]
+        return self.us[run(weight)] * 1e-6
 
 
-def choose(tmp_path, timer, name="m16-n4096-k4096") -> bool:
+def choose(tmp_path, timer, name="m16-n4096-k4096", labels=("plan", "ks2")) -> str:
     choice = skinny_choice.SkinnyChoice(TuningCache(DEVICE, tmp_path), timer)
-    return choice.prefers_skinny(name, skinny, cublas, torch.empty(1))
+    shapes = {label: call(label) for label in labels}
+    return choice.choose(name, shapes, call(skinny_choice.CUBLAS), torch.empty(1))
 
 
 @pytest.mark.parametrize(
-    ("skinny_us", "wins"),
-    [(9.0, True), (9.79, True), (9.81, False), (10.0, False), (12.0, False)],
+    ("plan_us", "ks2_us", "winner"),
+    [
+        (9.0, 9.5, "plan"),
+        (9.5, 9.0, "ks2"),  # the fastest shape, not the plan
+        (9.79, 12.0, "plan"),
+        (9.81, 12.0, "cublas"),  # under the 2% margin: the library
+        (12.0, 10.0, "cublas"),
+    ],
 )
-def test_the_skinny_gemm_must_beat_cublas_by_the_margin(tmp_path, skinny_us, wins) -> None:
-    # cuBLAS at 10 us: the skinny GEMM is chosen under 9.8 (MARGIN 2%)
+def test_the_fastest_shape_wins_if_it_beats_cublas_by_the_margin(
+    tmp_path, plan_us, ks2_us, winner
+) -> None:
     assert skinny_choice.MARGIN == 0.02
-    assert choose(tmp_path, FakeTimer(skinny_us * 1e-6, 10e-6)) is wins
+    assert choose(tmp_path, FakeTimer(plan=plan_us, ks2=ks2_us, cublas=10.0)) == winner
 
 
 def test_a_choice_is_kept_on_disk_and_read_back_without_timing(tmp_path) -> None:
-    first = FakeTimer(5e-6, 10e-6)
-    assert choose(tmp_path, first) is True
-    assert first.calls == 2
-    again = FakeTimer(50e-6, 10e-6)  # a second start: the disk answers, nothing is timed
-    assert choose(tmp_path, again) is True
+    first = FakeTimer(plan=5.0, ks2=7.0, cublas=10.0)
+    assert choose(tmp_path, first) == "plan"
+    assert first.calls == 3
+    again = FakeTimer(plan=50.0, ks2=50.0, cublas=10.0)  # a second start: the disk answers
+    assert choose(tmp_path, again) == "plan"
     assert again.calls == 0
-    other = FakeTimer(50e-6, 10e-6)  # another shape is timed afresh
-    assert choose(tmp_path, other, name="m64-n4096-k4096") is False
-    assert other.calls == 2
+    assert choose(tmp_path, again, name="m64-n4096-k4096") == "cublas"  # another shape: timed
+    assert again.calls == 3
+    # a planner that no longer offers the cached winner: timed afresh
+    again.us["other"] = 5.0
+    assert choose(tmp_path, again, labels=("other",)) == "other"
+    assert again.calls == 5
 
 
 def test_with_autotune_off_an_unknown_shape_takes_cublas_and_a_known_one_its_winner(
     tmp_path, monkeypatch
 ) -> None:
-    choose(tmp_path, FakeTimer(5e-6, 10e-6), name="known")
+    choose(tmp_path, FakeTimer(plan=5.0, ks2=7.0, cublas=10.0), name="known")
     monkeypatch.setenv("XHAL_AUTOTUNE", "0")
-    timer = FakeTimer(5e-6, 10e-6)
-    assert choose(tmp_path, timer, name="unknown") is False
-    assert choose(tmp_path, timer, name="known") is True
+    timer = FakeTimer(plan=5.0, ks2=7.0, cublas=10.0)
+    assert choose(tmp_path, timer, name="unknown") == "cublas"
+    assert choose(tmp_path, timer, name="known") == "plan"
     assert timer.calls == 0
 
 
 def test_no_memory_for_the_weight_copies_takes_cublas_for_this_process_only(tmp_path) -> None:
-    def out_of_memory(call, weight):
+    def out_of_memory(run, weight):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    assert choose(tmp_path, out_of_memory) is False
+    assert choose(tmp_path, out_of_memory) == "cublas"
     assert TuningCache(DEVICE, tmp_path).get(skinny_choice.SOLUTION_KEY, "m16-n4096-k4096") is None
 
 
@@ -90,18 +100,32 @@ def test_a_read_only_cache_costs_a_log_line_not_the_choice(tmp_path, monkeypatch
 
     monkeypatch.setattr(TuningCache, "put", refuse)
     with caplog.at_level("WARNING"):
-        assert choose(tmp_path, FakeTimer(5e-6, 10e-6)) is True
+        assert choose(tmp_path, FakeTimer(plan=5.0, ks2=7.0, cublas=10.0)) == "plan"
     assert "XHAL_CACHE_DIR" in caplog.text
 
 
-def test_the_bucket_names_the_shape_the_dtype_the_plan_and_the_source() -> None:
-    a = skinny_mma.plan(16, 4096, 4096, 132, H100_SHARED)
-    b = skinny_mma.plan(64, 4096, 4096, 132, H100_SHARED)
-    name = skinny_choice.bucket(16, 4096, 4096, torch.bfloat16, a)
-    assert name.startswith("m16-n4096-k4096-bfloat16-plan")
-    assert name != skinny_choice.bucket(16, 4096, 4096, torch.float16, a)
-    assert name != skinny_choice.bucket(16, 4096, 4096, torch.bfloat16, b)
-    assert name.endswith(f"-src{skinny_choice._source_digest()}")
+def test_the_bucket_names_the_shape_the_dtype_and_the_source() -> None:
+    name = skinny_choice.bucket(16, 4096, 4096, torch.bfloat16)
+    assert name == f"m16-n4096-k4096-bfloat16-src{skinny_choice._source_digest()}"
+    assert name != skinny_choice.bucket(16, 4096, 4096, torch.float16)
+    assert name != skinny_choice.bucket(32, 4096, 4096, torch.bfloat16)
+
+
+def test_the_shapes_timed_are_the_plan_and_the_best_clusters_of_two_and_one() -> None:
+    uneven = tuple(
+        sum(g // size for g in (18, 18, 18, 18, 16, 16, 14, 14)) for size in range(1, 9)
+    )
+    kernels = skinny_mma.SkinnyMma.__new__(skinny_mma.SkinnyMma)  # no device: the planner only
+    kernels._kernels = type("K", (), {"num_sms": 132, "max_shared_mem": H100_SHARED})()
+    kernels.clusters = uneven
+    for n, k in ((4096, 14336), (6144, 4096), (4096, 4096), (28672, 4096)):
+        found = skinny_mma.candidates(64, n, k, 132, H100_SHARED, uneven)
+        picked = kernels.choices(64, n, k)
+        assert picked[0] == found[0]  # the plan first
+        assert len(set(picked)) == len(picked) <= 3
+        for ks in (2, 1):  # the best of each cluster size is there, if any fits
+            best = next((p for p in found if p.ks == ks), None)
+            assert best is None or best in picked
 
 
 class FakeKernels:
@@ -112,6 +136,9 @@ class FakeKernels:
 
     def plan(self, m, n, k):
         return skinny_mma.plan(m, n, k, 132, H100_SHARED)
+
+    def choices(self, m, n, k):
+        return [self.plan(m, n, k)]
 
     def __call__(self, x, weight, use_pdl, p):
         self.launches += 1

@@ -55,7 +55,7 @@ class CudaOps(DeviceOps):
         self._natives: dict[tuple, object] = {}  # (family, device) -> its launcher
         self._native_missing_logged = False
         self._skinny_refused: set[tuple] = set()  # shapes whose skinny GEMM failed to launch
-        self._skinny_chosen: dict[tuple, bool] = {}  # shape -> skinny GEMM (True) or cuBLAS
+        self._skinny_chosen: dict[tuple, object] = {}  # shape -> its launch shape, None: cuBLAS
         self._skinny_choice: skinny_choice.SkinnyChoice | None = None  # made on first use
         self.fused = env.cuda_fused()
         rows = env.cuda_gemv_max_rows(gemv.MAX_M)
@@ -245,14 +245,13 @@ class CudaOps(DeviceOps):
         key = ("skinny_mma", *x.shape, x.stride(0), weight.shape[0], x.dtype, x.device, use_pdl)
         if kernels is None or key in self._skinny_refused:
             return None
-        shape = kernels.plan(x.shape[0], weight.shape[0], x.shape[1])
-        if shape is None:  # no launch shape runs in one wave on this device
-            return None
         capturing = torch.cuda.is_current_stream_capturing()
         try:
-            if mode == "auto" and not self._skinny_wins(key, kernels, x, weight, use_pdl, shape):
-                return None
-            if not self._graph_kernel(key):
+            if mode == "auto":
+                shape = self._skinny_shape(key, kernels, x, weight, use_pdl)
+            else:
+                shape = kernels.plan(x.shape[0], weight.shape[0], x.shape[1])
+            if shape is None or not self._graph_kernel(key):
                 return None
             return kernels(x, weight, use_pdl, shape)
         except RuntimeError as e:  # a build or launch the driver refuses (the first, eager call)
@@ -262,13 +261,14 @@ class CudaOps(DeviceOps):
             logger.warning("cuda: skinny GEMM off for %s x %s: %s", tuple(x.shape), weight.shape, e)
             return None
 
-    def _skinny_wins(self, key, kernels, x, weight, use_pdl, shape) -> bool:
-        """Whether ``auto`` sends this call to the skinny GEMM: the choice of its shape, made by
-        the first eager call (the graph warm-up); a capture before it takes cuBLAS."""
+    def _skinny_shape(self, key, kernels, x, weight, use_pdl):
+        """The launch shape ``auto`` gives this call, or None for cuBLAS: the choice of its shape
+        (``skinny_choice.py``), made by the first eager call (the graph warm-up); a capture
+        before it takes cuBLAS."""
         if key in self._skinny_chosen:
             return self._skinny_chosen[key]
         if torch.cuda.is_current_stream_capturing():
-            return False
+            return None
         if self._skinny_choice is None:
             from xhal.platforms.cuda.platform import device_info
             from xhal.solutions.tuning_cache import TuningCache
@@ -276,12 +276,14 @@ class CudaOps(DeviceOps):
             cache = TuningCache(device_info(x.device.index))
             self._skinny_choice = skinny_choice.SkinnyChoice(cache)
         (m, k), n = x.shape, weight.shape[0]
-        self._skinny_chosen[key] = self._skinny_choice.prefers_skinny(
-            skinny_choice.bucket(m, n, k, x.dtype, shape),
-            lambda w: kernels(x, w, use_pdl, shape),
+        shapes = {p.label: p for p in kernels.choices(m, n, k)}
+        winner = self._skinny_choice.choose(
+            skinny_choice.bucket(m, n, k, x.dtype),
+            {label: (lambda w, p=p: kernels(x, w, use_pdl, p)) for label, p in shapes.items()},
             lambda w: F.linear(x, w),
             weight,
         )
+        self._skinny_chosen[key] = shapes.get(winner)
         return self._skinny_chosen[key]
 
     def _native(self, device: torch.device, family):

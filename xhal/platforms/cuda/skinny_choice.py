@@ -1,11 +1,13 @@
 """Whether a decode graph's 2- to 64-row projection runs on the tensor-core skinny GEMM
-(``kernels/skinny_mma.py``) or on cuBLAS: timed on this machine the first time a shape is seen,
-the answer kept on disk beside the solutions' autotuning winners.
+(``kernels/skinny_mma.py``), and with which launch shape, or on cuBLAS: timed on this machine the
+first time a shape is seen, the answer kept on disk beside the solutions' autotuning winners.
 
 Neither wins everywhere. On an H100 (docs/h200-results.md, twenty-fifth session) the skinny GEMM's
 plan beat cuBLAS by 3-10% on every 8B projection at 16 rows and on the 1B's down projection, and
-lost by 7-14% on the 8B's qkv and o at 64 rows and the 1B's qkv and o at 16. A planner that knew
-which would need a model of cuBLAS's own kernels; timing both is cheaper and right on any card.
+lost by 7-14% on the 8B's qkv and o at 64 rows and the 1B's qkv and o at 16; on the 8B's down at
+64 the plan lost by 23% where a cluster of two CTAs tied. A planner that knew would need a model
+of cuBLAS's kernels and of cluster scheduling; timing a few shapes (``SkinnyMma.choices``) and
+cuBLAS is cheaper and right on any card.
 
 Each is timed as it runs in a decode graph: ``CALLS`` launches captured in one CUDA graph, cycling
 through enough copies of the weight to overflow L2 (a step streams its weights from HBM), the
@@ -15,7 +17,6 @@ chosen: in a whole 8B step at 64 rows it lost more than its isolated timings sai
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 from collections.abc import Callable
@@ -33,7 +34,7 @@ TRIALS = 3
 MARGIN = 0.02
 _MAX_COPY_BYTES = 512 << 20  # weight copies a timing may allocate beyond the weight itself
 SOLUTION_KEY = "linear/skinny-mma-or-cublas"
-SKINNY, CUBLAS = "skinny-mma", "cublas"
+CUBLAS = "cublas"
 
 # (call(weight) -> out, weight) -> seconds a call; the CUDA one below, a fake in tests
 Timer = Callable[[Callable[[torch.Tensor], object], torch.Tensor], float]
@@ -44,12 +45,11 @@ def _source_digest() -> str:
     return hashlib.sha256(source.read_bytes()).hexdigest()[:8]
 
 
-def bucket(m: int, n: int, k: int, dtype: torch.dtype, plan: object) -> str:
-    """The cache's name of one choice: the shape, the dtype, the launch shape the planner gave and
-    the kernel's source (a new planner or kernel is timed afresh)."""
-    fields = "-".join(str(v) for v in dataclasses.astuple(plan))
+def bucket(m: int, n: int, k: int, dtype: torch.dtype) -> str:
+    """The cache's name of one choice: the shape, the dtype and the kernel's source (a changed
+    kernel is timed afresh; a changed planner is, where its shapes are not the cached winner)."""
     dt = str(dtype).removeprefix("torch.")
-    return f"m{m}-n{n}-k{k}-{dt}-plan{fields}-src{_source_digest()}"
+    return f"m{m}-n{n}-k{k}-{dt}-src{_source_digest()}"
 
 
 def cycled_graph_seconds(call: Callable[[torch.Tensor], object], weight: torch.Tensor) -> float:
@@ -80,43 +80,47 @@ def cycled_graph_seconds(call: Callable[[torch.Tensor], object], weight: torch.T
 
 
 class SkinnyChoice:
-    """``prefers_skinny``: the choice of one shape, from memory, the disk cache, or timing."""
+    """``choose``: the winner for one shape, from memory, the disk cache, or timing."""
 
     def __init__(self, cache: TuningCache, timer: Timer = cycled_graph_seconds) -> None:
         self.cache, self._timer = cache, timer
-        self.chosen: dict[str, str] = {}  # bucket -> SKINNY or CUBLAS
+        self.chosen: dict[str, str] = {}  # bucket -> a launch shape's label, or CUBLAS
 
-    def prefers_skinny(
+    def choose(
         self,
         name: str,
-        skinny: Callable[[torch.Tensor], object],
+        shapes: dict[str, Callable[[torch.Tensor], object]],
         cublas: Callable[[torch.Tensor], object],
         weight: torch.Tensor,
-    ) -> bool:
-        """Whether ``skinny(weight)`` is to replace ``cublas(weight)`` for the bucket ``name``.
-        Timing (the first sight on this machine, ``XHAL_AUTOTUNE`` on) runs both; with it off an
-        unknown bucket takes cuBLAS. A failure of the skinny GEMM propagates (the caller turns the
-        shape off); running out of memory for the weight copies picks cuBLAS for this process."""
+    ) -> str:
+        """Which of the skinny GEMM's launch ``shapes`` (label -> call) or ``CUBLAS`` runs the
+        bucket ``name``: the fastest shape where it beats cuBLAS by ``MARGIN``, else cuBLAS.
+        Timing (the first sight on this machine, ``XHAL_AUTOTUNE`` on) runs them all; with it
+        off an unknown bucket takes cuBLAS. A failure of the skinny GEMM propagates (the caller
+        turns the shape off); running out of memory for the weight copies takes cuBLAS for this
+        process."""
         if name in self.chosen:
-            return self.chosen[name] == SKINNY
+            return self.chosen[name]
         winner = self.cache.get(SOLUTION_KEY, name)
-        if winner not in (SKINNY, CUBLAS):
+        if winner != CUBLAS and winner not in shapes:  # unknown, or a shape the plan left
             if not env.autotune():
-                return False
+                return CUBLAS
             try:
-                times = {SKINNY: self._timer(skinny, weight), CUBLAS: self._timer(cublas, weight)}
+                times = {label: self._timer(call, weight) for label, call in shapes.items()}
+                times[CUBLAS] = self._timer(cublas, weight)
             except torch.OutOfMemoryError as e:
                 logger.warning("cuda: skinny GEMM untimed for %s (%s): cuBLAS", name, e)
                 self.chosen[name] = CUBLAS
-                return False
-            winner = SKINNY if times[SKINNY] < (1 - MARGIN) * times[CUBLAS] else CUBLAS
+                return CUBLAS
+            best = min((label for label in times if label != CUBLAS), key=times.__getitem__)
+            winner = best if times[best] < (1 - MARGIN) * times[CUBLAS] else CUBLAS
             logger.info(
-                "cuda: %s -> %s (skinny GEMM %.1f us, cuBLAS %.1f us)",
-                name, winner, times[SKINNY] * 1e6, times[CUBLAS] * 1e6,
+                "cuda: %s -> %s (%s)",
+                name, winner, ", ".join(f"{label} {t * 1e6:.1f} us" for label, t in times.items()),
             )  # fmt: skip
             try:
                 self.cache.put(SOLUTION_KEY, name, winner)
             except OSError as e:  # a read-only cache directory costs a retiming next start
                 logger.warning("cuda: cannot write %s (%s); set XHAL_CACHE_DIR", self.cache.path, e)
         self.chosen[name] = winner
-        return winner == SKINNY
+        return winner

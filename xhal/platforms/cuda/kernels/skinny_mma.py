@@ -60,6 +60,12 @@ class Plan:
     wgmma: bool = False  # wgmma on sm_90a (wr 16, warps in fours) in place of mma.sync
 
     @property
+    def label(self) -> str:
+        """Weight rows a warp x warps, CTAs a cluster, ring stages (the benchmarks' names)."""
+        tag = f"{self.wr}x{self.warps} ks{self.ks} s{self.stages}"
+        return f"wgmma {tag}" if self.wgmma else tag
+
+    @property
     def bn(self) -> int:
         """Weight rows a cluster."""
         return self.wr * self.warps
@@ -184,6 +190,20 @@ class SkinnyMma:
         """The launch shape on this device (its GPCs' sizes counted), or None."""
         kernels = self._kernels
         return plan(m, n, k, kernels.num_sms, kernels.max_shared_mem, self.clusters)
+
+    def choices(self, m: int, n: int, k: int) -> list[Plan]:
+        """The launch shapes worth timing on this device: the plan, then the best of clusters of
+        two and of one CTA where they differ from it (on an H100 the 2-CTA shapes were the
+        fastest of every 64-row sweep, where the plan's cost took larger clusters;
+        docs/h200-results.md, twenty-fifth session)."""
+        kernels = self._kernels
+        found = candidates(m, n, k, kernels.num_sms, kernels.max_shared_mem, self.clusters)
+        picked = found[:1]
+        for ks in (2, 1):
+            best = next((p for p in found if p.ks == ks), None)
+            if best is not None and best not in picked:
+                picked.append(best)
+        return picked
 
     def _weight_map(self, weight: torch.Tensor, box_rows: int) -> native.TensorMap:
         key = (weight.data_ptr(), *weight.shape, box_rows)
