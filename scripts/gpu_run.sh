@@ -69,9 +69,12 @@ for stage in $stages; do
       py -m benchmarks.bench_skinny_mma ${BENCH_ARGS:-} 2>&1 | tee "$out/skinny.txt" || status=1
       XHAL_CUDA_SKINNY_MMA=1 py -m pytest -q conformance_tests/test_ops.py conformance_tests/test_fused.py \
         --device cuda -k linear 2>&1 | tail -15 | tee -a "$out/skinny.txt" || status=1
-      tuning=$(mktemp -d)
+      tuning=$(mktemp -d)  # bench_model with skinny_choice's log lines (each shape's timings)
+      log_choices="import logging, runpy, sys; logging.basicConfig(level=logging.WARNING)
+logging.getLogger('xhal.platforms.cuda.skinny_choice').setLevel(logging.INFO)
+sys.argv[0] = 'bench_model'; runpy.run_module('benchmarks.bench_model', run_name='__main__')"
       for shape in llama3-8b llama3.2-1b; do
-        XHAL_CACHE_DIR=$tuning py -m benchmarks.bench_model --shape $shape --no-hf \
+        XHAL_CACHE_DIR=$tuning py -c "$log_choices" --shape $shape --no-hf \
           --batches ${SKINNY_BATCHES:-16 64} --pdl auto-skinny-mma auto-no-skinny 2>&1 \
           | tee "$out/skinny-$shape.txt" || status=1
       done
