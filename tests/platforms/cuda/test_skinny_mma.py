@@ -142,6 +142,9 @@ def test_the_cluster_query_asks_the_driver_for_the_launch_it_describes(monkeypat
         "fn": "fn", "grid": [8, 1, 1], "block": [128, 1, 1], "smem": 200 * 1024, "attrs": 1,
         "id": 4, "dims": [8, 1, 1],
     }  # fmt: skip
+    # a cluster of one is asked with the attribute too (without it an H100 answered 0)
+    kernel.max_active_clusters(1, 128)
+    assert asked["attrs"] == 1 and asked["id"] == 4 and asked["dims"] == [1, 1, 1]
 
 
 @needs_nvcc_and_cuobjdump

@@ -196,18 +196,26 @@ def cubin(source: Path, arch: str, defines: dict[str, int]) -> bytes:
 
 
 def launch_config(
-    grid: int, block: int, shared_mem: int, stream: int, pdl: bool, cluster: int = 1
+    grid: int,
+    block: int,
+    shared_mem: int,
+    stream: int,
+    pdl: bool,
+    cluster: int = 1,
+    *,
+    cluster_attribute: bool = False,
 ) -> _LaunchConfig:
     """The ``CUlaunchConfig`` of a 1-D launch: with the programmatic-dependent-launch attribute
-    when ``pdl``, with a cluster of ``cluster`` CTAs along x when above 1 (the attributes' array
-    is kept on the config)."""
+    when ``pdl``, with a cluster of ``cluster`` CTAs along x when above 1 or when
+    ``cluster_attribute`` (the occupancy query counts clusters of 1 only with the attribute set:
+    without it an H100 answered 0). The attributes' array is kept on the config."""
     attrs = (_LaunchAttribute * 2)()
     count = 0
     if pdl:
         attrs[count].id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         attrs[count].value[0] = 1
         count += 1
-    if cluster > 1:
+    if cluster > 1 or cluster_attribute:
         attrs[count].id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
         attrs[count].value[0], attrs[count].value[1], attrs[count].value[2] = cluster, 1, 1
         count += 1
@@ -248,7 +256,9 @@ class Kernel:
     def max_active_clusters(self, cluster: int, block: int) -> int:
         """How many clusters of ``cluster`` CTAs of ``block`` threads (and this kernel's shared
         memory) the device holds at once (``cuOccupancyMaxActiveClusters``)."""
-        config = launch_config(cluster, block, self.shared_mem, 0, False, cluster)
+        config = launch_config(
+            cluster, block, self.shared_mem, 0, False, cluster, cluster_attribute=True
+        )
         count = ctypes.c_int()
         with torch.cuda.device(self.device):
             _check(
