@@ -43,7 +43,8 @@ for stage in $stages; do
         XHAL_KERNEL_LINEAR=triton-tuned XHAL_CACHE_DIR=/tmp/xhal-tune-cache py -m xhal.tools.tune_cli "$dir" \
           --device cuda --load-format dummy --max-batch ${TUNE_MAX_BATCH:-4} 2>&1 | tee -a "$out/tune.txt" || status=1
       done ;;
-    pytest)  # PYTEST_ARGS: e.g. "conformance_tests/test_attention_block.py --device cuda -x"
+    pytest)  # PYTEST_ARGS: e.g. "conformance_tests/test_attention_block.py --device cuda -x" (no -q:
+      # the stage gives one, and a second drops pytest's summary line)
       py -m pytest -q ${PYTEST_ARGS:-} 2>&1 | tee "$out/pytest.txt" || status=1 ;;
     conformance-*)  # CONF_ARGS narrows it, e.g. "--family attention" (FlashInfer's JIT is slow)
       py -m conformance_tests.cli --device "${stage#conformance-}" ${CONF_ARGS:-} --report "$out/$stage.json" || status=1 ;;
