@@ -110,6 +110,20 @@ def test_the_cache_is_per_device_and_library_versions(tmp_path) -> None:
     assert TuningCache(upgraded, tmp_path).get("linear=tunable", "m1") is None
 
 
+def test_two_caches_of_one_file_keep_each_others_winners(tmp_path) -> None:
+    # e.g. the platform's solutions and the CUDA linear's skinny GEMM choice, one device's file
+    first, second = TuningCache(toy.DEVICE, tmp_path), TuningCache(toy.DEVICE, tmp_path)
+    assert first.get("linear=tunable", "m1") is None and second.get("skinny", "m2") is None
+    first.put("linear=tunable", "m1", "fast")
+    second.put("skinny", "m2", "cublas")  # read its file before the first put, wrote after
+    first.put("linear=tunable", "m4", "slow")
+    assert TuningCache(toy.DEVICE, tmp_path).entries() == {
+        "linear=tunable": {"m1": "fast", "m4": "slow"},
+        "skinny": {"m2": "cublas"},
+    }
+    assert second.get("linear=tunable", "m1") == "fast"  # merged in by its own write
+
+
 def test_real_timing_picks_the_config_that_does_less_work(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("XHAL_CACHE_DIR", str(tmp_path))
     configs = (

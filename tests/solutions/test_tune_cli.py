@@ -23,7 +23,9 @@ CONFIG = {
 }
 
 
-def tune(model: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
+def tune(
+    model: Path, cache: Path, *extra: str, plugin: str = "tests.support.toy_tunable_cpu_plugin"
+) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
         "-m",
@@ -36,7 +38,7 @@ def tune(model: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
         "--max-batch",
         "4",
         "--plugin",
-        "tests.support.toy_tunable_cpu_plugin",
+        plugin,
         *extra,
     ]
     return subprocess.run(
@@ -73,6 +75,21 @@ def test_tune_warms_the_cache_and_a_second_run_times_nothing(tmp_path: Path) -> 
     second = tune(model, cache, "--load-format", "dummy")
     assert second.returncode == 0, explain(second)
     assert "linear=tunable: 0 buckets tuned, 15 from the cache" in second.stdout, explain(second)
+
+
+def test_tune_runs_the_calls_of_a_solution_that_times_itself(tmp_path: Path) -> None:
+    model, cache = tmp_path / "model", tmp_path / "cache"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(CONFIG))
+    plugin = "tests.support.toy_self_timing_cpu_plugin"
+    first = tune(model, cache, "--load-format", "dummy", plugin=plugin)
+    assert first.returncode == 0, explain(first)
+    assert "linear=self-timing: 15 calls run (it times its own choices)" in first.stdout
+    assert "linear/self-timed: 15 buckets new, 15 in the cache; winners: plain x15" in (
+        first.stdout
+    ), explain(first)
+    second = tune(model, cache, "--load-format", "dummy", plugin=plugin)
+    assert "linear/self-timed: 0 buckets new, 15 in the cache" in second.stdout, explain(second)
 
 
 def test_tune_without_a_config_space_says_so(tmp_path: Path) -> None:

@@ -67,6 +67,24 @@ class TunableLinear:
         return out
 
 
+class SelfTimingLinear:
+    """``linear`` that makes a choice of its own per shape bucket on first sight and keeps it in
+    the platform's tuning cache under ``SELF_TIMED`` (as the CUDA linear's skinny GEMM does)."""
+
+    def __init__(self, platform: object) -> None:
+        self._platform = platform
+
+    def linear(self, x, weight, bias=None):
+        cache = self._platform.kernels.tuning_cache
+        bucket = rows_bucket(x, weight)
+        if cache.get(SELF_TIMED, bucket) is None:
+            cache.put(SELF_TIMED, bucket, "plain")
+        return torch.nn.functional.linear(x, weight, bias)
+
+
+SELF_TIMED = "linear/self-timed"
+
+
 def rows_bucket(x, weight, bias=None) -> str:
     """Bucket: the next power of two of the rows, and the weight's shape."""
     rows = 1 << max(0, (x.shape[0] - 1).bit_length())

@@ -60,6 +60,9 @@ class Solution:
     several ops naming one builder share one provider. With ``configs`` the implementation also
     takes the chosen config's ``params`` as keyword arguments and ``bucket`` (``"module:attr"``,
     a function of the call's arguments) names the shape bucket a winner is cached under.
+    ``times_itself``: the implementation makes timed choices of its own the first time it meets a
+    shape eagerly and keeps them in the tuning cache (the CUDA linear's skinny GEMM against
+    cuBLAS), so ``xhal-tune`` runs its calls too.
     """
 
     op: str
@@ -70,6 +73,7 @@ class Solution:
     configs: tuple[Config, ...] = ()
     bucket: str | None = None
     description: str = ""
+    times_itself: bool = False
 
     def __post_init__(self) -> None:
         if self.op not in OPS:

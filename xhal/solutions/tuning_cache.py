@@ -25,30 +25,44 @@ def cache_path(device: DeviceInfo, root: str | os.PathLike | None = None) -> Pat
 
 
 class TuningCache:
-    """Read once, written through on every new winner (a temporary file renamed into place, so
-    a concurrent reader never sees half a file)."""
+    """Read once, written through on every new winner: the file is read again and merged before
+    each write (several caches of one process, or several processes, may keep winners in the same
+    file; each writes only its own entry over what the file holds), and replaced by a temporary
+    file renamed into place, so a concurrent reader never sees half a file."""
 
     def __init__(self, device: DeviceInfo, root: str | os.PathLike | None = None) -> None:
         self.device = device
         self.path = cache_path(device, root)
         self._winners: dict[str, dict[str, str]] | None = None
 
+    def _read(self) -> dict[str, dict[str, str]]:
+        try:
+            winners = json.loads(self.path.read_text())["winners"]
+        except OSError:  # none yet, or unreadable: tune (and try to write it) again
+            return {}
+        except (ValueError, KeyError, TypeError):  # a damaged file: tune again, rewrite it
+            return {}
+        return winners if isinstance(winners, dict) else {}
+
     def _load(self) -> dict[str, dict[str, str]]:
         if self._winners is None:
-            try:
-                self._winners = json.loads(self.path.read_text())["winners"]
-            except OSError:  # none yet, or unreadable: tune (and try to write it) again
-                self._winners = {}
-            except (ValueError, KeyError, TypeError):  # a damaged file: tune again, rewrite it
-                self._winners = {}
+            self._winners = self._read()
         return self._winners
 
     def get(self, solution_key: str, bucket: str) -> str | None:
         return self._load().get(solution_key, {}).get(bucket)
 
+    def entries(self) -> dict[str, dict[str, str]]:
+        """Every winner the file holds now, solution -> bucket -> config name."""
+        return self._read()
+
     def put(self, solution_key: str, bucket: str, config_name: str) -> None:
-        winners = self._load()
+        winners = self._read()
+        for key, buckets in self._load().items():  # what this cache learnt and the file lost
+            for name, config in buckets.items():
+                winners.setdefault(key, {}).setdefault(name, config)
         winners.setdefault(solution_key, {})[bucket] = config_name
+        self._winners = winners
         self.path.parent.mkdir(parents=True, exist_ok=True)
         data = {
             "device": self.device.name,

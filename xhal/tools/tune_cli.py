@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import click
@@ -81,8 +81,9 @@ def main(
     tensor_parallel_size: int,
     plugins: tuple[str, ...],
 ) -> None:
-    """Time the config space of every chosen solution that has one, for MODEL's shapes, and keep
-    the winners in $XHAL_CACHE_DIR/tuning (per device, library versions and shape bucket)."""
+    """Time the config space of every chosen solution that has one, and run the calls of every
+    chosen solution that times its own choices, for MODEL's shapes; the winners are kept in
+    $XHAL_CACHE_DIR/tuning (per device, library versions and shape bucket)."""
     if plugins:
         os.environ["XHAL_PLUGINS"] = ",".join(
             [*filter(None, os.environ.get("XHAL_PLUGINS", "").split(",")), *plugins]
@@ -107,8 +108,9 @@ def main(
             f"platform {device!r} builds no ops from solutions: nothing to tune"
         )
     tunable = {op: impl for op, impl in kernels.ops.impls.items() if isinstance(impl, TunedOp)}
+    self_timed = {op for op, s in kernels.chosen.items() if s.times_itself and op not in tunable}
     chosen = ", ".join(f"{op}={name}" for op, name in kernels.ops.names.items())
-    if not tunable:
+    if not tunable and not self_timed:
         click.echo(f"no chosen solution on {device} has a config space: nothing to tune ({chosen})")
         return
     torch_dtype = getattr(
@@ -119,8 +121,9 @@ def main(
         for w in model_workloads(
             config, platform.device(), torch_dtype, max_batch, tensor_parallel_size
         )
-        if w.op in tunable
+        if w.op in tunable or w.op in self_timed
     ]
+    before = kernels.tuning_cache.entries()
     with click.progressbar(
         workloads,
         label=f"tuning {len(workloads)} calls on {device}",
@@ -138,6 +141,18 @@ def main(
         for name in impl.chosen.values():
             winners[op][name] += 1
         click.echo("  winners: " + ", ".join(f"{n} x{c}" for n, c in sorted(winners[op].items())))
+    calls = Counter(w.op for w in workloads if w.op in self_timed)
+    after = kernels.tuning_cache.entries()
+    own = {key for key in after if key not in {impl.solution.key for impl in tunable.values()}}
+    for op in sorted(self_timed):
+        click.echo(f"{kernels.chosen[op].key}: {calls[op]} calls run (it times its own choices)")
+    for key in sorted(own):  # what those choices left in the cache, this run's and earlier ones
+        new = len(after[key]) - len(before.get(key, {}))
+        counts = Counter(after[key].values())
+        click.echo(
+            f"  {key}: {new} buckets new, {len(after[key])} in the cache; winners: "
+            + ", ".join(f"{n} x{c}" for n, c in sorted(counts.items()))
+        )
     click.echo(f"cache: {kernels.tuning_cache.path}")
 
 

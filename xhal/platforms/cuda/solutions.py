@@ -49,8 +49,10 @@ SOLUTIONS = (
         20,
         description=(
             "our GEMV for one-row linears (XHAL_CUDA_GEMV_MAX_ROWS; the native stream GEMV for "
-            "LM-head-sized weights on sm_90+), cuBLAS beyond"
+            "LM-head-sized weights on sm_90+); 2-64 rows on the skinny GEMM where a timing found "
+            "it faster (sm_90+), cuBLAS beyond"
         ),
+        times_itself=True,  # the skinny GEMM against cuBLAS (skinny_choice.py)
     ),
     Solution(
         "linear",
