@@ -37,11 +37,16 @@ for stage in $stages; do
       for dev in cuda cuda-triton; do
         py scripts/check_solutions.py --device $dev --expect-legacy 2>&1 | tee "$out/solutions-$dev.txt" || status=1
       done ;;
-    tune)  # xhal-tune twice on the 8B shape with linear=triton-tuned: the second run times nothing
+    tune)  # xhal-tune twice on the 8B shape for each linear solution of TUNE_LINEARS (default
+      # "triton-tuned default": the tunable GEMV, then the default's skinny GEMM choice), batches
+      # up to TUNE_MAX_BATCH (4): the second run of each times nothing
       dir=$(python3 -m benchmarks.make_dummy_model /tmp/dummy-llama3-8b llama3-8b | tail -1)
-      for run in 1 2; do
-        XHAL_KERNEL_LINEAR=triton-tuned XHAL_CACHE_DIR=/tmp/xhal-tune-cache py -m xhal.tools.tune_cli "$dir" \
-          --device cuda --load-format dummy --max-batch ${TUNE_MAX_BATCH:-4} 2>&1 | tee -a "$out/tune.txt" || status=1
+      for linear in ${TUNE_LINEARS:-triton-tuned default}; do
+        for run in 1 2; do
+          ( [ "$linear" = default ] || export XHAL_KERNEL_LINEAR=$linear
+            XHAL_CACHE_DIR=/tmp/xhal-tune-cache py -m xhal.tools.tune_cli "$dir" --device cuda \
+              --load-format dummy --max-batch ${TUNE_MAX_BATCH:-4} ) 2>&1 | tee -a "$out/tune.txt" || status=1
+        done
       done ;;
     pytest)  # PYTEST_ARGS: e.g. "conformance_tests/test_attention_block.py --device cuda -x" (no -q:
       # the stage gives one, and a second drops pytest's summary line)
