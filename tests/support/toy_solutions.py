@@ -82,7 +82,7 @@ class SelfTimingLinear:
         return torch.nn.functional.linear(x, weight, bias)
 
 
-SELF_TIMED = "linear/self-timed"
+SELF_TIMED = "linear=self-timing/choice"
 
 
 def rows_bucket(x, weight, bias=None) -> str:

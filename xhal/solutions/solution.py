@@ -61,8 +61,9 @@ class Solution:
     takes the chosen config's ``params`` as keyword arguments and ``bucket`` (``"module:attr"``,
     a function of the call's arguments) names the shape bucket a winner is cached under.
     ``times_itself``: the implementation makes timed choices of its own the first time it meets a
-    shape eagerly and keeps them in the tuning cache (the CUDA linear's skinny GEMM against
-    cuBLAS), so ``xhal-tune`` runs its calls too.
+    shape eagerly and keeps them in the tuning cache under keys that start with ``key`` and a
+    slash (the CUDA linear's skinny GEMM against cuBLAS: ``linear=triton/skinny-mma-or-cublas``),
+    so ``xhal-tune`` runs its calls too and reports those entries.
     """
 
     op: str

@@ -143,10 +143,13 @@ def main(
         click.echo("  winners: " + ", ".join(f"{n} x{c}" for n, c in sorted(winners[op].items())))
     calls = Counter(w.op for w in workloads if w.op in self_timed)
     after = kernels.tuning_cache.entries()
-    own = {key for key in after if key not in {impl.solution.key for impl in tunable.values()}}
+    # what the self-timed choices left, this run's and earlier ones: their keys start with the
+    # solution's own ("linear=triton/...")
+    prefixes = tuple(f"{kernels.chosen[op].key}/" for op in self_timed)
+    own = {key for key in after if prefixes and key.startswith(prefixes)}
     for op in sorted(self_timed):
         click.echo(f"{kernels.chosen[op].key}: {calls[op]} calls run (it times its own choices)")
-    for key in sorted(own):  # what those choices left in the cache, this run's and earlier ones
+    for key in sorted(own):
         new = len(after[key]) - len(before.get(key, {}))
         counts = Counter(after[key].values())
         click.echo(

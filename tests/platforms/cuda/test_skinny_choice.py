@@ -189,6 +189,17 @@ def test_auto_captures_cublas_for_a_shape_no_warm_up_timed(monkeypatch, tmp_path
     assert kernels.launches == 0
 
 
+def test_auto_takes_cublas_where_no_launch_shape_fits_the_device(monkeypatch, tmp_path) -> None:
+    monkeypatch.delenv("XHAL_CUDA_SKINNY_MMA", raising=False)
+    ops, kernels, capturing = fake_ops(monkeypatch, tmp_path, (5e-6, 10e-6))
+    monkeypatch.setattr(kernels, "choices", lambda m, n, k: [])
+    x, w = torch.randn(16, 64), torch.randn(32, 64)
+    torch.testing.assert_close(ops.linear(x, w), x @ w.T)
+    capturing["now"] = True
+    torch.testing.assert_close(ops.linear(x, w), x @ w.T)
+    assert kernels.launches == 0 and ops._skinny_choice.chosen == {}
+
+
 @pytest.mark.parametrize(("setting", "launches"), [("1", 1), ("0", 0)])
 def test_forced_settings_never_time(monkeypatch, tmp_path, setting, launches) -> None:
     monkeypatch.setenv("XHAL_CUDA_SKINNY_MMA", setting)

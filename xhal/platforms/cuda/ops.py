@@ -277,6 +277,9 @@ class CudaOps(DeviceOps):
             self._skinny_choice = skinny_choice.SkinnyChoice(cache)
         (m, k), n = x.shape, weight.shape[0]
         shapes = {p.label: p for p in kernels.choices(m, n, k)}
+        if not shapes:  # no launch shape runs in one wave on this device
+            self._skinny_chosen[key] = None
+            return None
         winner = self._skinny_choice.choose(
             skinny_choice.bucket(m, n, k, x.dtype),
             {label: (lambda w, p=p: kernels(x, w, use_pdl, p)) for label, p in shapes.items()},

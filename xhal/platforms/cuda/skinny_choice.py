@@ -33,7 +33,8 @@ CALLS = 20
 TRIALS = 3
 MARGIN = 0.02
 _MAX_COPY_BYTES = 512 << 20  # weight copies a timing may allocate beyond the weight itself
-SOLUTION_KEY = "linear/skinny-mma-or-cublas"
+# under the key of the solution whose calls make the choice (Solution.times_itself)
+SOLUTION_KEY = "linear=triton/skinny-mma-or-cublas"
 CUBLAS = "cublas"
 
 # (call(weight) -> out, weight) -> seconds a call; the CUDA one below, a fake in tests
