@@ -189,6 +189,19 @@ def test_auto_captures_cublas_for_a_shape_no_warm_up_timed(monkeypatch, tmp_path
     assert kernels.launches == 0
 
 
+def test_auto_times_only_the_decode_buckets_row_counts(monkeypatch, tmp_path) -> None:
+    monkeypatch.delenv("XHAL_CUDA_SKINNY_MMA", raising=False)
+    ops, kernels, capturing = fake_ops(monkeypatch, tmp_path, (5e-6, 10e-6))
+    w = torch.randn(32, 64)
+    for rows in (3, 5, 23, 40):  # an eager prefill of a few tokens: cuBLAS, nothing timed
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(ops.linear(x, w), x @ w.T)
+    assert kernels.launches == 0 and ops._skinny_choice.chosen == {}
+    x = torch.randn(48, 64)
+    torch.testing.assert_close(ops.linear(x, w), x @ w.T)
+    assert kernels.launches == 2  # timed once, then run
+
+
 def test_auto_takes_cublas_where_no_launch_shape_fits_the_device(monkeypatch, tmp_path) -> None:
     monkeypatch.delenv("XHAL_CUDA_SKINNY_MMA", raising=False)
     ops, kernels, capturing = fake_ops(monkeypatch, tmp_path, (5e-6, 10e-6))

@@ -263,11 +263,12 @@ class CudaOps(DeviceOps):
 
     def _skinny_shape(self, key, kernels, x, weight, use_pdl):
         """The launch shape ``auto`` gives this call, or None for cuBLAS: the choice of its shape
-        (``skinny_choice.py``), made by the first eager call (the graph warm-up); a capture
-        before it takes cuBLAS."""
+        (``skinny_choice.py``), made by the first eager call (the graph warm-up) of a row count
+        in ``skinny_choice.TIMED_ROWS``; a capture before it, and other row counts, take
+        cuBLAS."""
         if key in self._skinny_chosen:
             return self._skinny_chosen[key]
-        if torch.cuda.is_current_stream_capturing():
+        if torch.cuda.is_current_stream_capturing() or x.shape[0] not in skinny_choice.TIMED_ROWS:
             return None
         if self._skinny_choice is None:
             from xhal.platforms.cuda.platform import device_info

@@ -29,6 +29,11 @@ from xhal.solutions.tuning_cache import TuningCache
 
 logger = logging.getLogger(__name__)
 
+# the row counts worth a timing: the default decode graph buckets up to 64 (ExecutorConfig's
+# 1, 2, 4, 8, then steps of 16). A graph's warm-up is the only eager call whose choice a step
+# keeps (eager calls after it run cuBLAS), so other row counts, an eager prefill of 5 or 23
+# tokens or a custom bucket, take cuBLAS untimed rather than stall a request on first sight.
+TIMED_ROWS = (2, 4, 8, 16, 32, 48, 64)
 CALLS = 20
 TRIALS = 3
 MARGIN = 0.02
