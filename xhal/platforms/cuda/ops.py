@@ -248,7 +248,7 @@ class CudaOps(DeviceOps):
         capturing = torch.cuda.is_current_stream_capturing()
         try:
             if mode == "auto":
-                shape = self._skinny_shape(key, kernels, x, weight, use_pdl)
+                shape = self._skinny_shape(key, kernels, x, weight, use_pdl, capturing)
             else:
                 shape = kernels.plan(x.shape[0], weight.shape[0], x.shape[1])
             if shape is None or not self._graph_kernel(key):
@@ -261,14 +261,14 @@ class CudaOps(DeviceOps):
             logger.warning("cuda: skinny GEMM off for %s x %s: %s", tuple(x.shape), weight.shape, e)
             return None
 
-    def _skinny_shape(self, key, kernels, x, weight, use_pdl):
+    def _skinny_shape(self, key, kernels, x, weight, use_pdl, capturing):
         """The launch shape ``auto`` gives this call, or None for cuBLAS: the choice of its shape
         (``skinny_choice.py``), made by the first eager call (the graph warm-up) of a row count
         in ``skinny_choice.TIMED_ROWS``; a capture before it, and other row counts, take
         cuBLAS."""
         if key in self._skinny_chosen:
             return self._skinny_chosen[key]
-        if torch.cuda.is_current_stream_capturing() or x.shape[0] not in skinny_choice.TIMED_ROWS:
+        if capturing or x.shape[0] not in skinny_choice.TIMED_ROWS:
             return None
         if self._skinny_choice is None:
             from xhal.platforms.cuda.platform import device_info

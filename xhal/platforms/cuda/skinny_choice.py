@@ -17,6 +17,7 @@ chosen: in a whole 8B step at 64 rows it lost more than its isolated timings sai
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from collections.abc import Callable
@@ -46,6 +47,7 @@ CUBLAS = "cublas"
 Timer = Callable[[Callable[[torch.Tensor], object], torch.Tensor], float]
 
 
+@functools.cache
 def _source_digest() -> str:
     source = Path(__file__).parent / "kernels" / "skinny_mma.cu"
     return hashlib.sha256(source.read_bytes()).hexdigest()[:8]
