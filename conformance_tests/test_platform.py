@@ -171,7 +171,9 @@ def test_components(platform: Platform) -> None:
 def test_runtime_services(platform: Platform) -> None:
     """``mem_get_info`` is what the engine sizes its KV cache from: the total is the device's and
     does not move, and the free memory it reports can really be allocated, on the device; where
-    the device is not the host's memory, holding a block shows in the free count."""
+    the device is not the host's memory, holding a block shows in the free count, and
+    ``empty_cache`` after freeing it shows it free again (the decode graphs' memory figure reads
+    the free count that way)."""
     platform.synchronize()
     free, total = platform.mem_get_info()
     assert isinstance(free, int) and isinstance(total, int) and 0 <= free <= total and total > 0
@@ -187,6 +189,13 @@ def test_runtime_services(platform: Platform) -> None:
             f"only {free - free_held}"
         )
     del held
+    platform.empty_cache()  # gives the freed block back where the allocator caches it
+    free_after, _ = platform.mem_get_info()
+    if platform.device_type != "cpu" and block >= 64 << 20:
+        assert free_after - free_held >= block // 2, (
+            f"empty_cache() after freeing {block} bytes on {platform.device()} raised the "
+            f"reported free memory by only {free_after - free_held}"
+        )
 
 
 def test_unknown_platform_lists_known_names() -> None:

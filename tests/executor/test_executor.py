@@ -355,6 +355,36 @@ def test_capture_graphs_up_front_writes_no_cache(checkpoint_factory):
     assert rel_err(logits[1], h.reference(seqs[1] + [4])[-1]) < RTOL
 
 
+def test_capture_graphs_reports_the_memory_the_graphs_keep(checkpoint_factory, monkeypatch):
+    """The capture's memory figure counts what the graphs keep: not the blocks a caching
+    allocator held before it (which capturing gives back, as ``torch.cuda.graph`` empties the
+    cache), nor those a warm-up allocated and freed. Here an allocator model: each bucket keeps
+    1 MiB and leaves 64 MiB freed in the cache; 100 MiB sit cached before."""
+    h = Harness(checkpoint_factory("llama_tied"), enforce_eager=False)
+    mib, total = 2**20, 2**40
+    memory = {"used": 0, "cached": 100 * mib}
+
+    def empty_cache():
+        memory["cached"] = 0
+
+    graphs = h.executor.decode_graphs
+    run = graphs.run
+
+    def capture(*args, **kwargs):
+        empty_cache()
+        memory["used"] += mib
+        memory["cached"] += 64 * mib
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(h.platform, "empty_cache", empty_cache)
+    monkeypatch.setattr(
+        h.platform, "mem_get_info", lambda: (total - memory["used"] - memory["cached"], total)
+    )
+    monkeypatch.setattr(graphs, "run", capture)
+    stats = h.executor.capture_graphs(progress=False)
+    assert stats["memory_bytes"] == stats["graphs"] * mib
+
+
 def test_piecewise_prefill_and_mixed_match_eager(checkpoint_factory):
     """Prefill, chunked and mixed steps of different lengths replay the same token buckets, with
     attention planned per step between the captured pieces."""

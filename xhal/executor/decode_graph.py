@@ -368,6 +368,10 @@ class DecodeGraphs:
         return stats
 
     def _free_memory(self) -> int | None:
+        # with the allocator's unused blocks given back first: the graph warm-ups' own
+        # allocations (a kernel choice timed on weight copies) would otherwise count on
+        # whichever side of the captures still held them, and capture itself empties the cache
+        self.platform.empty_cache()
         try:
             return self.platform.mem_get_info()[0]
         except NotImplementedError:

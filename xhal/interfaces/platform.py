@@ -180,6 +180,10 @@ class Platform(ABC):
         """``(free_bytes, total_bytes)`` of the current device."""
         raise NotImplementedError(f"platform {self.name!r} does not report memory")
 
+    def empty_cache(self) -> None:
+        """Give the allocator's cached, unused blocks back to the device, so that
+        ``mem_get_info`` counts only memory in use (nothing to do where there is no cache)."""
+
     def init_process_group(
         self, rank: int, world_size: int, init_method: str, local_rank: int | None = None
     ) -> dist.ProcessGroup:

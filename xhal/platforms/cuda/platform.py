@@ -98,6 +98,9 @@ class CudaPlatform(Platform):
     def mem_get_info(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info()
 
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
 
 class CudaTritonPlatform(CudaPlatform):
     """``cuda`` without FlashInfer: Triton attention, torch norms and activations (what the

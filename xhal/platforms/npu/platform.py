@@ -173,3 +173,6 @@ class NpuPlatform(Platform):
     def mem_get_info(self) -> tuple[int, int]:
         free, total = torch.npu.mem_get_info()
         return int(free), int(total)
+
+    def empty_cache(self) -> None:
+        torch.npu.empty_cache()
