@@ -96,6 +96,19 @@ def test_tune_runs_the_calls_of_a_solution_that_times_itself(tmp_path: Path) -> 
     assert again in second.stdout, explain(second)
 
 
+def test_tune_covers_every_decode_graph_bucket(tmp_path: Path) -> None:
+    """``--max-batch 64`` runs the calls of every bucket the executor captures decode graphs at
+    up to 64 (1, 2, 4, 8, 16, 32, 48, 64: eight, five linears each), not only the powers of two:
+    a bucket left out would be timed at the server's start instead."""
+    model, cache = tmp_path / "model", tmp_path / "cache"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(CONFIG))
+    extra = ("--load-format", "dummy", "--max-batch", "64")
+    proc = tune(model, cache, *extra, plugin="tests.support.toy_self_timing_cpu_plugin")
+    assert proc.returncode == 0, explain(proc)
+    assert "linear=self-timing: 40 calls run" in proc.stdout, explain(proc)
+
+
 def test_tune_without_a_config_space_says_so(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     cmd = [

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -31,27 +31,17 @@ class _Tensors:
         return self._made[name]
 
 
-def batch_sizes(max_batch: int) -> list[int]:
-    """1, 2, 4, ... up to ``max_batch`` (included): the buckets decode graphs are captured at."""
-    if max_batch < 1:
-        raise ValueError(f"max batch must be at least 1, got {max_batch}")
-    sizes, m = [], 1
-    while m < max_batch:
-        sizes.append(m)
-        m *= 2
-    return [*sizes, max_batch]
-
-
 def model_workloads(
     config: dict,
     device: torch.device,
     dtype: torch.dtype,
-    max_batch: int,
+    batches: Sequence[int],
     tensor_parallel_size: int = 1,
 ) -> list[Workload]:
-    """Per batch size: each projection's linear (column-parallel ones split their outputs over
-    the ranks, row-parallel ones their inputs), the norms and the gated activation, and the
-    routed experts of a mixture-of-experts model."""
+    """Per batch size in ``batches`` (the decode graphs' buckets: a projection's call in a
+    bucket's graph has that many rows): each projection's linear (column-parallel ones split
+    their outputs over the ranks, row-parallel ones their inputs), the norms and the gated
+    activation, and the routed experts of a mixture-of-experts model."""
     try:
         hidden = config["hidden_size"]
         heads = config["num_attention_heads"]
@@ -76,7 +66,9 @@ def model_workloads(
     if not experts:
         linears |= {"gate_up_proj": (2 * inter // tp, hidden), "down_proj": (hidden, inter // tp)}
     out: list[Workload] = []
-    for m in batch_sizes(max_batch):
+    if not batches or min(batches) < 1:
+        raise ValueError(f"batch sizes must be positive, got {list(batches)}")
+    for m in batches:
         for name, (n, k) in linears.items():
             out.append(
                 Workload(

@@ -57,7 +57,8 @@ def _config(model: str, load_format: str) -> dict:
     type=click.IntRange(min=1),
     default=64,
     show_default=True,
-    help="Largest batch (tokens per step) to tune; powers of two below it are tuned too.",
+    help="The --max-num-seqs you serve with: every decode-graph bucket up to it is tuned (1, 2, "
+         "4, 8, then steps of 16, as the executor captures them).",
 )
 @click.option(
     "--tensor-parallel-size",
@@ -92,6 +93,7 @@ def main(
     import torch
 
     import xhal
+    from xhal.executor import ExecutorConfig
     from xhal.solutions.op_names import OPS
     from xhal.solutions.tuned_op import TunedOp
     from xhal.solutions.workloads import model_workloads
@@ -119,7 +121,11 @@ def main(
     workloads = [
         w
         for w in model_workloads(
-            config, platform.device(), torch_dtype, max_batch, tensor_parallel_size
+            config,
+            platform.device(),
+            torch_dtype,
+            ExecutorConfig(max_num_seqs=max_batch).decode_capture_sizes,
+            tensor_parallel_size,
         )
         if w.op in tunable or w.op in self_timed
     ]
