@@ -160,8 +160,13 @@ def fake_ops(monkeypatch, tmp_path, timer):
         call(weight)
         return timer[0] if kernels.launches > before else timer[1]
 
-    ops._skinny_choice = skinny_choice.SkinnyChoice(TuningCache(DEVICE, tmp_path), counting_timer)
+    choice = skinny_choice.SkinnyChoice(TuningCache(DEVICE, tmp_path), counting_timer)
+    ops._skinny_choices[torch.device("cpu")] = choice  # the fakes' tensors are the host's
     return ops, kernels, capturing
+
+
+def chosen(ops) -> dict:
+    return ops._skinny_choices[torch.device("cpu")].chosen
 
 
 @pytest.mark.parametrize("skinny_wins", [True, False])
@@ -196,7 +201,7 @@ def test_auto_times_only_the_decode_buckets_row_counts(monkeypatch, tmp_path) ->
     for rows in (3, 5, 23, 40):  # an eager prefill of a few tokens: cuBLAS, nothing timed
         x = torch.randn(rows, 64)
         torch.testing.assert_close(ops.linear(x, w), x @ w.T)
-    assert kernels.launches == 0 and ops._skinny_choice.chosen == {}
+    assert kernels.launches == 0 and chosen(ops) == {}
     x = torch.randn(48, 64)
     torch.testing.assert_close(ops.linear(x, w), x @ w.T)
     assert kernels.launches == 2  # timed once, then run
@@ -210,7 +215,7 @@ def test_auto_takes_cublas_where_no_launch_shape_fits_the_device(monkeypatch, tm
     torch.testing.assert_close(ops.linear(x, w), x @ w.T)
     capturing["now"] = True
     torch.testing.assert_close(ops.linear(x, w), x @ w.T)
-    assert kernels.launches == 0 and ops._skinny_choice.chosen == {}
+    assert kernels.launches == 0 and chosen(ops) == {}
 
 
 @pytest.mark.parametrize(("setting", "launches"), [("1", 1), ("0", 0)])
@@ -220,4 +225,4 @@ def test_forced_settings_never_time(monkeypatch, tmp_path, setting, launches) ->
     x, w = torch.randn(16, 64), torch.randn(32, 64)
     torch.testing.assert_close(ops.linear(x, w), x @ w.T)
     assert kernels.launches == launches  # "1" launches without timing, "0" never
-    assert ops._skinny_choice.chosen == {}
+    assert chosen(ops) == {}

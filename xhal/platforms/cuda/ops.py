@@ -56,7 +56,8 @@ class CudaOps(DeviceOps):
         self._native_missing_logged = False
         self._skinny_refused: set[tuple] = set()  # shapes whose skinny GEMM failed to launch
         self._skinny_chosen: dict[tuple, object] = {}  # shape -> its launch shape, None: cuBLAS
-        self._skinny_choice: skinny_choice.SkinnyChoice | None = None  # made on first use
+        # a device's skinny choice, made on its first use (the cache is keyed by the device)
+        self._skinny_choices: dict[torch.device, skinny_choice.SkinnyChoice] = {}
         self.fused = env.cuda_fused()
         rows = env.cuda_gemv_max_rows(gemv.MAX_M)
         if rows is not None:
@@ -270,18 +271,19 @@ class CudaOps(DeviceOps):
             return self._skinny_chosen[key]
         if capturing or x.shape[0] not in skinny_choice.TIMED_ROWS:
             return None
-        if self._skinny_choice is None:
+        choice = self._skinny_choices.get(x.device)
+        if choice is None:
             from xhal.platforms.cuda.platform import device_info
             from xhal.solutions.tuning_cache import TuningCache
 
-            cache = TuningCache(device_info(x.device.index))
-            self._skinny_choice = skinny_choice.SkinnyChoice(cache)
+            choice = skinny_choice.SkinnyChoice(TuningCache(device_info(x.device.index)))
+            self._skinny_choices[x.device] = choice
         (m, k), n = x.shape, weight.shape[0]
         shapes = {p.label: p for p in kernels.choices(m, n, k)}
         if not shapes:  # no launch shape runs in one wave on this device
             self._skinny_chosen[key] = None
             return None
-        winner = self._skinny_choice.choose(
+        winner = choice.choose(
             skinny_choice.bucket(m, n, k, x.dtype),
             {label: (lambda w, p=p: kernels(x, w, use_pdl, p)) for label, p in shapes.items()},
             lambda w: F.linear(x, w),
