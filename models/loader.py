@@ -105,7 +105,9 @@ def load_model(
     ``config`` replaces config.json when given (``xhal-align --override`` uses it).
     ``load_format="dummy"`` reads no weights: parameters are drawn at random (seeded; normal with
     std 0.02, norm weights 1), so a directory with only config.json serves for benchmarks, as
-    vLLM's ``--load-format dummy`` does. Raises
+    vLLM's ``--load-format dummy`` does. Every tensor-parallel size gets the same model: a rank
+    keeps its shards of the tensors a single rank would draw, so TP=2 can be checked against
+    TP=1 without a checkpoint. Raises
     ``KeyError`` for an unsupported architecture (listing the supported ones) and
     ``models.weights.WeightsMismatchError`` naming any missing or unexpected tensor.
     """
@@ -117,8 +119,12 @@ def load_model(
     files = safetensors_files(model_dir) if load_format == "auto" else []
     with _default_dtype(torch_dtype), torch.device(device):
         model = model_cls(config, tp)
-    if load_format == "dummy":
+    if load_format == "dummy" and tp.size == 1:
         randomize_weights(model)
+    elif load_format == "dummy":
+        with _default_dtype(torch_dtype), torch.device("meta"):
+            whole = model_cls(config, TensorParallel(0, 1))
+        model.load_weights(_random_tensors(whole, torch.device(device)))
     else:
         model.load_weights(iter_safetensors(files, progress))
     return model.eval()
@@ -138,3 +144,22 @@ def randomize_weights(model: nn.Module, seed: int = 0) -> None:
             if param.device not in generators:
                 generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
             param.normal_(0.0, 0.02, generator=generators[param.device])
+
+
+@torch.no_grad()
+def _random_tensors(
+    whole: nn.Module, device: torch.device, seed: int = 0
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The values ``randomize_weights`` gives the single-rank model ``whole`` (built on the meta
+    device: only its parameters' names, shapes and order are read), one whole tensor at a time
+    on ``device``, named as the parameters are: each rank's loader keeps its shard of them."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, param in whole.named_parameters():
+        tensor = torch.empty(param.shape, dtype=param.dtype, device=device)
+        if "norm" in name:
+            tensor.fill_(1.0)
+        elif name.endswith("bias"):
+            tensor.zero_()
+        else:
+            tensor.normal_(0.0, 0.02, generator=generator)
+        yield name, tensor

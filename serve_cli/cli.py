@@ -195,7 +195,8 @@ def _served_model(model: str | None, model_option: str | None) -> ServedModel:
     type=click.Choice(["auto", "dummy"]),
     default=None,
     help="auto: read the checkpoint's safetensors. dummy: seeded random weights, so a directory "
-    "with only config.json and a tokenizer serves (for benchmarks). [default: auto]",
+    "with only config.json and a tokenizer serves (for benchmarks); the same model at every "
+    "--tensor-parallel-size. [default: auto]",
 )
 @click.option(
     "--enforce-eager/--no-enforce-eager",

@@ -26,12 +26,18 @@ SHARDED = (
 
 
 def run_steps(
-    model_dir: str, tp: TensorParallel, collective, enforce_eager: bool = True
+    model_dir: str,
+    tp: TensorParallel,
+    collective,
+    enforce_eager: bool = True,
+    load_format: str = "auto",
 ) -> tuple[torch.Tensor, dict[str, tuple]]:
     """Prefill both prompts, then two decode steps; returns every step's logits and param shapes."""
     from tests.support.paged_host import PagedHost
 
-    model = load_model(model_dir, dtype=torch.float32, tp=tp, progress=False)
+    model = load_model(
+        model_dir, dtype=torch.float32, tp=tp, progress=False, load_format=load_format
+    )
     executor = ModelExecutor(
         model, xhal.platforms.get("cpu"), ExecutorConfig(enforce_eager=enforce_eager), collective
     )
@@ -49,11 +55,13 @@ def run_steps(
     return torch.cat(out), shapes
 
 
-def _rank(rank: int, model_dir: str, init: str, result_dir: str, enforce_eager: bool) -> None:
+def _rank(
+    rank: int, model_dir: str, init: str, result_dir: str, enforce_eager: bool, load_format: str
+) -> None:
     platform = xhal.platforms.get("cpu")
     group = platform.init_process_group(rank, 2, init)
     logits, shapes = run_steps(
-        model_dir, TensorParallel(rank, 2), platform.collective(group), enforce_eager
+        model_dir, TensorParallel(rank, 2), platform.collective(group), enforce_eager, load_format
     )
     torch.save({"logits": logits, "shapes": shapes}, os.path.join(result_dir, f"rank{rank}.pt"))
     torch.distributed.barrier()  # both ranks are past their last collective
@@ -62,18 +70,23 @@ def _rank(rank: int, model_dir: str, init: str, result_dir: str, enforce_eager: 
     os._exit(0)
 
 
-def tp2_matches_tp1(model_dir: str, enforce_eager: bool) -> tuple[dict[str, tuple], list[dict]]:
+def tp2_matches_tp1(
+    model_dir: str, enforce_eager: bool, load_format: str = "auto"
+) -> tuple[dict[str, tuple], list[dict]]:
     """Run the steps at TP=1 in this process and at TP=2 over a real 2-process gloo group; assert
     each rank's logits equal TP=1's within 1e-5 relative. Returns TP=1's parameter shapes and
     each rank's results (its logits and parameter shapes)."""
     single, full_shapes = run_steps(
-        model_dir, TensorParallel(0, 1), xhal.platforms.get("cpu").collective(None)
+        model_dir,
+        TensorParallel(0, 1),
+        xhal.platforms.get("cpu").collective(None),
+        load_format=load_format,
     )
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{tmp}/rendezvous"
         mp.start_processes(
             _rank,
-            args=(model_dir, init, tmp, enforce_eager),
+            args=(model_dir, init, tmp, enforce_eager, load_format),
             nprocs=2,
             start_method="spawn",
             join=True,
@@ -99,3 +112,11 @@ def test_tp2_matches_tp1(checkpoint_factory, name, enforce_eager):
                 assert (
                     shape[0] * 2 == full_shapes[name_][0] or shape[1] * 2 == full_shapes[name_][1]
                 ), name_
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen3_moe"])
+def test_tp2_matches_tp1_with_dummy_weights(checkpoint_factory, tmp_path, name):
+    """``load_format="dummy"`` draws the same model at every TP size (a rank keeps its shards of
+    what one rank would draw), so TP=2 is checked against TP=1 from a config.json alone."""
+    (tmp_path / "config.json").write_text((checkpoint_factory(name) / "config.json").read_text())
+    tp2_matches_tp1(str(tmp_path), enforce_eager=True, load_format="dummy")
