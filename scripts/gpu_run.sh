@@ -2,7 +2,8 @@
 # One run on the GPU machine: install the carried wheels, then the stages named on the command
 # line (default: conformance (cuda, cuda-triton), bench_gemv, bench_attention, bench_model); also
 # serve, cpp_host (examples/cpp_host/bench_cuda.sh), conformance-<device>, pytest (PYTEST_ARGS),
-# overlap (XHAL_CUDA_OVERLAP's benchmark peers at batch 1: 1B, 8B, MoE), skinny (the tensor-core
+# overlap (XHAL_CUDA_OVERLAP's benchmark peers at batch 1: 1B, 8B, MoE), tp (issue 14, two GPUs:
+# the collective family, bench_tp, scripts/tp_served.sh), skinny (the tensor-core
 # skinny GEMM: bench_skinny_mma, its linear conformance cases, the 8B and 1B steps at 16 and 64 rows),
 # solutions (the kernels chosen, checked against the pre-solution choices), tune (xhal-tune
 # twice), tilelang (installs
@@ -109,6 +110,16 @@ sys.argv[0] = 'bench_model'; runpy.run_module('benchmarks.bench_model', run_name
         done
         kill -TERM $server; wait $server
       done ;;
+    tp)  # issue 14 on a 2-GPU machine (nvidia-h200-x2): the collective family over NCCL with 2
+      # ranks, the 8B-shaped step at TP=1 and TP=2 (benchmarks/bench_tp.py: floors, the all-reduce
+      # share, NCCL against symmetric memory's one-shot all-reduce; BENCH_ARGS replaces its
+      # defaults), then xhal-serve at TP=1 and TP=2 (scripts/tp_served.sh: greedy ids compared)
+      export NCCL_NVLS_ENABLE=0
+      py -m conformance_tests.cli --device cuda --family collective \
+        --report "$out/conformance-collective.json" || status=1
+      py -m benchmarks.bench_tp ${BENCH_ARGS:---shape llama3-8b --batches 1 64 --tp 1 2} 2>&1 \
+        | tee "$out/bench_tp.txt" || status=1
+      OUT=$out timeout -k 10 "${STAGE_TIMEOUT:-0}" bash scripts/tp_served.sh 2>&1 | tail -40 || status=1 ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done
