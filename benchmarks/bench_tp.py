@@ -16,7 +16,9 @@ graph replayed back to back on CUDA, eager on the CPU); its read floor, the byte
 (its weight shards, one embedding row a sequence where the table is not the LM head, its share
 of the KV) over that rank's read ceiling, the slowest rank's; and the step's all-reduces alone:
 two a layer of ``[batch, hidden]`` (after o and after down), captured in one graph like the
-step. NVLink multicast stays off (``NCCL_NVLS_ENABLE=0``; the one-shot peer uses none).
+step. On CUDA with 2+ ranks the step runs a second time, through the one-shot collective
+(``OneShotCollective``: the same model, caches and inputs; its logits against NCCL's). NVLink
+multicast stays off (``NCCL_NVLS_ENABLE=0``; the one-shot peer uses none).
 """
 
 from __future__ import annotations
@@ -58,6 +60,12 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="TP sizes, in order")
     parser.add_argument("--ctx", type=int, default=2048, help="context tokens a sequence")
+    parser.add_argument(
+        "--no-one-shot-step",
+        dest="one_shot_step",
+        action="store_false",
+        help="CUDA, 2+ ranks: skip the step with the one-shot all-reduce (OneShotCollective)",
+    )
     args = parser.parse_args()
     if args.device == "cuda":
         visible = torch.cuda.device_count()
@@ -79,9 +87,10 @@ def main() -> None:
             mp.start_processes(_rank, args=(tp, vars(args), str(model_dir), str(out)), **spawn)
             ranks = [torch.load(out / f"rank{r}.pt") for r in range(tp)]
             rows += _rows(tp, ranks, first)
+    columns = list(dict.fromkeys(c for row in rows for c in row))  # TP>1 rows have more
     print(
         table(
-            rows,
+            [{c: row.get(c, "-") for c in columns} for row in rows],
             f"decode step, {args.shape} shape, ctx {args.ctx}, {args.device}; read floor = the "
             "bytes one rank reads over its read ceiling (slowest rank); all-reduces = the step's "
             "2 a layer alone, in one graph; logits vs the first TP size, rank 0, relative",
@@ -106,6 +115,9 @@ def _rows(tp: int, ranks: list[dict], first: dict[int, torch.Tensor]) -> list[di
         row["allreduce_share"] = row["allreduce_ms"] / step_ms
         one_shot = [r["one_shot_ms"] for r in per_rank]
         row["one_shot_ms"] = max(one_shot) if None not in one_shot else result["one_shot_note"]
+        if "one_shot_step_ms" in result:  # the step with the one-shot collective, its logits
+            row["one_shot_step_ms"] = max(r["one_shot_step_ms"] for r in per_rank)
+            row["one_shot_logits_diff"] = result["one_shot_logits_diff"]
         logits = result["logits"]
         ref = first.setdefault(batch, logits)
         row["logits_rel_diff"] = float((logits - ref).abs().max() / ref.abs().max())
@@ -150,8 +162,15 @@ def _rank(rank: int, world: int, args: dict, model_dir: str, out: str) -> None:
     caches = executor.allocate_kv_caches(num_blocks=max(batches) * ctx // BLOCK + 64)
     _fill_caches(caches, config, rank, world)
     executor.bind_kv_caches(caches)
+    peer = None  # the same model and caches, all-reducing through the one-shot collective
+    if cuda and world > 1 and args["one_shot_step"]:
+        from xhal.platforms.cuda.collective import OneShotCollective
+
+        peer = ModelExecutor(model, platform, executor.config, OneShotCollective(group))
+        peer.bind_kv_caches(caches)
     if cuda:
-        executor.capture_graphs(progress=False)
+        for ex in filter(None, (executor, peer)):
+            ex.capture_graphs(progress=False)
         from benchmarks.common import read_bandwidth
 
         read = read_bandwidth()["read"]
@@ -168,11 +187,22 @@ def _rank(rank: int, world: int, args: dict, model_dir: str, out: str) -> None:
         logits = step().float().cpu()
         nbytes = _rank_read_bytes(model, config, batch, ctx, world, dtype)
         ar_ms, (one_shot_ms, note) = _allreduces(collective, group, config, batch, dtype, device)
-        results.append({
+        result = {
             "batch": batch, "logits": logits, "step_ms": _time(step, cuda),
             "read_floor_ms": nbytes / read * 1e3 if read else None,
             "allreduce_ms": ar_ms, "one_shot_ms": one_shot_ms, "one_shot_note": note,
-        })  # fmt: skip
+        }  # fmt: skip
+        if peer is not None:
+
+            def peer_step(ids=ids, pos=pos, meta=meta):
+                return peer.compute_logits(peer.execute(ids, pos, meta))
+
+            theirs = peer_step().float().cpu()
+            result["one_shot_step_ms"] = _time(peer_step, cuda)
+            result["one_shot_logits_diff"] = float(
+                (theirs - logits).abs().max() / logits.abs().max()
+            )
+        results.append(result)
     torch.save({"batches": results}, os.path.join(out, f"rank{rank}.pt"))
     if group is not None:
         torch.distributed.barrier()  # every rank is past its last collective
@@ -206,37 +236,30 @@ def _rank_read_bytes(model, config: dict, batch: int, ctx: int, world: int, dtyp
 
 def _allreduces(collective, group, config: dict, batch: int, dtype, device):
     """ms of the step's all-reduces alone (2 a layer of ``[batch, hidden]``) on ``collective``,
-    and ``(ms, "")`` of symmetric memory's one-shot all-reduce (CUDA, 2+ ranks) or
-    ``(None, why not)``."""
+    and ``(ms, "")`` of the same on ``OneShotCollective`` (symmetric memory's one-shot
+    all-reduce; CUDA, 2+ ranks) or ``(None, why not)``."""
     calls = 2 * config["num_hidden_layers"]
     x = torch.randn(batch, config["hidden_size"], dtype=dtype, device=device)
+    if group is None:  # one rank's all-reduce returns its input: nothing to launch or time
+        return 0.0, (None, "one rank")
     if device.type != "cuda":
         return _time(lambda: [collective.all_reduce(x.clone()) for _ in range(calls)], False), (
             None, "CUDA only"
         )
-    if group is None:  # one rank's all-reduce returns its input: nothing to launch or time
-        return 0.0, (None, "one rank")
     from benchmarks.common import capture_graph
 
     nccl = _time(capture_graph(lambda: [collective.all_reduce(x) for _ in range(calls)]).replay)
+    from xhal.platforms.cuda.collective import OneShotCollective
+
     try:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        buf = symm_mem.empty(x.numel(), dtype=dtype, device=device)
-        symm_mem.rendezvous(buf, group.group_name)
-        view, out = buf.view_as(x), torch.empty_like(x)
-        want = collective.all_reduce(x)
-
-        def one_shot():
-            view.copy_(x)
-            torch.ops.symm_mem.one_shot_all_reduce_out(view, "sum", group.group_name, out)
-            return out
-
-        got = one_shot()
+        one_shot = OneShotCollective(group)
+        if one_shot.unavailable is not None:
+            return nccl, (None, one_shot.unavailable)
+        want, got = collective.all_reduce(x), one_shot.all_reduce(x)  # eager: makes its buffer
         err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
         if err > 1e-2:
             return nccl, (None, f"one-shot result off by {err:.2e}")
-        ms = _time(capture_graph(lambda: [one_shot() for _ in range(calls)]).replay)
+        ms = _time(capture_graph(lambda: [one_shot.all_reduce(x) for _ in range(calls)]).replay)
         return nccl, (ms, "")
     except Exception as e:  # what this torch build or machine lacks: reported, not fatal
         return nccl, (None, f"{type(e).__name__}: {str(e)[:80]}")

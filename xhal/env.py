@@ -183,6 +183,14 @@ def cuda_overlap() -> frozenset[str]:
     return parts
 
 
+def cuda_one_shot_allreduce() -> bool:
+    """``XHAL_CUDA_ONE_SHOT_ALLREDUCE``: the CUDA platform's all-reduces of up to 1 MiB on 2-8
+    ranks as torch's symmetric-memory one-shot all-reduce (each rank reads every peer's buffer
+    over NVLink; ``platforms/cuda/collective.py``) instead of NCCL's; off by default (not yet
+    measured on two GPUs), ``1`` turns it on. Read when a collective is made."""
+    return _flag("XHAL_CUDA_ONE_SHOT_ALLREDUCE", False)
+
+
 def cuda_triton_activation() -> bool:
     """``XHAL_CUDA_TRITON_ACTIVATION``: the CUDA platform's gated activations (``silu_and_mul``,
     ``gelu_and_mul``, and the activation before the down projection at 2+ rows) as one Triton

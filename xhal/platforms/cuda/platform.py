@@ -10,6 +10,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
+from xhal import env
 from xhal.interfaces.attention import AttentionBackend, AttentionSpec
 from xhal.interfaces.collective import Collective
 from xhal.interfaces.platform import AttentionCapabilities, Capabilities, Platform
@@ -81,10 +82,12 @@ class CudaPlatform(Platform):
         return CudaGraphRunner()
 
     def collective(self, group: dist.ProcessGroup | None = None) -> Collective:
-        from xhal.platforms.cuda.collective import NcclCollective
+        from xhal.platforms.cuda.collective import NcclCollective, OneShotCollective
 
         group = resolve_group(group)
-        return SingleRankCollective() if group is None else NcclCollective(group)
+        if group is None:
+            return SingleRankCollective()
+        return (OneShotCollective if env.cuda_one_shot_allreduce() else NcclCollective)(group)
 
     def device(self, index: int | None = None) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device() if index is None else index)
