@@ -117,9 +117,9 @@ sys.argv[0] = 'bench_model'; runpy.run_module('benchmarks.bench_model', run_name
       # xhal-serve at TP=1 and TP=2 (scripts/tp_served.sh: greedy ids compared)
       export NCCL_NVLS_ENABLE=0
       py -m conformance_tests.cli --device cuda --family collective \
-        --report "$out/conformance-collective.json" || status=1
+        --report "$out/conformance-cuda-nccl.json" || status=1
       XHAL_CUDA_ONE_SHOT_ALLREDUCE=1 py -m conformance_tests.cli --device cuda --family collective \
-        --report "$out/conformance-collective-one-shot.json" || status=1
+        --report "$out/conformance-cuda-one-shot.json" || status=1
       py -m benchmarks.bench_tp ${BENCH_ARGS:---shape llama3-8b --batches 1 64 --tp 1 2} 2>&1 \
         | tee "$out/bench_tp.txt" || status=1
       OUT=$out timeout -k 10 "${STAGE_TIMEOUT:-0}" bash scripts/tp_served.sh 2>&1 | tail -40 || status=1 ;;

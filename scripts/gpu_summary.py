@@ -38,6 +38,9 @@ def conformance(out: Path) -> list[str]:
     lines = []
     for report in sorted(out.glob("conformance-*.json")):
         data = json.loads(report.read_text())
+        # named by the file (conformance-<label>.json): runs of one device under other settings
+        # (gpu_run.sh tp's cuda-nccl and cuda-one-shot) stay apart
+        data["device"] = report.stem.removeprefix("conformance-")
         families = data.get("families", data)
         for name, r in sorted(families.items()):
             if isinstance(r, dict) and "passed" in r:
@@ -101,6 +104,20 @@ def benchmarks(out: Path) -> list[str]:
                     f"decode attention {r['path']} 64 x 2K: {r['us']} us, {r['of_copy_ceiling']} "
                     f"of copy ceiling"
                 )
+    tp = out / "bench_tp.txt"
+    if tp.exists():  # benchmarks/bench_tp.py (gpu_run.sh tp)
+        for r in read_table(tp.read_text(), "decode step,", spaced=True):
+            floor = f" = {r['x_read_floor']}x read floor" if "x_read_floor" in r else ""
+            with_it = r.get("one_shot_step_ms", "-")
+            lines.append(
+                f"TP={r['tp']} batch {r['batch']:>3}: step {r['step_ms']} ms{floor}, all-reduces "
+                f"{r['allreduce_ms']} ms ({r['allreduce_share']} of it), one-shot alone "
+                f"{r['one_shot_ms']}, step with it {with_it}; logits vs the first TP size "
+                f"{r['logits_rel_diff']}, argmax {r['argmax_equal']}"
+            )
+    ids = out / "tp_served_ids.txt"
+    if ids.exists() and ids.read_text().strip():  # benchmarks/served_ids.py compare
+        lines.append("xhal-serve " + ids.read_text().splitlines()[0])
     serve = out / "serve_bench.txt"
     if serve.exists():
         text = serve.read_text()

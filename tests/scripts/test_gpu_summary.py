@@ -132,3 +132,40 @@ def test_summary_reads_the_skinny_gemm_table_as_bench_skinny_mma_prints_it(tmp_p
         "skinny GEMM 8b qkv x 64 rows: cuBLAS 16.5 us (0.73 of read), 64x6 ks8 s4 (plan) 13.1 us"
         " (0.92), cuBLAS / best 1.26"
     ]
+
+
+def test_summary_reads_bench_tp_and_the_served_ids(tmp_path: Path) -> None:
+    rows = [
+        {"tp": 1, "batch": 1, "step_ms": 4.2, "read_floor_ms": 3.5, "x_read_floor": 1.2,
+         "allreduce_ms": 0.0, "allreduce_share": 0.0, "one_shot_ms": "one rank",
+         "logits_rel_diff": 0.0, "argmax_equal": "1/1", "one_shot_step_ms": "-"},
+        {"tp": 2, "batch": 1, "step_ms": 2.6, "read_floor_ms": 1.75, "x_read_floor": 1.49,
+         "allreduce_ms": 0.41, "allreduce_share": 0.158, "one_shot_ms": 0.22,
+         "logits_rel_diff": 0.004, "argmax_equal": "1/1", "one_shot_step_ms": 2.45},
+    ]  # fmt: skip
+    (tmp_path / "bench_tp.txt").write_text(
+        "ceilings: ...\n" + table(rows, "decode step, llama3-8b shape, ctx 2048, cuda; ...")
+    )
+    (tmp_path / "tp_served_ids.txt").write_text(
+        "greedy ids equal for 15 of 16 prompts (ids_tp1.json vs ids_tp2.json)\n  prompt 3: ...\n"
+    )
+    lines = gpu_summary.benchmarks(tmp_path)
+    assert lines == [
+        "TP=1 batch   1: step 4.2 ms = 1.2x read floor, all-reduces 0 ms (0 of it), one-shot "
+        "alone one rank, step with it -; logits vs the first TP size 0, argmax 1/1",
+        "TP=2 batch   1: step 2.6 ms = 1.49x read floor, all-reduces 0.41 ms (0.158 of it), "
+        "one-shot alone 0.22, step with it 2.45; logits vs the first TP size 0.004, argmax 1/1",
+        "xhal-serve greedy ids equal for 15 of 16 prompts (ids_tp1.json vs ids_tp2.json)",
+    ]
+
+
+def test_conformance_runs_of_one_device_are_named_by_their_report(tmp_path: Path) -> None:
+    families = {"collective": {"passed": 12, "failed": 0, "skipped": 0}}
+    for name in ("cuda-nccl", "cuda-one-shot"):
+        (tmp_path / f"conformance-{name}.json").write_text(
+            json.dumps({"device": "cuda", "families": families})
+        )
+    assert [line.split()[1] for line in gpu_summary.conformance(tmp_path)] == [
+        "cuda-nccl",
+        "cuda-one-shot",
+    ]
