@@ -34,7 +34,7 @@ import torch
 import torch.multiprocessing as mp
 
 from benchmarks.common import table
-from benchmarks.llama_model import BLOCK, SHAPES, decode_metadata, head_dim
+from benchmarks.llama_model import BLOCK, SHAPES, decode_metadata, decode_read_bytes
 
 SHAPES_TP = {
     **SHAPES,
@@ -222,16 +222,16 @@ def _fill_caches(caches, config: dict, rank: int, world: int) -> None:
 
 
 def _rank_read_bytes(model, config: dict, batch: int, ctx: int, world: int, dtype) -> int:
-    """Bytes one rank's decode step reads: its weight shards (of an embedding that is not the LM
-    head, one row a sequence) and its share of the KV of ``ctx`` tokens a sequence."""
-    elt = torch.finfo(dtype).bits // 8
+    """Bytes one rank's decode step reads (``decode_read_bytes``' honest count for its shards):
+    its weight shards (of an embedding that is not the LM head, one row a sequence) and its
+    share of the KV of ``ctx`` tokens a sequence."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not config["tie_word_embeddings"]:
-        table_ = model.model.embed_tokens.weight
-        weights -= table_.numel() * table_.element_size() - batch * config["hidden_size"] * elt
-    kv_heads = config["num_key_value_heads"] // world
-    kv = batch * ctx * config["num_hidden_layers"] * kv_heads * head_dim(config) * 2 * elt
-    return weights + kv
+    shard = {
+        **config,
+        "num_key_value_heads": config["num_key_value_heads"] // world,
+        "vocab_size": model.model.embed_tokens.weight.shape[0],  # the rank's table rows
+    }
+    return decode_read_bytes(shard, weights, batch, ctx, torch.finfo(dtype).bits // 8)["honest"]
 
 
 def _allreduces(collective, group, config: dict, batch: int, dtype, device):

@@ -136,14 +136,20 @@ def randomize_weights(model: nn.Module, seed: int = 0) -> None:
     parameters' device, so the same seed gives the same model on the same kind of device)."""
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
-        if "norm" in name:
-            param.fill_(1.0)
-        elif name.endswith("bias"):
-            param.zero_()
-        else:
-            if param.device not in generators:
-                generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-            param.normal_(0.0, 0.02, generator=generators[param.device])
+        if param.device not in generators:
+            generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        _draw(name, param, generators[param.device])
+
+
+def _draw(name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+    """The dummy value of parameter ``name``, in place: norm weights 1, biases 0, the rest drawn
+    from normal(0, 0.02) by ``generator`` (the only step that advances it)."""
+    if "norm" in name:
+        tensor.fill_(1.0)
+    elif name.endswith("bias"):
+        tensor.zero_()
+    else:
+        tensor.normal_(0.0, 0.02, generator=generator)
 
 
 @torch.no_grad()
@@ -156,10 +162,5 @@ def _random_tensors(
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in whole.named_parameters():
         tensor = torch.empty(param.shape, dtype=param.dtype, device=device)
-        if "norm" in name:
-            tensor.fill_(1.0)
-        elif name.endswith("bias"):
-            tensor.zero_()
-        else:
-            tensor.normal_(0.0, 0.02, generator=generator)
+        _draw(name, tensor, generator)
         yield name, tensor
