@@ -5,7 +5,8 @@ buckets (``xhal.executor.decode_graph``) use it:
   and then replayed for real steps, long sequences included;
 - each step's metadata is copied into the bucket's persistent device tensors, except
   ``kv_cu_seq_lens``, which the graph itself derives (a cumsum of ``kv_seq_lens``) before the
-  first layer: at ``plan`` time it still holds the previous step's values;
+  first layer: at ``plan`` time it still holds the previous step's values; for a backend that
+  declares ``reads_kv_cu_seq_lens`` false it is never written and keeps the capture step's;
 - block-table columns past a row's pages, and the rows of padding sequences, hold stale but valid
   block ids; ``max_seq_len`` is the bucket's constant, not the step's maximum;
 - ``plan(graph_key=...)`` runs on the host before capture and before every replay, then
@@ -71,7 +72,8 @@ def _one_cpu_thread() -> Iterator[None]:
 class DecodeCase:
     """One attention group over ``NUM_LAYERS`` random caches with a decode bucket captured the
     executor's way: static q/k/v per layer, metadata in persistent device tensors rewritten in
-    place every step (``kv_cu_seq_lens`` derived inside the graph), ``plan(graph_key=KEY)``, one
+    place every step (``kv_cu_seq_lens`` derived inside the graph, if the backend reads it),
+    ``plan(graph_key=KEY)``, one
     graph over every layer, captured on the executor's dummy step."""
 
     def __init__(self, platform, device: torch.device, case, seed: str, max_kv: int = 0) -> None:
@@ -91,9 +93,11 @@ class DecodeCase:
         self.persistent = {name: getattr(dummy.metadata, name).clone() for name in PERSISTENT}
         self.backend.plan(self.staged(dummy.metadata), graph_key=KEY)
         lens, cu = self.persistent["kv_seq_lens"], self.persistent["kv_cu_seq_lens"]
+        derive = self.backend.reads_kv_cu_seq_lens
 
         def step() -> list[torch.Tensor]:  # as the executor's decode step: prefix sums first
-            torch.cumsum(lens, 0, dtype=torch.int32, out=cu[1:])
+            if derive:
+                torch.cumsum(lens, 0, dtype=torch.int32, out=cu[1:])
             return [self.backend.forward(i, *x) for i, x in enumerate(self.statics)]
 
         self.runner.capture(KEY, step)

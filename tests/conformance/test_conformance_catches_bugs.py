@@ -27,6 +27,7 @@ BROKEN = [
     ("broken-qk-norm-order", "attention"),
     # bugs only serving's way of calling shows (tests/support/broken_serving.py)
     ("broken-kv-lens-in-plan", "graph"),
+    ("broken-kv-cu-undeclared", "graph"),
     ("broken-zero-row-end", "attention"),
     ("broken-strided-kv", "attention"),
     ("broken-split-kv", "attention"),

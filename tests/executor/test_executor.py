@@ -205,19 +205,33 @@ def test_graph_decode_batches_shrinking_in_a_bucket(checkpoint_factory):
             assert rel_err(cg.key, ce.key) < 1e-5 and rel_err(cg.value, ce.value) < 1e-5
 
 
+class _PrefixSumReader:
+    """The part of an attention backend the decode graphs call, from one that reads
+    ``kv_cu_seq_lens`` (or not, as ``reads``)."""
+
+    def __init__(self, reads: bool) -> None:
+        self.reads_kv_cu_seq_lens = reads
+
+    def plan(self, metadata, graph_key=None) -> None:
+        pass
+
+    def before_replay(self, graph_key) -> None:
+        pass
+
+
 @pytest.mark.parametrize("routes", ["host", "device", "host-device", "device-host"])
 def test_decode_staging_resets_rows_a_larger_step_left(routes):
     """The persistent rows past a smaller batch carry slot -1 and one KV token again (a stale
     slot could belong to a block since given to another sequence), whichever way each step is
     staged (host: numpy into the pinned buffer; device: the multi-tensor copy); the graph derives
-    the KV prefix sums from them."""
+    the KV prefix sums from them for a backend that reads those."""
     from tests.support.routed_decode_graphs import RoutedGraphs
 
     config = ExecutorConfig(max_num_seqs=8, max_model_len=64, block_size=16)
     graphs = RoutedGraphs(
         routes,
         xhal.platforms.get("cpu"),
-        [],
+        [_PrefixSumReader(False), _PrefixSumReader(True)],
         config,
         forward=lambda ids, pos, m: m.slot_mapping.clone(),
     )
@@ -233,6 +247,27 @@ def test_decode_staging_resets_rows_a_larger_step_left(routes):
     assert padded.kv_seq_lens.tolist() == [n, 1, 1, 1]
     assert padded.kv_seq_lens_host.tolist() == padded.kv_seq_lens.tolist()
     assert padded.kv_cu_seq_lens.tolist() == [0, n, n + 1, n + 2, n + 3]
+
+
+def test_decode_graph_derives_no_prefix_sums_that_no_backend_reads():
+    """With no backend reading ``kv_cu_seq_lens``, the captured step leaves it unwritten (on CUDA
+    its prefix sum is two kernels a step); the block table is laid out all the same."""
+    from tests.support.routed_decode_graphs import RoutedGraphs
+
+    config = ExecutorConfig(max_num_seqs=8, max_model_len=64, block_size=16)
+    graphs = RoutedGraphs(
+        "host",
+        xhal.platforms.get("cpu"),
+        [_PrefixSumReader(False)],
+        config,
+        forward=lambda ids, pos, m: m.block_table[:, :2].clone(),
+    )
+    host = PagedHost(64, 16)
+    host.step([(i, [1] * (20 + i)) for i in range(3)])
+    ids, pos, meta = host.step([(i, [2]) for i in range(3)])
+    table = graphs.run(ids, pos, meta, bucket=4)
+    assert table[:3].tolist() == meta.block_table[:, :2].tolist()
+    assert graphs._padded_metadata(4)[0].kv_cu_seq_lens.tolist() == [0] * 5
 
 
 def _echo_graphs(routes: str):

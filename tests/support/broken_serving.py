@@ -4,6 +4,9 @@ Each is the CPU reference with one bug that an older suite passed and that corru
 
 - ``broken-kv-lens-in-plan`` (graph): plan derives kv lengths from ``kv_cu_seq_lens``, which a
   decode graph computes only inside the graph, so replays read the previous step's lengths.
+- ``broken-kv-cu-undeclared`` (graph): attends over lengths taken from ``kv_cu_seq_lens`` while
+  declaring ``reads_kv_cu_seq_lens`` false, so a decode graph, which then leaves that field
+  unwritten, reads lengths no step staged.
 - ``broken-zero-row-end`` (attention): the page count comes from the block table, taking the
   trailing zeros as its end; stale block ids past a row's pages are read as context.
 - ``broken-strided-kv`` (attention): the KV write reads k and v as if contiguous, while the models
@@ -183,6 +186,8 @@ class _ContiguousWriteAttention(CpuAttention):
 
 
 class _KvLensInPlanAttention(CpuAttention):
+    reads_kv_cu_seq_lens = True  # it says so; the bug is reading it in plan
+
     def plan(self, metadata: AttentionMetadata, graph_key: Hashable | None = None) -> None:
         # BUG: the lengths are taken from kv_cu_seq_lens while planning. Eager steps carry them
         # fresh; a decode graph derives them inside the graph, after plan, so a replay reads the
@@ -190,6 +195,23 @@ class _KvLensInPlanAttention(CpuAttention):
         cu = metadata.kv_cu_seq_lens
         lens = (cu[1:] - cu[:-1]).to(torch.int32)
         super().plan(dataclasses.replace(metadata, kv_seq_lens=lens), graph_key)
+
+
+class _KvCuUndeclaredAttention(CpuAttention):
+    # BUG: attends over lengths taken from kv_cu_seq_lens when it runs (right in eager steps and
+    # in graphs that derive the field) while keeping the reference's reads_kv_cu_seq_lens =
+    # False, so a decode graph never writes the field for it
+    def plan(self, metadata: AttentionMetadata, graph_key: Hashable | None = None) -> None:
+        super().plan(metadata, graph_key)
+        self._cu = metadata.kv_cu_seq_lens
+
+    def forward(self, layer_id, q, k, v):
+        planned, cu = self._plan, self._cu
+        self._plan = dataclasses.replace(planned, kv_seq_lens=(cu[1:] - cu[:-1]).to(torch.int32))
+        try:
+            return super().forward(layer_id, q, k, v)
+        finally:
+            self._plan = planned
 
 
 class _Row0SamplingOps(CpuOps):
@@ -238,6 +260,7 @@ class BrokenGroupBroadcastPlatform(CpuPlatform):
 
 SERVING_BUGS = (
     _attention_platform("broken-kv-lens-in-plan", _KvLensInPlanAttention),
+    _attention_platform("broken-kv-cu-undeclared", _KvCuUndeclaredAttention),
     _attention_platform("broken-zero-row-end", _PagesFromTableAttention),
     _attention_platform("broken-strided-kv", _ContiguousWriteAttention),
     _attention_platform("broken-split-kv", _SplitKvAttention),

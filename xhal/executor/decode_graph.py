@@ -44,7 +44,8 @@ class DecodeGraphs:
     all in one call into torch (a multi-tensor copy whose host pairs fill the buffer); one
     already on the device goes in one multi-tensor copy. Token ids handed as ``token_ids(b)``
     itself (where a caller sampling on the device wrote them) are read in place: nothing copies
-    them. The graph derives the KV prefix sums and lays the block table out
+    them. The graph derives the KV prefix sums (when a backend reads them:
+    ``AttentionBackend.reads_kv_cu_seq_lens``) and lays the block table out
     (``staged_table.py``) before its first layer.
 
     With ``logits`` (hidden ``[N, hidden]`` -> float32 logits of every row), a bucket of at most
@@ -291,9 +292,12 @@ class DecodeGraphs:
         if key not in self.graphs:
             ids, pos = self.input_ids[:bucket], self.positions[:bucket]
             kv_cu = self._padded_metadata(bucket)[1]
+            # the KV prefix sums only for a backend that reads them: two kernels a step on CUDA
+            derive_cu = any(backend.reads_kv_cu_seq_lens for backend in self.backends)
 
             def step() -> torch.Tensor:  # what the host stages raw is derived inside the graph
-                torch.cumsum(padded.kv_seq_lens, 0, dtype=torch.int32, out=kv_cu)
+                if derive_cu:
+                    torch.cumsum(padded.kv_seq_lens, 0, dtype=torch.int32, out=kv_cu)
                 self.staged_table.lay_out(bucket)
                 return self.forward(ids, pos, padded)
 

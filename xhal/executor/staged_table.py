@@ -37,7 +37,6 @@ class StagedBlockTable:
         # row i starts at i * width, so every gathered index, (num_rows - 1) * width + max_width
         # - 1 at most, stays inside the dense buffer
         self._rows = torch.arange(self.num_rows, dtype=i32, device=device)[:, None]
-        self._row_start = torch.zeros(self.num_rows, 1, dtype=i32, device=device)
         self._columns = torch.arange(max_width, dtype=i32, device=device)[None]
         self._index = torch.zeros(self.num_rows, max_width, dtype=i32, device=device)
         self._widths: dict[int, torch.Tensor] = {}  # width -> that value on the device, made once
@@ -67,8 +66,7 @@ class StagedBlockTable:
 
     def lay_out(self, bucket: int) -> None:
         """Gather the staged rows into ``table[:bucket]``; run inside the bucket's captured step
-        (three small kernels there, none on the host per step)."""
-        starts, index = self._row_start[:bucket], self._index[:bucket]
-        torch.mul(self._rows[:bucket], self.width, out=starts)  # [bucket, 1]
-        torch.add(starts, self._columns, out=index)  # [bucket, max_width]
+        (two small kernels there, none on the host per step)."""
+        index = self._index[:bucket]  # [bucket, max_width]: row * width + column
+        torch.addcmul(self._columns, self._rows[:bucket], self.width, out=index)
         torch.index_select(self.dense, 0, index.view(-1), out=self.table[:bucket].view(-1))

@@ -94,7 +94,8 @@ class AttentionBackend(ABC):
       metadata (FlashInfer's page indices, a dummy row's table) lives in its own buffers,
       refreshed in ``plan`` or inside the graph. One exception: the executor's decode graphs
       derive ``kv_cu_seq_lens`` inside the graph, before the first layer, so a backend reads
-      that one from the graph only, never in ``plan``. A bucket is captured on the executor's
+      that one from the graph only, never in ``plan`` (and only a backend that declares
+      ``reads_kv_cu_seq_lens`` gets it derived at all). A bucket is captured on the executor's
       dummy step (every row kv_len 1, slot -1, ``max_seq_len`` the bucket's constant) and then
       replayed for real steps of any length up to the model's maximum, so nothing sized at
       capture may bound what a replay reads. The conformance graph family checks both halves.
@@ -143,6 +144,13 @@ class AttentionBackend(ABC):
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """q ``[T, H, D]``, k and v ``[T, Hkv, D]`` -> out ``[T, H, D]`` in q's dtype."""
+
+    #: Whether any ``forward*`` reads ``metadata.kv_cu_seq_lens`` on the device. The executor's
+    #: decode graphs derive that field inside the graph (a prefix sum: two kernels a step on
+    #: CUDA) only for backends that say so; for the others it holds unspecified values there. A
+    #: backend that reads only ``kv_seq_lens`` (or its own plan) sets this False; the graph
+    #: conformance family then replays it with the field left unwritten.
+    reads_kv_cu_seq_lens: bool = True
 
     #: Whether ``forward_rotary`` is implemented. The layer calls it instead of rotating q and k
     #: itself only when this is true, so a backend that leaves it false keeps the plain contract.

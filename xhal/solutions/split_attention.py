@@ -28,6 +28,10 @@ class SplitAttention(AttentionBackend):
         self._current: AttentionBackend = prefill
         self._by_graph: dict[Hashable, AttentionBackend] = {}
 
+    @property
+    def reads_kv_cu_seq_lens(self) -> bool:
+        return self.decode.reads_kv_cu_seq_lens or self.prefill.reads_kv_cu_seq_lens
+
     def bind_kv_caches(self, caches: Sequence[LayerCache]) -> None:
         self.decode.bind_kv_caches(caches)
         self.prefill.bind_kv_caches(caches)

@@ -202,6 +202,7 @@ class FastCpuAttention(AttentionBackend):
     pass the same positions tensor and rope table; other ones get tables of their own).
     """
 
+    reads_kv_cu_seq_lens = False
     fuses_rotary = True
 
     def __init__(self, spec: AttentionSpec) -> None:

@@ -23,6 +23,8 @@ class _Plan:
 
 
 class CpuAttention(AttentionBackend):
+    reads_kv_cu_seq_lens = False
+
     def __init__(self, spec) -> None:
         super().__init__(spec)
         self._caches: list[LayerCache] = []

@@ -35,6 +35,8 @@ class FlashInferAttention(AttentionBackend):
     """``kv_write(k, v, k_cache, v_cache, slot_mapping)`` writes a step's keys and values (default:
     the Triton kernel); the tests' FlashInfer emulation on the CPU passes the reference's."""
 
+    reads_kv_cu_seq_lens = False
+
     def __init__(
         self, spec: AttentionSpec, workspace: torch.Tensor, use_tensor_cores: bool | None = None,
         prefill_backend: str = "fa2", kv_write: Callable[..., None] = write_kv,

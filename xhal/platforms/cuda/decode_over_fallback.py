@@ -66,6 +66,10 @@ class DecodeOverFallback(AttentionBackend):
         """``forward_rotary`` of a decode step, with its plan (when ``fuses_rotary``)."""
         raise NotImplementedError(f"{type(self).__name__} does not fuse rotary into its decode")
 
+    @property
+    def reads_kv_cu_seq_lens(self) -> bool:  # the decode kernels read kv_seq_lens only
+        return self.fallback.reads_kv_cu_seq_lens
+
     #: Whether ``decode_qk_norm`` is implemented: ``fuses_qk_norm`` for the decode steps taken.
     decode_fuses_qk_norm: bool = False
 

@@ -37,6 +37,8 @@ class TritonAttention(AttentionBackend):
     graph-key policy) and rebuilds its one own input, each token's sequence, only when the
     query lengths change: a decode replay's plan queues no device work."""
 
+    reads_kv_cu_seq_lens = False
+
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__(spec)
         self.fuses_rotary = env.cuda_fused()  # rotary_kv.py: rotary in the KV write's launch

@@ -76,6 +76,8 @@ class CapturedFia:
 
 
 class NpuAttention(AttentionBackend):
+    reads_kv_cu_seq_lens = False
+
     def __init__(
         self,
         spec: AttentionSpec,
