@@ -38,6 +38,10 @@ from xhal.interfaces import (
 class SkeletonAttention(AttentionBackend):
     """Per-sequence dense attention over K/V gathered by block table; host lengths from plan."""
 
+    # it reads the host twins of the lengths, never kv_cu_seq_lens: decode graphs need not
+    # derive that field for it
+    reads_kv_cu_seq_lens = False
+
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__(spec)
         self.caches: list[LayerCache] = []
