@@ -73,8 +73,7 @@ class DecodeCase:
     """One attention group over ``NUM_LAYERS`` random caches with a decode bucket captured the
     executor's way: static q/k/v per layer, metadata in persistent device tensors rewritten in
     place every step (``kv_cu_seq_lens`` derived inside the graph, if the backend reads it),
-    ``plan(graph_key=KEY)``, one
-    graph over every layer, captured on the executor's dummy step."""
+    ``plan(graph_key=KEY)``, one graph over every layer, captured on the executor's dummy step."""
 
     def __init__(self, platform, device: torch.device, case, seed: str, max_kv: int = 0) -> None:
         self.runner = runner_or_skip(platform)
