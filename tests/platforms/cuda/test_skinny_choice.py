@@ -226,3 +226,12 @@ def test_forced_settings_never_time(monkeypatch, tmp_path, setting, launches) ->
     torch.testing.assert_close(ops.linear(x, w), x @ w.T)
     assert kernels.launches == launches  # "1" launches without timing, "0" never
     assert chosen(ops) == {}
+
+
+def test_timed_rows_are_the_default_decode_buckets_past_one_row():
+    """``TIMED_ROWS`` restates the executor's default buckets up to 64 (a backend may not import
+    the executor): the two must not drift apart, or a bucket's projections go untimed."""
+    from xhal.executor import ExecutorConfig
+
+    buckets = ExecutorConfig(max_num_seqs=64).decode_capture_sizes
+    assert skinny_choice.TIMED_ROWS == tuple(m for m in buckets if m > 1)
