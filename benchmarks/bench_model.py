@@ -28,6 +28,7 @@ import torch
 
 import xhal
 from benchmarks import pdl_variants
+from benchmarks.attn_clock import print_attention_phases
 from benchmarks.common import (
     ceilings,
     environment,
@@ -139,6 +140,10 @@ def main() -> None:
     parser.add_argument(
         "--trace", action="store_true", help="every kernel of an eager decode step by module and op"
     )
+    parser.add_argument(
+        "--attn-clock", action="store_true",
+        help="the split-KV launch's phase clock at the smallest batch, default graphs and --pdl's",
+    )
     pdl_variants.add_argument(parser)
     args = parser.parse_args()
     ceil = ceilings()
@@ -195,6 +200,12 @@ def main() -> None:
         pdl_rows = pdl_peers(
             model, platform, caches, args.pdl, config, rows, args.kernels, executors[False].config
         )
+    if args.attn_clock:
+        ids, pos, meta = decode_metadata(batches[0], CTX, device, vocab)
+        print_attention_phases(
+            model, platform, executors[False].config, caches, ["auto", *args.pdl],
+            lambda ex: ex.compute_logits(ex.execute(ids, pos, meta)), f"batch {batches[0]}",
+        )  # fmt: skip
     if args.profile:  # after every timing: once CUPTI has run in a process, CUDA calls cost more
         ex = executors[False]
         for batch in batches:

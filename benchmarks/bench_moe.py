@@ -28,6 +28,7 @@ import torch
 
 import xhal
 from benchmarks import pdl_variants
+from benchmarks.attn_clock import print_attention_phases
 from benchmarks.bench_model import decode_metadata
 from benchmarks.common import (
     ceilings,
@@ -257,6 +258,10 @@ def main() -> None:
     parser.add_argument(
         "--check", action="store_true", help="the pair GEMVs' PDL settings against float64 first"
     )
+    parser.add_argument(
+        "--attn-clock", action="store_true",
+        help="the split-KV launch's phase clock at the smallest batch, default graphs and --pdl's",
+    )
     pdl_variants.add_argument(parser)
     args = parser.parse_args()
     config = {**CONFIG, "num_hidden_layers": args.layers}
@@ -357,6 +362,12 @@ def main() -> None:
             f"{row['pipelined_ms']:.3f} ({row['pipelined_x_floor']:.2f}x); "
             + ", ".join(f"{r['pdl']} {r['pipelined_ms']:.3f}" for r, _ in timed)
         )
+    if args.attn_clock:
+        ids, pos, meta = decode_metadata(batches[0], CTX, device)
+        print_attention_phases(
+            model, platform, executors[False].config, caches, ["auto", *args.pdl],
+            lambda ex: ex.compute_logits(ex.execute(ids, pos, meta)), f"batch {batches[0]}",
+        )  # fmt: skip
     sweep = [] if args.no_sweep else sweep_layers(model, sorted(args.sweep_batches), rate)
     hf_rows = []
     if not args.no_hf and args.hf_batches:

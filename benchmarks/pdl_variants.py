@@ -82,6 +82,11 @@ PDL_VARIANTS = {
     "auto-overlap-o": ("1", "auto"),
     "auto-overlap-o-qkv": ("1", "auto"),
     "auto-overlap-mlp-qkv": ("1", "auto"),
+    # auto with more splits of the split-KV launch where the merge cap bounds them (splitkv_splits:
+    # Qwen3-30B-A3B's 4 KV heads at group 8 take 8 splits, 4 tiles a program): 16 (merged in two
+    # rounds of 8), and 32 (a tile a program, four rounds)
+    "auto-attn-16-splits": ("1", "auto"),
+    "auto-attn-32-splits": ("1", "auto"),
 }
 # variant -> (op, solution) its executor is made, warmed up and captured with
 FORCED_SOLUTION = {
@@ -97,6 +102,8 @@ _MODULE_SETTINGS = {
     "auto-moe-plain": {"moe_small": {"TRIGGERS": (0, 0)}},
     "auto-moe-down-early": {"moe_small": {"TRIGGERS": (2, 1)}},
     "auto-overlap-moe-down-early": {"moe_small": {"TRIGGERS": (2, 1)}},
+    "auto-attn-16-splits": {"splitkv_splits": {"MERGE_FLOATS": 16384}},
+    "auto-attn-32-splits": {"splitkv_splits": {"MERGE_FLOATS": 32768, "PROGRAMS_PER_SM": 4}},
 }
 PREVIOUS_GEMV = "auto-previous-gemv"
 # variant -> further settings it captures under

@@ -74,6 +74,11 @@ TRIGGER = pdl.LATE
 # Qwen3-30B-A3B 3.31 against 3.37 (the tree before the overlap: 1.12, 3.41)
 TRIGGER_BESIDE = pdl.EARLY
 PREFETCH_TILES = 2
+# Benchmarks only (benchmarks/attn_clock.py): an int64 ``[programs, 8]`` tensor. While it is set,
+# launches are built with CLOCK, and each program stores its ``%globaltimer`` (ns) at ``MARKS``
+# in row (sequence * KV heads + KV head) * splits + split; "merged" only the program that merged.
+CLOCK: torch.Tensor | None = None
+MARKS = ("start", "waited", "q ready", "new key in", "tiles done", "arrived", "merged")
 
 
 def trigger(batch: int) -> int:
@@ -90,6 +95,13 @@ def _scores(s, scale_log2, soft_cap, SOFT_CAP: tl.constexpr):
         s = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * s / soft_cap)) - 1.0)
         return s * 1.4426950408889634
     return s * scale_log2
+
+
+@triton.jit
+def _stamp(clock_ptr, program, MARK: tl.constexpr, CLOCK: tl.constexpr):
+    """The program's clock at ``MARKS[MARK]`` (a no-op unless built with CLOCK)."""
+    if CLOCK:
+        tl.store(clock_ptr + program * 8 + MARK, tl.extra.cuda.globaltimer())
 
 
 @triton.jit
@@ -118,10 +130,15 @@ def _splitkv_decode_kernel(
     NEW_KV: tl.constexpr, ROTARY: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr,
     USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr,
     qw_ptr, kw_ptr, QK_NORM: tl.constexpr, QK_EPS: tl.constexpr,
+    clock_ptr, CLOCK: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    program = (seq * tl.num_programs(1) + kv_head) * num_splits + split
+    _stamp(clock_ptr, program, 0, CLOCK)
+    if CLOCK:  # "merged" stays 0 unless this program merges
+        tl.store(clock_ptr + program * 8 + 6, 0)
     kv_len = tl.load(kv_lens_ptr + seq)
     lo = 0  # first visible key of the query at kv_len - 1
     if WINDOW:
@@ -172,6 +189,7 @@ def _splitkv_decode_kernel(
             prefetch_l2(k_cache_ptr + offs_j)
             prefetch_l2(v_cache_ptr + offs_j)
         tl.extra.cuda.gdc_wait()  # every program waits (pdl.py, rule 2)
+        _stamp(clock_ptr, program, 1, CLOCK)
         if USE_PDL == 1:  # EARLY: the o projection's programs may start now
             tl.extra.cuda.gdc_launch_dependents()
     q_rows = q_ptr + seq.to(tl.int64) * q_stride_b + (kv_head * GROUP + r[:, None]) * q_stride_h
@@ -196,6 +214,7 @@ def _splitkv_decode_kernel(
         )
     elif QK_NORM:
         q = rms_normed(q, q, qw, qw, QK_EPS, HEAD_DIM, 1)[0]
+    _stamp(clock_ptr, program, 2, CLOCK)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DIM_PAD], tl.float32)
@@ -229,6 +248,7 @@ def _splitkv_decode_kernel(
         m_i = tl.where(own, _scores(s_new, scale_log2, soft_cap, SOFT_CAP), m_i)
         l_i = tl.where(own, 1.0, l_i)
         acc = tl.where(own, acc + v_new.to(tl.float32)[None, :], acc)
+        _stamp(clock_ptr, program, 3, CLOCK)
     for tile in range(split, num_tiles, num_splits):
         n = first + tile * BLOCK_N + keys
         visible = (n >= lo) & (n < hi)
@@ -258,6 +278,7 @@ def _splitkv_decode_kernel(
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+    _stamp(clock_ptr, program, 4, CLOCK)
     if USE_PDL == 2:  # LATE: after the last K/V load, before the stores and the merge
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -273,6 +294,7 @@ def _splitkv_decode_kernel(
             + (kv_head * GROUP + r[:, None]) * out_stride_h + d[None, :],
             out.to(out_ptr.dtype.element_ty), mask=(r[:, None] < GROUP) & d_mask[None, :],
         )  # fmt: skip
+        _stamp(clock_ptr, program, 5, CLOCK)
     else:
         part = pair.to(tl.int64) * num_splits + split
         tl.store(part_max_ptr + part * GROUP + r, m_i, mask=r < GROUP)
@@ -284,6 +306,7 @@ def _splitkv_decode_kernel(
         # every thread's partial stores happen before the one thread's release below
         tl.debug_barrier()
         arrived = tl.atomic_add(counter_ptr + pair, 1, sem="acq_rel", scope="gpu")
+        _stamp(clock_ptr, program, 5, CLOCK)
         if arrived == num_splits - 1:  # the last split of this (sequence, KV head): merge
             tl.atomic_xchg(counter_ptr + pair, 0, sem="relaxed", scope="gpu")
             merge(
@@ -292,6 +315,7 @@ def _splitkv_decode_kernel(
                 seq.to(tl.int64) * out_stride_b + kv_head * GROUP * out_stride_h, out_stride_h,
                 GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD, SPLITS_PAD, MERGE_CHUNK,
             )  # fmt: skip
+            _stamp(clock_ptr, program, 6, CLOCK)
 
 
 def splitkv_decode(
@@ -392,6 +416,7 @@ def splitkv_decode(
         USE_PDL=use_pdl, PREFETCH=prefetch if use_pdl else 0,
         LINES=lines(head_dim * k_cache.element_size()),
         LINE=line_elements(k_cache.element_size()),
+        clock_ptr=CLOCK, CLOCK=CLOCK is not None,
         num_warps=num_warps, num_stages=num_stages, **qk_args, **pdl.launch_options(use_pdl),
     )  # fmt: skip
     return out
