@@ -159,7 +159,7 @@ CASES = {  # name: (module, kernel, constexprs)
         "moe_router",
         "_norm_route_kernel",
         dict(HIDDEN=256, E=16, K=2, NUM_BLOCKS=8, BLOCK_H=256, BLOCK_R=2, BLOCK_E=16, BLOCK_K=2,
-             RENORMALIZE=True, USE_PDL=1),
+             RENORMALIZE=True, USE_PDL=1, clock_ptr=None, CLOCK=False),
     ),
 }
 

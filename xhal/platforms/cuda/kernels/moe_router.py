@@ -32,6 +32,12 @@ MAX_EXPERTS = 1024
 ROW_PROGRAMS = 64  # programs per token: enough to stream the router weight, few to finish
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
+# Benchmarks only (benchmarks/attn_clock.py): an int64 ``[programs, 8]`` tensor. While it is set,
+# launches are built with CLOCK, and each program stores its ``%globaltimer`` (ns) at ``MARKS``
+# in row token * row blocks + block; "routed" only the program that routed the token.
+CLOCK: torch.Tensor | None = None
+MARKS = ("start", "waited", "normed", "logits stored", "arrived", "routed")
+
 # one zeroed int32 counter per token slot and device; every launch leaves it zeroed again, and
 # the launches of one stream (a step's layers, graph replays) run one after the other
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -61,10 +67,14 @@ def _norm_route_kernel(
     counter_ptr, x_stride, res_stride, eps,
     HIDDEN: tl.constexpr, E: tl.constexpr, K: tl.constexpr, NUM_BLOCKS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr,
+    RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr, clock_ptr, CLOCK: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
+    clock_row = clock_ptr + (token * NUM_BLOCKS + block) * 8 if CLOCK else clock_ptr
+    if CLOCK:
+        tl.store(clock_row, tl.extra.cuda.globaltimer())
+        tl.store(clock_row + 5, 0)  # "routed" stays 0 unless this program routes
     dtype = logits_ptr.dtype.element_ty
     hs = tl.arange(0, BLOCK_H)
     hm = hs < HIDDEN
@@ -80,6 +90,8 @@ def _norm_route_kernel(
     if USE_PDL:  # every program waits (pdl.py): x and the residual come from the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+        if CLOCK:
+            tl.store(clock_row + 1, tl.extra.cuda.globaltimer())
     x = tl.load(x_ptr + token * x_stride + hs, mask=hm, other=0.0).to(tl.float32)
     r = tl.load(res_ptr + token * res_stride + hs, mask=hm, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + hs, mask=hm, other=0.0).to(tl.float32)
@@ -87,14 +99,20 @@ def _norm_route_kernel(
     sf = s.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / HIDDEN + eps)
     normed = (sf * inv_rms * g).to(dtype)  # as rms_norm stores it: the router's input
+    if CLOCK:
+        tl.store(clock_row + 2, tl.extra.cuda.globaltimer())
     if block == 0:
         tl.store(summed_ptr + token * HIDDEN + hs, s, mask=hm)
         tl.store(normed_ptr + token * HIDDEN + hs, normed, mask=hm)
     logit = tl.sum(w.to(tl.float32) * normed.to(tl.float32)[None, :], axis=1)
     tl.store(logits_ptr + token * E + rows, logit.to(dtype), mask=rm)
+    if CLOCK:
+        tl.store(clock_row + 3, tl.extra.cuda.globaltimer())
     # release: this program's logits are visible before its count; acquire: the last program
     # sees every other program's logits
     done = tl.atomic_add(counter_ptr + token, 1, sem="acq_rel", scope="gpu")
+    if CLOCK:
+        tl.store(clock_row + 4, tl.extra.cuda.globaltimer())
     if done == NUM_BLOCKS - 1:
         es = tl.arange(0, BLOCK_E)
         em = es < E
@@ -105,6 +123,8 @@ def _norm_route_kernel(
         tl.store(weights_ptr + token * K + slots, top_w, mask=slots < K)
         tl.store(ids_ptr + token * K + slots, top_i, mask=slots < K)
         tl.atomic_xchg(counter_ptr + token, 0, sem="relaxed", scope="gpu")
+        if CLOCK:
+            tl.store(clock_row + 5, tl.extra.cuda.globaltimer())
 
 
 def _counter(device: torch.device) -> torch.Tensor:
@@ -151,6 +171,7 @@ def add_rms_norm_route(
         HIDDEN=hidden, E=num_experts, K=top_k, NUM_BLOCKS=num_blocks, BLOCK_H=block_h,
         BLOCK_R=block_r, BLOCK_E=triton.next_power_of_2(num_experts),
         BLOCK_K=max(2, triton.next_power_of_2(top_k)), RENORMALIZE=renormalize, USE_PDL=use_pdl,
+        clock_ptr=CLOCK, CLOCK=CLOCK is not None,
         # one warp keeps the last program's k + 3 reductions in shuffles, as the routing kernel
         # does (bench_moe_ops, 14:40 UTC, hidden 2048, 2 rows: 6.5 us with 1 warp, 7.8 with 4)
         num_warps=num_warps or (1 if block_r * block_h <= 4096 else 4),
