@@ -87,6 +87,12 @@ PDL_VARIANTS = {
     # rounds of 8), and 32 (a tile a program, four rounds)
     "auto-attn-16-splits": ("1", "auto"),
     "auto-attn-32-splits": ("1", "auto"),
+    # auto with the split-KV merge's loads issued ahead (splitkv_merge.merge_early_loads), at the
+    # tree's split counts, at 16 and 32 splits, and at 16 merged in one round of 16
+    "auto-merge-early-loads": ("1", "auto"),
+    "auto-attn-16-splits-early-loads": ("1", "auto"),
+    "auto-attn-32-splits-early-loads": ("1", "auto"),
+    "auto-attn-16-splits-one-round": ("1", "auto"),
 }
 # variant -> (op, solution) its executor is made, warmed up and captured with
 FORCED_SOLUTION = {
@@ -104,6 +110,18 @@ _MODULE_SETTINGS = {
     "auto-overlap-moe-down-early": {"moe_small": {"TRIGGERS": (2, 1)}},
     "auto-attn-16-splits": {"splitkv_splits": {"MERGE_FLOATS": 16384}},
     "auto-attn-32-splits": {"splitkv_splits": {"MERGE_FLOATS": 32768, "PROGRAMS_PER_SM": 4}},
+    "auto-merge-early-loads": {"splitkv_merge": {"EARLY_LOADS": True}},
+    "auto-attn-16-splits-early-loads": {
+        "splitkv_splits": {"MERGE_FLOATS": 16384}, "splitkv_merge": {"EARLY_LOADS": True}
+    },
+    "auto-attn-32-splits-early-loads": {
+        "splitkv_splits": {"MERGE_FLOATS": 32768, "PROGRAMS_PER_SM": 4},
+        "splitkv_merge": {"EARLY_LOADS": True},
+    },
+    "auto-attn-16-splits-one-round": {
+        "splitkv_splits": {"MERGE_FLOATS": 16384}, "splitkv_decode": {"MERGE_FLOATS": 16384},
+        "splitkv_merge": {"EARLY_LOADS": True},
+    },
 }
 PREVIOUS_GEMV = "auto-previous-gemv"
 # variant -> further settings it captures under

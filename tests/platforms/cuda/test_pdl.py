@@ -103,9 +103,9 @@ _GEMV = dict(
 )
 _SPLITKV = dict(  # the fused decode layer (new token + rotary) of the 8B shape, 16 splits
     GROUP=4, GROUP_PAD=4, ROWS=16, HEAD_DIM=128, DIM_PAD=128, PAGE=16, BLOCK_N=64, SPLITS_PAD=16,
-    MERGE_CHUNK=16, SOFT_CAP=False, WINDOW=False, F32_DOT=False, NEW_KV=True, ROTARY=True,
-    HALF=64, IS_NEOX=True, PREFETCH=2, LINES=2, LINE=64, qw_ptr=None, kw_ptr=None, QK_NORM=False,
-    QK_EPS=0.0, clock_ptr=None, CLOCK=False,
+    MERGE_CHUNK=16, EARLY_LOADS=False, SOFT_CAP=False, WINDOW=False, F32_DOT=False, NEW_KV=True,
+    ROTARY=True, HALF=64, IS_NEOX=True, PREFETCH=2, LINES=2, LINE=64, qw_ptr=None, kw_ptr=None,
+    QK_NORM=False, QK_EPS=0.0, clock_ptr=None, CLOCK=False,
 )
 # and with Qwen3's per-head q / k norm before the rotary (the weights are real pointers then)
 _SPLITKV_QK = {k: v for k, v in _SPLITKV.items() if k not in ("qw_ptr", "kw_ptr")}

@@ -95,6 +95,28 @@ def test_splits_merge_in_one_launch_and_counters_reset(num_heads, num_kv_heads, 
     assert scratch.counters.cpu().tolist() == [0] * (len(kv_lens) * num_kv_heads)
 
 
+@pytest.mark.parametrize("early_loads", [False, True], ids=["merge", "merge_early_loads"])
+def test_a_merge_in_several_rounds(monkeypatch, early_loads) -> None:
+    """Eight splits merged two at a time (four rounds: the merge's share of registers made
+    small), by either merge: the rounds' weighted sums add up to the one-round result."""
+    from xhal.platforms.cuda.kernels import splitkv_decode as kernel
+    from xhal.platforms.cuda.kernels import splitkv_merge
+
+    num_heads, num_kv_heads, dtype = 8, 2, torch.float32
+    monkeypatch.setattr(kernel, "MERGE_FLOATS", 2 * 4 * HEAD_DIM)  # two splits of group 4
+    monkeypatch.setattr(splitkv_merge, "EARLY_LOADS", early_loads)
+    kv_lens = [700, 90]  # 6 and 1 tiles of 128 keys: some splits hold nothing
+    q, k_cache, v_cache, table, lens = _case(kv_lens, num_heads, num_kv_heads, dtype, seed=2)
+    splits, scale = 8, HEAD_DIM**-0.5
+    scratch = Scratch.make(len(kv_lens), num_kv_heads, num_heads // num_kv_heads, HEAD_DIM,
+                           splits, torch.device(DEVICE))  # fmt: skip
+    out = torch.zeros(q.shape, dtype=dtype, device=DEVICE)
+    dev = [t.to(DEVICE) for t in (q, k_cache, v_cache, table, lens)]
+    splitkv_decode(*dev[:5], out, scratch, splits, scale)
+    _check(out, _reference(q, k_cache, v_cache, table, lens, scale), dtype)
+    assert scratch.counters.cpu().tolist() == [0] * (len(kv_lens) * num_kv_heads)
+
+
 def test_window_and_soft_cap() -> None:
     """A sliding window that starts inside a tile of one split, a soft cap, three splits."""
     kv_lens = [140, 9]

@@ -41,8 +41,9 @@ import triton.language as tl
 
 from xhal import env
 from xhal.platforms.cuda import pdl
+from xhal.platforms.cuda.kernels import splitkv_merge
 from xhal.platforms.cuda.kernels.l2_prefetch import line_elements, lines, prefetch_l2
-from xhal.platforms.cuda.kernels.splitkv_merge import merge
+from xhal.platforms.cuda.kernels.splitkv_merge import merge, merge_early_loads
 from xhal.platforms.cuda.kernels.splitkv_new_token import (
     NewToken,
     QKNorm,
@@ -125,7 +126,7 @@ def _splitkv_decode_kernel(
     k_new_stride_b, k_new_stride_h, v_new_stride_b, v_new_stride_h, rot_stride,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLITS_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr, EARLY_LOADS: tl.constexpr,
     SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr, F32_DOT: tl.constexpr,
     NEW_KV: tl.constexpr, ROTARY: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr,
     USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr,
@@ -309,12 +310,20 @@ def _splitkv_decode_kernel(
         _stamp(clock_ptr, program, 5, CLOCK)
         if arrived == num_splits - 1:  # the last split of this (sequence, KV head): merge
             tl.atomic_xchg(counter_ptr + pair, 0, sem="relaxed", scope="gpu")
-            merge(
-                part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
-                pair.to(tl.int64) * num_splits, live,
-                seq.to(tl.int64) * out_stride_b + kv_head * GROUP * out_stride_h, out_stride_h,
-                GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD, SPLITS_PAD, MERGE_CHUNK,
-            )  # fmt: skip
+            first_part = pair.to(tl.int64) * num_splits
+            out_offset = seq.to(tl.int64) * out_stride_b + kv_head * GROUP * out_stride_h
+            if EARLY_LOADS:
+                merge_early_loads(
+                    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, first_part, live,
+                    out_offset, out_stride_h,
+                    GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD, SPLITS_PAD, MERGE_CHUNK,
+                )  # fmt: skip
+            else:
+                merge(
+                    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, first_part, live,
+                    out_offset, out_stride_h,
+                    GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD, SPLITS_PAD, MERGE_CHUNK,
+                )  # fmt: skip
             _stamp(clock_ptr, program, 6, CLOCK)
 
 
@@ -410,7 +419,7 @@ def splitkv_decode(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *new_args[3:], rot_args[2],
         GROUP=group, GROUP_PAD=group_pad, ROWS=ROWS, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         PAGE=page, BLOCK_N=block_n or block_keys(head_dim), SPLITS_PAD=splits_pad,
-        MERGE_CHUNK=merge_chunk,
+        MERGE_CHUNK=merge_chunk, EARLY_LOADS=splitkv_merge.EARLY_LOADS,
         SOFT_CAP=soft_cap > 0, WINDOW=window > 0, F32_DOT=f32_dot,
         NEW_KV=new is not None, ROTARY=rotary is not None, HALF=half, IS_NEOX=is_neox,
         USE_PDL=use_pdl, PREFETCH=prefetch if use_pdl else 0,
