@@ -108,13 +108,16 @@ def critical_path(events: Sequence) -> tuple[dict[str, list[float]], float]:
     """What each kernel adds to the device's busy time, where kernels overlap (PDL launches a
     kernel before the one ahead ends, and a kernel's own time then includes its wait): in start
     order, a kernel adds the part of its span past the latest end so far. ``events`` are
-    (name, start us, end us); returns ({name: [count, us added, us it overlapped the kernels
-    ahead]}, us the device was idle between them). The added parts sum to the busy time, so
-    per kernel they split a step where the kernels' own times (which overlap) cannot."""
+    (name, start us, end us); returns ({"name after the name before it": [count, us added, us
+    it overlapped the kernels ahead]}, us the device was idle between them). The added parts sum
+    to the busy time, so they split a step where the kernels' own times (which overlap) cannot.
+    """
     parts: dict[str, list[float]] = {}
-    idle, latest = 0.0, None
+    idle, latest, before = 0.0, None, None
     for name, start, end in sorted(events, key=lambda e: e[1]):
-        part = parts.setdefault(name, [0, 0.0, 0.0])
+        # one kernel run at two places of a layer (the qkv and o GEMVs) is two rows
+        part = parts.setdefault(name if before is None else f"{name} after {before}", [0, 0.0, 0.0])
+        before = name[:40]
         part[0] += 1
         if latest is None or start >= latest:
             idle += 0.0 if latest is None else start - latest
@@ -143,7 +146,7 @@ def _print_critical_path(prof, iters: int, num_layers: int | None) -> None:
     for name, (count, added, overlap) in sorted(parts.items(), key=lambda kv: -kv[1][1])[:20]:
         print(
             f"  {count / per:6.2f} x  adds {added / per:7.2f} us  overlaps {overlap / per:7.2f} us"
-            f"  {name[:80]}"
+            f"  {name[:120]}"
         )
 
 
