@@ -203,7 +203,7 @@ def main() -> None:
     if args.attn_clock:
         ids, pos, meta = decode_metadata(batches[0], CTX, device, vocab)
         print_attention_phases(
-            model, platform, executors[False].config, caches, ["auto", *args.pdl],
+            model, platform, executors[False].config, caches, [*dict.fromkeys(["auto", *args.pdl])],
             lambda ex: ex.compute_logits(ex.execute(ids, pos, meta)), f"batch {batches[0]}",
         )  # fmt: skip
     if args.profile:  # after every timing: once CUPTI has run in a process, CUDA calls cost more

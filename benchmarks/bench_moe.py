@@ -365,7 +365,7 @@ def main() -> None:
     if args.attn_clock:
         ids, pos, meta = decode_metadata(batches[0], CTX, device)
         print_attention_phases(
-            model, platform, executors[False].config, caches, ["auto", *args.pdl],
+            model, platform, executors[False].config, caches, [*dict.fromkeys(["auto", *args.pdl])],
             lambda ex: ex.compute_logits(ex.execute(ids, pos, meta)), f"batch {batches[0]}",
         )  # fmt: skip
     sweep = [] if args.no_sweep else sweep_layers(model, sorted(args.sweep_batches), rate)
