@@ -28,7 +28,6 @@ import torch
 
 import xhal
 from benchmarks import pdl_variants
-from benchmarks.attn_clock import print_attention_phases
 from benchmarks.common import (
     ceilings,
     environment,
@@ -51,6 +50,7 @@ from benchmarks.llama_model import (
     random_model,
 )
 from benchmarks.llama_model import CONFIG as CONFIG  # bench_host_emulated.py imports it here
+from benchmarks.phase_clock import print_phase_clocks
 from xhal.executor import ExecutorConfig, ModelExecutor
 
 
@@ -141,8 +141,8 @@ def main() -> None:
         "--trace", action="store_true", help="every kernel of an eager decode step by module and op"
     )
     parser.add_argument(
-        "--attn-clock", action="store_true",
-        help="the split-KV launch's phase clock at the smallest batch, default graphs and --pdl's",
+        "--phase-clock", action="store_true",
+        help="phase clocks of the split-KV launch and MoE router, smallest batch, default + --pdl",
     )
     pdl_variants.add_argument(parser)
     args = parser.parse_args()
@@ -200,9 +200,9 @@ def main() -> None:
         pdl_rows = pdl_peers(
             model, platform, caches, args.pdl, config, rows, args.kernels, executors[False].config
         )
-    if args.attn_clock:
+    if args.phase_clock:
         ids, pos, meta = decode_metadata(batches[0], CTX, device, vocab)
-        print_attention_phases(
+        print_phase_clocks(
             model, platform, executors[False].config, caches, [*dict.fromkeys(["auto", *args.pdl])],
             lambda ex: ex.compute_logits(ex.execute(ids, pos, meta)), f"batch {batches[0]}",
         )  # fmt: skip

@@ -28,7 +28,6 @@ import torch
 
 import xhal
 from benchmarks import pdl_variants
-from benchmarks.attn_clock import print_attention_phases
 from benchmarks.bench_model import decode_metadata
 from benchmarks.common import (
     ceilings,
@@ -40,6 +39,7 @@ from benchmarks.common import (
     time_graph,
 )
 from benchmarks.hf_peer import prefilled_step
+from benchmarks.phase_clock import print_phase_clocks
 from models import load_model
 from xhal.executor import ModelExecutor
 
@@ -259,8 +259,8 @@ def main() -> None:
         "--check", action="store_true", help="the pair GEMVs' PDL settings against float64 first"
     )
     parser.add_argument(
-        "--attn-clock", action="store_true",
-        help="the split-KV launch's phase clock at the smallest batch, default graphs and --pdl's",
+        "--phase-clock", action="store_true",
+        help="phase clocks of the split-KV launch and MoE router, smallest batch, default + --pdl",
     )
     pdl_variants.add_argument(parser)
     args = parser.parse_args()
@@ -362,9 +362,9 @@ def main() -> None:
             f"{row['pipelined_ms']:.3f} ({row['pipelined_x_floor']:.2f}x); "
             + ", ".join(f"{r['pdl']} {r['pipelined_ms']:.3f}" for r, _ in timed)
         )
-    if args.attn_clock:
+    if args.phase_clock:
         ids, pos, meta = decode_metadata(batches[0], CTX, device)
-        print_attention_phases(
+        print_phase_clocks(
             model, platform, executors[False].config, caches, [*dict.fromkeys(["auto", *args.pdl])],
             lambda ex: ex.compute_logits(ex.execute(ids, pos, meta)), f"batch {batches[0]}",
         )  # fmt: skip

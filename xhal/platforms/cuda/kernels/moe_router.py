@@ -32,9 +32,10 @@ MAX_EXPERTS = 1024
 ROW_PROGRAMS = 64  # programs per token: enough to stream the router weight, few to finish
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# Benchmarks only (benchmarks/attn_clock.py): an int64 ``[programs, 8]`` tensor. While it is set,
+# Benchmarks only (benchmarks/phase_clock.py): an int64 ``[programs, 8]`` tensor. While it is set,
 # launches are built with CLOCK, and each program stores its ``%globaltimer`` (ns) at ``MARKS``
-# in row token * row blocks + block; "routed" only the program that routed the token.
+# in row token * row blocks + block; "routed" only the program that routed the token. A clocked
+# build stores its "start" before the PDL wait (into the clock only).
 CLOCK: torch.Tensor | None = None
 MARKS = ("start", "waited", "normed", "logits stored", "arrived", "routed")
 

@@ -75,9 +75,11 @@ TRIGGER = pdl.LATE
 # Qwen3-30B-A3B 3.31 against 3.37 (the tree before the overlap: 1.12, 3.41)
 TRIGGER_BESIDE = pdl.EARLY
 PREFETCH_TILES = 2
-# Benchmarks only (benchmarks/attn_clock.py): an int64 ``[programs, 8]`` tensor. While it is set,
+# Benchmarks only (benchmarks/phase_clock.py): an int64 ``[programs, 8]`` tensor. While it is set,
 # launches are built with CLOCK, and each program stores its ``%globaltimer`` (ns) at ``MARKS``
 # in row (sequence * KV heads + KV head) * splits + split; "merged" only the program that merged.
+# A clocked build stores its "start" before the PDL wait (into the clock only; tests/platforms/
+# cuda/test_pdl.py checks the tree's build, which stores nothing there).
 CLOCK: torch.Tensor | None = None
 MARKS = ("start", "waited", "q ready", "new key in", "tiles done", "arrived", "merged")
 

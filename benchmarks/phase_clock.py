@@ -1,5 +1,5 @@
 """Phase clocks of the split-KV decode launch and the MoE router inside a model's decode graph
-(``bench_model --attn-clock``, ``bench_moe --attn-clock``): the graphs captured once more with
+(``bench_model --phase-clock``, ``bench_moe --phase-clock``): the graphs captured once more with
 the kernels' ``CLOCK`` set (``splitkv_decode.CLOCK``, ``moe_router.CLOCK``), one step replayed,
 and each program's ``%globaltimer`` at the launch's phase boundaries read back. Every layer's
 launch writes the same rows, so they hold the last layer's, which ran behind the kernels of a
@@ -63,7 +63,7 @@ def kernel_phases(
     return phases
 
 
-def print_attention_phases(
+def print_phase_clocks(
     model, platform, config: ExecutorConfig, caches, variants: Sequence[str],
     step: Callable[[object], object], title: str,
 ) -> None:  # fmt: skip
