@@ -2,6 +2,7 @@
 # One run on the GPU machine: install the carried wheels, then the stages named on the command
 # line (default: conformance (cuda, cuda-triton), bench_gemv, bench_attention, bench_model); also
 # serve, cpp_host (examples/cpp_host/bench_cuda.sh), conformance-<device>, pytest (PYTEST_ARGS),
+# clocks (the batch-1 critical path and phase clocks),
 # overlap (XHAL_CUDA_OVERLAP's benchmark peers at batch 1: 1B, 8B, MoE), tp (issue 14, two GPUs:
 # the collective family, bench_tp, scripts/tp_served.sh), skinny (the tensor-core
 # skinny GEMM: bench_skinny_mma, its linear conformance cases, the 8B and 1B steps at 16 and 64 rows),
@@ -68,6 +69,15 @@ for stage in $stages; do
       done
       py -m benchmarks.bench_moe --batches 1 --no-hf --no-sweep --pdl-batches 1 \
         --pdl $moe 2>&1 | tee "$out/overlap-moe.txt" || status=1 ;;
+    clocks)  # where a batch-1 layer's time goes (twenty-eighth session): the MoE and 1B steps with
+      # the kernel profile's critical path and the split-KV / router phase clocks
+      # (benchmarks/phase_clock.py), against CLOCK_PEERS (default: the split-KV merge's early
+      # loads and the split counts)
+      peers=${CLOCK_PEERS:-auto-merge-early-loads auto-attn-16-splits-early-loads auto-attn-32-splits-early-loads auto-attn-16-splits-one-round}
+      py -m benchmarks.bench_moe --batches 1 --no-hf --no-sweep --pdl-batches 1 --phase-clock \
+        --profile --pdl auto $peers 2>&1 | tee "$out/clocks-moe.txt" || status=1
+      py -m benchmarks.bench_model --shape llama3.2-1b --batches 1 --no-hf --phase-clock --kernels \
+        --pdl auto auto-merge-early-loads 2>&1 | tee "$out/clocks-1b.txt" || status=1 ;;
     skinny)  # the tensor-core skinny GEMM (benchmarks/bench_skinny_mma.py: its checks, its launch
       # shapes against cuBLAS; BENCH_ARGS narrows it), linear's conformance cases through it, the
       # 8B and 1B steps at SKINNY_BATCHES (16 64) with it where it timed faster (the default),
