@@ -93,6 +93,9 @@ PDL_VARIANTS = {
     "auto-attn-16-splits-early-loads": ("1", "auto"),
     "auto-attn-32-splits-early-loads": ("1", "auto"),
     "auto-attn-16-splits-one-round": ("1", "auto"),
+    # auto with the split-KV launch's programs at 2 and 8 warps (splitkv_decode.NUM_WARPS, 4)
+    "auto-attn-2-warps": ("1", "auto"),
+    "auto-attn-8-warps": ("1", "auto"),
 }
 # variant -> (op, solution) its executor is made, warmed up and captured with
 FORCED_SOLUTION = {
@@ -122,6 +125,8 @@ _MODULE_SETTINGS = {
         "splitkv_splits": {"MERGE_FLOATS": 16384}, "splitkv_decode": {"MERGE_FLOATS": 16384},
         "splitkv_merge": {"EARLY_LOADS": True},
     },
+    "auto-attn-2-warps": {"splitkv_decode": {"NUM_WARPS": 2}},
+    "auto-attn-8-warps": {"splitkv_decode": {"NUM_WARPS": 8}},
 }
 PREVIOUS_GEMV = "auto-previous-gemv"
 # variant -> further settings it captures under

@@ -75,6 +75,9 @@ TRIGGER = pdl.LATE
 # Qwen3-30B-A3B 3.31 against 3.37 (the tree before the overlap: 1.12, 3.41)
 TRIGGER_BESIDE = pdl.EARLY
 PREFETCH_TILES = 2
+# warps a program (read per launch, so a benchmark captures other counts: at batch 1 a 16-row
+# tile's softmax reduces across the warps that split its keys)
+NUM_WARPS = 4
 # Benchmarks only (benchmarks/phase_clock.py): an int64 ``[programs, 8]`` tensor. While it is set,
 # launches are built with CLOCK, and each program stores its ``%globaltimer`` (ns) at ``MARKS``
 # in row (sequence * KV heads + KV head) * splits + split; "merged" only the program that merged.
@@ -341,7 +344,7 @@ def splitkv_decode(
     scale: float,
     soft_cap: float = 0.0,
     window: int = 0,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int | None = None,
     block_n: int | None = None,
     new: NewToken | None = None,
@@ -355,7 +358,8 @@ def splitkv_decode(
     kv_lens int32 ``[B]`` including this step's key; writes out ``[B, H, D]``. ``scratch``:
     made for at least B sequences and ``splits`` splits. ``window`` > 0: the query sees
     its last ``window`` keys; ``soft_cap`` > 0: scores go through ``c * tanh(s / c)``.
-    ``num_warps``, ``num_stages``, ``block_n`` (keys per tile): the launch shape, for sweeps.
+    ``num_warps`` (default ``NUM_WARPS``), ``num_stages``, ``block_n`` (keys per tile): the
+    launch shape, for sweeps.
     Stages by default: three for a split launch, two unsplit. On the H200 (bf16, ctx 2K, per
     layer) three stages beat two split (32 q / 8 kv heads D=128: 11.2 against 12.0 us at batch 1,
     16 splits; 48.1 against 49.0 at batch 16) and lost unsplit (batch 64: 156 against 131 us;
@@ -428,6 +432,7 @@ def splitkv_decode(
         LINES=lines(head_dim * k_cache.element_size()),
         LINE=line_elements(k_cache.element_size()),
         clock_ptr=CLOCK, CLOCK=CLOCK is not None,
-        num_warps=num_warps, num_stages=num_stages, **qk_args, **pdl.launch_options(use_pdl),
+        num_warps=num_warps or NUM_WARPS, num_stages=num_stages, **qk_args,
+        **pdl.launch_options(use_pdl),
     )  # fmt: skip
     return out
