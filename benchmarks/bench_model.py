@@ -13,11 +13,13 @@ same process, timed one after the other against the same floor, with their kerne
 ``auto-torch-activation`` is ``auto`` with the gated activation as the float32 torch sequence
 (``XHAL_CUDA_TRITON_ACTIVATION=0``), the peer of the Triton activation kernel. ``--trace`` prints
 every kernel of an eager decode step by the module and op that launched it (``trace_ops.py``), at
-the largest batch also with ``XHAL_CUDA_TRITON_ACTIVATION=0``.
+the largest batch also with ``XHAL_CUDA_TRITON_ACTIVATION=0``. ``--kernels`` prints each
+graph's kernels and what each adds to the step's critical path (``common.critical_path``);
+``--phase-clock`` the split-KV attention's phase clock at the smallest batch (``phase_clock.py``).
 
     python -m benchmarks.bench_model \\
         [--shape llama3-8b|llama3.2-1b] [--quick] [--no-hf | --hf-eager-only] [--profile]
-        [--pdl off early late auto auto-torch-activation] [--trace]
+        [--kernels] [--pdl off early late auto auto-torch-activation] [--trace] [--phase-clock]
 """
 
 from __future__ import annotations

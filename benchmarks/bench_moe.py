@@ -9,11 +9,15 @@ attention and router weights, the LM head and one embedding row per token, and t
     python -m benchmarks.bench_moe [--batches 1 16 64] [--layers 48] [--hf-batches 1] [--no-hf]
                                    [--sweep-batches 1 2 4 8 16] [--no-sweep] [--profile]
                                    [--pdl off early late auto] [--pdl-batches 1] [--check]
+                                   [--phase-clock]
 
-``--pdl`` adds the decode graphs captured once per programmatic dependent launch setting
-(``pdl_variants.py``), timed in the same process against the same floors, at every batch or at
-``--pdl-batches``. ``--check`` first runs ``check_moe_small``: the batch-1 router and pair-GEMV
-chain per PDL setting of the pair GEMVs, against float64 and timed.
+``--profile`` prints each graph's kernels and what each adds to the step's critical path
+(``common.critical_path``); ``--phase-clock`` the split-KV attention's and the router's phase
+clocks at the smallest batch (``phase_clock.py``). ``--pdl`` adds the decode graphs captured
+once per programmatic dependent launch setting (``pdl_variants.py``), timed in the same process
+against the same floors, at every batch or at ``--pdl-batches``. ``--check`` first runs
+``check_moe_small``: the batch-1 router and pair-GEMV chain per PDL setting of the pair GEMVs,
+against float64 and timed.
 """
 
 from __future__ import annotations
