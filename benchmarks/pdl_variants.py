@@ -87,7 +87,7 @@ PDL_VARIANTS = {
     # rounds of 8), and 32 (a tile a program, four rounds)
     "auto-attn-16-splits": ("1", "auto"),
     "auto-attn-32-splits": ("1", "auto"),
-    # auto with the split-KV merge's loads issued ahead (splitkv_merge.merge_early_loads), at the
+    # auto with the split-KV merge's loads issued ahead (splitkv_merge.EARLY_LOADS), at the
     # tree's split counts, at 16 and 32 splits, and at 16 merged in one round of 16
     "auto-merge-early-loads": ("1", "auto"),
     "auto-attn-16-splits-early-loads": ("1", "auto"),

@@ -95,7 +95,7 @@ def test_splits_merge_in_one_launch_and_counters_reset(num_heads, num_kv_heads, 
     assert scratch.counters.cpu().tolist() == [0] * (len(kv_lens) * num_kv_heads)
 
 
-@pytest.mark.parametrize("early_loads", [False, True], ids=["merge", "merge_early_loads"])
+@pytest.mark.parametrize("early_loads", [False, True], ids=["merge", "early-loads"])
 def test_a_merge_in_several_rounds(monkeypatch, early_loads) -> None:
     """Eight splits merged two at a time (four rounds: the merge's share of registers made
     small), by either merge: the rounds' weighted sums add up to the one-round result."""

@@ -43,7 +43,7 @@ from xhal import env
 from xhal.platforms.cuda import pdl
 from xhal.platforms.cuda.kernels import splitkv_merge
 from xhal.platforms.cuda.kernels.l2_prefetch import line_elements, lines, prefetch_l2
-from xhal.platforms.cuda.kernels.splitkv_merge import merge, merge_early_loads
+from xhal.platforms.cuda.kernels.splitkv_merge import merge
 from xhal.platforms.cuda.kernels.splitkv_new_token import (
     NewToken,
     QKNorm,
@@ -315,20 +315,12 @@ def _splitkv_decode_kernel(
         _stamp(clock_ptr, program, 5, CLOCK)
         if arrived == num_splits - 1:  # the last split of this (sequence, KV head): merge
             tl.atomic_xchg(counter_ptr + pair, 0, sem="relaxed", scope="gpu")
-            first_part = pair.to(tl.int64) * num_splits
-            out_offset = seq.to(tl.int64) * out_stride_b + kv_head * GROUP * out_stride_h
-            if EARLY_LOADS:
-                merge_early_loads(
-                    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, first_part, live,
-                    out_offset, out_stride_h,
-                    GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD, SPLITS_PAD, MERGE_CHUNK,
-                )  # fmt: skip
-            else:
-                merge(
-                    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, first_part, live,
-                    out_offset, out_stride_h,
-                    GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD, SPLITS_PAD, MERGE_CHUNK,
-                )  # fmt: skip
+            merge(
+                part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
+                pair.to(tl.int64) * num_splits, live,
+                seq.to(tl.int64) * out_stride_b + kv_head * GROUP * out_stride_h, out_stride_h,
+                GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD, SPLITS_PAD, MERGE_CHUNK, EARLY_LOADS,
+            )  # fmt: skip
             _stamp(clock_ptr, program, 6, CLOCK)
 
 
