@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from xhal.platforms.cuda import pdl
+from xhal.platforms.cuda.kernels import phase_clock
 from xhal.platforms.cuda.kernels.moe_route import softmax_top_k
 
 MAX_TOKENS = 16  # beyond, a step has the launches to spare and the router reread per token grows
@@ -32,10 +33,8 @@ MAX_EXPERTS = 1024
 ROW_PROGRAMS = 64  # programs per token: enough to stream the router weight, few to finish
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# Benchmarks only (benchmarks/phase_clock.py): an int64 ``[programs, 8]`` tensor. While it is set,
-# launches are built with CLOCK, and each program stores its ``%globaltimer`` (ns) at ``MARKS``
-# in row token * row blocks + block; "routed" only the program that routed the token. A clocked
-# build stores its "start" before the PDL wait (into the clock only).
+# Benchmarks only (kernels/phase_clock.py): a program's row is token * row blocks + block;
+# "routed" only the program that routed the token stamps.
 CLOCK: torch.Tensor | None = None
 MARKS = ("start", "waited", "normed", "logits stored", "arrived", "routed")
 
@@ -72,10 +71,8 @@ def _norm_route_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
-    clock_row = clock_ptr + (token * NUM_BLOCKS + block) * 8 if CLOCK else clock_ptr
-    if CLOCK:
-        tl.store(clock_row, tl.extra.cuda.globaltimer())
-        tl.store(clock_row + 5, 0)  # "routed" stays 0 unless this program routes
+    program = token * NUM_BLOCKS + block
+    phase_clock.start(clock_ptr, program, 5, CLOCK)
     dtype = logits_ptr.dtype.element_ty
     hs = tl.arange(0, BLOCK_H)
     hm = hs < HIDDEN
@@ -91,8 +88,7 @@ def _norm_route_kernel(
     if USE_PDL:  # every program waits (pdl.py): x and the residual come from the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-        if CLOCK:
-            tl.store(clock_row + 1, tl.extra.cuda.globaltimer())
+        phase_clock.stamp(clock_ptr, program, 1, CLOCK)
     x = tl.load(x_ptr + token * x_stride + hs, mask=hm, other=0.0).to(tl.float32)
     r = tl.load(res_ptr + token * res_stride + hs, mask=hm, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + hs, mask=hm, other=0.0).to(tl.float32)
@@ -100,20 +96,17 @@ def _norm_route_kernel(
     sf = s.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / HIDDEN + eps)
     normed = (sf * inv_rms * g).to(dtype)  # as rms_norm stores it: the router's input
-    if CLOCK:
-        tl.store(clock_row + 2, tl.extra.cuda.globaltimer())
+    phase_clock.stamp(clock_ptr, program, 2, CLOCK)
     if block == 0:
         tl.store(summed_ptr + token * HIDDEN + hs, s, mask=hm)
         tl.store(normed_ptr + token * HIDDEN + hs, normed, mask=hm)
     logit = tl.sum(w.to(tl.float32) * normed.to(tl.float32)[None, :], axis=1)
     tl.store(logits_ptr + token * E + rows, logit.to(dtype), mask=rm)
-    if CLOCK:
-        tl.store(clock_row + 3, tl.extra.cuda.globaltimer())
+    phase_clock.stamp(clock_ptr, program, 3, CLOCK)
     # release: this program's logits are visible before its count; acquire: the last program
     # sees every other program's logits
     done = tl.atomic_add(counter_ptr + token, 1, sem="acq_rel", scope="gpu")
-    if CLOCK:
-        tl.store(clock_row + 4, tl.extra.cuda.globaltimer())
+    phase_clock.stamp(clock_ptr, program, 4, CLOCK)
     if done == NUM_BLOCKS - 1:
         es = tl.arange(0, BLOCK_E)
         em = es < E
@@ -124,8 +117,7 @@ def _norm_route_kernel(
         tl.store(weights_ptr + token * K + slots, top_w, mask=slots < K)
         tl.store(ids_ptr + token * K + slots, top_i, mask=slots < K)
         tl.atomic_xchg(counter_ptr + token, 0, sem="relaxed", scope="gpu")
-        if CLOCK:
-            tl.store(clock_row + 5, tl.extra.cuda.globaltimer())
+        phase_clock.stamp(clock_ptr, program, 5, CLOCK)
 
 
 def _counter(device: torch.device) -> torch.Tensor:

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from xhal import env
 from xhal.platforms.cuda import pdl
-from xhal.platforms.cuda.kernels import splitkv_merge
+from xhal.platforms.cuda.kernels import phase_clock, splitkv_merge
 from xhal.platforms.cuda.kernels.l2_prefetch import line_elements, lines, prefetch_l2
 from xhal.platforms.cuda.kernels.splitkv_merge import merge
 from xhal.platforms.cuda.kernels.splitkv_new_token import (
@@ -78,11 +78,8 @@ PREFETCH_TILES = 2
 # warps a program (read per launch, so a benchmark captures other counts: at batch 1 a 16-row
 # tile's softmax reduces across the warps that split its keys)
 NUM_WARPS = 4
-# Benchmarks only (benchmarks/phase_clock.py): an int64 ``[programs, 8]`` tensor. While it is set,
-# launches are built with CLOCK, and each program stores its ``%globaltimer`` (ns) at ``MARKS``
-# in row (sequence * KV heads + KV head) * splits + split; "merged" only the program that merged.
-# A clocked build stores its "start" before the PDL wait (into the clock only; tests/platforms/
-# cuda/test_pdl.py checks the tree's build, which stores nothing there).
+# Benchmarks only (kernels/phase_clock.py): a program's row is (sequence * KV heads + KV head) *
+# splits + split; "merged" only the program that merged stamps.
 CLOCK: torch.Tensor | None = None
 MARKS = ("start", "waited", "q ready", "new key in", "tiles done", "arrived", "merged")
 
@@ -101,13 +98,6 @@ def _scores(s, scale_log2, soft_cap, SOFT_CAP: tl.constexpr):
         s = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * s / soft_cap)) - 1.0)
         return s * 1.4426950408889634
     return s * scale_log2
-
-
-@triton.jit
-def _stamp(clock_ptr, program, MARK: tl.constexpr, CLOCK: tl.constexpr):
-    """The program's clock at ``MARKS[MARK]`` (a no-op unless built with CLOCK)."""
-    if CLOCK:
-        tl.store(clock_ptr + program * 8 + MARK, tl.extra.cuda.globaltimer())
 
 
 @triton.jit
@@ -142,9 +132,7 @@ def _splitkv_decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     program = (seq * tl.num_programs(1) + kv_head) * num_splits + split
-    _stamp(clock_ptr, program, 0, CLOCK)
-    if CLOCK:  # "merged" stays 0 unless this program merges
-        tl.store(clock_ptr + program * 8 + 6, 0)
+    phase_clock.start(clock_ptr, program, 6, CLOCK)
     kv_len = tl.load(kv_lens_ptr + seq)
     lo = 0  # first visible key of the query at kv_len - 1
     if WINDOW:
@@ -195,7 +183,7 @@ def _splitkv_decode_kernel(
             prefetch_l2(k_cache_ptr + offs_j)
             prefetch_l2(v_cache_ptr + offs_j)
         tl.extra.cuda.gdc_wait()  # every program waits (pdl.py, rule 2)
-        _stamp(clock_ptr, program, 1, CLOCK)
+        phase_clock.stamp(clock_ptr, program, 1, CLOCK)
         if USE_PDL == 1:  # EARLY: the o projection's programs may start now
             tl.extra.cuda.gdc_launch_dependents()
     q_rows = q_ptr + seq.to(tl.int64) * q_stride_b + (kv_head * GROUP + r[:, None]) * q_stride_h
@@ -220,7 +208,7 @@ def _splitkv_decode_kernel(
         )
     elif QK_NORM:
         q = rms_normed(q, q, qw, qw, QK_EPS, HEAD_DIM, 1)[0]
-    _stamp(clock_ptr, program, 2, CLOCK)
+    phase_clock.stamp(clock_ptr, program, 2, CLOCK)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DIM_PAD], tl.float32)
@@ -254,7 +242,7 @@ def _splitkv_decode_kernel(
         m_i = tl.where(own, _scores(s_new, scale_log2, soft_cap, SOFT_CAP), m_i)
         l_i = tl.where(own, 1.0, l_i)
         acc = tl.where(own, acc + v_new.to(tl.float32)[None, :], acc)
-        _stamp(clock_ptr, program, 3, CLOCK)
+        phase_clock.stamp(clock_ptr, program, 3, CLOCK)
     for tile in range(split, num_tiles, num_splits):
         n = first + tile * BLOCK_N + keys
         visible = (n >= lo) & (n < hi)
@@ -284,7 +272,7 @@ def _splitkv_decode_kernel(
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    _stamp(clock_ptr, program, 4, CLOCK)
+    phase_clock.stamp(clock_ptr, program, 4, CLOCK)
     if USE_PDL == 2:  # LATE: after the last K/V load, before the stores and the merge
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -300,7 +288,7 @@ def _splitkv_decode_kernel(
             + (kv_head * GROUP + r[:, None]) * out_stride_h + d[None, :],
             out.to(out_ptr.dtype.element_ty), mask=(r[:, None] < GROUP) & d_mask[None, :],
         )  # fmt: skip
-        _stamp(clock_ptr, program, 5, CLOCK)
+        phase_clock.stamp(clock_ptr, program, 5, CLOCK)
     else:
         part = pair.to(tl.int64) * num_splits + split
         tl.store(part_max_ptr + part * GROUP + r, m_i, mask=r < GROUP)
@@ -312,7 +300,7 @@ def _splitkv_decode_kernel(
         # every thread's partial stores happen before the one thread's release below
         tl.debug_barrier()
         arrived = tl.atomic_add(counter_ptr + pair, 1, sem="acq_rel", scope="gpu")
-        _stamp(clock_ptr, program, 5, CLOCK)
+        phase_clock.stamp(clock_ptr, program, 5, CLOCK)
         if arrived == num_splits - 1:  # the last split of this (sequence, KV head): merge
             tl.atomic_xchg(counter_ptr + pair, 0, sem="relaxed", scope="gpu")
             merge(
@@ -321,7 +309,7 @@ def _splitkv_decode_kernel(
                 seq.to(tl.int64) * out_stride_b + kv_head * GROUP * out_stride_h, out_stride_h,
                 GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD, SPLITS_PAD, MERGE_CHUNK, EARLY_LOADS,
             )  # fmt: skip
-            _stamp(clock_ptr, program, 6, CLOCK)
+            phase_clock.stamp(clock_ptr, program, 6, CLOCK)
 
 
 def splitkv_decode(
