@@ -29,7 +29,7 @@ import argparse
 import torch
 
 import xhal
-from benchmarks import pdl_variants
+from benchmarks import pdl_variants, phase_clock
 from benchmarks.common import (
     ceilings,
     environment,
@@ -52,7 +52,6 @@ from benchmarks.llama_model import (
     random_model,
 )
 from benchmarks.llama_model import CONFIG as CONFIG  # bench_host_emulated.py imports it here
-from benchmarks.phase_clock import print_phase_clocks
 from xhal.executor import ExecutorConfig, ModelExecutor
 
 
@@ -142,10 +141,7 @@ def main() -> None:
     parser.add_argument(
         "--trace", action="store_true", help="every kernel of an eager decode step by module and op"
     )
-    parser.add_argument(
-        "--phase-clock", action="store_true",
-        help="phase clocks of the split-KV launch and MoE router, smallest batch, default + --pdl",
-    )
+    phase_clock.add_argument(parser)
     pdl_variants.add_argument(parser)
     args = parser.parse_args()
     ceil = ceilings()
@@ -204,8 +200,8 @@ def main() -> None:
         )
     if args.phase_clock:
         ids, pos, meta = decode_metadata(batches[0], CTX, device, vocab)
-        print_phase_clocks(
-            model, platform, executors[False].config, caches, [*dict.fromkeys(["auto", *args.pdl])],
+        phase_clock.print_phase_clocks(
+            model, platform, executors[False].config, caches, args.pdl,
             lambda ex: ex.compute_logits(ex.execute(ids, pos, meta)), f"batch {batches[0]}",
         )  # fmt: skip
     if args.profile:  # after every timing: once CUPTI has run in a process, CUDA calls cost more

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 import xhal
-from benchmarks import pdl_variants
+from benchmarks import pdl_variants, phase_clock
 from benchmarks.bench_model import decode_metadata
 from benchmarks.common import (
     ceilings,
@@ -43,7 +43,6 @@ from benchmarks.common import (
     time_graph,
 )
 from benchmarks.hf_peer import prefilled_step
-from benchmarks.phase_clock import print_phase_clocks
 from models import load_model
 from xhal.executor import ModelExecutor
 
@@ -262,10 +261,7 @@ def main() -> None:
     parser.add_argument(
         "--check", action="store_true", help="the pair GEMVs' PDL settings against float64 first"
     )
-    parser.add_argument(
-        "--phase-clock", action="store_true",
-        help="phase clocks of the split-KV launch and MoE router, smallest batch, default + --pdl",
-    )
+    phase_clock.add_argument(parser)
     pdl_variants.add_argument(parser)
     args = parser.parse_args()
     config = {**CONFIG, "num_hidden_layers": args.layers}
@@ -368,8 +364,8 @@ def main() -> None:
         )
     if args.phase_clock:
         ids, pos, meta = decode_metadata(batches[0], CTX, device)
-        print_phase_clocks(
-            model, platform, executors[False].config, caches, [*dict.fromkeys(["auto", *args.pdl])],
+        phase_clock.print_phase_clocks(
+            model, platform, executors[False].config, caches, args.pdl,
             lambda ex: ex.compute_logits(ex.execute(ids, pos, meta)), f"batch {batches[0]}",
         )  # fmt: skip
     sweep = [] if args.no_sweep else sweep_layers(model, sorted(args.sweep_batches), rate)

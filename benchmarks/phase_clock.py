@@ -7,6 +7,7 @@ whole step as any layer's does."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 
@@ -65,11 +66,21 @@ def kernel_phases(
     return phases
 
 
+def add_argument(parser: argparse.ArgumentParser) -> None:
+    """``--phase-clock``: the decode benchmarks' switch for ``print_phase_clocks``."""
+    parser.add_argument(
+        "--phase-clock", action="store_true",
+        help="phase clocks of the split-KV launch and MoE router, smallest batch, default + --pdl",
+    )  # fmt: skip
+
+
 def print_phase_clocks(
-    model, platform, config: ExecutorConfig, caches, variants: Sequence[str],
+    model, platform, config: ExecutorConfig, caches, peers: Sequence[str],
     step: Callable[[object], object], title: str,
 ) -> None:  # fmt: skip
-    """``kernel_phases``' tables, one per variant and kernel."""
+    """``kernel_phases``' tables, one per kernel of the default graphs (``auto``) and of each of
+    ``peers`` (``--pdl``'s names)."""
+    variants = list(dict.fromkeys(["auto", *peers]))
     phases = kernel_phases(model, platform, config, caches, variants, step)
     for (name, module), rows in phases.items():
         heading = f"{module} phases, {title}, {name}: each program's clock, us from the earliest "
