@@ -14,7 +14,7 @@ same process, timed one after the other against the same floor, with their kerne
 (``XHAL_CUDA_TRITON_ACTIVATION=0``), the peer of the Triton activation kernel. ``--trace`` prints
 every kernel of an eager decode step by the module and op that launched it (``trace_ops.py``), at
 the largest batch also with ``XHAL_CUDA_TRITON_ACTIVATION=0``. ``--kernels`` prints each
-graph's kernels and what each adds to the step's critical path (``common.critical_path``);
+graph's kernels and what each adds to the step's critical path (``kernel_profile.critical_path``);
 ``--phase-clock`` the split-KV attention's phase clock at the smallest batch (``phase_clock.py``).
 
     python -m benchmarks.bench_model \\
@@ -34,13 +34,13 @@ from benchmarks.common import (
     ceilings,
     environment,
     graph_and_eager_executors,
-    profile_kernels,
     table,
     time_cuda,
     time_cuda_pipelined,
 )
 from benchmarks.hf_peer import hf_peer_rows
 from benchmarks.host_timing import call_breakdown, host_breakdown, host_time_us, profile_host
+from benchmarks.kernel_profile import profile_kernels
 from benchmarks.llama_model import (
     BLOCK,
     CTX,

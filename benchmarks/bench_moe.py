@@ -12,10 +12,10 @@ attention and router weights, the LM head and one embedding row per token, and t
                                    [--phase-clock]
 
 ``--profile`` prints each graph's kernels and what each adds to the step's critical path
-(``common.critical_path``); ``--phase-clock`` the split-KV attention's and the router's phase
-clocks at the smallest batch (``phase_clock.py``). ``--pdl`` adds the decode graphs captured
-once per programmatic dependent launch setting (``pdl_variants.py``), timed in the same process
-against the same floors, at every batch or at ``--pdl-batches``. ``--check`` first runs
+(``kernel_profile.critical_path``); ``--phase-clock`` the split-KV attention's and the router's
+phase clocks at the smallest batch (``phase_clock.py``). ``--pdl`` adds the decode graphs
+captured once per programmatic dependent launch setting (``pdl_variants.py``), timed in the same
+process against the same floors, at every batch or at ``--pdl-batches``. ``--check`` first runs
 ``check_moe_small``: the batch-1 router and pair-GEMV chain per PDL setting of the pair GEMVs,
 against float64 and timed.
 """
@@ -36,13 +36,13 @@ from benchmarks.bench_model import decode_metadata
 from benchmarks.common import (
     ceilings,
     graph_and_eager_executors,
-    profile_kernels,
     table,
     time_cuda,
     time_cuda_pipelined,
     time_graph,
 )
 from benchmarks.hf_peer import prefilled_step
+from benchmarks.kernel_profile import profile_kernels
 from models import load_model
 from xhal.executor import ModelExecutor
 

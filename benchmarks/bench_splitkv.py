@@ -37,12 +37,12 @@ import xhal
 from benchmarks.bench_attention_solutions import make_decode, reference
 from benchmarks.common import (
     capture_graph,
-    cuda_kernel_events,
     read_bandwidth,
     table,
     time_cuda,
     time_graph,
 )
+from benchmarks.kernel_profile import cuda_kernel_events
 from xhal.interfaces import AttentionSpec, LayerCache
 
 SHAPES = {"8b": (32, 8, 128), "moe": (32, 4, 128), "1b": (32, 8, 64)}

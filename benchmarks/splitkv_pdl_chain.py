@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.common import capture_graph, cuda_kernel_events, time_cuda
+from benchmarks.common import capture_graph, time_cuda
+from benchmarks.kernel_profile import cuda_kernel_events
 from xhal.interfaces import AttentionSpec
 
 HIDDEN = {"8b": 4096, "moe": 2048, "1b": 2048}

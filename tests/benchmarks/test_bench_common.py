@@ -74,17 +74,3 @@ def test_graph_and_eager_executors_share_one_set_of_caches() -> None:
         written = caches[0].key.view(-1, *caches[0].key.shape[2:])[slot]  # [Hkv, D]
         assert written.abs().sum() > 0, f"enforce_eager={eager} wrote elsewhere"
 
-
-def test_critical_path_splits_overlapping_kernels_by_what_each_adds() -> None:
-    from benchmarks.common import critical_path
-
-    # a: 0-10; b launched early (PDL) at 4, ends 15: adds 5, overlaps 6; c inside b: adds 0;
-    # an idle gap of 5; d alone: adds its whole span
-    events = [("b", 4.0, 15.0), ("a", 0.0, 10.0), ("c", 5.0, 12.0), ("d", 20.0, 23.0)]
-    parts, idle = critical_path(events)
-    assert parts == {
-        "a": [1, 10.0, 0.0], "b after a": [1, 5.0, 6.0], "c after b": [1, 0.0, 7.0],
-        "d after c": [1, 3.0, 0.0],
-    }  # fmt: skip
-    assert idle == 5.0
-    assert sum(p[1] for p in parts.values()) + idle == 23.0  # the span from first start to last end
