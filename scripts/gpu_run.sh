@@ -71,14 +71,18 @@ for stage in $stages; do
         --pdl $moe 2>&1 | tee "$out/overlap-moe.txt" || status=1 ;;
     clocks)  # where a batch-1 layer's time goes (twenty-eighth session): the MoE and 1B steps with
       # the kernel profile's critical path and the split-KV / router phase clocks
-      # (benchmarks/phase_clock.py), against CLOCK_PEERS (default: the split-KV merge's early
-      # loads, the split counts, the warps a program)
-      peers=${CLOCK_PEERS:-auto-merge-early-loads auto-attn-16-splits-early-loads auto-attn-32-splits-early-loads auto-attn-16-splits-one-round auto-attn-2-warps auto-attn-8-warps}
+      # (benchmarks/phase_clock.py), against CLOCK_PEERS (default: the spread merge at three
+      # split counts, the last program's merge with its loads early, the warps a program) and
+      # CLOCK_PEERS_1B; first the split-KV kernel's tests (the spread merge's waiting runs only
+      # on a GPU)
+      py -m pytest -q tests/platforms/cuda/test_splitkv_decode.py -k "spread or merge" 2>&1 | tail -3 \
+        | tee "$out/clocks-tests.txt" || status=1
+      peers=${CLOCK_PEERS:-auto-attn-spread auto-attn-spread-8-splits auto-attn-spread-16-splits auto-merge-early-loads auto-attn-32-splits-early-loads auto-attn-2-warps auto-attn-8-warps}
       py -m benchmarks.bench_moe --batches 1 --no-hf --no-sweep --pdl-batches 1 --phase-clock \
         --profile --pdl auto $peers 2>&1 | tee "$out/clocks-moe.txt" || status=1
+      peers=${CLOCK_PEERS_1B:-auto-attn-spread auto-attn-spread-8-splits auto-merge-early-loads auto-attn-2-warps}
       py -m benchmarks.bench_model --shape llama3.2-1b --batches 1 --no-hf --phase-clock --kernels \
-        --pdl auto auto-merge-early-loads auto-attn-2-warps auto-attn-8-warps 2>&1 \
-        | tee "$out/clocks-1b.txt" || status=1 ;;
+        --pdl auto $peers 2>&1 | tee "$out/clocks-1b.txt" || status=1 ;;
     skinny)  # the tensor-core skinny GEMM (benchmarks/bench_skinny_mma.py: its checks, its launch
       # shapes against cuBLAS; BENCH_ARGS narrows it), linear's conformance cases through it, the
       # 8B and 1B steps at SKINNY_BATCHES (16 64) with it where it timed faster (the default),

@@ -94,7 +94,7 @@ _POINTERS = {
     "pos_ptr": "*i32", "slot_ptr": "*i32", "cache_ptr": "*fp32", "part_ptr": "*fp32",
     "sq_ptr": "*fp32", "counter_ptr": "*i32", "weights_ptr": "*fp32", "ids_ptr": "*i32",
     "block_table_ptr": "*i32", "kv_lens_ptr": "*i32", "part_acc_ptr": "*fp32",
-    "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "rot_ptr": "*fp32",
+    "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "rot_ptr": "*fp32", "epoch_ptr": "*i32",
 }
 _FLOATS = ("eps", "scale_log2", "soft_cap")
 _GEMV = dict(
@@ -105,7 +105,8 @@ _SPLITKV = dict(  # the fused decode layer (new token + rotary) of the 8B shape,
     GROUP=4, GROUP_PAD=4, ROWS=16, HEAD_DIM=128, DIM_PAD=128, PAGE=16, BLOCK_N=64, SPLITS_PAD=16,
     MERGE_CHUNK=16, EARLY_LOADS=False, SOFT_CAP=False, WINDOW=False, F32_DOT=False, NEW_KV=True,
     ROTARY=True, HALF=64, IS_NEOX=True, PREFETCH=2, LINES=2, LINE=64, qw_ptr=None, kw_ptr=None,
-    QK_NORM=False, QK_EPS=0.0, clock_ptr=None, CLOCK=False,
+    QK_NORM=False, QK_EPS=0.0, clock_ptr=None, CLOCK=False, epoch_ptr=None, SPREAD=False,
+    SLICE=1,
 )
 # and with Qwen3's per-head q / k norm before the rotary (the weights are real pointers then)
 _SPLITKV_QK = {k: v for k, v in _SPLITKV.items() if k not in ("qw_ptr", "kw_ptr")}
@@ -149,6 +150,12 @@ CASES = {  # name: (module, kernel, constexprs)
     ),
     "splitkv early qk_norm": (
         "splitkv_decode", "_splitkv_decode_kernel", {**_SPLITKV_QK, "USE_PDL": pdl.EARLY}
+    ),
+    # the merge spread over the pair's 16 programs (a 32-output slice each), the epoch a pointer
+    "splitkv early spread": (
+        "splitkv_decode", "_splitkv_decode_kernel",
+        {**{k: v for k, v in _SPLITKV.items() if k != "epoch_ptr"}, "USE_PDL": pdl.EARLY,
+         "SPREAD": True, "SLICE": 32},
     ),
     "gate_up off": ("moe_small", "_gate_up_kernel", {**_GATE_UP, "USE_PDL": pdl.OFF}),
     "gate_up late": ("moe_small", "_gate_up_kernel", {**_GATE_UP, "USE_PDL": pdl.LATE}),
@@ -215,7 +222,7 @@ def ptx() -> dict[str, str]:
     "case",
     ["norm+gemv early", "norm+gemv late", "norm+gemv late tma", "rotary_kv", "add_rms_norm",
      "qk_norm", "router", "splitkv early", "splitkv late", "splitkv late qk_norm",
-     "splitkv early qk_norm", "gate_up late", "down early", "down late"],
+     "splitkv early qk_norm", "splitkv early spread", "gate_up late", "down early", "down late"],
 )
 def test_a_pdl_kernel_waits_once_and_writes_nothing_before_its_wait(ptx, case) -> None:
     code = ptx[case]

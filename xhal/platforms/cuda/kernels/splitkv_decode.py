@@ -43,7 +43,7 @@ from xhal import env
 from xhal.platforms.cuda import pdl
 from xhal.platforms.cuda.kernels import phase_clock, splitkv_merge
 from xhal.platforms.cuda.kernels.l2_prefetch import line_elements, lines, prefetch_l2
-from xhal.platforms.cuda.kernels.splitkv_merge import merge
+from xhal.platforms.cuda.kernels.splitkv_merge import merge, merge_slice
 from xhal.platforms.cuda.kernels.splitkv_new_token import (
     NewToken,
     QKNorm,
@@ -53,7 +53,13 @@ from xhal.platforms.cuda.kernels.splitkv_new_token import (
     rms_normed,
     rotation,
 )
-from xhal.platforms.cuda.kernels.splitkv_splits import MERGE_FLOATS, Scratch, block_keys, num_splits
+from xhal.platforms.cuda.kernels.splitkv_splits import (
+    MERGE_FLOATS,
+    Scratch,
+    block_keys,
+    num_splits,
+    spreads,
+)
 
 __all__ = ["NewToken", "QKNorm", "Rotary", "Scratch", "block_keys", "num_splits", "splitkv_decode"]
 
@@ -79,7 +85,7 @@ PREFETCH_TILES = 2
 # tile's softmax reduces across the warps that split its keys)
 NUM_WARPS = 4
 # Benchmarks only (kernels/phase_clock.py): a program's row is (sequence * KV heads + KV head) *
-# splits + split; "merged" only the program that merged stamps.
+# splits + split; "merged" only the programs that merged stamp (all of them when spread).
 CLOCK: torch.Tensor | None = None
 MARKS = ("start", "waited", "q ready", "new key in", "tiles done", "arrived", "merged")
 
@@ -126,7 +132,7 @@ def _splitkv_decode_kernel(
     NEW_KV: tl.constexpr, ROTARY: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr,
     USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr,
     qw_ptr, kw_ptr, QK_NORM: tl.constexpr, QK_EPS: tl.constexpr,
-    clock_ptr, CLOCK: tl.constexpr,
+    clock_ptr, CLOCK: tl.constexpr, epoch_ptr, SPREAD: tl.constexpr, SLICE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -243,6 +249,8 @@ def _splitkv_decode_kernel(
         l_i = tl.where(own, 1.0, l_i)
         acc = tl.where(own, acc + v_new.to(tl.float32)[None, :], acc)
         phase_clock.stamp(clock_ptr, program, 3, CLOCK)
+    if SPREAD:  # the pair's epoch before any of its programs arrives (loaded under the tiles)
+        epoch = tl.load(epoch_ptr + seq * tl.num_programs(1) + kv_head, volatile=True)
     for tile in range(split, num_tiles, num_splits):
         n = first + tile * BLOCK_N + keys
         visible = (n >= lo) & (n < hi)
@@ -301,7 +309,23 @@ def _splitkv_decode_kernel(
         tl.debug_barrier()
         arrived = tl.atomic_add(counter_ptr + pair, 1, sem="acq_rel", scope="gpu")
         phase_clock.stamp(clock_ptr, program, 5, CLOCK)
-        if arrived == num_splits - 1:  # the last split of this (sequence, KV head): merge
+        if SPREAD:  # every program merges its slice once the last has arrived
+            if arrived == num_splits - 1:  # the last: counter back to 0, the others let go
+                tl.atomic_xchg(counter_ptr + pair, 0, sem="relaxed", scope="gpu")
+                tl.atomic_add(epoch_ptr + pair, 1, sem="release", scope="gpu")
+            else:  # acquire: once the epoch moves, every split's partial is visible
+                seen = epoch
+                while seen == epoch:
+                    seen = tl.atomic_add(epoch_ptr + pair, 0, sem="acquire", scope="gpu")
+            tl.debug_barrier()  # the one thread's acquire before every thread's loads
+            merge_slice(
+                part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
+                pair.to(tl.int64) * num_splits, live,
+                seq.to(tl.int64) * out_stride_b + kv_head * GROUP * out_stride_h, out_stride_h,
+                split, GROUP, HEAD_DIM, SPLITS_PAD, SLICE,
+            )  # fmt: skip
+            phase_clock.stamp(clock_ptr, program, 6, CLOCK)
+        elif arrived == num_splits - 1:  # the last split of this (sequence, KV head): merge
             tl.atomic_xchg(counter_ptr + pair, 0, sem="relaxed", scope="gpu")
             merge(
                 part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
@@ -391,6 +415,7 @@ def splitkv_decode(
     group_pad = triton.next_power_of_2(group)
     splits_pad = triton.next_power_of_2(splits)
     merge_chunk = max(1, min(splits_pad, MERGE_FLOATS // (group_pad * dim_pad)))
+    spread = spreads(batch * num_kv_heads * splits, splits, q.device)
     # fp32 products in IEEE precision for fp32 (not TF32), and for bf16 in Triton's interpreter
     # (CPU tensors), whose bf16 tl.dot multiplies wrong (Triton 3.6); compiled bf16 / fp16 run
     # on tensor cores with float32 accumulation
@@ -412,6 +437,8 @@ def splitkv_decode(
         LINES=lines(head_dim * k_cache.element_size()),
         LINE=line_elements(k_cache.element_size()),
         clock_ptr=CLOCK, CLOCK=CLOCK is not None,
+        epoch_ptr=scratch.epochs if spread else None, SPREAD=spread,
+        SLICE=triton.next_power_of_2(-(-group * head_dim // splits)) if spread else 1,
         num_warps=num_warps or NUM_WARPS, num_stages=num_stages, **qk_args,
         **pdl.launch_options(use_pdl),
     )  # fmt: skip

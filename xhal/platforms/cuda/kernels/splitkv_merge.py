@@ -3,7 +3,11 @@ last for a (sequence, KV head) combines every split's partial (row max, row sum,
 accumulator) into the output, in rounds of ``MERGE_CHUNK`` splits. Built with ``EARLY_LOADS`` it
 computes the same in the same order with its loads issued ahead: the first round's with the row
 maxes and sums, each later round's while the round before it is summed (benchmarks compare the
-two)."""
+two).
+
+Spread (``splitkv_splits.SPREAD``), every program of the pair merges a slice of the group's
+outputs once the last has arrived (``merge_slice``): one round of a few KB each, where the last
+program alone loads every split's partial."""
 
 from __future__ import annotations
 
@@ -82,3 +86,34 @@ def merge(
         out.to(out_ptr.dtype.element_ty),
         mask=g_mask[:, None] & (d < HEAD_DIM)[None, :],
     )
+
+
+@triton.jit
+def merge_slice(
+    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, first_part, live_splits, out_offset,
+    out_stride_h, slice_index,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, SLICE: tl.constexpr,
+):
+    """Outputs ``slice_index * SLICE`` to ``(slice_index + 1) * SLICE - 1`` of the group's
+    ``GROUP * HEAD_DIM`` (row-major: query row, then dim) from every split's partial, in one
+    round: the rows' maxes and sums [SPLITS_PAD, SLICE] (repeated along a row's dims) and the
+    accumulators' slice."""
+    e = slice_index * SLICE + tl.arange(0, SLICE)
+    e_mask = e < GROUP * HEAD_DIM
+    g = e // HEAD_DIM
+    d = e % HEAD_DIM
+    sp = tl.arange(0, SPLITS_PAD)
+    rows = (first_part + sp[:, None]) * GROUP + g[None, :]  # [SPLITS_PAD, SLICE]
+    mask = (sp[:, None] < live_splits) & e_mask[None, :]  # splits past the tiles hold nothing
+    # .cg: read from L2, where the other programs' stores are; never a stale L1 line
+    maxes = tl.load(part_max_ptr + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")
+    sums = tl.load(part_sum_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg")
+    part = tl.load(part_acc_ptr + rows * HEAD_DIM + d[None, :], mask=mask, other=0.0,
+                   cache_modifier=".cg")  # fmt: skip
+    top = tl.max(maxes, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # no visible key at all: weights 0, output 0
+    weight = tl.exp2(maxes - top[None, :])
+    total = tl.sum(weight * sums, axis=0)
+    out = tl.sum(weight * part, axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + out_offset + g * out_stride_h + d, out.to(out_ptr.dtype.element_ty),
+             mask=e_mask)  # fmt: skip

@@ -8,6 +8,7 @@ time, so one bucket serves any context.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,12 @@ MAX_SPLITS = 64
 # splits (2-4 programs per SM) were best (47.4 us against 70.2 unsplit)
 PROGRAMS_PER_SM = 2
 MERGE_FLOATS = 8192
+# The merge spread over a (sequence, KV head)'s programs (``splitkv_merge.merge_slice``): once
+# the last split has arrived, each program merges a slice of the group's outputs, where
+# otherwise the last program merges all of them in rounds of ``MERGE_FLOATS``. The others wait
+# for the last, so a launch spreads only where every program is resident at once: at most one
+# program per SM. Read per call (benchmark peers); off until a GPU measures it faster.
+SPREAD = False
 
 
 def block_keys(head_dim: int) -> int:
@@ -38,12 +45,27 @@ def merge_rounds_cap(group: int, head_dim: int) -> int:
 def num_splits(num_seqs: int, num_kv_heads: int, group: int, head_dim: int, max_seq_len: int,
                num_sms: int) -> int:  # fmt: skip
     """Splits per (sequence, KV head): about ``PROGRAMS_PER_SM`` programs per SM, no more
-    splits than one merge round holds or than the longest context has tiles. Shapes only, never
-    the live lengths, so a graph bucket keeps its split count."""
+    splits than one merge round holds or than the longest context has tiles. With ``SPREAD``,
+    where two splits or more fit one program per SM, as many as fit instead of one merge round's
+    worth. Shapes only, never the live lengths, so a graph bucket keeps its split count."""
     programs = max(num_seqs * num_kv_heads, 1)
     wanted = -(-PROGRAMS_PER_SM * num_sms // programs)
     useful = max(-(-max_seq_len // block_keys(head_dim)), 1)
-    return max(1, min(wanted, useful, merge_rounds_cap(group, head_dim), MAX_SPLITS))
+    fit = num_sms // programs
+    cap = fit if SPREAD and fit >= 2 else merge_rounds_cap(group, head_dim)
+    return max(1, min(wanted, useful, cap, MAX_SPLITS))
+
+
+def spreads(programs: int, splits: int, device: torch.device) -> bool:
+    """Whether a launch of ``programs`` programs in all merges spread (``SPREAD``): compiled
+    (the interpreter runs one program at a time, so a program waiting for another would wait
+    forever), split, and at most one program per SM."""
+    return SPREAD and splits > 1 and device.type == "cuda" and programs <= sm_count(device)
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @dataclass
@@ -56,6 +78,9 @@ class Scratch:
     part_max: torch.Tensor  # float32 [capacity, group], log2 domain
     part_sum: torch.Tensor  # float32 [capacity, group]
     counters: torch.Tensor  # int32 [num_seqs * Hkv]
+    # int32 [num_seqs * Hkv], spread merges only: the last split to arrive adds 1 to its pair's,
+    # which the others wait for (any value: they compare with what they read before arriving)
+    epochs: torch.Tensor
 
     @classmethod
     def make(cls, num_seqs: int, num_kv_heads: int, group: int, head_dim: int, splits: int,
@@ -66,6 +91,7 @@ class Scratch:
             torch.empty(parts, group, head_dim, **f32),
             torch.empty(parts, group, **f32),
             torch.empty(parts, group, **f32),
+            torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=device),
             torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=device),
         )
 
