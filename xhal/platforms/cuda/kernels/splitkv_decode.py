@@ -7,7 +7,9 @@ program writes the output itself. With several, each program writes its partial 
 sum, unnormalized accumulator) to a scratch buffer and increments a counter of its (sequence, KV
 head); the program that arrives last merges every split, writes the output and puts the counter
 back to 0, so the next launch (and the next replay of a graph) starts from zeroed counters. No
-second kernel, no host sync, nothing sized by tensor values: graph-capturable.
+second kernel, no host sync, nothing sized by tensor values: graph-capturable. With
+``splitkv_splits.SPREAD`` (off; only where every program is resident at once) the others wait
+for the last instead of leaving, and each merges a slice of the group (``merge_slice``).
 
 The split count is a host choice from shapes only, and the scratch is sized for it
 (``splitkv_splits.py``): a graph bucket keeps both for every replay, while each program's share of
