@@ -119,8 +119,10 @@ def test_a_merge_in_several_rounds(monkeypatch, early_loads) -> None:
 
 
 @triton.jit
-def _merge_every_slice(part_acc, part_max, part_sum, out, splits, GROUP: tl.constexpr,
-                       HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, SLICE: tl.constexpr):  # fmt: skip
+def _merge_every_slice(
+    part_acc, part_max, part_sum, out, splits,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, SLICE: tl.constexpr,
+):  # fmt: skip
     """One program per (pair, slice): the spread merge's slices of a filled scratch, out
     contiguous [B, H, D] (a pair's group at pair * GROUP * HEAD_DIM)."""
     pair = tl.program_id(0)
