@@ -8,11 +8,12 @@ time, so one bucket serves any context.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
+
+from xhal.platforms.cuda.kernels.gemv import _num_sms
 
 MAX_SPLITS = 64
 # programs per SM the split count aims for, and the most partial floats the last program merges
@@ -60,12 +61,7 @@ def spreads(programs: int, splits: int, device: torch.device) -> bool:
     """Whether a launch of ``programs`` programs in all merges spread (``SPREAD``): compiled
     (the interpreter runs one program at a time, so a program waiting for another would wait
     forever), split, and at most one program per SM."""
-    return SPREAD and splits > 1 and device.type == "cuda" and programs <= sm_count(device)
-
-
-@functools.cache
-def sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return SPREAD and splits > 1 and device.type == "cuda" and programs <= _num_sms(device)
 
 
 @dataclass
