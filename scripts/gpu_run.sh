@@ -73,9 +73,9 @@ for stage in $stages; do
       # the kernel profile's critical path and the split-KV / router phase clocks
       # (benchmarks/phase_clock.py), against CLOCK_PEERS (default: the spread merge at three
       # split counts, the last program's merge with its loads early, the warps a program) and
-      # CLOCK_PEERS_1B; first the split-KV kernel's tests (the spread merge's waiting runs only
+      # CLOCK_PEERS_1B; first the split-KV merge tests (the spread merge's waiting runs only
       # on a GPU)
-      py -m pytest -q tests/platforms/cuda/test_splitkv_decode.py -k "spread or merge" 2>&1 | tail -3 \
+      py -m pytest -q tests/platforms/cuda/test_splitkv_merge.py 2>&1 | tail -3 \
         | tee "$out/clocks-tests.txt" || status=1
       peers=${CLOCK_PEERS:-auto-attn-spread auto-attn-spread-8-splits auto-attn-spread-16-splits auto-merge-early-loads auto-attn-32-splits-early-loads auto-attn-2-warps auto-attn-8-warps}
       py -m benchmarks.bench_moe --batches 1 --no-hf --no-sweep --pdl-batches 1 --phase-clock \

@@ -10,12 +10,11 @@ import math
 import pytest
 import torch
 
-from tests.support.triton_env import DEVICE, NO_RUNTIME_LOOPS, RUNTIME_LOOPS, tl, triton
+from tests.support.triton_env import DEVICE, NO_RUNTIME_LOOPS, RUNTIME_LOOPS
 
 # triton_env sets TRITON_INTERPRET before any triton kernel is imported: keep it first
 # isort: split
 from xhal.platforms.cuda.kernels.splitkv_decode import Scratch, num_splits, splitkv_decode
-from xhal.platforms.cuda.kernels.splitkv_merge import merge_slice
 
 pytestmark = pytest.mark.skipif(not RUNTIME_LOOPS, reason=f"split-KV decode {NO_RUNTIME_LOOPS}")
 
@@ -96,92 +95,6 @@ def test_splits_merge_in_one_launch_and_counters_reset(num_heads, num_kv_heads, 
     assert scratch.counters.cpu().tolist() == [0] * (len(kv_lens) * num_kv_heads)
 
 
-@pytest.mark.parametrize("early_loads", [False, True], ids=["merge", "early-loads"])
-def test_a_merge_in_several_rounds(monkeypatch, early_loads) -> None:
-    """Eight splits merged two at a time (four rounds: the merge's share of registers made
-    small), by either merge: the rounds' weighted sums add up to the one-round result."""
-    from xhal.platforms.cuda.kernels import splitkv_decode as kernel
-    from xhal.platforms.cuda.kernels import splitkv_merge
-
-    num_heads, num_kv_heads, dtype = 8, 2, torch.float32
-    monkeypatch.setattr(kernel, "MERGE_FLOATS", 2 * 4 * HEAD_DIM)  # two splits of group 4
-    monkeypatch.setattr(splitkv_merge, "EARLY_LOADS", early_loads)
-    kv_lens = [700, 90]  # 6 and 1 tiles of 128 keys: some splits hold nothing
-    q, k_cache, v_cache, table, lens = _case(kv_lens, num_heads, num_kv_heads, dtype, seed=2)
-    splits, scale = 8, HEAD_DIM**-0.5
-    scratch = Scratch.make(len(kv_lens), num_kv_heads, num_heads // num_kv_heads, HEAD_DIM,
-                           splits, torch.device(DEVICE))  # fmt: skip
-    out = torch.zeros(q.shape, dtype=dtype, device=DEVICE)
-    dev = [t.to(DEVICE) for t in (q, k_cache, v_cache, table, lens)]
-    splitkv_decode(*dev[:5], out, scratch, splits, scale)
-    _check(out, _reference(q, k_cache, v_cache, table, lens, scale), dtype)
-    assert scratch.counters.cpu().tolist() == [0] * (len(kv_lens) * num_kv_heads)
-
-
-@triton.jit
-def _merge_every_slice(
-    part_acc, part_max, part_sum, out, splits,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, SLICE: tl.constexpr,
-):  # fmt: skip
-    """One program per (pair, slice): the spread merge's slices of a filled scratch, out
-    contiguous [B, H, D] (a pair's group at pair * GROUP * HEAD_DIM)."""
-    pair = tl.program_id(0)
-    merge_slice(part_acc, part_max, part_sum, out, pair.to(tl.int64) * splits, splits,
-                pair * GROUP * HEAD_DIM, HEAD_DIM, tl.program_id(1), GROUP, HEAD_DIM,
-                SPLITS_PAD, SLICE)  # fmt: skip
-
-
-@pytest.mark.parametrize("splits", [3, 8])
-def test_the_spread_merge_slices_cover_the_group(splits) -> None:
-    """The spread merge's slices (``merge_slice``: every program of a pair merging a slice of
-    the group once all have arrived) over the partials a launch left in its scratch: together
-    they write the output the last program's merge wrote. Three splits of group 4 x 64 dims
-    make slices of 128 outputs, the third empty. Interpreted on CPU its waiting cannot run
-    (programs run one at a time); the launch with it is tested on a GPU below."""
-    num_heads, num_kv_heads, dtype = 8, 2, torch.float32
-    kv_lens = [700, 90]
-    q, k_cache, v_cache, table, lens = _case(kv_lens, num_heads, num_kv_heads, dtype, seed=3)
-    scale, group = HEAD_DIM**-0.5, num_heads // num_kv_heads
-    scratch = Scratch.make(len(kv_lens), num_kv_heads, group, HEAD_DIM, splits,
-                           torch.device(DEVICE))  # fmt: skip
-    out = torch.zeros(q.shape, dtype=dtype, device=DEVICE)
-    dev = [t.to(DEVICE) for t in (q, k_cache, v_cache, table, lens)]
-    splitkv_decode(*dev[:5], out, scratch, splits, scale)
-    spread = torch.full_like(out, float("nan"))
-    slice_ = triton.next_power_of_2(-(-group * HEAD_DIM // splits))
-    _merge_every_slice[(len(kv_lens) * num_kv_heads, splits)](
-        scratch.part_acc, scratch.part_max, scratch.part_sum, spread, splits, GROUP=group,
-        HEAD_DIM=HEAD_DIM, SPLITS_PAD=triton.next_power_of_2(splits), SLICE=slice_,
-    )  # fmt: skip
-    _check(spread, _reference(q, k_cache, v_cache, table, lens, scale), dtype)
-    torch.testing.assert_close(spread, out, rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="the spread merge's programs wait for each other")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_spread_merge_in_one_launch(monkeypatch, dtype) -> None:
-    """With ``SPREAD`` the programs of a pair wait for the last to arrive, then each merges its
-    slice; twice on one scratch, so the epochs and counters carry from launch to launch."""
-    from xhal.platforms.cuda.kernels import splitkv_splits
-
-    monkeypatch.setattr(splitkv_splits, "SPREAD", True)
-    num_heads, num_kv_heads = 8, 2
-    kv_lens = [700, 90, 1]
-    q, k_cache, v_cache, table, lens = _case(kv_lens, num_heads, num_kv_heads, dtype, seed=4)
-    splits, scale = 7, HEAD_DIM**-0.5
-    assert splitkv_splits.spreads(len(kv_lens) * num_kv_heads * splits, splits,
-                                  torch.device(DEVICE))  # fmt: skip
-    scratch = Scratch.make(len(kv_lens), num_kv_heads, num_heads // num_kv_heads, HEAD_DIM,
-                           splits, torch.device(DEVICE))  # fmt: skip
-    dev = [t.to(DEVICE) for t in (q, k_cache, v_cache, table, lens)]
-    for launch in range(2):
-        out = torch.zeros(q.shape, dtype=dtype, device=DEVICE)
-        splitkv_decode(*dev[:5], out, scratch, splits, scale)
-        _check(out, _reference(q, k_cache, v_cache, table, lens, scale), dtype)
-        assert scratch.counters.cpu().tolist() == [0] * (len(kv_lens) * num_kv_heads)
-        assert scratch.epochs.cpu().tolist() == [launch + 1] * (len(kv_lens) * num_kv_heads)
-
-
 def test_window_and_soft_cap() -> None:
     """A sliding window that starts inside a tile of one split, a soft cap, three splits."""
     kv_lens = [140, 9]
@@ -203,23 +116,6 @@ def test_split_count_fills_the_sms_from_shapes_only() -> None:
     assert num_splits(1, 8, 4, 128, 100, 132) == 2
     assert num_splits(64, 8, 4, 128, 4096, 132) == 1
     assert num_splits(1, 1, 1, 64, 1 << 20, 132) == 64
-
-
-def test_a_spread_merge_takes_as_many_splits_as_fit_one_program_per_sm(monkeypatch) -> None:
-    from xhal.platforms.cuda.kernels import splitkv_splits
-
-    monkeypatch.setattr(splitkv_splits, "SPREAD", True)
-    # Qwen3-30B-A3B at batch 1 (4 KV heads, group 8): 33 splits on 132 SMs, where one merge
-    # round held 8; the 1B (8 KV heads, head dim 64, 17 tiles of 128 keys) 16 against 17
-    assert num_splits(1, 4, 8, 128, 4096, 132) == 33
-    assert num_splits(1, 8, 4, 64, 2100, 132) == 16
-    # where fewer than two splits fit one program per SM, the merge-round cap as before
-    assert num_splits(16, 8, 4, 128, 4096, 132) == 3
-    assert num_splits(64, 8, 4, 128, 4096, 132) == 1
-    # a launch spreads only compiled and at most one program per SM
-    assert not splitkv_splits.spreads(32, 8, torch.device("cpu"))
-    monkeypatch.setattr(splitkv_splits, "SPREAD", False)
-    assert num_splits(1, 4, 8, 128, 4096, 132) == 8
 
 
 def test_scratch_too_small_is_refused() -> None:
