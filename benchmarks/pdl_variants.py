@@ -96,12 +96,12 @@ PDL_VARIANTS = {
     # auto with the split-KV launch's programs at 2 and 8 warps (splitkv_decode.NUM_WARPS, 4)
     "auto-attn-2-warps": ("1", "auto"),
     "auto-attn-8-warps": ("1", "auto"),
-    # auto with the split-KV merge spread over a KV head's programs (splitkv_splits.SPREAD: each
-    # merges a slice once the last has arrived), at the split count it allows (as many as fit one
-    # program per SM: Qwen3-30B-A3B 33, the 1B 16) and capped at 8 and 16
-    "auto-attn-spread": ("1", "auto"),
-    "auto-attn-spread-8-splits": ("1", "auto"),
-    "auto-attn-spread-16-splits": ("1", "auto"),
+    # auto with the split-KV merge by the last program alone (splitkv_splits.SPREAD off: the
+    # tree spreads it over a KV head's programs where one round would not hold the splits), and
+    # spread over as many splits as fit one program per SM (Qwen3-30B-A3B: 33; the tree stops
+    # at 16, SPREAD_MAX_SPLITS)
+    "auto-no-spread": ("1", "auto"),
+    "auto-attn-spread-fit": ("1", "auto"),
 }
 # variant -> (op, solution) its executor is made, warmed up and captured with
 FORCED_SOLUTION = {
@@ -133,9 +133,8 @@ _MODULE_SETTINGS = {
     },
     "auto-attn-2-warps": {"splitkv_decode": {"NUM_WARPS": 2}},
     "auto-attn-8-warps": {"splitkv_decode": {"NUM_WARPS": 8}},
-    "auto-attn-spread": {"splitkv_splits": {"SPREAD": True}},
-    "auto-attn-spread-8-splits": {"splitkv_splits": {"SPREAD": True, "MAX_SPLITS": 8}},
-    "auto-attn-spread-16-splits": {"splitkv_splits": {"SPREAD": True, "MAX_SPLITS": 16}},
+    "auto-no-spread": {"splitkv_splits": {"SPREAD": False}},
+    "auto-attn-spread-fit": {"splitkv_splits": {"SPREAD_MAX_SPLITS": 64}},
 }
 PREVIOUS_GEMV = "auto-previous-gemv"
 # variant -> further settings it captures under

@@ -106,7 +106,11 @@ def test_window_and_soft_cap() -> None:
     _check(out, _reference(q, k_cache, v_cache, table, lens, 0.2, 2.0, 70), torch.float32)
 
 
-def test_split_count_fills_the_sms_from_shapes_only() -> None:
+def test_split_count_fills_the_sms_from_shapes_only(monkeypatch) -> None:
+    from xhal.platforms.cuda.kernels import splitkv_splits
+
+    # the last program's merge (the spread merge's counts: test_splitkv_merge.py)
+    monkeypatch.setattr(splitkv_splits, "SPREAD", False)
     # (num_seqs, kv heads, group, head dim, max context, SMs): two programs per SM wanted (33
     # splits at batch 1 x 8 KV heads on 132 SMs), capped by one merge round of 8K floats (16
     # splits of 4 x 128, 8 of 8 x 128), by the 64-key tiles of the context and by 64

@@ -88,12 +88,14 @@ def test_the_spread_merge_in_one_launch(monkeypatch, dtype) -> None:
     slice; twice on one scratch, so the epochs and counters carry from launch to launch."""
     from xhal.platforms.cuda.kernels import splitkv_splits
 
-    monkeypatch.setattr(splitkv_splits, "SPREAD", True)
     num_heads, num_kv_heads = 8, 2
     kv_lens = [700, 90, 1]
     q, k_cache, v_cache, table, lens = _case(kv_lens, num_heads, num_kv_heads, dtype, seed=4)
     splits, scale = 7, HEAD_DIM**-0.5
-    assert splitkv_splits.spreads(len(kv_lens) * num_kv_heads * splits, splits,
+    # one merge round of 1,024 floats holds 4 splits of a group of 4 at head dim 64: 7 spread
+    monkeypatch.setattr(splitkv_splits, "MERGE_FLOATS", 1024)
+    group = num_heads // num_kv_heads
+    assert splitkv_splits.spreads(len(kv_lens) * num_kv_heads, group, HEAD_DIM, splits,
                                   torch.device(DEVICE))  # fmt: skip
     scratch = Scratch.make(len(kv_lens), num_kv_heads, num_heads // num_kv_heads, HEAD_DIM,
                            splits, torch.device(DEVICE))  # fmt: skip
@@ -106,18 +108,32 @@ def test_the_spread_merge_in_one_launch(monkeypatch, dtype) -> None:
         assert scratch.epochs.cpu().tolist() == [launch + 1] * (len(kv_lens) * num_kv_heads)
 
 
-def test_a_spread_merge_takes_as_many_splits_as_fit_one_program_per_sm(monkeypatch) -> None:
+def test_a_spread_merge_takes_more_splits_than_one_merge_round_holds(monkeypatch) -> None:
     from xhal.platforms.cuda.kernels import splitkv_splits
 
-    monkeypatch.setattr(splitkv_splits, "SPREAD", True)
-    # Qwen3-30B-A3B at batch 1 (4 KV heads, group 8): 33 splits on 132 SMs, where one merge
-    # round held 8; the 1B (8 KV heads, head dim 64, 17 tiles of 128 keys) 16 against 17
+    assert splitkv_splits.SPREAD  # the default
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(splitkv_splits, "_num_sms", lambda device: 132)
+    # Qwen3-30B-A3B at batch 1 (4 KV heads, group 8): 16 splits on 132 SMs, where one merge
+    # round holds 8, and the launch spreads; as many as fit one program per SM (33) past the cap
+    assert num_splits(1, 4, 8, 128, 4096, 132) == 16
+    assert splitkv_splits.spreads(4, 8, 128, 16, cuda)
+    monkeypatch.setattr(splitkv_splits, "SPREAD_MAX_SPLITS", 64)
     assert num_splits(1, 4, 8, 128, 4096, 132) == 33
-    assert num_splits(1, 8, 4, 64, 2100, 132) == 16
-    # where fewer than two splits fit one program per SM, the merge-round cap as before
+    assert splitkv_splits.spreads(4, 8, 128, 33, cuda)
+    assert not splitkv_splits.spreads(4, 8, 128, 34, cuda)  # 136 programs on 132 SMs
+    # one round holds the 1B's 17 splits (8 KV heads, head dim 64, 17 tiles of 128 keys) and
+    # the 8B's 16 (group 4, head dim 128): the last program merges them, as without the spread
+    assert num_splits(1, 8, 4, 64, 2100, 132) == 17
+    assert not splitkv_splits.spreads(8, 4, 64, 17, cuda)
+    assert num_splits(1, 8, 4, 128, 4096, 132) == 16
+    assert not splitkv_splits.spreads(8, 4, 128, 16, cuda)
+    # batches whose pairs leave no room for more splits: the merge-round cap as before
+    assert num_splits(16, 4, 8, 128, 4096, 132) == 5
     assert num_splits(16, 8, 4, 128, 4096, 132) == 3
     assert num_splits(64, 8, 4, 128, 4096, 132) == 1
-    # a launch spreads only compiled and at most one program per SM
-    assert not splitkv_splits.spreads(32, 8, torch.device("cpu"))
+    # a launch spreads only compiled: the interpreter runs one program at a time
+    assert not splitkv_splits.spreads(4, 8, 128, 16, torch.device("cpu"))
     monkeypatch.setattr(splitkv_splits, "SPREAD", False)
     assert num_splits(1, 4, 8, 128, 4096, 132) == 8
+    assert not splitkv_splits.spreads(4, 8, 128, 16, cuda)

@@ -8,8 +8,9 @@ sum, unnormalized accumulator) to a scratch buffer and increments a counter of i
 head); the program that arrives last merges every split, writes the output and puts the counter
 back to 0, so the next launch (and the next replay of a graph) starts from zeroed counters. No
 second kernel, no host sync, nothing sized by tensor values: graph-capturable. With
-``splitkv_splits.SPREAD`` (off; only where every program is resident at once) the others wait
-for the last instead of leaving, and each merges a slice of the group (``merge_slice``).
+``splitkv_splits.spreads`` (more splits than one merge round holds, every program resident at
+once) the others wait for the last instead of leaving, and each merges a slice of the group
+(``merge_slice``).
 
 The split count is a host choice from shapes only, and the scratch is sized for it
 (``splitkv_splits.py``): a graph bucket keeps both for every replay, while each program's share of
@@ -417,7 +418,7 @@ def splitkv_decode(
     group_pad = triton.next_power_of_2(group)
     splits_pad = triton.next_power_of_2(splits)
     merge_chunk = max(1, min(splits_pad, MERGE_FLOATS // (group_pad * dim_pad)))
-    spread = spreads(batch * num_kv_heads * splits, splits, q.device)
+    spread = spreads(batch * num_kv_heads, group, head_dim, splits, q.device)
     # fp32 products in IEEE precision for fp32 (not TF32), and for bf16 in Triton's interpreter
     # (CPU tensors), whose bf16 tl.dot multiplies wrong (Triton 3.6); compiled bf16 / fp16 run
     # on tensor cores with float32 accumulation

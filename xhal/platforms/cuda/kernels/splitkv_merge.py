@@ -5,7 +5,7 @@ computes the same in the same order with its loads issued ahead: the first round
 maxes and sums, each later round's while the round before it is summed (benchmarks compare the
 two).
 
-Spread (``splitkv_splits.SPREAD``), every program of the pair merges a slice of the group's
+Spread (``splitkv_splits.spreads``), every program of the pair merges a slice of the group's
 outputs once the last has arrived (``merge_slice``): one round of a few KB each, where the last
 program alone loads every split's partial."""
 

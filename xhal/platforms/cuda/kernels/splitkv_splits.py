@@ -26,10 +26,16 @@ PROGRAMS_PER_SM = 2
 MERGE_FLOATS = 8192
 # The merge spread over a (sequence, KV head)'s programs (``splitkv_merge.merge_slice``): once
 # the last split has arrived, each program merges a slice of the group's outputs, where
-# otherwise the last program merges all of them in rounds of ``MERGE_FLOATS``. The others wait
-# for the last, so a launch spreads only where every program is resident at once: at most one
-# program per SM. Read per call (benchmark peers); off until a GPU measures it faster.
-SPREAD = False
+# otherwise the last program merges all of them in rounds of ``MERGE_FLOATS``. It is taken where
+# one round would not hold the splits, and only where every program is resident at once (at
+# most one program per SM), since the others wait for the last. H100, Qwen3-30B-A3B at batch 1
+# (4 KV heads, group 8, ctx 2K; docs/h200-results.md, thirtieth session): the last program's
+# merge of 8 splits ended the attention at 16.4 us; spread, 8 / 16 / 33 splits at 15.1 / 13.1 /
+# 13.6 us, the step 3.285 ms against 3.195 / 3.153 / 3.231. Past 16 splits the partials' stores
+# and counts cost more than the shorter tile loop saves, so the spread stops at
+# ``SPREAD_MAX_SPLITS``. Both read per call (benchmark peers).
+SPREAD = True
+SPREAD_MAX_SPLITS = 16
 
 
 def block_keys(head_dim: int) -> int:
@@ -46,22 +52,30 @@ def merge_rounds_cap(group: int, head_dim: int) -> int:
 def num_splits(num_seqs: int, num_kv_heads: int, group: int, head_dim: int, max_seq_len: int,
                num_sms: int) -> int:  # fmt: skip
     """Splits per (sequence, KV head): about ``PROGRAMS_PER_SM`` programs per SM, no more
-    splits than one merge round holds or than the longest context has tiles. With ``SPREAD``,
-    where two splits or more fit one program per SM, as many as fit instead of one merge round's
-    worth. Shapes only, never the live lengths, so a graph bucket keeps its split count."""
+    splits than one merge round holds (with ``SPREAD``: or than fit one program per SM, up to
+    ``SPREAD_MAX_SPLITS``) or than the longest context has tiles. Shapes only, never the live
+    lengths, so a graph bucket keeps its split count."""
     programs = max(num_seqs * num_kv_heads, 1)
     wanted = -(-PROGRAMS_PER_SM * num_sms // programs)
     useful = max(-(-max_seq_len // block_keys(head_dim)), 1)
-    fit = num_sms // programs
-    cap = fit if SPREAD and fit >= 2 else merge_rounds_cap(group, head_dim)
+    cap = merge_rounds_cap(group, head_dim)
+    if SPREAD:
+        cap = max(cap, min(num_sms // programs, SPREAD_MAX_SPLITS))
     return max(1, min(wanted, useful, cap, MAX_SPLITS))
 
 
-def spreads(programs: int, splits: int, device: torch.device) -> bool:
-    """Whether a launch of ``programs`` programs in all merges spread (``SPREAD``): compiled
-    (the interpreter runs one program at a time, so a program waiting for another would wait
-    forever), split, and at most one program per SM."""
-    return SPREAD and splits > 1 and device.type == "cuda" and programs <= _num_sms(device)
+def spreads(num_pairs: int, group: int, head_dim: int, splits: int,
+            device: torch.device) -> bool:  # fmt: skip
+    """Whether a launch of ``num_pairs`` (sequence, KV head) pairs of ``splits`` splits merges
+    spread (``SPREAD``): compiled (the interpreter runs one program at a time, so a program
+    waiting for another would wait forever), more splits than one merge round holds, and at most
+    one program per SM."""
+    return (
+        SPREAD
+        and device.type == "cuda"
+        and splits > merge_rounds_cap(group, head_dim)
+        and num_pairs * splits <= _num_sms(device)
+    )
 
 
 @dataclass
