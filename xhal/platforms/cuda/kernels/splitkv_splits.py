@@ -36,11 +36,16 @@ MERGE_FLOATS = 8192
 # ``SPREAD_MAX_SPLITS``. Both read per call (benchmark peers).
 SPREAD = True
 SPREAD_MAX_SPLITS = 16
+# Keys per tile at head dims over 64 (128 at 64 and below). At 128 keys a head-dim-128 program
+# holds 139 KB of shared memory in three stages (71 KB at 64: sm_90 builds compiled on the CPU),
+# which may crowd out a kernel launched beside it. Read per call (a benchmark peer tries 128).
+LARGE_HEAD_TILE_KEYS = 64
 
 
 def block_keys(head_dim: int) -> int:
-    """Keys per tile: 64 at head dim 128 (16 KB of K and of V per tile in half precision)."""
-    return 64 if head_dim > 64 else 128
+    """Keys per tile: ``LARGE_HEAD_TILE_KEYS`` (64: 16 KB of K and of V per tile in half
+    precision) at head dims over 64, else 128."""
+    return LARGE_HEAD_TILE_KEYS if head_dim > 64 else 128
 
 
 def merge_rounds_cap(group: int, head_dim: int) -> int:
