@@ -102,9 +102,10 @@ PDL_VARIANTS = {
     # at 16, SPREAD_MAX_SPLITS)
     "auto-no-spread": ("1", "auto"),
     "auto-attn-spread-fit": ("1", "auto"),
-    # auto with 128-key tiles at head dim 128 (splitkv_splits.LARGE_HEAD_TILE_KEYS, 64): half
-    # the tile loop's iterations (the MoE and 8B shapes' 16 splits at ctx 2K: one tile each)
-    "auto-attn-128-key-tiles": ("1", "auto"),
+    # auto with 64-key tiles at head dim 128 in half precision (splitkv_splits.WIDE_TILES off:
+    # the tree takes 128 where a launch has at most one program per SM, so the MoE and 8B
+    # shapes' 16 splits at batch 1, ctx 2K, have one tile each, not two)
+    "auto-attn-64-key-tiles": ("1", "auto"),
 }
 # variant -> (op, solution) its executor is made, warmed up and captured with
 FORCED_SOLUTION = {
@@ -138,7 +139,7 @@ _MODULE_SETTINGS = {
     "auto-attn-8-warps": {"splitkv_decode": {"NUM_WARPS": 8}},
     "auto-no-spread": {"splitkv_splits": {"SPREAD": False}},
     "auto-attn-spread-fit": {"splitkv_splits": {"SPREAD_MAX_SPLITS": 64}},
-    "auto-attn-128-key-tiles": {"splitkv_splits": {"LARGE_HEAD_TILE_KEYS": 128}},
+    "auto-attn-64-key-tiles": {"splitkv_splits": {"WIDE_TILES": False}},
 }
 PREVIOUS_GEMV = "auto-previous-gemv"
 # variant -> further settings it captures under

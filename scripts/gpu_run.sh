@@ -72,12 +72,12 @@ for stage in $stages; do
     clocks)  # where a batch-1 layer's time goes (twenty-eighth session): the MoE and 1B steps with
       # the kernel profile's critical path and the split-KV / router phase clocks
       # (benchmarks/phase_clock.py), against CLOCK_PEERS (default: the merge by the last program
-      # alone, the spread merge over as many splits as fit, 128-key tiles, o's stream started
+      # alone, the spread merge over as many splits as fit, 64-key tiles, o's stream started
       # late or not beside the attention) and CLOCK_PEERS_1B (o late, not beside); first the
       # split-KV merge tests (the spread merge's waiting runs only on a GPU)
       py -m pytest -q tests/platforms/cuda/test_splitkv_merge.py 2>&1 | tail -3 \
         | tee "$out/clocks-tests.txt" || status=1
-      peers=${CLOCK_PEERS:-auto-no-spread auto-attn-spread-fit auto-attn-128-key-tiles auto-overlap-attn-late auto-no-overlap}
+      peers=${CLOCK_PEERS:-auto-no-spread auto-attn-spread-fit auto-attn-64-key-tiles auto-overlap-attn-late auto-no-overlap}
       py -m benchmarks.bench_moe --batches 1 --no-hf --no-sweep --pdl-batches 1 --phase-clock \
         --profile --pdl auto $peers 2>&1 | tee "$out/clocks-moe.txt" || status=1
       peers=${CLOCK_PEERS_1B:-auto-overlap-attn-late auto-no-overlap}

@@ -62,6 +62,7 @@ from xhal.platforms.cuda.kernels.splitkv_splits import (
     block_keys,
     num_splits,
     spreads,
+    tile_keys,
 )
 
 __all__ = ["NewToken", "QKNorm", "Rotary", "Scratch", "block_keys", "num_splits", "splitkv_decode"]
@@ -365,8 +366,8 @@ def splitkv_decode(
     kv_lens int32 ``[B]`` including this step's key; writes out ``[B, H, D]``. ``scratch``:
     made for at least B sequences and ``splits`` splits. ``window`` > 0: the query sees
     its last ``window`` keys; ``soft_cap`` > 0: scores go through ``c * tanh(s / c)``.
-    ``num_warps`` (default ``NUM_WARPS``), ``num_stages``, ``block_n`` (keys per tile): the
-    launch shape, for sweeps.
+    ``num_warps`` (default ``NUM_WARPS``), ``num_stages``, ``block_n`` (keys per tile,
+    default ``tile_keys``): the launch shape, for sweeps.
     Stages by default: three for a split launch, two unsplit. On the H200 (bf16, ctx 2K, per
     layer) three stages beat two split (32 q / 8 kv heads D=128: 11.2 against 12.0 us at batch 1,
     16 splits; 48.1 against 49.0 at batch 16) and lost unsplit (batch 64: 156 against 131 us;
@@ -418,6 +419,7 @@ def splitkv_decode(
     group_pad = triton.next_power_of_2(group)
     splits_pad = triton.next_power_of_2(splits)
     merge_chunk = max(1, min(splits_pad, MERGE_FLOATS // (group_pad * dim_pad)))
+    programs = batch * num_kv_heads * splits
     spread = spreads(batch * num_kv_heads, group, head_dim, splits, q.device)
     # fp32 products in IEEE precision for fp32 (not TF32), and for bf16 in Triton's interpreter
     # (CPU tensors), whose bf16 tl.dot multiplies wrong (Triton 3.6); compiled bf16 / fp16 run
@@ -432,7 +434,8 @@ def splitkv_decode(
         block_table.stride(0), block_table.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *new_args[3:], rot_args[2],
         GROUP=group, GROUP_PAD=group_pad, ROWS=ROWS, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        PAGE=page, BLOCK_N=block_n or block_keys(head_dim), SPLITS_PAD=splits_pad,
+        PAGE=page, SPLITS_PAD=splits_pad,
+        BLOCK_N=block_n or tile_keys(head_dim, k_cache.element_size(), programs, q.device),
         MERGE_CHUNK=merge_chunk, EARLY_LOADS=splitkv_merge.EARLY_LOADS,
         SOFT_CAP=soft_cap > 0, WINDOW=window > 0, F32_DOT=f32_dot,
         NEW_KV=new is not None, ROTARY=rotary is not None, HALF=half, IS_NEOX=is_neox,

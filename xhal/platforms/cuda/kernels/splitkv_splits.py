@@ -36,16 +36,34 @@ MERGE_FLOATS = 8192
 # ``SPREAD_MAX_SPLITS``. Both read per call (benchmark peers).
 SPREAD = True
 SPREAD_MAX_SPLITS = 16
-# Keys per tile at head dims over 64 (128 at 64 and below). At 128 keys a head-dim-128 program
-# holds 139 KB of shared memory in three stages (71 KB at 64: sm_90 builds compiled on the CPU),
-# which may crowd out a kernel launched beside it. Read per call (a benchmark peer tries 128).
-LARGE_HEAD_TILE_KEYS = 64
+# 128-key tiles where a key row is 256 bytes (half precision at head dim 128), in launches of at
+# most one program per SM (``tile_keys``): in three stages such a program holds 136 KB of shared
+# memory where 64-key tiles hold 70 KB (sm_90 builds, test_splitkv_tiles.py), so no second
+# program fits its SM; float32 at head dim 128 would need 272 KB, past the SM's 227. H100,
+# Qwen3-30B-A3B at batch 1 (16 spread splits, ctx 2K: one tile a program where there were two;
+# docs/h200-results.md, thirtieth session): the step 3.218 -> 3.082 ms; the 8B's batch 1 (16
+# splits) 5.47 -> 5.44. Read per call (benchmark peers).
+WIDE_TILES = True
+WIDE_TILE_ROW_BYTES = 256
 
 
 def block_keys(head_dim: int) -> int:
-    """Keys per tile: ``LARGE_HEAD_TILE_KEYS`` (64: 16 KB of K and of V per tile in half
-    precision) at head dims over 64, else 128."""
-    return LARGE_HEAD_TILE_KEYS if head_dim > 64 else 128
+    """Keys per tile: 64 at head dims over 64 (16 KB of K and of V per tile in half precision),
+    else 128. The split count is sized by these tiles."""
+    return 64 if head_dim > 64 else 128
+
+
+def tile_keys(head_dim: int, element_size: int, programs: int, device: torch.device) -> int:
+    """Keys per tile of a launch of ``programs`` programs: 128 with ``WIDE_TILES`` where a key
+    row is at most ``WIDE_TILE_ROW_BYTES`` and there is at most one program per SM (compiled
+    only), else ``block_keys``."""
+    wide = (
+        WIDE_TILES
+        and device.type == "cuda"
+        and head_dim * element_size <= WIDE_TILE_ROW_BYTES
+        and programs <= _num_sms(device)
+    )
+    return 128 if wide else block_keys(head_dim)
 
 
 def merge_rounds_cap(group: int, head_dim: int) -> int:
