@@ -112,6 +112,7 @@ def test_a_spread_merge_takes_more_splits_than_one_merge_round_holds(monkeypatch
     from xhal.platforms.cuda.kernels import splitkv_splits
 
     assert splitkv_splits.SPREAD  # the default
+    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
     cuda = torch.device("cuda")
     monkeypatch.setattr(splitkv_splits, "_num_sms", lambda device: 132)
     # Qwen3-30B-A3B at batch 1 (4 KV heads, group 8): 16 splits on 132 SMs, where one merge
@@ -134,6 +135,11 @@ def test_a_spread_merge_takes_more_splits_than_one_merge_round_holds(monkeypatch
     assert num_splits(64, 8, 4, 128, 4096, 132) == 1
     # a launch spreads only compiled: the interpreter runs one program at a time
     assert not splitkv_splits.spreads(4, 8, 128, 16, torch.device("cpu"))
+    # nor under an MPS share of the SMs, where its programs might not all be resident at once
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50")
+    assert not splitkv_splits.spreads(4, 8, 128, 16, cuda)
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100")
+    assert splitkv_splits.spreads(4, 8, 128, 16, cuda)
     monkeypatch.setattr(splitkv_splits, "SPREAD", False)
     assert num_splits(1, 4, 8, 128, 4096, 132) == 8
     assert not splitkv_splits.spreads(4, 8, 128, 16, cuda)

@@ -1,5 +1,6 @@
-"""How a split-KV decode launch (``splitkv_decode.py``) is sized: the split count and the scratch
-the splits merge through.
+"""How a split-KV decode launch (``splitkv_decode.py``) is sized: the split count, the keys per
+tile, whether the merge is spread over a KV head's programs, and the scratch the splits merge
+through.
 
 The split count is a host choice from shapes only (``num_splits``): a graph bucket keeps one for
 every replay, while each program's share of the keys is derived from the live length at run
@@ -8,6 +9,7 @@ time, so one bucket serves any context.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -91,14 +93,26 @@ def spreads(num_pairs: int, group: int, head_dim: int, splits: int,
             device: torch.device) -> bool:  # fmt: skip
     """Whether a launch of ``num_pairs`` (sequence, KV head) pairs of ``splits`` splits merges
     spread (``SPREAD``): compiled (the interpreter runs one program at a time, so a program
-    waiting for another would wait forever), more splits than one merge round holds, and at most
-    one program per SM."""
+    waiting for another would wait forever), more splits than one merge round holds, at most
+    one program per SM, and every SM the device reports this process's (``_every_sm_ours``)."""
     return (
         SPREAD
         and device.type == "cuda"
         and splits > merge_rounds_cap(group, head_dim)
         and num_pairs * splits <= _num_sms(device)
+        and _every_sm_ours()
     )
+
+
+def _every_sm_ours() -> bool:
+    """False under CUDA MPS with an active thread percentage below 100: the device still reports
+    every SM, but the process's kernels run on a share of them, so programs that wait for each
+    other might never all be resident at once."""
+    share = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "").strip()
+    try:
+        return not share or float(share) >= 100
+    except ValueError:  # a value MPS itself would refuse: do not bet a hang on it
+        return False
 
 
 @dataclass
