@@ -59,11 +59,28 @@ def kernel_phases(
             step(executor[name])
         torch.cuda.synchronize()
         for module, (clock, marks) in clocks.items():
-            stamped = clock[clock[:, 0] > 0]
-            if stamped.numel():
-                phases[name, module] = phase_rows(stamped, marks)
+            programs = (clock[:, 0] > 0).nonzero().flatten()
+            if programs.numel():
+                phases[name, module] = _rows(clock[programs].cpu(), programs.cpu(), marks)
         del executor
     return phases
+
+
+def _rows(stamped: torch.Tensor, programs: torch.Tensor, marks: Sequence[str]) -> list[dict]:
+    """``phase_rows`` of the clocked programs (rows ``programs`` of the clock), each mark's with
+    the latest program to reach it and its SM (``phase_clock.SM_COLUMN``), and how many of the
+    launch's programs shared that SM."""
+    from xhal.platforms.cuda.kernels.phase_clock import SM_COLUMN  # triton: GPU runs only
+
+    rows = phase_rows(stamped[:, :SM_COLUMN], marks)
+    sms = stamped[:, SM_COLUMN]
+    for i, row in enumerate(rows):
+        reached = (stamped[:, i] > 0).nonzero().flatten()
+        latest = reached[stamped[reached, i].argmax()]
+        sm = int(sms[latest])
+        row.update({"latest program": int(programs[latest]), "its SM": sm,
+                    "programs on it": int((sms == sm).sum())})  # fmt: skip
+    return rows
 
 
 def add_argument(parser: argparse.ArgumentParser) -> None:
@@ -79,7 +96,8 @@ def print_phase_clocks(
     step: Callable[[object], object], title: str,
 ) -> None:  # fmt: skip
     """``kernel_phases``' tables, one per kernel of the default graphs (``auto``) and of each of
-    ``peers`` (``--pdl``'s names)."""
+    ``peers`` (``--pdl``'s names). A split-KV program is ``(sequence * KV heads + head) *
+    splits + split``, a router program ``token * row blocks + block``."""
     variants = list(dict.fromkeys(["auto", *peers]))
     phases = kernel_phases(model, platform, config, caches, variants, step)
     for (name, module), rows in phases.items():

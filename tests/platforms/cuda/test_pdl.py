@@ -95,6 +95,7 @@ _POINTERS = {
     "sq_ptr": "*fp32", "counter_ptr": "*i32", "weights_ptr": "*fp32", "ids_ptr": "*i32",
     "block_table_ptr": "*i32", "kv_lens_ptr": "*i32", "part_acc_ptr": "*fp32",
     "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "rot_ptr": "*fp32", "epoch_ptr": "*i32",
+    "clock_ptr": "*i64",
 }
 _FLOATS = ("eps", "scale_log2", "soft_cap")
 _GEMV = dict(
@@ -156,6 +157,12 @@ CASES = {  # name: (module, kernel, constexprs)
         "splitkv_decode", "_splitkv_decode_kernel",
         {**{k: v for k, v in _SPLITKV.items() if k != "epoch_ptr"}, "USE_PDL": pdl.EARLY,
          "SPREAD": True, "SLICE": 32},
+    ),
+    # the benchmark-only phase clock (kernels/phase_clock.py), a pointer then
+    "splitkv early clock": (
+        "splitkv_decode", "_splitkv_decode_kernel",
+        {**{k: v for k, v in _SPLITKV.items() if k != "clock_ptr"}, "USE_PDL": pdl.EARLY,
+         "CLOCK": True},
     ),
     "gate_up off": ("moe_small", "_gate_up_kernel", {**_GATE_UP, "USE_PDL": pdl.OFF}),
     "gate_up late": ("moe_small", "_gate_up_kernel", {**_GATE_UP, "USE_PDL": pdl.LATE}),
@@ -251,6 +258,14 @@ def test_the_plain_kernel_has_no_pdl_instruction(ptx) -> None:
     assert "prefetch.global.L2" not in ptx["splitkv off"]
     for case in ("gate_up off", "down off"):
         assert "griddepcontrol" not in ptx[case] and "prefetch.global.L2" not in ptx[case]
+
+
+def test_the_clocked_build_stamps_the_timer_and_the_sm_and_the_plain_one_neither(ptx) -> None:
+    """The phase clock's build reads ``%globaltimer`` at its marks and ``%smid`` once; the
+    build without it (every other split-KV case) reads neither."""
+    clocked = ptx["splitkv early clock"]
+    assert clocked.count("%globaltimer") >= 7 and clocked.count("%smid") == 1
+    assert "%globaltimer" not in ptx["splitkv early"] and "%smid" not in ptx["splitkv early"]
 
 
 def test_the_expert_kernels_load_nothing_before_their_wait(ptx) -> None:
