@@ -106,6 +106,10 @@ PDL_VARIANTS = {
     # the tree takes 128 where a launch has at most one program per SM, so the MoE and 8B
     # shapes' 16 splits at batch 1, ctx 2K, have one tile each, not two)
     "auto-attn-64-key-tiles": ("1", "auto"),
+    # auto with two pipeline stages a split-KV program (splitkv_decode.SPLIT_STAGES, 3): the
+    # same work where a program has one tile, in 72 KB of shared memory instead of 136 at
+    # 128-key tiles, so o's CTA fits beside it
+    "auto-attn-2-stages": ("1", "auto"),
 }
 # variant -> (op, solution) its executor is made, warmed up and captured with
 FORCED_SOLUTION = {
@@ -140,6 +144,7 @@ _MODULE_SETTINGS = {
     "auto-no-spread": {"splitkv_splits": {"SPREAD": False}},
     "auto-attn-spread-fit": {"splitkv_splits": {"SPREAD_MAX_SPLITS": 64}},
     "auto-attn-64-key-tiles": {"splitkv_splits": {"WIDE_TILES": False}},
+    "auto-attn-2-stages": {"splitkv_decode": {"SPLIT_STAGES": 2}},
 }
 PREVIOUS_GEMV = "auto-previous-gemv"
 # variant -> further settings it captures under

@@ -71,18 +71,21 @@ for stage in $stages; do
         --pdl $moe 2>&1 | tee "$out/overlap-moe.txt" || status=1 ;;
     clocks)  # where a batch-1 layer's time goes (twenty-eighth session): the MoE and 1B steps with
       # the kernel profile's critical path and the split-KV / router phase clocks
-      # (benchmarks/phase_clock.py), against CLOCK_PEERS (default: the merge by the last program
-      # alone, the spread merge over as many splits as fit, 64-key tiles, o's stream started
-      # late or not beside the attention) and CLOCK_PEERS_1B (o late, not beside); first the
-      # split-KV merge tests (the spread merge's waiting runs only on a GPU)
-      py -m pytest -q tests/platforms/cuda/test_splitkv_merge.py 2>&1 | tail -3 \
-        | tee "$out/clocks-tests.txt" || status=1
-      peers=${CLOCK_PEERS:-auto-no-spread auto-attn-spread-fit auto-attn-64-key-tiles auto-overlap-attn-late auto-no-overlap}
+      # (benchmarks/phase_clock.py), against CLOCK_PEERS (default: two pipeline stages, the
+      # merge by the last program alone, the spread merge over as many splits as fit, 64-key
+      # tiles, o's stream started late or not beside the attention) and CLOCK_PEERS_1B (two
+      # stages, o late, not beside); the 8B step against two stages and 64-key tiles; first the
+      # split-KV merge and tile tests (the spread merge's waiting runs only on a GPU)
+      py -m pytest -q tests/platforms/cuda/test_splitkv_merge.py \
+        tests/platforms/cuda/test_splitkv_tiles.py 2>&1 | tail -3 | tee "$out/clocks-tests.txt" || status=1
+      peers=${CLOCK_PEERS:-auto-attn-2-stages auto-no-spread auto-attn-spread-fit auto-attn-64-key-tiles auto-overlap-attn-late auto-no-overlap}
       py -m benchmarks.bench_moe --batches 1 --no-hf --no-sweep --pdl-batches 1 --phase-clock \
         --profile --pdl auto $peers 2>&1 | tee "$out/clocks-moe.txt" || status=1
-      peers=${CLOCK_PEERS_1B:-auto-overlap-attn-late auto-no-overlap}
+      peers=${CLOCK_PEERS_1B:-auto-attn-2-stages auto-overlap-attn-late auto-no-overlap}
       py -m benchmarks.bench_model --shape llama3.2-1b --batches 1 --no-hf --phase-clock --kernels \
-        --pdl auto $peers 2>&1 | tee "$out/clocks-1b.txt" || status=1 ;;
+        --pdl auto $peers 2>&1 | tee "$out/clocks-1b.txt" || status=1
+      py -m benchmarks.bench_model --shape llama3-8b --batches 1 --no-hf --phase-clock \
+        --pdl auto auto-attn-2-stages auto-attn-64-key-tiles 2>&1 | tee "$out/clocks-8b.txt" || status=1 ;;
     skinny)  # the tensor-core skinny GEMM (benchmarks/bench_skinny_mma.py: its checks, its launch
       # shapes against cuBLAS; BENCH_ARGS narrows it), linear's conformance cases through it, the
       # 8B and 1B steps at SKINNY_BATCHES (16 64) with it where it timed faster (the default),

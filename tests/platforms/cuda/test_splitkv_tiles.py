@@ -59,9 +59,10 @@ def test_a_head_dim_128_launch_on_128_key_tiles(monkeypatch, dtype) -> None:
 
 def _shared_bytes() -> dict[str, int]:
     """Shared memory of the sm_90 build of the MoE shape's launch (group 8, head dim 128, the
-    merge spread, PDL, three stages), at 64- and 128-key tiles in bf16 and 128 in float32, with
-    the alignments a real launch specializes (16-byte pointers, strides divisible by 16), under
-    which the tile loop is pipelined through shared memory; run without the interpreter."""
+    merge spread, PDL), at 64- and 128-key tiles in bf16 and 128 in float32 in three stages, and
+    at 128 in bf16 in two (``splitkv_decode.SPLIT_STAGES``' peer), with the alignments a real
+    launch specializes (16-byte pointers, strides divisible by 16), under which the tile loop is
+    pipelined through shared memory; run without the interpreter."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -77,8 +78,10 @@ def _shared_bytes() -> dict[str, int]:
     floats = ("eps", "scale_log2", "soft_cap", "QK_EPS")
     ints = {"counter_ptr", "block_table_ptr", "kv_lens_ptr", "epoch_ptr", "slot_ptr", "pos_ptr"}
     out = {}
-    for name, block_n, dtype in (("bf16 64", 64, "bf16"), ("bf16 128", 128, "bf16"),
-                                 ("fp32 128", 128, "fp32")):  # fmt: skip
+    for name, block_n, dtype, stages in (
+        ("bf16 64", 64, "bf16", 3), ("bf16 128", 128, "bf16", 3), ("fp32 128", 128, "fp32", 3),
+        ("bf16 128, 2 stages", 128, "bf16", 2),
+    ):  # fmt: skip
         signature, attrs = {}, {}
         for i, arg in enumerate(kernel.arg_names):
             if arg in constexprs or arg == "BLOCK_N":
@@ -94,12 +97,13 @@ def _shared_bytes() -> dict[str, int]:
         source = ASTSource(fn=kernel, signature=signature, attrs=attrs,
                            constexprs={**constexprs, "BLOCK_N": block_n})  # fmt: skip
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                  options={"num_stages": 3, "num_warps": 4})  # fmt: skip
+                                  options={"num_stages": stages, "num_warps": 4})  # fmt: skip
         out[name] = compiled.metadata.shared
     return out
 
 
 def test_a_wide_tile_program_fits_one_per_sm_and_float32_would_not_fit() -> None:
+    """The sizes ``splitkv_splits.tile_keys`` and ``splitkv_decode.SPLIT_STAGES`` rest on."""
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[3]
     # compiled, not interpreted: "0" also keeps triton_env from setting it in the child
@@ -116,6 +120,8 @@ def test_a_wide_tile_program_fits_one_per_sm_and_float32_would_not_fit() -> None
     assert 2 * shared["bf16 64"] <= SM90_SHARED_LIMIT
     assert SM90_SHARED_LIMIT // 2 < shared["bf16 128"] <= SM90_SHARED_LIMIT
     assert shared["fp32 128"] > SM90_SHARED_LIMIT
+    # in two stages a 128-key program leaves half the SM: room for o's CTA beside it
+    assert 2 * shared["bf16 128, 2 stages"] <= SM90_SHARED_LIMIT
 
 
 if __name__ == "__main__":

@@ -88,6 +88,11 @@ PREFETCH_TILES = 2
 # warps a program (read per launch, so a benchmark captures other counts: at batch 1 a 16-row
 # tile's softmax reduces across the warps that split its keys)
 NUM_WARPS = 4
+# pipeline stages of a split launch (an unsplit one takes 2; both in ``splitkv_decode``'s
+# docstring). Read per launch: at batch 1 and ctx 2K every program of the MoE, 8B and 1B shapes
+# has one tile, and two stages of 128-key tiles hold 72 KB of shared memory where three hold
+# 136 KB, too much for o's CTA (half an SM) to land beside it (a benchmark peer tries 2)
+SPLIT_STAGES = 3
 # Benchmarks only (kernels/phase_clock.py): a program's row is (sequence * KV heads + KV head) *
 # splits + split; "merged" only the programs that merged stamp (all of them when spread).
 CLOCK: torch.Tensor | None = None
@@ -404,7 +409,7 @@ def splitkv_decode(
     if rotary is not None and new is None:
         raise ValueError("split-KV decode rotates q only with the new token (pass new=NewToken)")
     if num_stages is None:
-        num_stages = 3 if splits > 1 else 2
+        num_stages = SPLIT_STAGES if splits > 1 else 2
     new_args, rot_args, half, is_neox = fused_args(q, k_cache, new, rotary)
     qk_args = norm_args(q, new, qk_norm)
     if use_pdl is None:
