@@ -72,8 +72,9 @@ def _rows(stamped: torch.Tensor, programs: torch.Tensor, marks: Sequence[str]) -
     launch's programs shared that SM."""
     from xhal.platforms.cuda.kernels.phase_clock import SM_COLUMN  # triton: GPU runs only
 
-    rows = phase_rows(stamped[:, :SM_COLUMN], marks)
-    sms = stamped[:, SM_COLUMN]
+    column = SM_COLUMN.value
+    rows = phase_rows(stamped[:, :column], marks)
+    sms = stamped[:, column]
     for i, row in enumerate(rows):
         reached = (stamped[:, i] > 0).nonzero().flatten()
         latest = reached[stamped[reached, i].argmax()]

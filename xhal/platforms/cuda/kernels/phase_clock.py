@@ -11,7 +11,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-SM_COLUMN = 7  # a clock row's last column: the program's SM, not a time
+# a clock row's last column: the program's SM, not a time (a constexpr, so the kernels read it;
+# ``SM_COLUMN.value`` on the host)
+SM_COLUMN = tl.constexpr(7)
 
 
 @triton.jit
@@ -28,4 +30,4 @@ def start(clock_ptr, row, LAST: tl.constexpr, CLOCK: tl.constexpr):
     if CLOCK:
         tl.store(clock_ptr + row * 8, tl.extra.cuda.globaltimer())
         tl.store(clock_ptr + row * 8 + LAST, 0)
-        tl.store(clock_ptr + row * 8 + 7, tl.extra.cuda.smid().to(tl.int64))
+        tl.store(clock_ptr + row * 8 + SM_COLUMN, tl.extra.cuda.smid().to(tl.int64))
