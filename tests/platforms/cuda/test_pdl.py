@@ -5,15 +5,12 @@ and the rule every PDL kernel follows, checked on the PTX Triton compiles for sm
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.support.sm90_builds import compiled_in_child
 from xhal import env
 from xhal.platforms.cuda import pdl
 
@@ -211,18 +208,7 @@ def _compile_all() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def ptx() -> dict[str, str]:
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[3]
-    child_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # this tree's kernels, not those of whichever tree the environment installed
-    child_env["PYTHONPATH"] = os.pathsep.join([str(root), child_env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, __file__], capture_output=True, text=True, env=child_env, timeout=600,
-        cwd=root,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"Triton cannot compile for sm_90 here: {done.stderr.strip()[-400:]}")
-    return json.loads(done.stdout)
+    return compiled_in_child(__file__)
 
 
 @pytest.mark.parametrize(

@@ -6,10 +6,6 @@ without a GPU), and the shared memory the sm_90 builds hold, compiled on any mac
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +15,7 @@ from tests.support.triton_env import DEVICE, NO_RUNTIME_LOOPS, RUNTIME_LOOPS
 # triton_env sets TRITON_INTERPRET before any triton kernel is imported: keep it first
 # isort: split
 from tests.platforms.cuda import test_splitkv_decode as decode_tests
+from tests.support.sm90_builds import compiled_in_child
 from xhal.platforms.cuda.kernels import splitkv_splits
 from xhal.platforms.cuda.kernels.splitkv_decode import Scratch, splitkv_decode
 
@@ -104,18 +101,7 @@ def _shared_bytes() -> dict[str, int]:
 
 def test_a_wide_tile_program_fits_one_per_sm_and_float32_would_not_fit() -> None:
     """The sizes ``splitkv_splits.tile_keys`` and ``splitkv_decode.SPLIT_STAGES`` rest on."""
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[3]
-    # compiled, not interpreted: "0" also keeps triton_env from setting it in the child
-    child_env = {**os.environ, "TRITON_INTERPRET": "0"}
-    child_env["PYTHONPATH"] = os.pathsep.join([str(root), child_env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, __file__], capture_output=True, text=True, env=child_env, timeout=600,
-        cwd=root,
-    )  # fmt: skip
-    if done.returncode != 0:
-        pytest.skip(f"Triton cannot compile for sm_90 here: {done.stderr.strip()[-400:]}")
-    shared = json.loads(done.stdout)
+    shared = compiled_in_child(__file__)
     # two 64-key programs share an SM; a 128-key one fills most of it alone
     assert 2 * shared["bf16 64"] <= SM90_SHARED_LIMIT
     assert SM90_SHARED_LIMIT // 2 < shared["bf16 128"] <= SM90_SHARED_LIMIT
