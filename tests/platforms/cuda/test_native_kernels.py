@@ -212,6 +212,50 @@ def test_stream_gemv_compiles_for_sm90_without_spills(k, rows, norm, early, bf16
     assert global_reads_before_the_wait(cubin) == []
 
 
+# (K, N, experts, top_k): Qwen3-30B-A3B's o and router, Qwen2-MoE's 60 experts, Mixtral's 8 on a
+# small o, and the conformance family's other shapes
+ROUTE_SHAPES = [(4096, 2048, 128, 8), (2048, 2048, 60, 4), (128, 64, 8, 2), (512, 256, 60, 4)]
+
+
+@pytest.mark.parametrize("beside", [True, False])
+@pytest.mark.parametrize("k,n,experts,top_k", ROUTE_SHAPES)
+def test_route_launches_fit_the_shared_memory(k, n, experts, top_k, beside) -> None:
+    launch = gemv_stream.route_launch(k, n, experts, top_k, True, True, True, beside, 132,
+                                      H100_SHARED)  # fmt: skip
+    assert launch is not None
+    d = launch.defines
+    limit = native.beside_share(H100_SHARED) if beside else H100_SHARED
+    assert launch.shared_mem <= limit
+    assert d["R"] % 4 == 0 and d["CTA_ROWS"] % 4 == 0 and d["CTA_ROWS"] <= 64
+    units = -(-n // d["R"])
+    assert d["GRID"] == launch.ctas == min(132, units)
+    assert -(-units // launch.ctas) * d["R"] == d["CTA_ROWS"]  # the rows of the fullest CTA
+    assert d["EARLY"] == int(beside)
+
+
+def test_route_launch_refuses_what_the_kernel_cannot_take() -> None:
+    # K 6144 in half an SM: stages of 3 rows, where the gate's 8-byte loads need a multiple of 4
+    assert gemv_stream.route_launch(6144, 2048, 128, 8, True, True, True, True, 132,
+                                    H100_SHARED) is None  # fmt: skip
+    # 16384 rows over 132 CTAs: 128 rows a CTA, past the gate columns a thread holds
+    assert gemv_stream.route_launch(2048, 16384, 128, 8, True, True, True, False, 132,
+                                    H100_SHARED) is None  # fmt: skip
+
+
+@needs_nvcc_and_cuobjdump
+@pytest.mark.parametrize("bf16", [0, 1])
+@pytest.mark.parametrize("beside", [True, False])
+@pytest.mark.parametrize("k,n,experts,top_k", ROUTE_SHAPES)
+def test_route_compiles_for_sm90_without_spills(k, n, experts, top_k, beside, bf16,
+                                                tmp_path) -> None:  # fmt: skip
+    """The route entry builds, spills nothing and reads nothing before its PDL wait (not even
+    the router's columns, which it loads after the wait, while o's weights stream)."""
+    launch = gemv_stream.route_launch(k, n, experts, top_k, True, bool(bf16), True, beside, 132,
+                                      H100_SHARED)  # fmt: skip
+    cubin = compile_sm90(gemv_stream.SOURCE, launch.defines, tmp_path, warnings=False)
+    assert global_reads_before_the_wait(cubin) == []
+
+
 def test_chunk_alignment_is_what_16_byte_reads_need() -> None:
     import torch
 

@@ -8,6 +8,10 @@ ends; the Triton stream GEMV holds about one tile a program in flight (``fused_g
 
 Shapes it takes (``plan``): 1 to ``MAX_ROWS`` rows of fp16 / bf16, K a multiple of 8, no bias;
 sm_90+.
+
+``GemvStream.route`` launches the other entry, ``gemv_stream_route``: a mixture-of-experts
+layer's o projection of one row with the residual add, RMSNorm, router and top-k after it
+(``DeviceOps.linear_add_rms_norm_moe_route``), shapes ``supports_route`` takes.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ THREADS = 256
 _WARPS = THREADS // 32
 _MAX_STAGES = 8
 _RING_BYTES = 192 * 1024  # what a CTA may hold in flight: most of an SM's shared memory
+MAX_ROUTE_EXPERTS = THREADS  # a thread an expert's partial logit
+MAX_ROUTE_TOP_K = 32  # a lane a slot
+_MAX_CTA_ROWS = 64  # a CTA's gate columns in registers: 32 a thread at most
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,86 @@ def supports(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | Non
     return plan(k, x.shape[0], native.max_shared_mem(x.device)) is not None
 
 
+def route_shared_mem(experts: int, cta_rows: int) -> int:
+    """The route entry's shared memory past the GEMV's (``ROUTE_FLOATS`` in the source)."""
+    return 4 * (2 * cta_rows + _WARPS * experts + experts + _WARPS + 2)
+
+
+def supports_route(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    gate_weight: torch.Tensor,
+    top_k: int,
+) -> bool:
+    """Whether ``gemv_stream_route`` takes these operands: one row, ``weight [N, K]`` as
+    ``supports`` takes it, ``residual [1, N]``, ``norm_weight [N]`` and ``gate_weight [E, N]``
+    contiguous in x's dtype with N a multiple of 8, E a multiple of 4 up to
+    ``MAX_ROUTE_EXPERTS`` and ``top_k`` up to ``MAX_ROUTE_TOP_K``. Where the launch's stage
+    width (``plan``'s rows) is a multiple of 4, as the 8-byte gate loads need, ``GemvStream``
+    checks when it plans the launch."""
+    if not (x.dim() == 2 and x.shape[0] == 1 and supports(x, weight)):
+        return False
+    n = weight.shape[0]
+    experts = gate_weight.shape[0] if gate_weight.dim() == 2 else 0
+    tensors = (residual, norm_weight, gate_weight)
+    return (
+        residual.shape == (1, n)
+        and norm_weight.shape == (n,)
+        and gate_weight.shape == (experts, n)
+        and n % 8 == 0
+        and 4 <= experts <= MAX_ROUTE_EXPERTS
+        and experts % 4 == 0
+        and 1 <= top_k <= min(experts, MAX_ROUTE_TOP_K)
+        and all(t.is_contiguous() and t.dtype == x.dtype and t.device == x.device for t in tensors)
+        and native.chunk_aligned([residual], [norm_weight, gate_weight])
+    )
+
+
+@dataclass(frozen=True)
+class RouteLaunch:
+    """A route launch's compile-time defines, shared memory (bytes) and CTAs."""
+
+    defines: dict
+    shared_mem: int
+    ctas: int
+
+
+def route_launch(k: int, n: int, experts: int, top_k: int, renormalize: bool, bf16: bool,
+                 use_pdl: bool, beside: bool, num_sms: int,
+                 max_shared_mem: int) -> RouteLaunch | None:  # fmt: skip
+    """How ``gemv_stream_route`` runs o ``[n, k]`` and a router of ``experts`` on a device of
+    ``num_sms`` SMs: the GEMV's plan in the shared memory the route's own part leaves (half an
+    SM with ``beside``, which also lets the next kernel launch before the wait), one CTA per SM
+    over units of the plan's rows. None where the plan's rows are not a multiple of 4 (the
+    8-byte gate loads) or a CTA would hold more than ``_MAX_CTA_ROWS`` rows."""
+    budget = max_shared_mem - route_shared_mem(experts, _MAX_CTA_ROWS)
+    if beside:  # no more stages than a CTA's share of the rows fills
+        budget = native.beside_share(max_shared_mem) - route_shared_mem(experts, _MAX_CTA_ROWS)
+        first = plan(k, 1, budget)
+        if first is None:
+            return None
+        units = -(-n // first.rows)
+        p = plan(k, 1, budget, units=-(-units // min(num_sms, units)))
+    else:
+        p = plan(k, 1, budget)
+    if p is None or p.rows % 4:
+        return None
+    units = -(-n // p.rows)
+    ctas = min(num_sms, units)
+    cta_rows = -(-units // ctas) * p.rows
+    if cta_rows > _MAX_CTA_ROWS:
+        return None
+    defines = {
+        "DTYPE_BF16": int(bf16), "M_ROWS": 1, "K": k, "R": p.rows, "STAGES": p.stages, "NORM": 0,
+        "USE_PDL": int(use_pdl), "EARLY": int(beside and use_pdl), "ROUTE": 1, "N": n,
+        "E": experts, "TOP_K": top_k, "RENORMALIZE": int(renormalize), "GRID": ctas,
+        "CTA_ROWS": cta_rows,
+    }  # fmt: skip
+    return RouteLaunch(defines, p.shared_mem + route_shared_mem(experts, cta_rows), ctas)
+
+
 def fits_beside(x: torch.Tensor) -> bool:
     """Whether operands ``supports`` takes also run in half an SM (``native.beside_share``;
     what fits there fits the whole SM, so nothing ``supports`` checked is asked again)."""
@@ -103,7 +190,10 @@ class GemvStream:
         """``plan_for(k, rows, max_shared_mem)`` picks each shape's stages (``plan``; a benchmark
         may pass its own)."""
         self._kernels = native.KernelCache(SOURCE, "gemv_stream", device)
+        self._route_kernels = native.KernelCache(SOURCE, "gemv_stream_route", device)
         self._plan_for = plan_for
+        self._scratch: dict[int, torch.Tensor] = {}  # the route's partials by size, and counter
+        self._counter = torch.zeros(1, dtype=torch.int32, device=device)
 
     def _grid(self, n: int, rows_per_unit: int) -> tuple[int, int]:
         """``(units, CTAs)`` of a launch over ``n`` weight rows: units of ``rows_per_unit`` rows,
@@ -153,3 +243,53 @@ class GemvStream:
         args += [ctypes.c_longlong(residual.stride(0) if norm else 0), ctypes.c_float(eps)]
         kernel.launch(self._grid(n, p.rows)[1], THREADS, args, use_pdl)
         return out, summed
+
+    def route(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        gate_weight: torch.Tensor,
+        top_k: int,
+        renormalize: bool,
+        use_pdl: bool,
+        beside: bool = False,
+        timing: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...] | None:
+        """``DeviceOps.linear_add_rms_norm_moe_route`` in one launch (``gemv_stream_route``):
+        ``(router_logits [1, E], normed [1, N], summed [1, N], topk_weights float32 [1, k],
+        topk_ids int32 [1, k])`` for operands ``supports_route`` took; None where this device's
+        launch cannot take them (``route_launch``), the same answer for a shape every time.
+        ``beside``: half an SM, the next kernel launched before the wait (with ``use_pdl``);
+        ``timing`` (benchmarks only: int64 ``[CTAs, 8]``) builds the kernel with its phase marks
+        stored there."""
+        launch = route_launch(
+            x.shape[1], weight.shape[0], gate_weight.shape[0], top_k, renormalize,
+            x.dtype == torch.bfloat16, use_pdl, beside, self._kernels.num_sms,
+            self._kernels.max_shared_mem,
+        )  # fmt: skip
+        if launch is None:
+            return None
+        kernel = self._route_kernels.get(
+            {**launch.defines, "TIMING": int(timing is not None)}, launch.shared_mem
+        )
+        n, experts, ctas = weight.shape[0], gate_weight.shape[0], launch.ctas
+        parts_size = ctas * (experts + 4)
+        parts = self._scratch.get(parts_size)
+        if parts is None:  # reused by every launch: each one's CTAs write before they count
+            parts = self._scratch[parts_size] = torch.empty(
+                parts_size, dtype=torch.float32, device=x.device
+            )
+        logits = x.new_empty(1, experts)
+        normed, summed = x.new_empty(1, n), x.new_empty(1, n)
+        weights = torch.empty(1, top_k, dtype=torch.float32, device=x.device)
+        ids = torch.empty(1, top_k, dtype=torch.int32, device=x.device)
+        pointers = (x, weight, residual, norm_weight, gate_weight, summed, normed, logits,
+                    weights, ids, parts, self._counter)  # fmt: skip
+        args = [ctypes.c_void_p(t.data_ptr()) for t in pointers] + [ctypes.c_float(eps)]
+        if timing is not None:
+            args.append(ctypes.c_void_p(timing.data_ptr()))
+        kernel.launch(ctas, THREADS, args, use_pdl)
+        return logits, normed, summed, weights, ids
