@@ -244,3 +244,105 @@ def test_add_rms_norm_route_in_a_graph(platform, dtype, device, record_error) ->
         check_norm_route(outputs, x, residual, norm_weight, gate, top_k, True, dtype, record_error)
         _, normed, _, weights, ids = outputs
         check_experts(out, ref.experts(normed, w13, w2, weights, ids), dtype, record_error)
+
+
+# the attention's o projection with the router after it -----------------------------------------
+
+# (T, N, K, E, k): N the hidden size (o's rows), K o's input (heads x head dim); Qwen3-30B-A3B's
+# layer, small ones with 60 and 8 experts, and a batch of 3 rows
+O_ROUTE_CASES = [
+    (1, 2048, 4096, 128, 8),
+    (1, 256, 512, 60, 4),
+    (1, 64, 128, 8, 2),
+    (3, 200, 96, 16, 4),
+]
+
+
+def o_route_inputs(num_tokens, hidden, k, num_experts, dtype, device, seed):
+    """``(a, o_weight, residual, norm_weight, gate)`` with o's outputs O(1)."""
+    from conformance_tests.test_fused import rand
+
+    a = rand(num_tokens, k, dtype=dtype, device=device, seed=seed)
+    o_weight = rand(hidden, k, dtype=dtype, device=device, scale=k**-0.5, seed=seed + 1)
+    _, residual, norm_weight, gate = norm_route_inputs(
+        num_tokens, hidden, num_experts, dtype, device, seed + 2
+    )
+    return a, o_weight, residual, norm_weight, gate
+
+
+def check_o_route(outputs, a, o_weight, residual, norm_weight, gate, top_k, renormalize, dtype,
+                  record_error) -> None:  # fmt: skip
+    """The new residual against float64 ``a @ o_weight.T + residual``: o within the fused-GEMV
+    bound, then rounded once more by the add. The rest against the unfused router of that
+    residual as returned (``check_norm_route`` with a zero residual): the normed rows within
+    1 ulp, the logits within the fused-GEMV bound (a kernel may skip rounding the normed rows)
+    and the routing exactly that of the logits returned."""
+    from conformance_tests import ops_reference as ops_ref
+    from conformance_tests.test_fused import gemv_bound
+
+    summed = outputs[2]
+    assert summed.shape == residual.shape and summed.dtype == dtype, (summed.shape, summed.dtype)
+    a64, w64 = (t.detach().to("cpu", torch.float64) for t in (a, o_weight))
+    o_ref = a64 @ w64.T
+    summed_ref = o_ref + residual.detach().to("cpu", torch.float64)
+    bound = gemv_bound(a64, w64, o_ref, dtype) + ops_ref.ulp(summed_ref, dtype)
+    err = (summed.detach().to("cpu", torch.float64) - summed_ref).abs()
+    record_error(float(err.max()))
+    worst = float((err / bound).max())
+    assert worst <= 1.0, f"new residual {worst:.2f}x its bound (o's GEMV, then the add)"
+    zeros = torch.zeros_like(summed)
+    check_norm_route(
+        outputs, summed, zeros, norm_weight, gate, top_k, renormalize, dtype, record_error
+    )
+
+
+@pytest.mark.kernel_ops("linear_add_rms_norm_moe_route")
+@pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "raw"])
+@pytest.mark.parametrize("num_tokens,hidden,k,num_experts,top_k", O_ROUTE_CASES, ids=str)
+def test_linear_add_rms_norm_route(
+    num_tokens, hidden, k, num_experts, top_k, renormalize, dtype, device, record_error
+) -> None:
+    inputs = o_route_inputs(num_tokens, hidden, k, num_experts, dtype, device, seed=hidden)
+    a, o_weight, residual, norm_weight, gate = inputs
+    for _ in range(2):  # a second call starts from whatever state the first one left
+        outputs = ops.linear_add_rms_norm_moe_route(
+            a, o_weight, residual, norm_weight, 1e-6, gate, top_k, renormalize
+        )
+        check_o_route(outputs, *inputs, top_k, renormalize, dtype, record_error)
+
+
+@pytest.mark.kernel_ops("linear_add_rms_norm_moe_route", "moe_experts")
+@pytest.mark.parametrize("hidden,k,num_experts,top_k", [(2048, 4096, 128, 8), (64, 128, 8, 2)])
+def test_linear_add_rms_norm_route_in_a_graph(
+    hidden, k, num_experts, top_k, platform, dtype, device, record_error
+) -> None:
+    """One decode row's o projection and router captured with the experts after it, replayed
+    after every input changed in place: each replay must route the new row (a kernel that
+    counts its CTAs in must leave its count ready for the next replay)."""
+    if not platform.capabilities.graphs:
+        pytest.skip(f"{platform.name} declares no graphs")
+    a, o_weight, residual, norm_weight, gate = o_route_inputs(
+        1, hidden, k, num_experts, dtype, device, seed=50
+    )
+    w13, w2 = expert_weights(num_experts, hidden, 32, dtype, device, seed=51)
+
+    def step():
+        outputs = ops.linear_add_rms_norm_moe_route(
+            a, o_weight, residual, norm_weight, 1e-6, gate, top_k, True
+        )
+        _, normed, _, weights, ids = outputs
+        return (*outputs, ops.moe_experts(normed, w13, w2, weights, ids))
+
+    runner = platform.graph_runner()
+    runner.capture("o-router", step)
+    for seed in (60, 70, 80):
+        fresh = o_route_inputs(1, hidden, k, num_experts, dtype, device, seed=seed)
+        a.copy_(fresh[0])
+        residual.copy_(fresh[2])
+        *outputs, out = runner.replay("o-router")
+        platform.synchronize()
+        check_o_route(
+            outputs, a, o_weight, residual, norm_weight, gate, top_k, True, dtype, record_error
+        )
+        _, normed, _, weights, ids = outputs
+        check_experts(out, ref.experts(normed, w13, w2, weights, ids), dtype, record_error)

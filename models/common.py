@@ -89,18 +89,28 @@ class RopeAttention(nn.Module):
         return self.attend(positions, self.qkv_proj(hidden))
 
     def forward_normed(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        norm: RMSNorm,
+        project: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(self(positions, norm(hidden, residual)[0]), hidden + residual)``: the residual add,
         the input norm and the whole attention, in one backend call when the step's backend runs
         the block (``AttentionBackend.forward_block``), else as the fused norm + qkv projection,
-        then ``attend`` (also when the backend declines the call)."""
-        if self.block_fusable and self.attn.fuses_block():
+        then ``attend`` (also when the backend declines the call). ``project=False``: the
+        attention's output before o (``runs_block`` must have said no)."""
+        if project and self.runs_block():
             fused = self.attn.forward_block(self.block_weights(norm), hidden, residual, positions)
             if fused is not None:
                 return self.o_proj.reduce_partial(fused[0]), fused[1]
         qkv, residual = self.qkv_proj.forward_normed(hidden, residual, norm)
-        return self.attend(positions, qkv), residual
+        return self.attend(positions, qkv, project), residual
+
+    def runs_block(self) -> bool:
+        """Whether this step's backend may run the whole block (norm, qkv, attention, o)."""
+        return self.block_fusable and self.attn.fuses_block()
 
     def block_weights(self, norm: RMSNorm) -> AttentionBlock:
         """This layer's weights as ``forward_block`` takes them (made at each call: cheap, and
@@ -122,14 +132,17 @@ class RopeAttention(nn.Module):
             **qk_norm,
         )
 
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """Everything after the qkv projection (which the decoder layer may fuse with its norm)."""
+    def attend(
+        self, positions: torch.Tensor, qkv: torch.Tensor, project: bool = True
+    ) -> torch.Tensor:
+        """Everything after the qkv projection (which the decoder layer may fuse with its norm);
+        ``project=False`` stops before o, for a layer that runs o fused with what follows."""
         # qkv: [T, (H + 2 Hkv) * D] for this rank's heads
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # Qwen3's per-head q/k norms go with them: the attention layer runs them (one op) or
         # hands them to a backend that fuses them into its decode attention
         out = self.attn(q, k, v, positions, self.rotary_emb, self.q_norm, self.k_norm)
-        return self.o_proj(out)  # out: [T, H*D]
+        return self.o_proj(out) if project else out  # out: [T, H*D]
 
 
 class GatedMLP(nn.Module):
@@ -190,17 +203,35 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # each norm runs fused into what follows it (DeviceOps.add_rms_norm_linear, or a
         # backend's whole attention block: the plain sequence on the reference, one kernel where
-        # a platform has one)
+        # a platform has one); a sparse block's router takes o in with it
+        project = not self._o_into_router()
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
             qkv = self.self_attn.qkv_proj(hidden)
-            hidden = self.self_attn.attend(positions, qkv)
+            hidden = self.self_attn.attend(positions, qkv, project)
         else:
             hidden, residual = self.self_attn.forward_normed(
-                positions, hidden, residual, self.input_layernorm
+                positions, hidden, residual, self.input_layernorm, project
             )
         # dense or sparse, the MLP block takes the post-attention add + norm in with it
-        return self.mlp.forward_normed(hidden, residual, self.post_attention_layernorm)
+        if project:
+            return self.mlp.forward_normed(hidden, residual, self.post_attention_layernorm)
+        return self.mlp.forward_projected(
+            hidden, self.self_attn.o_proj.weight, residual, self.post_attention_layernorm
+        )
+
+    def _o_into_router(self) -> bool:
+        """Whether the attention's o projection runs in the sparse block's router op
+        (``DeviceOps.linear_add_rms_norm_moe_route``): on one rank (o's all-reduce would sit
+        between them), without an o bias, and unless the step's backend runs the attention
+        block with its o."""
+        o_proj = self.self_attn.o_proj
+        return (
+            isinstance(self.mlp, SparseMoeBlock)
+            and o_proj.tp.size == 1
+            and o_proj.bias is None
+            and not self.self_attn.runs_block()
+        )
 
 
 class DecoderModel(nn.Module):

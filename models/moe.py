@@ -127,6 +127,15 @@ class SparseMoeBlock(nn.Module):
         out = self.experts.forward_routed(routing.hidden, routing.topk_weights, routing.topk_ids)
         return self._finish(routing.hidden, out), routing.residual
 
+    def forward_projected(
+        self, attn_out: torch.Tensor, o_weight: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward_normed(attn_out @ o_weight.T, residual, norm)`` with the attention's o
+        projection in the router's op too (one rank, no o bias: the decoder layer checks)."""
+        routing = self.gate(attn_out, residual, norm, o_weight)
+        out = self.experts.forward_routed(routing.hidden, routing.topk_weights, routing.topk_ids)
+        return self._finish(routing.hidden, out), routing.residual
+
     def _finish(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The shared expert (if any) added to the experts' partial sum ``out``, then reduced."""
         if self.shared_expert is not None:

@@ -9,6 +9,9 @@ Each is the CPU reference with one MoE bug of the kind a kernel author really wr
   crowded expert's tokens are silently dropped.
 - ``broken-moe-norm-route``: the fused post-attention norm and router feeds the router the
   residual sum before the norm (the normed rows it returns are right).
+- ``broken-moe-o-route``: the o projection fused with the router scales the residual sum by the
+  rms of o's output instead of its own (a kernel that adds the residual after its sum of
+  squares); the new residual it returns is right.
 """
 
 from __future__ import annotations
@@ -69,6 +72,20 @@ class _UnnormedRouterOps(CpuOps):
         return logits, normed, summed, weights, ids
 
 
+class _OutOfOrderNormOps(CpuOps):
+    def linear_add_rms_norm_moe_route(
+        self, x, weight, residual, norm_weight, eps, gate_weight, top_k, renormalize
+    ):
+        o = self.linear(x, weight)
+        summed = (o.float() + residual.float()).to(x.dtype)
+        # BUG: the rms of o, before the residual joins it
+        inv_rms = torch.rsqrt(o.float().pow(2).mean(-1, keepdim=True) + eps)
+        normed = (summed.float() * inv_rms * norm_weight.float()).to(x.dtype)
+        logits = self.linear(normed, gate_weight)
+        weights, ids = self.moe_route(logits, top_k, renormalize)
+        return logits, normed, summed, weights, ids
+
+
 class BrokenMoeRenormPlatform(CpuPlatform):
     name = "broken-moe-renorm"
 
@@ -101,11 +118,20 @@ class BrokenMoeNormRoutePlatform(CpuPlatform):
         self._ops = _UnnormedRouterOps()
 
 
+class BrokenMoeORoutePlatform(CpuPlatform):
+    name = "broken-moe-o-route"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ops = _OutOfOrderNormOps()
+
+
 BROKEN_MOE_PLATFORMS = (
     BrokenMoeRenormPlatform,
     BrokenMoeGateUpPlatform,
     BrokenMoeDropPlatform,
     BrokenMoeNormRoutePlatform,
+    BrokenMoeORoutePlatform,
 )
 for _cls in BROKEN_MOE_PLATFORMS:
     platforms.register(_cls.name, _cls)

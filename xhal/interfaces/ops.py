@@ -200,6 +200,27 @@ class DeviceOps(ABC):
         topk_weights, topk_ids = self.moe_route(router_logits, top_k, renormalize)
         return router_logits, normed, summed, topk_weights, topk_ids
 
+    def linear_add_rms_norm_moe_route(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        gate_weight: torch.Tensor,
+        top_k: int,
+        renormalize: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention's output projection with the mixture-of-experts router after it, one
+        fused op: ``add_rms_norm_moe_route(linear(x, weight), residual, ...)``. A fused kernel
+        may feed the router the normed rows before rounding them to the dtype (``normed`` is
+        still returned rounded), so its logits may differ from the sequence's by that rounding;
+        its routing is ``moe_route`` of the logits it returns, as for
+        ``add_rms_norm_moe_route``. The default is the plain sequence."""
+        return self.add_rms_norm_moe_route(
+            self.linear(x, weight), residual, norm_weight, eps, gate_weight, top_k, renormalize
+        )
+
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy pick: float ``[B, V]`` -> int64 ``[B]`` (lowest index on ties)."""
         return logits.float().argmax(dim=-1)

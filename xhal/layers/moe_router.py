@@ -30,7 +30,9 @@ class MoeRouter(ReplicatedLinear):
 
     ``forward(x)`` returns the router logits ``[T, E]`` (a Hugging Face ``gate``); ``forward(x,
     residual, norm)`` runs the residual add, ``norm`` and the routing with it as one op
-    (``DeviceOps.add_rms_norm_moe_route``) and returns a ``Routing``.
+    (``DeviceOps.add_rms_norm_moe_route``) and returns a ``Routing``; given ``o_weight`` too,
+    ``x`` is the attention's output before its o projection, which runs in the same op
+    (``DeviceOps.linear_add_rms_norm_moe_route``).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool) -> None:
@@ -42,13 +44,13 @@ class MoeRouter(ReplicatedLinear):
         x: torch.Tensor,
         residual: torch.Tensor | None = None,
         norm: RMSNorm | None = None,
+        o_weight: torch.Tensor | None = None,
     ) -> torch.Tensor | Routing:
         if residual is None:
             return super().forward(x)
         if norm is None:
             raise ValueError("MoeRouter(x, residual, norm): the fused path needs the norm module")
-        return Routing(
-            *ops.add_rms_norm_moe_route(
-                x, residual, norm.weight, norm.eps, self.weight, self.top_k, self.renormalize
-            )
-        )
+        route = (norm.weight, norm.eps, self.weight, self.top_k, self.renormalize)
+        if o_weight is None:
+            return Routing(*ops.add_rms_norm_moe_route(x, residual, *route))
+        return Routing(*ops.linear_add_rms_norm_moe_route(x, o_weight, residual, *route))

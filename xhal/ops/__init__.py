@@ -66,6 +66,7 @@ __all__ = [
     "fused_add_rms_norm",
     "gelu_and_mul",
     "linear",
+    "linear_add_rms_norm_moe_route",
     "moe_experts",
     "moe_route",
     "qk_rms_norm",
@@ -172,6 +173,23 @@ def add_rms_norm_moe_route(
     return _route(
         "add_rms_norm_moe_route", x, x, residual, norm_weight, eps, gate_weight, top_k, renormalize
     )
+
+
+def linear_add_rms_norm_moe_route(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_weight: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``add_rms_norm_moe_route(linear(x, weight), residual, ...)``: see ``DeviceOps``."""
+    return _route(
+        "linear_add_rms_norm_moe_route", x, x, weight, residual, norm_weight, eps, gate_weight,
+        top_k, renormalize,
+    )  # fmt: skip
 
 
 def moe_experts(

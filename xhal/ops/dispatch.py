@@ -31,7 +31,7 @@ _OPS = (
     "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "gelu_and_mul",
     "add_rms_norm_linear", "silu_and_mul_linear", "add_rms_norm_gated_mlp", "qk_rms_norm",
     "moe_route",
-    "add_rms_norm_moe_route", "moe_experts",
+    "add_rms_norm_moe_route", "linear_add_rms_norm_moe_route", "moe_experts",
 )
 
 

@@ -39,6 +39,11 @@ _SCHEMAS = {
         "Tensor gate_weight, int top_k, bool renormalize) -> (Tensor, Tensor, Tensor, Tensor, "
         "Tensor)"
     ),
+    "linear_add_rms_norm_moe_route": (
+        "linear_add_rms_norm_moe_route(Tensor x, Tensor weight, Tensor residual, "
+        "Tensor norm_weight, float eps, Tensor gate_weight, int top_k, bool renormalize) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor)"
+    ),
     "moe_experts": (
         "moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids)"
         " -> Tensor"
@@ -113,6 +118,18 @@ def _(x, residual, norm_weight, eps, gate_weight, top_k, renormalize):
         x.new_empty(num_tokens, gate_weight.shape[0]),
         torch.empty_like(x),
         torch.empty_like(x),
+        x.new_empty(num_tokens, top_k, dtype=torch.float32),
+        x.new_empty(num_tokens, top_k, dtype=torch.int32),
+    )
+
+
+@torch.library.register_fake("xhal::linear_add_rms_norm_moe_route")
+def _(x, weight, residual, norm_weight, eps, gate_weight, top_k, renormalize):
+    num_tokens = x.shape[0]
+    return (
+        x.new_empty(num_tokens, gate_weight.shape[0]),
+        torch.empty_like(residual),
+        torch.empty_like(residual),
         x.new_empty(num_tokens, top_k, dtype=torch.float32),
         x.new_empty(num_tokens, top_k, dtype=torch.int32),
     )

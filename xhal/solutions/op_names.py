@@ -17,6 +17,7 @@ OPS: dict[str, str] = {
     "moe_route": "moe_route",
     "moe_experts": "moe_experts",
     "add_rms_norm_moe_route": "add_rms_norm_moe_route",
+    "linear_add_rms_norm_moe_route": "linear_add_rms_norm_moe_route",
     "sampling": "sample",
     "paged_decode_attention": "attention_backend",
     "paged_prefill_attention": "attention_backend",

@@ -46,6 +46,14 @@ def native_moe_ops(platform: object):
     return CudaOps(native_moe_block=True)
 
 
+def native_o_route_ops(platform: object):
+    """CudaOps whose ``linear_add_rms_norm_moe_route`` runs gemv_stream.cu's route entry where it
+    can."""
+    from xhal.platforms.cuda.ops import CudaOps
+
+    return CudaOps(native_o_route=True)
+
+
 class GroupedMoe:
     """The fused MoE without its small-token pair path: the grouped GEMMs for every batch."""
 

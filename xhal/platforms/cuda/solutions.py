@@ -177,6 +177,28 @@ SOLUTIONS = (
         description="add + RMSNorm, router GEMV and top-k in one launch for up to 16 tokens",
     ),
     Solution(
+        "linear_add_rms_norm_moe_route",
+        "triton",
+        _OPS,
+        _req(TRITON),
+        20,
+        description="the o projection's GEMV, then add + RMSNorm + router + top-k in one launch",
+    ),
+    # below triton until it measures faster in a decode step (bench_moe's auto-o-route peer):
+    # XHAL_KERNEL_LINEAR_ADD_RMS_NORM_MOE_ROUTE=native picks it
+    Solution(
+        "linear_add_rms_norm_moe_route",
+        "native",
+        "xhal.platforms.cuda.providers:native_o_route_ops",
+        Requirement(device_type="cuda", min_compute_capability=(9, 0), packages=(TRITON,)),
+        18,
+        description=(
+            "o projection + add + RMSNorm + router + top-k in one launch for one fp16/bf16 row "
+            "in a graph (kernels/gemv_stream.cu's route entry, built by NVRTC); the triton "
+            "solution otherwise"
+        ),
+    ),
+    Solution(
         "moe_experts",
         "triton",
         _OPS,
