@@ -110,11 +110,16 @@ PDL_VARIANTS = {
     # same work where a program has one tile, in 72 KB of shared memory instead of 136 at
     # 128-key tiles, so o's CTA fits beside it
     "auto-attn-2-stages": ("1", "auto"),
+    # auto with a MoE layer's o projection and router in one launch (the native solution of
+    # linear_add_rms_norm_moe_route, gemv_stream.cu's route entry) in place of the o GEMV and
+    # the fused norm + router + top-k
+    "auto-o-route": ("1", "auto"),
 }
 # variant -> (op, solution) its executor is made, warmed up and captured with
 FORCED_SOLUTION = {
     "auto-attn-block": ("paged_decode_attention", "native-block"),
     "auto-moe-native": ("moe_experts", "native"),
+    "auto-o-route": ("linear_add_rms_norm_moe_route", "native"),
 }
 # variant -> {kernel module: {attribute: value}} its launchers read per call while it captures
 # (pdl.OFF = 0, EARLY = 1, LATE = 2; the executor's warm-up before capture compiles them)
