@@ -181,3 +181,35 @@ def test_misshaped_expert_tensor_is_named(checkpoint_factory, tmp_path: Path) ->
         match=name.replace(".", r"\.") + r".*expert 3 w2.*\(64, 16\).*\(64, 32\)",
     ):
         load_model(bad, progress=False)
+
+
+def test_a_sparse_layer_runs_o_inside_the_router_op_on_one_rank(checkpoint_factory) -> None:
+    """On one rank a sparse decoder layer hands the attention's output and o's weight to
+    ``linear_add_rms_norm_moe_route`` (so a platform may fuse them); its logits still match
+    transformers (the test above) and the router's module still runs (xhal-align's hook)."""
+    from xhal import ops
+    from xhal.platforms.cpu_ref.ops import CpuOps
+
+    calls: list[str] = []
+
+    class Spy(CpuOps):
+        def linear_add_rms_norm_moe_route(self, *args):
+            calls.append("o + router")
+            return super().linear_add_rms_norm_moe_route(*args)
+
+        def add_rms_norm_moe_route(self, *args):
+            calls.append("router")
+            return super().add_rms_norm_moe_route(*args)
+
+    harness = Harness(checkpoint_factory("qwen3_moe"), enforce_eager=True, seed=2)
+    seen = []
+    gate = harness.model.model.layers[0].mlp.gate
+    handle = gate.register_forward_hook(lambda module, args, out: seen.append(out[0].shape))
+    with ops.using("cpu", Spy()):
+        tokens = prompts(harness.vocab, [6])[0]
+        logits, _ = harness.step([(0, tokens)])
+    handle.remove()
+    layers = len(harness.model.model.layers)
+    assert calls == ["o + router", "router"] * layers  # the fused op's default, then its router
+    assert seen == [(6, gate.weight.shape[0])]  # [T, E] logits
+    assert rel_err(logits, harness.reference(tokens)) < RTOL

@@ -344,3 +344,18 @@ def test_split_attention_fuses_rotary_only_when_both_sides_do() -> None:
         q = torch.zeros(batch.metadata.num_tokens, 4, 16)
         split.forward_rotary(layer, q, q[:, :2], q[:, :2], None, None, True)
     assert (decode.calls, prefill.calls) == ([3], [5])
+
+
+def test_the_o_route_defaults_to_the_sequence_of_chosen_ops() -> None:
+    """``linear_add_rms_norm_moe_route`` on CUDA: ``unfused`` is chosen, and its provider only
+    inherits the op's default, so the platform runs the chosen linear and router (forcing
+    ``XHAL_KERNEL_LINEAR`` still reaches a MoE layer's o); ``native`` is forced by name."""
+    from xhal.platforms.cuda.ops import CudaOps, NativeORouteOps
+    from xhal.solutions.kernels import inherits_default
+
+    h200 = solutions.DeviceInfo("cuda", "NVIDIA H200", (9, 0))
+    op = "linear_add_rms_norm_moe_route"
+    assert solutions.select(op, h200).name == "unfused"
+    assert solutions.select(op, h200, forced="native").name == "native"
+    assert inherits_default(CudaOps().linear_add_rms_norm_moe_route, op)
+    assert not inherits_default(NativeORouteOps().linear_add_rms_norm_moe_route, op)

@@ -46,13 +46,11 @@ class CudaOps(DeviceOps):
     # environment variable raises it to measure the tensor-core path (17-64 rows) in a model step
     gemv_max_rows = 1
 
-    def __init__(self, native_moe_block: bool = False, native_o_route: bool = False) -> None:
+    def __init__(self, native_moe_block: bool = False) -> None:
         """``native_moe_block``: ``moe_experts`` takes the persistent expert block where it can
         (the ``native`` solution of ``moe_experts``; measured slower than the Triton pair GEMVs,
-        so not the default). ``native_o_route``: ``linear_add_rms_norm_moe_route`` takes
-        ``gemv_stream.cu``'s route entry where it can (the ``native`` solution of that op)."""
+        so not the default)."""
         self.native_moe_block = native_moe_block
-        self.native_o_route = native_o_route
         self._gemv_loaded: set[tuple] = set()
         self._natives: dict[tuple, object] = {}  # (family, device) -> its launcher
         self._native_missing_logged = False
@@ -375,39 +373,6 @@ class CudaOps(DeviceOps):
             x, residual, norm_weight, eps, gate_weight, top_k, renormalize
         )
 
-    def linear_add_rms_norm_moe_route(
-        self, x, weight, residual, norm_weight, eps, gate_weight, top_k, renormalize
-    ):
-        """With ``native_o_route``, one launch for a decode row in a graph on sm_90+
-        (``gemv_stream.cu``'s route entry: the o projection streamed as the stream GEMV streams
-        it, each CTA adding its rows' share of the router's logits and of the norm, the last CTA
-        routing), taking half an SM and letting the next kernel launch before its wait as o does
-        with ``o`` in ``env.cuda_overlap``. Otherwise the o projection and
-        ``add_rms_norm_moe_route`` apart (two launches at batch 1)."""
-        if (
-            self.native_o_route
-            and self.fused
-            and env.cuda_native_gemv()
-            and gemv_stream.supports_route(x, weight, residual, norm_weight, gate_weight, top_k)
-        ):
-            kernels = self._native(x.device, gemv_stream.GemvStream)
-            beside = "o" in env.cuda_overlap() and gemv_stream.fits_beside(x)
-            use_pdl = bool(pdl.mode(x.device))
-            key = (
-                "stream_route", *x.shape, *weight.shape, gate_weight.shape[0], top_k,
-                renormalize, x.dtype, x.device, use_pdl, beside,
-            )  # fmt: skip
-            if kernels is not None and self._graph_kernel(key):
-                routed = kernels.route(
-                    x, weight, residual, norm_weight, eps, gate_weight, top_k, renormalize,
-                    use_pdl, beside,
-                )  # fmt: skip
-                if routed is not None:
-                    return routed
-        return super().linear_add_rms_norm_moe_route(
-            x, weight, residual, norm_weight, eps, gate_weight, top_k, renormalize
-        )
-
     def sample(self, logits, temperature, top_k, top_p, generator=None):
         return sampling.sample(logits, temperature, top_k, top_p, generator)
 
@@ -449,3 +414,41 @@ class FlashInferOps(CudaOps):
         if approximate == "tanh" or not self._fi_activation_fits(x):
             return super().gelu_and_mul(x, approximate)
         return self._fi.gelu_and_mul(x)
+
+
+class NativeORouteOps(CudaOps):
+    """CudaOps whose ``linear_add_rms_norm_moe_route`` runs ``gemv_stream.cu``'s route entry
+    where it can (the op's ``native`` solution; CudaOps itself keeps the op's default, the plain
+    sequence on the platform's chosen ops)."""
+
+    def linear_add_rms_norm_moe_route(
+        self, x, weight, residual, norm_weight, eps, gate_weight, top_k, renormalize
+    ):
+        """One launch for a decode row in a graph on sm_90+ (``gemv_stream.cu``'s route entry:
+        the o projection streamed as the stream GEMV streams it, each CTA adding its rows' share
+        of the router's logits and of the norm, the last CTA routing), taking half an SM and
+        letting the next kernel launch before its wait as o does with ``o`` in
+        ``env.cuda_overlap``. Otherwise the o projection and ``add_rms_norm_moe_route`` apart
+        (two launches at batch 1)."""
+        if (
+            self.fused
+            and env.cuda_native_gemv()
+            and gemv_stream.supports_route(x, weight, residual, norm_weight, gate_weight, top_k)
+        ):
+            kernels = self._native(x.device, gemv_stream.GemvStream)
+            beside = "o" in env.cuda_overlap() and gemv_stream.fits_beside(x)
+            use_pdl = bool(pdl.mode(x.device))
+            key = (
+                "stream_route", *x.shape, *weight.shape, gate_weight.shape[0], top_k,
+                renormalize, x.dtype, x.device, use_pdl, beside,
+            )  # fmt: skip
+            if kernels is not None and self._graph_kernel(key):
+                routed = kernels.route(
+                    x, weight, residual, norm_weight, eps, gate_weight, top_k, renormalize,
+                    use_pdl, beside,
+                )  # fmt: skip
+                if routed is not None:
+                    return routed
+        return super().linear_add_rms_norm_moe_route(
+            x, weight, residual, norm_weight, eps, gate_weight, top_k, renormalize
+        )

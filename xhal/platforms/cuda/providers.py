@@ -49,9 +49,9 @@ def native_moe_ops(platform: object):
 def native_o_route_ops(platform: object):
     """CudaOps whose ``linear_add_rms_norm_moe_route`` runs gemv_stream.cu's route entry where it
     can."""
-    from xhal.platforms.cuda.ops import CudaOps
+    from xhal.platforms.cuda.ops import NativeORouteOps
 
-    return CudaOps(native_o_route=True)
+    return NativeORouteOps()
 
 
 class GroupedMoe:

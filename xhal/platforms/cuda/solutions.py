@@ -176,16 +176,18 @@ SOLUTIONS = (
         20,
         description="add + RMSNorm, router GEMV and top-k in one launch for up to 16 tokens",
     ),
+    # CudaOps inherits the op's default: the chosen linear (o), then the chosen
+    # add_rms_norm_moe_route (one Triton launch for up to 16 rows)
     Solution(
         "linear_add_rms_norm_moe_route",
-        "triton",
+        "unfused",
         _OPS,
-        _req(TRITON),
+        _req(),
         20,
-        description="the o projection's GEMV, then add + RMSNorm + router + top-k in one launch",
+        description="the chosen linear for o, then the chosen add_rms_norm_moe_route",
     ),
-    # below triton until it measures faster in a decode step (bench_moe's auto-o-route peer):
-    # XHAL_KERNEL_LINEAR_ADD_RMS_NORM_MOE_ROUTE=native picks it
+    # below unfused: in the one decode step measured (an H100, before a fix to its last CTA's
+    # loads) it was slower; XHAL_KERNEL_LINEAR_ADD_RMS_NORM_MOE_ROUTE=native picks it
     Solution(
         "linear_add_rms_norm_moe_route",
         "native",
@@ -194,8 +196,8 @@ SOLUTIONS = (
         18,
         description=(
             "o projection + add + RMSNorm + router + top-k in one launch for one fp16/bf16 row "
-            "in a graph (kernels/gemv_stream.cu's route entry, built by NVRTC); the triton "
-            "solution otherwise"
+            "in a graph (kernels/gemv_stream.cu's route entry, built by NVRTC); the o GEMV and "
+            "the fused router otherwise"
         ),
     ),
     Solution(
