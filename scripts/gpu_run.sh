@@ -2,7 +2,8 @@
 # One run on the GPU machine: install the carried wheels, then the stages named on the command
 # line (default: conformance (cuda, cuda-triton), bench_gemv, bench_attention, bench_model); also
 # serve, cpp_host (examples/cpp_host/bench_cuda.sh), conformance-<device>, pytest (PYTEST_ARGS),
-# clocks (the batch-1 critical path and phase clocks),
+# clocks (the batch-1 critical path and phase clocks), o_route (the MoE o projection fused with
+# its router: bench_o_route, its conformance cases, the MoE step against it),
 # overlap (XHAL_CUDA_OVERLAP's benchmark peers at batch 1: 1B, 8B, MoE), tp (issue 14, two GPUs:
 # the collective family, bench_tp, scripts/tp_served.sh), skinny (the tensor-core
 # skinny GEMM: bench_skinny_mma, its linear conformance cases, the 8B and 1B steps at 16 and 64 rows),
@@ -71,21 +72,29 @@ for stage in $stages; do
         --pdl $moe 2>&1 | tee "$out/overlap-moe.txt" || status=1 ;;
     clocks)  # where a batch-1 layer's time goes (twenty-eighth session): the MoE and 1B steps with
       # the kernel profile's critical path and the split-KV / router phase clocks
-      # (benchmarks/phase_clock.py), against CLOCK_PEERS (default: two pipeline stages, the
-      # merge by the last program alone, the spread merge over as many splits as fit, 64-key
-      # tiles, o's stream started late or not beside the attention) and CLOCK_PEERS_1B (two
-      # stages, o late, not beside); the 8B step against two stages and 64-key tiles; first the
-      # split-KV merge and tile tests (the spread merge's waiting runs only on a GPU)
+      # (benchmarks/phase_clock.py), against CLOCK_PEERS (default: the o projection and router
+      # in one launch, the merge by the last program alone, 64-key tiles, o not beside the
+      # attention) and CLOCK_PEERS_1B (o's stream started late, not beside); the 8B step against
+      # 64-key tiles; first the split-KV merge and tile tests (the spread merge's waiting runs
+      # only on a GPU)
       py -m pytest -q tests/platforms/cuda/test_splitkv_merge.py \
         tests/platforms/cuda/test_splitkv_tiles.py 2>&1 | tail -3 | tee "$out/clocks-tests.txt" || status=1
-      peers=${CLOCK_PEERS:-auto-attn-2-stages auto-no-spread auto-attn-spread-fit auto-attn-64-key-tiles auto-overlap-attn-late auto-no-overlap}
+      peers=${CLOCK_PEERS:-auto-o-route auto-no-spread auto-attn-64-key-tiles auto-no-overlap}
       py -m benchmarks.bench_moe --batches 1 --no-hf --no-sweep --pdl-batches 1 --phase-clock \
         --profile --pdl auto $peers 2>&1 | tee "$out/clocks-moe.txt" || status=1
-      peers=${CLOCK_PEERS_1B:-auto-attn-2-stages auto-overlap-attn-late auto-no-overlap}
+      peers=${CLOCK_PEERS_1B:-auto-overlap-attn-late auto-no-overlap}
       py -m benchmarks.bench_model --shape llama3.2-1b --batches 1 --no-hf --phase-clock --kernels \
         --pdl auto $peers 2>&1 | tee "$out/clocks-1b.txt" || status=1
       py -m benchmarks.bench_model --shape llama3-8b --batches 1 --no-hf --phase-clock \
-        --pdl auto auto-attn-2-stages auto-attn-64-key-tiles 2>&1 | tee "$out/clocks-8b.txt" || status=1 ;;
+        --pdl auto auto-attn-64-key-tiles 2>&1 | tee "$out/clocks-8b.txt" || status=1 ;;
+    o_route)  # the route entry (thirty-first session): checks, timings and phase marks against
+      # the o GEMV + fused router, its conformance cases (both solutions), the MoE batch-1 step
+      # against the auto-o-route peer
+      py -m benchmarks.bench_o_route 2>&1 | tee "$out/o_route.txt" || status=1
+      py -m pytest -q conformance_tests/test_moe.py -k linear_add --device cuda 2>&1 | tail -3 \
+        | tee "$out/o_route-conformance.txt" || status=1
+      py -m benchmarks.bench_moe --batches 1 --no-hf --no-sweep --pdl-batches 1 --profile \
+        --pdl auto auto-o-route 2>&1 | tee "$out/o_route-moe.txt" || status=1 ;;
     skinny)  # the tensor-core skinny GEMM (benchmarks/bench_skinny_mma.py: its checks, its launch
       # shapes against cuBLAS; BENCH_ARGS narrows it), linear's conformance cases through it, the
       # 8B and 1B steps at SKINNY_BATCHES (16 64) with it where it timed faster (the default),
