@@ -137,7 +137,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemv_stream(
 // of squares before anyone knows the norm, and 1 / rms scales the sums afterwards. So each CTA
 // stores E partial logits and a partial sum of squares, counts itself in, and the last CTA adds
 // the partials in CTA order (the same sums every replay), stores the normed row and the logits,
-// routes them with one warp and zeroes the count for the next launch. The router launch and its
+// routes them (softmax_top_k, by every thread) and zeroes the count for the next launch. The router launch and its
 // reload of the row the o GEMV has just written leave the layer's chain.
 //
 // Compile-time besides the GEMV's (M_ROWS 1, NORM 0): N (rows of w, the hidden size), E
@@ -146,7 +146,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemv_stream(
 // multiple of 4, as R is). Runtime scratch: parts [GRID][E + 4] floats and a zeroed counter.
 
 #define EP (E + 4)  // a CTA's partials: E logits, the sum of squares, 3 floats of padding
-#define ROUTE_FLOATS (2 * CTA_ROWS + WARPS * E + E + WARPS + 2)  // after the mbarriers
+#define ROUTE_FLOATS (2 * CTA_ROWS + WARPS * E + E + 2 * WARPS + 64 + 2)  // after the mbarriers
 
 static_assert(M_ROWS == 1 && NORM == 0, "the route takes one row with no norm ahead of w");
 static_assert(R % 4 == 0 && CTA_ROWS % 4 == 0 && N % 8 == 0, "rows go in 8- and 16-byte chunks");
@@ -175,53 +175,57 @@ __device__ __forceinline__ void unpack4(chunk8 c, float* out) {
     out[0] = lo_f32(c.x); out[1] = hi_f32(c.x); out[2] = lo_f32(c.y); out[3] = hi_f32(c.y);
 }
 
-// One warp routes logit[0..E): softmax, then TOP_K rounds of the largest remaining probability
-// (the lower expert on ties); lane j stores slot j.
-__device__ __forceinline__ void softmax_top_k(const float* logit, float* topk_w, int* topk_ids) {
-    constexpr int PER = (E + 31) / 32;
-    const int lane = threadIdx.x & 31;
-    const float neg_inf = __int_as_float(0xff800000);
-    float v[PER];
-    float top = neg_inf;
+// The max or the sum over the CTA of one value a thread, the same in every thread: shuffles in
+// each warp, then the warps' results in warp order through scratch [WARPS] (the same sum every
+// launch). Every thread of the CTA calls it.
+template <bool Max>
+__device__ __forceinline__ float block_reduce(float v, float* scratch) {
 #pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        const int e = lane + 32 * i;
-        v[i] = e < E ? logit[e] : neg_inf;
-        top = fmaxf(top, v[i]);
+    for (int o = 16; o > 0; o >>= 1) {
+        const float other = __shfl_xor_sync(0xffffffffu, v, o);
+        v = Max ? fmaxf(v, other) : v + other;
     }
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float t = scratch[0];
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
-    float total = 0.f;
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        v[i] = lane + 32 * i < E ? expf(v[i] - top) : 0.f;
-        total += v[i];
-    }
-    total = warp_sum(total);
-#pragma unroll
-    for (int i = 0; i < PER; ++i) v[i] = lane + 32 * i < E ? v[i] / total : -1.f;  // -1: taken
-    float mine_w = 0.f, picked = 0.f;
-    int mine_id = 0;
-    for (int j = 0; j < TOP_K; ++j) {
-        float best = -2.f;
-        int at = 0x7fffffff;
-#pragma unroll
-        for (int i = 0; i < PER; ++i)  // ascending experts: strict > keeps the lower on a tie
-            if (v[i] > best) { best = v[i]; at = lane + 32 * i; }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float b = __shfl_xor_sync(0xffffffffu, best, o);
-            const int a = __shfl_xor_sync(0xffffffffu, at, o);
-            if (b > best || (b == best && a < at)) { best = b; at = a; }
+    for (int w = 1; w < WARPS; ++w) t = Max ? fmaxf(t, scratch[w]) : t + scratch[w];
+    __syncthreads();  // scratch is free again
+    return t;
+}
+
+// The routing of the logits, one an expert thread (tid < E; -inf in the others), by the whole
+// CTA: the softmax, then each expert's rank among the probabilities (how many are larger, or
+// equal at a lower index); the experts ranked under TOP_K fill the slots in rank order, the
+// weights divided by their sum with RENORMALIZE. One warp taking the largest TOP_K times in a
+// row costs TOP_K chains of shuffles; the ranks are E compares a thread, side by side.
+__device__ __forceinline__ void softmax_top_k(float logit, float* probs, float* scratch,
+                                              float* slot_w, int* slot_id, float* topk_w,
+                                              int* topk_ids) {
+    const int tid = threadIdx.x, lane = tid & 31;
+    const float top = block_reduce<true>(logit, scratch);
+    const float e = tid < E ? expf(logit - top) : 0.f;
+    const float p = e / block_reduce<false>(e, scratch);
+    if (tid < E) probs[tid] = p;
+    __syncthreads();
+    if (tid < E) {
+        int rank = 0;
+#pragma unroll 8
+        for (int j = 0; j < E; ++j) {
+            const float q = probs[j];
+            rank += q > p || (q == p && j < tid);
         }
-        if (lane == j) { mine_w = best; mine_id = at; }
-        picked += best;
-#pragma unroll
-        for (int i = 0; i < PER; ++i)
-            if (lane + 32 * i == at) v[i] = -1.f;
+        if (rank < TOP_K) { slot_w[rank] = p; slot_id[rank] = tid; }
     }
-    if (RENORMALIZE) mine_w /= picked;
-    if (lane < TOP_K) { topk_w[lane] = mine_w; topk_ids[lane] = mine_id; }
+    __syncthreads();
+    if (tid < 32) {
+        const float w = lane < TOP_K ? slot_w[lane] : 0.f;
+        const float picked = RENORMALIZE ? warp_sum(w) : 1.f;
+        if (lane < TOP_K) {
+            topk_w[lane] = RENORMALIZE ? w / picked : w;
+            topk_ids[lane] = slot_id[lane];
+        }
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) gemv_stream_route(
@@ -240,9 +244,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemv_stream_route(
     float* rows_s = (float*)(bars + STAGES);  // [CTA_ROWS] this CTA's rows of summed (0 past them)
     float* res_s = rows_s + CTA_ROWS;         // [CTA_ROWS] the residual at those rows
     float* sums = res_s + CTA_ROWS;           // [WARPS][E] the last CTA's partial logits a warp
-    float* logit_s = sums + WARPS * E;        // [E] the logits as stored
-    float* squares = logit_s + E;             // [WARPS] the last CTA's sums of squares a warp
-    u32* last = (u32*)(squares + WARPS);      // whether this CTA counted in last
+    float* probs = sums + WARPS * E;          // [E] the routing's probabilities
+    float* squares = probs + E;               // [WARPS] the last CTA's sums of squares a warp
+    float* scratch = squares + WARPS;         // [WARPS] the routing's block reductions
+    float* slot_w = scratch + WARPS;          // [32] the routing's picks, in rank order
+    int* slot_id = (int*)(slot_w + 32);       // [32]
+    u32* last = (u32*)(slot_id + 32);         // whether this CTA counted in last
     const u32 ring = smem_u32(smem);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 #if !TIMING
@@ -382,13 +389,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemv_stream_route(
 #pragma unroll
     for (int v = 0; v < WARPS; ++v) total += squares[v];
     const float inv = rsqrtf(total / N + eps);
+    float logit = __int_as_float(0xff800000);  // -inf past the experts
     if (tid < E) {
         float l = 0.f;
 #pragma unroll
         for (int v = 0; v < WARPS; ++v) l += sums[v * E + tid];
         const u16 stored = to_dtype(l * inv);
         logits[tid] = stored;
-        logit_s[tid] = lo_f32((u32)stored);
+        logit = lo_f32((u32)stored);  // the routing takes the logits as stored
     }
 #pragma unroll
     for (int i = 0; i < ROW_CHUNKS; ++i) {
@@ -407,9 +415,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemv_stream_route(
         out.x = packed[0]; out.y = packed[1]; out.z = packed[2]; out.w = packed[3];
         *(chunk16*)(normed + c * 8) = out;
     }
-    __syncthreads();  // logit_s complete
     mark(timing, 5);  // summed, normed
-    if (warp == 0) softmax_top_k(logit_s, topk_w, topk_ids);
+    softmax_top_k(logit, probs, scratch, slot_w, slot_id, topk_w, topk_ids);
     if (tid == 0) asm volatile("st.relaxed.gpu.u32 [%0], 0;" :: "l"(counter) : "memory");
     mark(timing, 6);  // routed
 }

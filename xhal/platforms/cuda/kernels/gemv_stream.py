@@ -98,7 +98,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | Non
 
 def route_shared_mem(experts: int, cta_rows: int) -> int:
     """The route entry's shared memory past the GEMV's (``ROUTE_FLOATS`` in the source)."""
-    return 4 * (2 * cta_rows + _WARPS * experts + experts + _WARPS + 2)
+    return 4 * (2 * cta_rows + _WARPS * experts + experts + 2 * _WARPS + 2 * MAX_ROUTE_TOP_K + 2)
 
 
 def supports_route(
