@@ -112,9 +112,8 @@ def supports_route(
     """Whether ``gemv_stream_route`` takes these operands: one row, ``weight [N, K]`` as
     ``supports`` takes it, ``residual [1, N]``, ``norm_weight [N]`` and ``gate_weight [E, N]``
     contiguous in x's dtype with N a multiple of 8, E a multiple of 4 up to
-    ``MAX_ROUTE_EXPERTS`` and ``top_k`` up to ``MAX_ROUTE_TOP_K``. Where the launch's stage
-    width (``plan``'s rows) is a multiple of 4, as the 8-byte gate loads need, ``GemvStream``
-    checks when it plans the launch."""
+    ``MAX_ROUTE_EXPERTS`` and ``top_k`` up to ``MAX_ROUTE_TOP_K``. What depends on the device
+    (the stage width, a CTA's rows) ``route_launch`` checks."""
     if not (x.dim() == 2 and x.shape[0] == 1 and supports(x, weight)):
         return False
     n = weight.shape[0]
@@ -150,16 +149,12 @@ def route_launch(k: int, n: int, experts: int, top_k: int, renormalize: bool, bf
     SM with ``beside``, which also lets the next kernel launch before the wait), one CTA per SM
     over units of the plan's rows. None where the plan's rows are not a multiple of 4 (the
     8-byte gate loads) or a CTA would hold more than ``_MAX_CTA_ROWS`` rows."""
-    budget = max_shared_mem - route_shared_mem(experts, _MAX_CTA_ROWS)
-    if beside:  # no more stages than a CTA's share of the rows fills
-        budget = native.beside_share(max_shared_mem) - route_shared_mem(experts, _MAX_CTA_ROWS)
-        first = plan(k, 1, budget)
-        if first is None:
-            return None
-        units = -(-n // first.rows)
+    share = native.beside_share(max_shared_mem) if beside else max_shared_mem
+    budget = share - route_shared_mem(experts, _MAX_CTA_ROWS)
+    p = plan(k, 1, budget)
+    if beside and p is not None:  # no more stages than a CTA's share of the rows fills
+        units = -(-n // p.rows)
         p = plan(k, 1, budget, units=-(-units // min(num_sms, units)))
-    else:
-        p = plan(k, 1, budget)
     if p is None or p.rows % 4:
         return None
     units = -(-n // p.rows)
