@@ -111,28 +111,27 @@ def _(x, w13, w2, topk_weights, topk_ids):
     return torch.empty_like(x)
 
 
+def _routing_outputs(residual, gate_weight, top_k):
+    """The fused routers' outputs: logits [T, E], normed and new residual like ``residual``,
+    weights float32 and ids int32 [T, k]."""
+    num_tokens = residual.shape[0]
+    return (
+        residual.new_empty(num_tokens, gate_weight.shape[0]),
+        torch.empty_like(residual),
+        torch.empty_like(residual),
+        residual.new_empty(num_tokens, top_k, dtype=torch.float32),
+        residual.new_empty(num_tokens, top_k, dtype=torch.int32),
+    )
+
+
 @torch.library.register_fake("xhal::add_rms_norm_moe_route")
 def _(x, residual, norm_weight, eps, gate_weight, top_k, renormalize):
-    num_tokens = x.shape[0]
-    return (
-        x.new_empty(num_tokens, gate_weight.shape[0]),
-        torch.empty_like(x),
-        torch.empty_like(x),
-        x.new_empty(num_tokens, top_k, dtype=torch.float32),
-        x.new_empty(num_tokens, top_k, dtype=torch.int32),
-    )
+    return _routing_outputs(residual, gate_weight, top_k)
 
 
 @torch.library.register_fake("xhal::linear_add_rms_norm_moe_route")
 def _(x, weight, residual, norm_weight, eps, gate_weight, top_k, renormalize):
-    num_tokens = x.shape[0]
-    return (
-        x.new_empty(num_tokens, gate_weight.shape[0]),
-        torch.empty_like(residual),
-        torch.empty_like(residual),
-        x.new_empty(num_tokens, top_k, dtype=torch.float32),
-        x.new_empty(num_tokens, top_k, dtype=torch.int32),
-    )
+    return _routing_outputs(residual, gate_weight, top_k)
 
 
 @torch.library.register_fake("xhal::qk_rms_norm")
