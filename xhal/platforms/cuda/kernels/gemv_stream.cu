@@ -137,8 +137,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemv_stream(
 // of squares before anyone knows the norm, and 1 / rms scales the sums afterwards. So each CTA
 // stores E partial logits and a partial sum of squares, counts itself in, and the last CTA adds
 // the partials in CTA order (the same sums every replay), stores the normed row and the logits,
-// routes them (softmax_top_k, by every thread) and zeroes the count for the next launch. The router launch and its
-// reload of the row the o GEMV has just written leave the layer's chain.
+// routes them (softmax_top_k, every thread of it) and zeroes the count for the next launch. The
+// router launch and its reload of the row the o GEMV has just written leave the layer's chain.
 //
 // Compile-time besides the GEMV's (M_ROWS 1, NORM 0): N (rows of w, the hidden size), E
 // (experts, a multiple of 4 up to THREADS), TOP_K (up to 32), RENORMALIZE, GRID (the launch's
@@ -146,7 +146,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemv_stream(
 // multiple of 4, as R is). Runtime scratch: parts [GRID][E + 4] floats and a zeroed counter.
 
 #define EP (E + 4)  // a CTA's partials: E logits, the sum of squares, 3 floats of padding
-#define ROUTE_FLOATS (2 * CTA_ROWS + WARPS * E + E + 2 * WARPS + 64 + 2)  // after the mbarriers
+// after the mbarriers: rows_s, res_s, sums, probs, squares, scratch, slot_w, slot_id, last + 1
+#define ROUTE_FLOATS (2 * CTA_ROWS + WARPS * E + E + 2 * WARPS + 64 + 2)
 
 static_assert(M_ROWS == 1 && NORM == 0, "the route takes one row with no norm ahead of w");
 static_assert(R % 4 == 0 && CTA_ROWS % 4 == 0 && N % 8 == 0, "rows go in 8- and 16-byte chunks");
