@@ -311,8 +311,11 @@ def test_linear_add_rms_norm_route(
         check_o_route(outputs, *inputs, top_k, renormalize, dtype, record_error)
 
 
+# a hidden size of 2048 spreads o's rows over more CTAs than an H100 or H200 has SMs, so a fused
+# kernel's count and partials are reused across replays at full width; o's K stays small, and the
+# Qwen3-30B-A3B shape itself runs in the eager cases above (the Triton interpreter runs this too)
 @pytest.mark.kernel_ops("linear_add_rms_norm_moe_route", "moe_experts")
-@pytest.mark.parametrize("hidden,k,num_experts,top_k", [(2048, 4096, 128, 8), (64, 128, 8, 2)])
+@pytest.mark.parametrize("hidden,k,num_experts,top_k", [(2048, 512, 32, 4), (64, 128, 8, 2)])
 def test_linear_add_rms_norm_route_in_a_graph(
     hidden, k, num_experts, top_k, platform, dtype, device, record_error
 ) -> None:
