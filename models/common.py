@@ -100,7 +100,7 @@ class RopeAttention(nn.Module):
         the input norm and the whole attention, in one backend call when the step's backend runs
         the block (``AttentionBackend.forward_block``), else as the fused norm + qkv projection,
         then ``attend`` (also when the backend declines the call). ``project=False``: the
-        attention's output before o (``runs_block`` must have said no)."""
+        attention's output before o, never through the block (which runs o)."""
         if project and self.runs_block():
             fused = self.attn.forward_block(self.block_weights(norm), hidden, residual, positions)
             if fused is not None:

@@ -96,6 +96,17 @@ def supports(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | Non
     return plan(k, x.shape[0], native.max_shared_mem(x.device)) is not None
 
 
+def beside_plan(k: int, rows: int, n: int, share: int, num_sms: int) -> Plan | None:
+    """``plan`` in ``share`` bytes (half an SM's, less any fixed part beside the ring) with no
+    more stages than a CTA's share of ``n`` weight rows fills: one CTA per SM over units of the
+    plan's rows."""
+    p = plan(k, rows, share)
+    if p is None:
+        return None
+    units = -(-n // p.rows)
+    return plan(k, rows, share, units=-(-units // min(num_sms, units)))
+
+
 def route_shared_mem(experts: int, cta_rows: int) -> int:
     """The route entry's shared memory past the GEMV's (``ROUTE_FLOATS`` in the source)."""
     return 4 * (2 * cta_rows + _WARPS * experts + experts + 2 * _WARPS + 2 * MAX_ROUTE_TOP_K + 2)
@@ -151,10 +162,7 @@ def route_launch(k: int, n: int, experts: int, top_k: int, renormalize: bool, bf
     8-byte gate loads) or a CTA would hold more than ``_MAX_CTA_ROWS`` rows."""
     share = native.beside_share(max_shared_mem) if beside else max_shared_mem
     budget = share - route_shared_mem(experts, _MAX_CTA_ROWS)
-    p = plan(k, 1, budget)
-    if beside and p is not None:  # no more stages than a CTA's share of the rows fills
-        units = -(-n // p.rows)
-        p = plan(k, 1, budget, units=-(-units // min(num_sms, units)))
+    p = beside_plan(k, 1, n, budget, num_sms) if beside else plan(k, 1, budget)
     if p is None or p.rows % 4:
         return None
     units = -(-n // p.rows)
@@ -198,10 +206,9 @@ class GemvStream:
 
     def _shape(self, rows: int, k: int, n: int, dtype: torch.dtype, norm: bool, pdl: bool,
                beside: bool, early: bool):  # fmt: skip
-        if beside:  # half an SM, and no more stages than a CTA's share of the rows fills
+        if beside:
             share = native.beside_share(self._kernels.max_shared_mem)
-            units, ctas = self._grid(n, plan(k, rows, share).rows)
-            p = plan(k, rows, share, units=-(-units // ctas))
+            p = beside_plan(k, rows, n, share, self._kernels.num_sms)
         else:
             p = self._plan_for(k, rows, self._kernels.max_shared_mem)
         defines = {
