@@ -350,7 +350,8 @@ def test_the_o_route_defaults_to_the_sequence_of_chosen_ops() -> None:
     """``linear_add_rms_norm_moe_route`` on CUDA: ``unfused`` is chosen, and its provider only
     inherits the op's default, so the platform runs the chosen linear and router (forcing
     ``XHAL_KERNEL_LINEAR`` still reaches a MoE layer's o); ``native`` is forced by name."""
-    from xhal.platforms.cuda.ops import CudaOps, NativeORouteOps
+    from xhal.platforms.cuda.o_route_ops import NativeORouteOps
+    from xhal.platforms.cuda.ops import CudaOps
     from xhal.solutions.kernels import inherits_default
 
     h200 = solutions.DeviceInfo("cuda", "NVIDIA H200", (9, 0))

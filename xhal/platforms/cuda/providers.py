@@ -49,7 +49,7 @@ def native_moe_ops(platform: object):
 def native_o_route_ops(platform: object):
     """CudaOps whose ``linear_add_rms_norm_moe_route`` runs gemv_stream.cu's route entry where it
     can."""
-    from xhal.platforms.cuda.ops import NativeORouteOps
+    from xhal.platforms.cuda.o_route_ops import NativeORouteOps
 
     return NativeORouteOps()
 
