@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
+from starlette.concurrency import run_in_threadpool
 
 from serve_cli.api.common import server_state
 from serve_cli.api.defaults import with_defaults
@@ -31,7 +32,7 @@ router = APIRouter()
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
     state = server_state(request, body.model)
-    prompt = chat_prompt(state, body)
+    prompt = await run_in_threadpool(chat_prompt, state, body)  # off the event loop, as a prompt
     max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens(state, prompt)
     if body.max_completion_tokens or body.max_tokens:
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"

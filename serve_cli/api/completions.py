@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
+from starlette.concurrency import run_in_threadpool
 
 from serve_cli.api.choice import Choice
 from serve_cli.api.common import server_state
@@ -29,7 +30,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     state = server_state(request, body.model)
     if body.echo:
         raise invalid("'echo' is not supported", "echo", "unsupported_parameter")
-    prompts = completion_prompts(state, body.prompt)
+    # tokenizing a long prompt takes a while: off the event loop, so other requests go on
+    prompts = await run_in_threadpool(completion_prompts, state, body.prompt)
     max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
     params = sampling_params(with_defaults(body, state.defaults), max_tokens, body.logprobs)
     for ids in prompts:

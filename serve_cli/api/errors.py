@@ -69,7 +69,8 @@ def install_handlers(app: FastAPI) -> None:
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
-    """The first pydantic error as a 400 naming its top-level field."""
+    """The first pydantic error as a 400 naming its top-level field (``param``) and, in the
+    message, the place inside it."""
     errors = exc.errors()
     if not errors:
         return invalid("invalid request", None)
@@ -79,7 +80,23 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return invalid(f"malformed JSON body: {first.get('msg')}", None, "json_invalid")
     if not loc:
         return invalid(f"the request body must be a JSON object: {first.get('msg')}", None)
-    param = str(loc[0])
+    param, where = str(loc[0]), _field_path(loc)
     if first.get("type") == "missing":
-        return invalid(f"'{param}' is required", param, "missing_required_parameter")
-    return invalid(f"'{param}': {first.get('msg')}", param)
+        return invalid(f"'{where}' is required", param, "missing_required_parameter")
+    return invalid(f"'{where}': {first.get('msg')}", param)
+
+
+# the names pydantic gives the members of a union in an error's location (``prompt.str``)
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
+
+
+def _field_path(loc: list) -> str:
+    """An error's location as the client wrote it (``messages[0].role``): list indices and field
+    names, without the union members pydantic names on the way (``list[ContentPart]``)."""
+    path = str(loc[0])
+    for part in loc[1:]:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif str(part).isidentifier() and str(part).islower() and part not in _TYPE_TAGS:
+            path += f".{part}"
+    return path

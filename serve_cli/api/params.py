@@ -60,6 +60,13 @@ def refuse_inconsistent(request: SamplingFields) -> None:
             "'stream_options' out",
             "stream_options",
         )
+    best_of = (request.model_extra or {}).get("best_of")
+    if isinstance(best_of, int) and best_of < request.n:
+        raise invalid(
+            f"'best_of' ({best_of}) must be at least 'n' ({request.n}): it is how many are "
+            "sampled to return n; leave 'best_of' out",
+            "best_of",
+        )
     wants_top = getattr(request, "top_logprobs", None) is not None
     if wants_top and getattr(request, "logprobs", None) is not True:
         raise invalid(

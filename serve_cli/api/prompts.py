@@ -14,13 +14,13 @@ def completion_prompts(state: ServerState, prompt: Any) -> list[list[int]]:
     """``prompt`` (a string, a list of strings, token ids or a list of token-id lists) -> one
     token-id list per prompt."""
     if isinstance(prompt, str):
-        prompts = [_encode(state, prompt, add_special_tokens=True)]
+        prompts = [encode(state, prompt, "prompt", add_special_tokens=True)]
     elif not prompt:
         raise invalid("'prompt' must not be empty", "prompt")
     elif all(isinstance(p, int) for p in prompt):
         prompts = [list(prompt)]
     elif all(isinstance(p, str) for p in prompt):
-        prompts = [_encode(state, p, add_special_tokens=True) for p in prompt]
+        prompts = [encode(state, p, "prompt", add_special_tokens=True) for p in prompt]
     else:
         prompts = [list(p) for p in prompt]
     for ids in prompts:
@@ -39,7 +39,7 @@ def chat_prompt(state: ServerState, body: ChatTemplateFields) -> list[int]:
     """The conversation rendered by the chat template (the tokenizer's, or the request's
     ``chat_template``), ending in the assistant's turn or, with ``continue_final_message``, in
     the open last message, as token ids."""
-    ids = _encode(state, render_chat(state, body), add_special_tokens=False)
+    ids = encode(state, render_chat(state, body), "messages", add_special_tokens=False)
     check_prompt(state, ids, "messages")
     return ids
 
@@ -90,7 +90,17 @@ def check_prompt(state: ServerState, ids: list[int], param: str) -> None:
         raise invalid(problem.message, param, problem.code or "invalid_value")
 
 
-def _encode(state: ServerState, text: str, add_special_tokens: bool) -> list[int]:
+def encode(state: ServerState, text: str, param: str, add_special_tokens: bool) -> list[int]:
+    """``text`` as token ids; a 400 naming ``param`` for text that is not Unicode (JSON can carry
+    a lone UTF-16 surrogate, ``"\\ud800"``, which no tokenizer takes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise invalid(
+            f"'{param}' is not valid Unicode: it holds a lone surrogate (U+{ord(text[e.start]):04X}"
+            f" at character {e.start}); a \\ud800-\\udfff escape must be half of a pair",
+            param,
+        ) from None
     return list(state.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 

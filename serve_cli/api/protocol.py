@@ -3,14 +3,15 @@
 Field constraints carry the 400s: a violated one is reported naming its field. Unknown fields
 are accepted and ignored, as OpenAI clients send extras, except the sampling features xhal-serve
 does not implement (``params.NOT_IMPLEMENTED``: penalties, logit bias, guided decoding, ...),
-which are refused when set. ``None`` means "the default".
+which are refused when set. ``null`` means "the default" for every field that has one, as the
+OpenAI API documents its optional fields (``"n": null`` is ``n`` 1).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -20,7 +21,22 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class RequestFields(BaseModel):
+    """A request body whose optional fields take ``null`` as their default."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data  # pydantic reports that the body is not an object
+        fields = cls.model_fields
+        return {
+            k: v for k, v in data.items()
+            if v is not None or k not in fields or fields[k].is_required()
+        }  # fmt: skip
+
+
+class SamplingFields(RequestFields):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="allow")
@@ -64,7 +80,7 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
 
-class ChatTemplateFields(BaseModel):
+class ChatTemplateFields(RequestFields):
     """How the conversation is rendered (vLLM's extensions): ``add_generation_prompt`` opens the
     assistant's turn; ``continue_final_message`` instead leaves the last message open so the model
     continues it; ``chat_template`` replaces the tokenizer's template; ``chat_template_kwargs``

@@ -7,10 +7,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
 
 from serve_cli.api.common import check_model
 from serve_cli.api.errors import invalid
-from serve_cli.api.prompts import check_prompt, render_chat
+from serve_cli.api.prompts import check_prompt, encode, render_chat
 from serve_cli.api.protocol import ChatTemplateFields
 from serve_cli.api.state import ServerState
 
@@ -59,11 +60,12 @@ async def tokenize(body: dict[str, Any], request: Request) -> TokenizeResponse:
     parsed: TokenizeChatRequest | TokenizeCompletionRequest
     if "messages" in body:
         parsed = _parse(TokenizeChatRequest, body)
-        text = render_chat(state, parsed)
+        param, text = "messages", await run_in_threadpool(render_chat, state, parsed)
     else:
         parsed = _parse(TokenizeCompletionRequest, body)
-        text = parsed.prompt
-    ids = list(state.tokenizer(text, add_special_tokens=parsed.add_special_tokens)["input_ids"])
+        param, text = "prompt", parsed.prompt
+    # a long text takes a while: off the event loop, so other requests go on meanwhile
+    ids = await run_in_threadpool(encode, state, text, param, parsed.add_special_tokens)
     strs = state.tokenizer.convert_ids_to_tokens(ids) if parsed.return_token_strs else None
     return TokenizeResponse(
         count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=strs

@@ -8,6 +8,7 @@ text of an unconstrained greedy run) or against OpenAI's documented shapes.
 
 from __future__ import annotations
 
+import json
 import shutil
 from typing import Any
 
@@ -341,3 +342,43 @@ def test_malformed_json_is_400(server: ServerProcess) -> None:
         assert response.status_code == 400, response.text
         assert response.json()["error"]["type"] == "invalid_request_error"
     assert post(server, "/v1/completions", GOOD).status_code == 200
+
+
+def test_text_with_a_lone_surrogate_is_400(server: ServerProcess) -> None:
+    """JSON may escape half a UTF-16 pair ("\\ud800"), which no tokenizer takes: a 400 naming the
+    field, not a 500 (sent as ASCII JSON, the one way a client can send it)."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "a\ud800b"}], "max_tokens": 2}
+    cases = [
+        ("/v1/completions", {**GOOD, "prompt": "a\ud800b"}, "prompt"),
+        ("/v1/completions", {**GOOD, "prompt": ["fine", "\udfff"]}, "prompt"),
+        ("/v1/chat/completions", chat, "messages"),
+        ("/tokenize", {"model": MODEL, "prompt": "\ud800"}, "prompt"),
+    ]
+    for path, body, param in cases:
+        response = post(server, path, None, raw=json.dumps(body).encode())
+        assert response.status_code == 400, (path, response.text)
+        error = response.json()["error"]
+        assert error["param"] == param and "surrogate" in error["message"]
+    assert post(server, "/v1/completions", GOOD).status_code == 200
+
+
+def test_null_is_the_default(server: ServerProcess) -> None:
+    """OpenAI's optional fields take null for their default: n 1, no stream, no logprobs."""
+    completion = {**GOOD, "n": None, "stream": None, "echo": None, "logprobs": None}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+            "n": None, "stream": None, "logprobs": None, "add_generation_prompt": None}  # fmt: skip
+    for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+        response = post(server, path, body)
+        assert response.status_code == 200, response.text
+        (choice,) = response.json()["choices"]
+        assert choice["logprobs"] is None
+    missing = post(server, "/v1/completions", {**GOOD, "model": None})  # required: null is not it
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "model"
+
+
+def test_errors_inside_a_field_name_the_place(server: ServerProcess) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}, {"content": "y"}]}
+    error = post(server, "/v1/chat/completions", body).json()["error"]
+    assert error["param"] == "messages" and "'messages[1].role' is required" in error["message"]
+    error = post(server, "/v1/completions", {**GOOD, "n": 2, "best_of": 1}).json()["error"]
+    assert error["param"] == "best_of" and "at least 'n'" in error["message"]
