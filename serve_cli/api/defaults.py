@@ -14,9 +14,9 @@ from serve_cli.api.protocol import SamplingFields
 logger = logging.getLogger("xhal.serve")
 RequestT = TypeVar("RequestT", bound=SamplingFields)
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
 # generation_config.json keys xhal-serve cannot apply, with the value that changes nothing
-UNSUPPORTED_KEYS = {"repetition_penalty": 1.0, "min_p": 0.0}
+UNSUPPORTED_KEYS = {"min_p": 0.0}
 
 
 @dataclass(frozen=True)

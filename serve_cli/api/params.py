@@ -14,9 +14,6 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # these are refused when set to anything else, since ignoring them would answer a different
 # request than the one sent.
 NOT_IMPLEMENTED: dict[str, tuple] = {
-    "presence_penalty": (0, None),
-    "frequency_penalty": (0, None),
-    "repetition_penalty": (1, None),
     "logit_bias": ({}, None),
     "min_p": (0, None),
     "min_tokens": (0, None),
@@ -92,6 +89,9 @@ def sampling_params(
             logprobs=logprobs,
             ignore_eos=request.ignore_eos,
             stop_token_ids=tuple(request.stop_token_ids or ()),
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=request.repetition_penalty or 1.0,
         )
     except ParamError as e:
         raise invalid(f"'{e.param}': {e.message}", e.param) from e

@@ -103,7 +103,8 @@ class EngineCore:
         request = Request(request_id, prompt, params.max_tokens, sampling_params=params)
         self.scheduler.submit(request)
         generator = None if params.seed is None else self.runner.new_generator(params.seed)
-        self._states[request_id] = RequestState(request, params, generator)
+        penalties = self.runner.new_penalties(prompt) if params.penalized else None
+        self._states[request_id] = RequestState(request, params, generator, penalties=penalties)
 
     def abort(self, request_id: str) -> bool:
         """Finish a live request as "abort" and free its blocks now; its last output comes with

@@ -15,6 +15,7 @@ class RequestState:
     request: Request
     params: SamplingParams
     generator: Any  # the runner's RNG for a seeded request, else None
+    penalties: Any = None  # the runner's seen tokens for a request with a penalty, else None
     scheduled_at: float | None = None  # time.monotonic() of its first scheduled step
 
     def output(

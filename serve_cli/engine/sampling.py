@@ -21,10 +21,12 @@ class SamplingParams:
     before them (finish reason "stop"); a token of ``stop_token_ids`` ends it after itself
     (finish reason "stop", even with ``ignore_eos``, as vLLM does). ``logprobs`` N returns, per
     generated token, its logprob and the N most likely tokens' (from the raw logits, before
-    temperature). Construction validates, so a ``SamplingParams`` that exists is a valid one:
-    this is the one place its rules live (the API and the engine both rely on it). ``stop`` is a
-    tuple of strings and ``stop_token_ids`` a tuple or frozenset of ids, as given: nothing is
-    converted after construction.
+    penalties and temperature). ``presence_penalty``, ``frequency_penalty`` (0: off, in [-2, 2])
+    and ``repetition_penalty`` (1: off, > 0) push the logits away from tokens already seen, by
+    vLLM's rules (``runner/penalties.py``). Construction validates, so a ``SamplingParams`` that
+    exists is a valid one: this is the one place its rules live (the API and the engine both rely
+    on it). ``stop`` is a tuple of strings and ``stop_token_ids`` a tuple or frozenset of ids, as
+    given: nothing is converted after construction.
     """
 
     max_tokens: int = 16
@@ -36,6 +38,9 @@ class SamplingParams:
     logprobs: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] | frozenset[int] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         self._validate()
@@ -43,6 +48,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty changes the logits (``runner/penalties.py``)."""
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1
 
     def _validate(self) -> None:
         """Raise ``ParamError`` (a ``ValueError``) naming the first invalid field."""
@@ -68,6 +78,14 @@ class SamplingParams:
             )
         if not isinstance(self.ignore_eos, bool):
             raise ParamError("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ParamError(name, f"must be a number in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0:
+            raise ParamError(
+                "repetition_penalty", f"must be a number > 0, got {self.repetition_penalty!r}"
+            )
         ids = self.stop_token_ids
         if not isinstance(ids, (tuple, frozenset)) or not all(_is_int(t) and t >= 0 for t in ids):
             raise ParamError(

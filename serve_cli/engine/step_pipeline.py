@@ -91,8 +91,11 @@ class StepPipeline:
             generators = {
                 rid: s.generator for rid, s in step.states.items() if s.generator is not None
             }
+            penalties = {
+                rid: s.penalties for rid, s in step.states.items() if s.penalties is not None
+            }
             prior = None if previous is None else previous.launched
-            step.launched = self.runner.launch(batch, params, generators, prior)
+            step.launched = self.runner.launch(batch, params, generators, prior, penalties)
         except Exception as exc:
             logger.exception("step failed: failing the %d requests of its batch", batch.num_seqs)
             step.error = f"{type(exc).__name__}: {exc}"

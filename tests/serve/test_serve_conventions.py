@@ -191,14 +191,16 @@ def test_generation_config_defaults_fill_what_a_request_leaves_unset(
 
     config = {
         "temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 40,
-        "repetition_penalty": 1.1, "do_sample": True,
+        "repetition_penalty": 1.1, "min_p": 0.05, "do_sample": True,
     }
     (tmp_path / "generation_config.json").write_text(json.dumps(config))
     with caplog.at_level("WARNING"):
         defaults = load_request_defaults(tmp_path)
-    assert defaults.sampling == {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
+    assert defaults.sampling == {
+        "temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1
+    }  # fmt: skip
     assert defaults.chat_max_tokens == 40
-    assert "repetition_penalty" in caplog.text  # not implemented: said at start, not ignored
+    assert "min_p" in caplog.text  # not implemented: said at start, not ignored
     assert load_request_defaults(tmp_path, max_tokens=8).chat_max_tokens == 8  # the flag wins
     assert load_request_defaults(tmp_path / "none").sampling == {}  # no file: no defaults
 
@@ -213,6 +215,7 @@ def test_generation_config_defaults_fill_what_a_request_leaves_unset(
         assert call(app, "POST", path, body).status_code == 200, body
     unset, given, chat = engine.params
     assert (unset.temperature, unset.top_p, unset.top_k) == (0.6, 0.9, 20)
+    assert unset.repetition_penalty == 1.1
     assert (given.temperature, given.top_p, given.top_k) == (0, 0.9, 0)  # a request's value wins
     assert (chat.temperature, chat.max_tokens) == (0.6, 40)
 

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from serve_cli.engine.runner import penalties as penalty_rules
 from serve_cli.engine.runner.host_copy import HostCopy
+from serve_cli.engine.runner.penalties import Penalties
 from serve_cli.engine.sampling import SamplingParams, TokenLogprobs
 from xhal import ops
 
@@ -42,7 +44,8 @@ class Sampler:
 
     Rows of requests without a seed share the engine's generator (seeded once, so a whole run is
     reproducible); a request with a seed has its own generator, used only for its rows, so its
-    tokens do not depend on what it is batched with.
+    tokens do not depend on what it is batched with. A request with a penalty brings its
+    ``Penalties`` (its seen tokens, on the device), which the sampled token is added to.
     """
 
     def __init__(self, device: torch.device, seed: int) -> None:
@@ -57,10 +60,12 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        penalties: Sequence[Penalties | None] | None = None,
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """``logits`` float32 ``[S, V]``, one row per request in ``params`` -> a token per row and,
-        for rows that asked for them, logprobs."""
-        return self.launch(logits, params, generators).resolve()
+        for rows that asked for them, logprobs. ``penalties``: a row's ``Penalties`` where its
+        params have a penalty (None: no row has)."""
+        return self.launch(logits, params, generators, penalties=penalties).resolve()
 
     def launch(
         self,
@@ -68,11 +73,18 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
         out: torch.Tensor | None = None,
+        penalties: Sequence[Penalties | None] | None = None,
     ) -> PendingSample:
         """Queue ``sample``'s work on the device and start reading its results back; no sync.
         The tokens go into ``out`` when given (``[S]``, e.g. the executor's ``token_ids``, where
         the next decode step reads them without a copy), else into an int64 tensor of their
         own."""
+        raw = logits  # what logprobs are taken of
+        penalized = [i for i, p in enumerate(params) if p.penalized]
+        if penalized:
+            if penalties is None or any(penalties[i] is None for i in penalized):
+                raise ValueError("a row with a penalty needs its Penalties (its seen tokens)")
+            logits = penalty_rules.penalized(logits, penalized, params, penalties)
         shared = [i for i, g in enumerate(generators) if g is None]
         if len(shared) == len(params):  # no seeded row: no index to upload
             # a copy of its own: the next step's sampling must not overwrite what is read back
@@ -89,8 +101,10 @@ class Sampler:
         for i, g in enumerate(generators):
             if g is not None:  # one call per seeded request: its generator sees only its rows
                 tokens[i : i + 1] = self._sample_rows(logits[i : i + 1], [params[i]], g)
+        if penalized:
+            penalty_rules.count(tokens, penalized, penalties)
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        extra = self._logprobs(logits, tokens, params, rows) if rows else []
+        extra = self._logprobs(raw, tokens, params, rows) if rows else []
         ks = [params[i].logprobs for i in rows]
         return PendingSample(tokens, HostCopy([tokens, *extra]), rows, ks)
 

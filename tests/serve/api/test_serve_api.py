@@ -307,8 +307,8 @@ def test_bad_chat_input_is_400(server: ServerProcess, body: dict, param: str) ->
 
 @pytest.mark.parametrize(
     "field,value",
-    [("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("repetition_penalty", 1.2),
-     ("logit_bias", {"5": 10}), ("min_tokens", 4), ("response_format", {"type": "json_object"})],
+    [("logit_bias", {"5": 10}), ("min_tokens", 4), ("response_format", {"type": "json_object"}),
+     ("min_p", 0.1)],
 )  # fmt: skip
 def test_unimplemented_sampling_fields_are_refused_not_ignored(
     server: ServerProcess, field: str, value: object
@@ -321,9 +321,8 @@ def test_unimplemented_sampling_fields_are_refused_not_ignored(
         assert error["param"] == field and error["code"] == "unsupported_parameter"
         assert "not supported" in error["message"]
     # at the value that leaves sampling alone, as clients send by default, they are accepted
-    neutral = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1,
-               "logit_bias": {}, "min_tokens": 0,
-               "response_format": {"type": "text"}}[field]  # fmt: skip
+    neutral = {"logit_bias": {}, "min_tokens": 0, "response_format": {"type": "text"},
+               "min_p": 0}[field]  # fmt: skip
     assert post(server, "/v1/completions", {**GOOD, field: neutral}).status_code == 200
 
 
@@ -382,3 +381,20 @@ def test_errors_inside_a_field_name_the_place(server: ServerProcess) -> None:
     assert error["param"] == "messages" and "'messages[1].role' is required" in error["message"]
     error = post(server, "/v1/completions", {**GOOD, "n": 2, "best_of": 1}).json()["error"]
     assert error["param"] == "best_of" and "at least 'n'" in error["message"]
+
+
+def test_penalties_change_what_is_sampled(server: ServerProcess) -> None:
+    """The served route applies them (the rules are checked against a by-hand loop in
+    tests/serve/engine/test_engine.py); out of range is a 400 naming the field."""
+    body = {**GOOD, "prompt": "a b a b a b", "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    plain = post(server, "/v1/completions", body).json()["choices"][0]["token_ids"]
+    for field, value in (("frequency_penalty", 2.0), ("repetition_penalty", 3.0)):
+        for stream in (False, True):
+            response = post(server, "/v1/completions", {**body, field: value, "stream": stream})
+            assert response.status_code == 200, response.text
+        ids = post(server, "/v1/completions", {**body, field: value}).json()["choices"][0]
+        assert ids["token_ids"] != plain and len(ids["token_ids"]) == 24, field
+    for field, value in (("presence_penalty", 2.5), ("repetition_penalty", 0)):
+        response = post(server, "/v1/completions", {**GOOD, field: value})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field

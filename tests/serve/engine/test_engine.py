@@ -52,7 +52,8 @@ def default_engine(tmp_path_factory: pytest.TempPathFactory) -> EngineCore:
 @pytest.fixture(scope="module")
 def reference(llama_gqa_dir: Path):
     """``reference(prompt, n)``: greedy tokens of a plain offline loop over the executor, one
-    sequence at a time (prefill, then decodes picking the argmax), eager, own KV cache."""
+    sequence at a time (prefill, then decodes picking the argmax), eager, own KV cache.
+    ``pick(logits [V], prompt, out)`` replaces the argmax (not cached)."""
     from models import load_model
     from tests.support.paged_host import PagedHost
     from xhal import platforms
@@ -66,8 +67,9 @@ def reference(llama_gqa_dir: Path):
     state = {"next_id": 0}
     cache: dict[tuple[int, ...], list[int]] = {}
 
-    def run(prompt: list[int], max_tokens: int = GREEDY.max_tokens) -> list[int]:
-        if (key := tuple(prompt)) in cache and len(cache[key]) >= max_tokens:
+    def run(prompt: list[int], max_tokens: int = GREEDY.max_tokens, pick=None) -> list[int]:
+        key = tuple(prompt)
+        if pick is None and key in cache and len(cache[key]) >= max_tokens:
             return cache[key][:max_tokens]
         host = PagedHost(num_blocks=64, block_size=16, seed=state["next_id"])
         state["next_id"] += 1
@@ -77,9 +79,10 @@ def reference(llama_gqa_dir: Path):
             ids, pos, md = host.step([(0, feed)])
             hidden = executor.execute(ids, pos, md)
             logits = executor.compute_logits(hidden, torch.tensor([len(feed) - 1]))
-            out.append(int(logits.argmax(-1)))
+            out.append(int(logits.argmax(-1)) if pick is None else pick(logits[0], prompt, out))
             feed = out[-1:]
-        cache[key] = out
+        if pick is None:
+            cache[key] = out
         return out
 
     return run
@@ -338,3 +341,60 @@ def test_input_builder_emits_the_xllm_layout(convention: str) -> None:
     # a decode step is handed on as host tensors (the executor stages it), without paged-KV
     # arrays: a decode graph stages none and an eager decode plans from the host lengths
     assert md.slot_mapping.is_cpu and md.paged_kv_indptr is None
+
+
+def _penalized_argmax(params: SamplingParams):
+    """The greedy pick with ``params``' penalties applied by hand, token by token, in float64:
+    repetition over the prompt and the output, frequency and presence over the output (vLLM's
+    rules)."""
+
+    def pick(logits: torch.Tensor, prompt: list[int], out: list[int]) -> int:
+        scores = logits.double().clone()
+        for token in set(prompt) | set(out):
+            s = float(scores[token])
+            r = params.repetition_penalty
+            scores[token] = s / r if s > 0 else s * r
+        for token in set(out):
+            scores[token] -= params.frequency_penalty * out.count(token)
+            scores[token] -= params.presence_penalty
+        return int(scores.argmax())
+
+    return pick
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_penalties_match_an_offline_loop_applying_them_by_hand(
+    llama_gqa_dir: Path, reference, async_scheduling: bool
+) -> None:
+    """Requests with penalties batched with one without (and a sampled, seeded one), with async
+    scheduling too, where a step's penalties must count the token of the step still in flight."""
+    engine = _engine(llama_gqa_dir, async_scheduling=async_scheduling)
+    prompts = _prompts([9, 30, 4, 12], seed=3)
+    n = 24
+    cases = [
+        replace(GREEDY, max_tokens=n, frequency_penalty=1.5),
+        replace(GREEDY, max_tokens=n, presence_penalty=2.0, repetition_penalty=1.3),
+        replace(GREEDY, max_tokens=n, repetition_penalty=2.0),
+        replace(GREEDY, max_tokens=n),
+    ]
+    expected = [reference(p, n, _penalized_argmax(c)) for p, c in zip(prompts, cases)]
+    plain = [reference(p, n) for p in prompts]
+    assert all(e != g for e, g in zip(expected[:3], plain[:3]))  # the penalties change the output
+    assert expected[3] == plain[3]
+    sampled = replace(GREEDY, max_tokens=n, temperature=0.8, seed=5, frequency_penalty=0.5)
+    engine.add_request("sampled", prompts[0], sampled)
+    for i, (prompt, params) in enumerate(zip(prompts, cases)):
+        engine.add_request(str(i), prompt, params)
+    outputs = _drain(engine)
+    got = [[t for out in outputs[str(i)] for t in out.new_token_ids] for i in range(len(cases))]
+    assert got == expected
+    assert len([t for out in outputs["sampled"] for t in out.new_token_ids]) == n
+
+
+def test_penalty_values_are_checked() -> None:
+    bad = [("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("repetition_penalty", 0.0),
+           ("repetition_penalty", float("nan"))]  # fmt: skip
+    for field, value in bad:
+        with pytest.raises(ParamError) as info:
+            replace(GREEDY, **{field: value})
+        assert info.value.param == field

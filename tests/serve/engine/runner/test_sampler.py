@@ -107,3 +107,27 @@ def test_a_seeded_request_ignores_its_batch() -> None:
     assert len(set(alone)) > 1  # at T=1.5 twenty draws are not all the same token
     assert draw(hot, seed=7) == draw(hot, seed=7)
     assert draw(hot, seed=7) != draw(hot, seed=8)
+
+
+def test_penalties_steer_the_pick_and_leave_logprobs_raw() -> None:
+    """A greedy row with a presence penalty of 2 (ROW's gaps are 1 and 0.5): the tokens it has
+    generated fall behind, step after step, through the counts it keeps on the device; its
+    logprobs stay the raw logits'. A row without a penalty beside it keeps the argmax."""
+    from serve_cli.engine.runner.penalties import Penalties
+
+    sampler = Sampler(CPU, 0)
+    penalized = SamplingParams(temperature=0, presence_penalty=2.0, logprobs=1)
+    plain = SamplingParams(temperature=0)
+    seen = Penalties(prompt_token_ids=[4])  # the prompt counts only for repetition_penalty
+    logits = torch.tensor([ROW, ROW])
+    picks = []
+    for _ in range(3):
+        tokens, logprobs = sampler.sample(logits, [penalized, plain], [None, None], [seen, None])
+        picks.append(tokens)
+        raw = torch.log_softmax(logits[0].double(), -1)
+        assert logprobs[0].logprob == pytest.approx(float(raw[tokens[0]]), abs=1e-6)
+    # 0, then 1 (0 is at 0.0 now), then 2 (0.5 beats 0 and 1 at 0.0 and -1.0)
+    assert [t[0] for t in picks] == [0, 1, 2] and [t[1] for t in picks] == [0, 0, 0]
+    assert seen.counts.tolist() == [1, 1, 1, 0, 0]
+    with pytest.raises(ValueError, match="Penalties"):
+        sampler.sample(logits, [penalized, plain], [None, None])
