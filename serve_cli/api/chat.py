@@ -38,7 +38,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         check_context_length(state, len(prompt), max_tokens, param)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(with_defaults(body, state.defaults), max_tokens, logprobs)
+    fields = with_defaults(body, state.defaults)
+    params = sampling_params(fields, max_tokens, logprobs, state.vocab_size)
     check_fits(state, len(prompt), max_tokens, "max_tokens")
     gen = Generation(state, new_id("chatcmpl"), [prompt], params, body.n)
     header = dict(id=gen.request_id, created=int(time.time()), model=state.model_name)

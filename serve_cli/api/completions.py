@@ -33,7 +33,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     # tokenizing a long prompt takes a while: off the event loop, so other requests go on
     prompts = await run_in_threadpool(completion_prompts, state, body.prompt)
     max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
-    params = sampling_params(with_defaults(body, state.defaults), max_tokens, body.logprobs)
+    fields = with_defaults(body, state.defaults)
+    params = sampling_params(fields, max_tokens, body.logprobs, state.vocab_size)
     for ids in prompts:
         if body.max_tokens:
             check_context_length(state, len(ids), max_tokens, "max_tokens")

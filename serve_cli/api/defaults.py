@@ -14,9 +14,7 @@ from serve_cli.api.protocol import SamplingFields
 logger = logging.getLogger("xhal.serve")
 RequestT = TypeVar("RequestT", bound=SamplingFields)
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
-# generation_config.json keys xhal-serve cannot apply, with the value that changes nothing
-UNSUPPORTED_KEYS = {"min_p": 0.0}
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")  # vLLM's
 
 
 @dataclass(frozen=True)
@@ -38,12 +36,6 @@ def load_request_defaults(
     path = model_dir / "generation_config.json"
     config = json.loads(path.read_text()) if path.is_file() else {}
     sampling = {key: config[key] for key in SAMPLING_KEYS if config.get(key) is not None}
-    for key, neutral in UNSUPPORTED_KEYS.items():
-        if config.get(key) not in (None, neutral):
-            logger.warning(
-                "%s sets %s=%r, which xhal-serve does not implement: requests are sampled "
-                "without it", path, key, config[key],
-            )
     if sampling:
         logger.info("sampling defaults from %s: %s", path.name, sampling)
     limit = max_tokens or config.get("max_new_tokens") or fallback_max_tokens

@@ -14,8 +14,6 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # these are refused when set to anything else, since ignoring them would answer a different
 # request than the one sent.
 NOT_IMPLEMENTED: dict[str, tuple] = {
-    "logit_bias": ({}, None),
-    "min_p": (0, None),
     "min_tokens": (0, None),
     "bad_words": ([], None),
     "response_format": ({"type": "text"}, None),
@@ -73,11 +71,12 @@ def refuse_inconsistent(request: SamplingFields) -> None:
 
 
 def sampling_params(
-    request: SamplingFields, max_tokens: int, logprobs: int | None
+    request: SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int
 ) -> SamplingParams:
     refuse_unimplemented(request)
     refuse_inconsistent(request)
     stop = request.stop
+    bias = _logit_bias(request.logit_bias, vocab_size)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -92,6 +91,25 @@ def sampling_params(
             presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,
             repetition_penalty=request.repetition_penalty or 1.0,
+            logit_bias=bias,
+            min_p=request.min_p or 0.0,
         )
     except ParamError as e:
         raise invalid(f"'{e.param}': {e.message}", e.param) from e
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` as ``SamplingParams.logit_bias`` pairs, in id order."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < vocab_size:
+            raise invalid(
+                f"'logit_bias' keys are token ids in [0, {vocab_size}) (as strings), got {key!r}",
+                "logit_bias",
+            )
+        pairs.append((token, value))
+    return tuple(sorted(pairs))

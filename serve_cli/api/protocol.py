@@ -2,7 +2,7 @@
 
 Field constraints carry the 400s: a violated one is reported naming its field. Unknown fields
 are accepted and ignored, as OpenAI clients send extras, except the sampling features xhal-serve
-does not implement (``params.NOT_IMPLEMENTED``: logit bias, guided decoding, tools, ...),
+does not implement (``params.NOT_IMPLEMENTED``: guided decoding, tools, ...),
 which are refused when set. ``null`` means "the default" for every field that has one, as the
 OpenAI API documents its optional fields (``"n": null`` is ``n`` 1).
 """
@@ -49,6 +49,8 @@ class SamplingFields(RequestFields):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extension
+    logit_bias: dict[str, float] | None = None  # token id (as a string, JSON's keys) -> bias
+    min_p: float | None = Field(None, ge=0, le=1)  # vLLM's extension
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=MAX_N)

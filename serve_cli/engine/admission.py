@@ -27,6 +27,11 @@ def admit(
         raise ParamError("request_id", f"{request_id!r} is already used by a live request")
     if not isinstance(params, SamplingParams):
         raise ParamError("params", f"expected SamplingParams, got {type(params).__name__}")
+    outside = next((t for t, _ in params.logit_bias if t >= model.vocab_size), None)
+    if outside is not None:
+        raise ParamError(
+            "logit_bias", f"token id {outside} is outside the vocabulary [0, {model.vocab_size})"
+        )
     prompt = list(prompt_token_ids)
     problem = prompt_problem(prompt, model.vocab_size, model.max_model_len)
     if problem is not None:

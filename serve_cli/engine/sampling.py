@@ -21,12 +21,15 @@ class SamplingParams:
     before them (finish reason "stop"); a token of ``stop_token_ids`` ends it after itself
     (finish reason "stop", even with ``ignore_eos``, as vLLM does). ``logprobs`` N returns, per
     generated token, its logprob and the N most likely tokens' (from the raw logits, before
-    penalties and temperature). ``presence_penalty``, ``frequency_penalty`` (0: off, in [-2, 2])
-    and ``repetition_penalty`` (1: off, > 0) push the logits away from tokens already seen, by
-    vLLM's rules (``runner/penalties.py``). Construction validates, so a ``SamplingParams`` that
-    exists is a valid one: this is the one place its rules live (the API and the engine both rely
-    on it). ``stop`` is a tuple of strings and ``stop_token_ids`` a tuple or frozenset of ids, as
-    given: nothing is converted after construction.
+    biases, penalties and temperature). ``presence_penalty``, ``frequency_penalty`` (0: off, in
+    [-2, 2]) and ``repetition_penalty`` (1: off, > 0) push the logits away from tokens already
+    seen, by vLLM's rules (``runner/penalties.py``); ``logit_bias`` (token id, bias in
+    [-100, 100]) pairs are added to the logits before them, and ``min_p`` (0: off) drops the
+    tokens less likely than ``min_p`` times the likeliest after temperature
+    (``runner/logit_filters.py``). Construction validates, so a ``SamplingParams`` that exists is
+    a valid one: this is the one place its rules live (the API and the engine both rely on it).
+    ``stop`` is a tuple of strings and ``stop_token_ids`` a tuple or frozenset of ids, as given:
+    nothing is converted after construction.
     """
 
     max_tokens: int = 16
@@ -41,6 +44,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         self._validate()
@@ -85,6 +90,18 @@ class SamplingParams:
         if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0:
             raise ParamError(
                 "repetition_penalty", f"must be a number > 0, got {self.repetition_penalty!r}"
+            )
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ParamError("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        bias = self.logit_bias
+        if not isinstance(bias, tuple) or not all(
+            isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0]) and pair[0] >= 0
+            and _is_number(pair[1]) and -100 <= pair[1] <= 100
+            for pair in bias
+        ):  # fmt: skip
+            raise ParamError(
+                "logit_bias",
+                f"must be (token id >= 0, bias in [-100, 100]) pairs, got {bias!r}",
             )
         ids = self.stop_token_ids
         if not isinstance(ids, (tuple, frozenset)) or not all(_is_int(t) and t >= 0 for t in ids):

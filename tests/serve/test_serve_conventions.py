@@ -184,9 +184,7 @@ def test_bearer_scheme_is_case_insensitive_and_the_key_is_not() -> None:
     assert call(app, "GET", "/v1/models").status_code == 401
 
 
-def test_generation_config_defaults_fill_what_a_request_leaves_unset(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_generation_config_defaults_fill_what_a_request_leaves_unset(tmp_path: Path) -> None:
     from serve_cli.api.defaults import load_request_defaults
 
     config = {
@@ -194,13 +192,11 @@ def test_generation_config_defaults_fill_what_a_request_leaves_unset(
         "repetition_penalty": 1.1, "min_p": 0.05, "do_sample": True,
     }
     (tmp_path / "generation_config.json").write_text(json.dumps(config))
-    with caplog.at_level("WARNING"):
-        defaults = load_request_defaults(tmp_path)
+    defaults = load_request_defaults(tmp_path)
     assert defaults.sampling == {
-        "temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1
+        "temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1, "min_p": 0.05
     }  # fmt: skip
     assert defaults.chat_max_tokens == 40
-    assert "min_p" in caplog.text  # not implemented: said at start, not ignored
     assert load_request_defaults(tmp_path, max_tokens=8).chat_max_tokens == 8  # the flag wins
     assert load_request_defaults(tmp_path / "none").sampling == {}  # no file: no defaults
 
@@ -215,7 +211,7 @@ def test_generation_config_defaults_fill_what_a_request_leaves_unset(
         assert call(app, "POST", path, body).status_code == 200, body
     unset, given, chat = engine.params
     assert (unset.temperature, unset.top_p, unset.top_k) == (0.6, 0.9, 20)
-    assert unset.repetition_penalty == 1.1
+    assert (unset.repetition_penalty, unset.min_p) == (1.1, 0.05)
     assert (given.temperature, given.top_p, given.top_k) == (0, 0.9, 0)  # a request's value wins
     assert (chat.temperature, chat.max_tokens) == (0.6, 40)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from serve_cli.engine.runner import logit_filters
 from serve_cli.engine.runner import penalties as penalty_rules
 from serve_cli.engine.runner.host_copy import HostCopy
 from serve_cli.engine.runner.penalties import Penalties
@@ -80,11 +81,17 @@ class Sampler:
         the next decode step reads them without a copy), else into an int64 tensor of their
         own."""
         raw = logits  # what logprobs are taken of
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        if biased:
+            logits = logit_filters.biased(logits, biased, params)
         penalized = [i for i, p in enumerate(params) if p.penalized]
         if penalized:
             if penalties is None or any(penalties[i] is None for i in penalized):
                 raise ValueError("a row with a penalty needs its Penalties (its seen tokens)")
             logits = penalty_rules.penalized(logits, penalized, params, penalties)
+        floored = [i for i, p in enumerate(params) if p.min_p > 0 and not p.greedy]
+        if floored:
+            logits = logit_filters.min_p_masked(logits, floored, params)
         shared = [i for i, g in enumerate(generators) if g is None]
         if len(shared) == len(params):  # no seeded row: no index to upload
             # a copy of its own: the next step's sampling must not overwrite what is read back

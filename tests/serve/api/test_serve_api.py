@@ -307,8 +307,7 @@ def test_bad_chat_input_is_400(server: ServerProcess, body: dict, param: str) ->
 
 @pytest.mark.parametrize(
     "field,value",
-    [("logit_bias", {"5": 10}), ("min_tokens", 4), ("response_format", {"type": "json_object"}),
-     ("min_p", 0.1)],
+    [("min_tokens", 4), ("response_format", {"type": "json_object"}), ("bad_words", ["x"])],
 )  # fmt: skip
 def test_unimplemented_sampling_fields_are_refused_not_ignored(
     server: ServerProcess, field: str, value: object
@@ -321,8 +320,7 @@ def test_unimplemented_sampling_fields_are_refused_not_ignored(
         assert error["param"] == field and error["code"] == "unsupported_parameter"
         assert "not supported" in error["message"]
     # at the value that leaves sampling alone, as clients send by default, they are accepted
-    neutral = {"logit_bias": {}, "min_tokens": 0, "response_format": {"type": "text"},
-               "min_p": 0}[field]  # fmt: skip
+    neutral = {"min_tokens": 0, "response_format": {"type": "text"}, "bad_words": []}[field]
     assert post(server, "/v1/completions", {**GOOD, field: neutral}).status_code == 200
 
 
@@ -395,6 +393,19 @@ def test_penalties_change_what_is_sampled(server: ServerProcess) -> None:
             assert response.status_code == 200, response.text
         ids = post(server, "/v1/completions", {**body, field: value}).json()["choices"][0]
         assert ids["token_ids"] != plain and len(ids["token_ids"]) == 24, field
-    for field, value in (("presence_penalty", 2.5), ("repetition_penalty", 0)):
+    for field, value in (("presence_penalty", 2.5), ("repetition_penalty", 0), ("min_p", 1.5),
+                         ("logit_bias", {"x": 1}), ("logit_bias", {"999999": 1}),
+                         ("logit_bias", {"5": 101})):  # fmt: skip
         response = post(server, "/v1/completions", {**GOOD, field: value})
         assert response.status_code == 400 and response.json()["error"]["param"] == field
+
+
+def test_logit_bias_and_min_p(server: ServerProcess) -> None:
+    """A bias of 100 on one token makes greedy decoding pick it every time; min_p 1 leaves a
+    sampled request only the likeliest token, so it decodes as greedy does."""
+    body = {**GOOD, "max_tokens": 6, "ignore_eos": True, "return_token_ids": True}
+    forced = {**body, "temperature": 0, "logit_bias": {"7": 100}}
+    assert post(server, "/v1/completions", forced).json()["choices"][0]["token_ids"] == [7] * 6
+    greedy = post(server, "/v1/completions", {**body, "temperature": 0}).json()
+    floored = post(server, "/v1/completions", {**body, "temperature": 1.5, "min_p": 1}).json()
+    assert floored["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"]

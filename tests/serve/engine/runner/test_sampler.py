@@ -131,3 +131,17 @@ def test_penalties_steer_the_pick_and_leave_logprobs_raw() -> None:
     assert seen.counts.tolist() == [1, 1, 1, 0, 0]
     with pytest.raises(ValueError, match="Penalties"):
         sampler.sample(logits, [penalized, plain], [None, None])
+
+
+def test_logit_bias_and_min_p() -> None:
+    """The bias is added to the raw logits before the pick (logprobs stay raw); min_p keeps the
+    tokens at least min_p times as likely as the likeliest after temperature: with ROW at T=1,
+    min_p 0.3 keeps 0 (1.0) and 1 (e^-1 = 0.37) and drops 2 (e^-1.5 = 0.22)."""
+    bias = SamplingParams(temperature=0, logit_bias=((3, 10.0),), logprobs=1)
+    tokens, logprobs = Sampler(CPU, 0).sample(torch.tensor([ROW]), [bias], [None])
+    assert tokens == [3]
+    raw = torch.log_softmax(torch.tensor(ROW, dtype=torch.float64), -1)
+    assert logprobs[0].logprob == pytest.approx(float(raw[3]), abs=1e-6)
+    freq = frequencies(draw(SamplingParams(temperature=1.0, min_p=0.3)), len(ROW))
+    kept = softmax64(ROW[:2], 1.0)
+    assert freq[2:] == [0, 0, 0] and freq[0] == pytest.approx(kept[0], abs=0.03)
