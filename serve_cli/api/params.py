@@ -14,7 +14,6 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # these are refused when set to anything else, since ignoring them would answer a different
 # request than the one sent.
 NOT_IMPLEMENTED: dict[str, tuple] = {
-    "min_tokens": (0, None),
     "bad_words": ([], None),
     "response_format": ({"type": "text"}, None),
     "tools": ([], None),
@@ -93,6 +92,7 @@ def sampling_params(
             repetition_penalty=request.repetition_penalty or 1.0,
             logit_bias=bias,
             min_p=request.min_p or 0.0,
+            min_tokens=request.min_tokens or 0,
         )
     except ParamError as e:
         raise invalid(f"'{e.param}': {e.message}", e.param) from e

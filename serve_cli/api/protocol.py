@@ -51,6 +51,7 @@ class SamplingFields(RequestFields):
     repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extension
     logit_bias: dict[str, float] | None = None  # token id (as a string, JSON's keys) -> bias
     min_p: float | None = Field(None, ge=0, le=1)  # vLLM's extension
+    min_tokens: int | None = Field(None, ge=0)  # vLLM's: EOS and stops wait for this many
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=MAX_N)

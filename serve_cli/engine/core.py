@@ -103,8 +103,12 @@ class EngineCore:
         request = Request(request_id, prompt, params.max_tokens, sampling_params=params)
         self.scheduler.submit(request)
         generator = None if params.seed is None else self.runner.new_generator(params.seed)
-        penalties = self.runner.new_penalties(prompt) if params.penalized else None
-        self._states[request_id] = RequestState(request, params, generator, penalties=penalties)
+        seen = None
+        if params.needs_history:  # min_tokens holds back what would end the output early
+            eos = () if params.ignore_eos or not params.min_tokens else self.eos_token_ids
+            stops = params.stop_token_ids if params.min_tokens else ()
+            seen = self.runner.new_seen_tokens(prompt, sorted({*eos, *stops}))
+        self._states[request_id] = RequestState(request, params, generator, seen=seen)
 
     def abort(self, request_id: str) -> bool:
         """Finish a live request as "abort" and free its blocks now; its last output comes with

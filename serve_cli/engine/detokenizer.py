@@ -20,7 +20,9 @@ class IncrementalDetokenizer:
 
     Stop strings: the output is cut before the first stop string (``stopped`` turns true), and a
     tail that could be the start of a stop string is held back until the next tokens resolve it.
-    ``flush()`` releases what is held once the request ends for another reason. Invariant: the
+    ``flush()`` releases what is held once the request ends for another reason. While the output
+    holds no more than ``min_tokens`` tokens, no stop string is looked for (vLLM's rule). Invariant:
+    the
     concatenated deltas are a prefix of the full decode of the outputs (equal to it, after
     ``flush``, when no stop string matched).
     """
@@ -31,9 +33,11 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self.min_tokens, self._num_outputs = min_tokens, 0
         self.skip_special_tokens = skip_special_tokens
         self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self.prefix_offset, self.read_offset = 0, len(self._ids)
@@ -53,6 +57,7 @@ class IncrementalDetokenizer:
         if self.stopped:
             raise RuntimeError("a stop string already ended this request's output")
         self._ids.append(token_id)
+        self._num_outputs += 1
         prefix = self._decode(self._ids[self.prefix_offset : self.read_offset])
         full = self._decode(self._ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
@@ -78,6 +83,8 @@ class IncrementalDetokenizer:
             return
         start = max(0, len(self._text) - self._max_stop + 1)  # a new match ends in the delta
         self._text += delta
+        if self._num_outputs <= self.min_tokens:
+            return
         found = min(
             ((i, s) for s in self.stop if (i := self._text.find(s, start)) >= 0), default=None
         )

@@ -31,7 +31,7 @@ class TextSession:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
         self.engine.add_request(request_id, prompt_token_ids, params)
-        self.processor.add(request_id, prompt_token_ids, params.stop)
+        self.processor.add(request_id, prompt_token_ids, params.stop, params.min_tokens)
 
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)

@@ -32,9 +32,15 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
 
-    def add(self, request_id: str, prompt_token_ids: Sequence[int], stop: Sequence[str]) -> None:
+    def add(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str],
+        min_tokens: int = 0,
+    ) -> None:
         self._detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids, stop
+            self.tokenizer, prompt_token_ids, stop, min_tokens=min_tokens
         )
 
     def drop(self, request_id: str) -> None:

@@ -15,7 +15,7 @@ class RequestState:
     request: Request
     params: SamplingParams
     generator: Any  # the runner's RNG for a seeded request, else None
-    penalties: Any = None  # the runner's seen tokens for a request with a penalty, else None
+    seen: Any = None  # the runner's SeenTokens for a request with a penalty or min_tokens
     scheduled_at: float | None = None  # time.monotonic() of its first scheduled step
 
     def output(

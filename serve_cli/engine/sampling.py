@@ -23,13 +23,15 @@ class SamplingParams:
     generated token, its logprob and the N most likely tokens' (from the raw logits, before
     biases, penalties and temperature). ``presence_penalty``, ``frequency_penalty`` (0: off, in
     [-2, 2]) and ``repetition_penalty`` (1: off, > 0) push the logits away from tokens already
-    seen, by vLLM's rules (``runner/penalties.py``); ``logit_bias`` (token id, bias in
+    seen, by vLLM's rules (``runner/seen_tokens.py``); ``logit_bias`` (token id, bias in
     [-100, 100]) pairs are added to the logits before them, and ``min_p`` (0: off) drops the
     tokens less likely than ``min_p`` times the likeliest after temperature
-    (``runner/logit_filters.py``). Construction validates, so a ``SamplingParams`` that exists is
-    a valid one: this is the one place its rules live (the API and the engine both rely on it).
-    ``stop`` is a tuple of strings and ``stop_token_ids`` a tuple or frozenset of ids, as given:
-    nothing is converted after construction.
+    (``runner/logit_filters.py``). Until the output holds ``min_tokens`` tokens, EOS (unless
+    ``ignore_eos``), ``stop_token_ids`` and ``stop`` strings do not end it (as in vLLM).
+    Construction validates, so a ``SamplingParams`` that exists is a valid one: this is the one
+    place its rules live (the API and the engine both rely on it). ``stop`` is a tuple of strings
+    and ``stop_token_ids`` a tuple or frozenset of ids, as given: nothing is converted after
+    construction.
     """
 
     max_tokens: int = 16
@@ -46,6 +48,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float = 0.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         self._validate()
@@ -56,8 +59,13 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether a penalty changes the logits (``runner/penalties.py``)."""
+        """Whether a penalty changes the logits (``runner/seen_tokens.py``)."""
         return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling depends on the tokens seen so far (``runner/seen_tokens.py``)."""
+        return self.penalized or self.min_tokens > 0
 
     def _validate(self) -> None:
         """Raise ``ParamError`` (a ``ValueError``) naming the first invalid field."""
@@ -90,6 +98,10 @@ class SamplingParams:
         if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0:
             raise ParamError(
                 "repetition_penalty", f"must be a number > 0, got {self.repetition_penalty!r}"
+            )
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ParamError(
+                "min_tokens", f"must be an integer in [0, max_tokens], got {self.min_tokens!r}"
             )
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ParamError("min_p", f"must be in [0, 1], got {self.min_p!r}")

@@ -91,11 +91,9 @@ class StepPipeline:
             generators = {
                 rid: s.generator for rid, s in step.states.items() if s.generator is not None
             }
-            penalties = {
-                rid: s.penalties for rid, s in step.states.items() if s.penalties is not None
-            }
+            seen = {rid: s.seen for rid, s in step.states.items() if s.seen is not None}
             prior = None if previous is None else previous.launched
-            step.launched = self.runner.launch(batch, params, generators, prior, penalties)
+            step.launched = self.runner.launch(batch, params, generators, prior, seen)
         except Exception as exc:
             logger.exception("step failed: failing the %d requests of its batch", batch.num_seqs)
             step.error = f"{type(exc).__name__}: {exc}"

@@ -153,7 +153,7 @@ class EngineClient:
         prompt = list(prompt_token_ids)
         if not self._send(AddRequest(request_id, prompt, params)):
             raise EngineDeadError("the engine process is not reachable; restart xhal-serve")
-        self._outputs.add(request_id, prompt, params.stop)
+        self._outputs.add(request_id, prompt, params.stop, params.min_tokens)
         self._queues[request_id] = queue
 
     def abort(self, request_ids: list[str]) -> None:

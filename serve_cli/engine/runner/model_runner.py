@@ -11,9 +11,9 @@ import torch
 
 from serve_cli.engine.kv_budget import default_num_blocks
 from serve_cli.engine.runner.input_builder import InputBuilder, PreviousTokens, require_previous
-from serve_cli.engine.runner.penalties import Penalties
 from serve_cli.engine.runner.rank import build_executor, forward
 from serve_cli.engine.runner.sampler import PendingSample, Sampler
+from serve_cli.engine.runner.seen_tokens import SeenTokens
 
 if TYPE_CHECKING:
     from serve_cli.engine.batch import ScheduledBatch
@@ -118,20 +118,20 @@ class ModelRunner:
         return self.sampler.new_generator(seed)
 
     @staticmethod
-    def new_penalties(prompt_token_ids: list[int]) -> Penalties:
-        """A request's seen tokens, for sampling with a presence, frequency or repetition
-        penalty (``penalties.py``)."""
-        return Penalties(prompt_token_ids)
+    def new_seen_tokens(prompt_token_ids: list[int], blocked_token_ids: list[int]) -> SeenTokens:
+        """A request's history, for sampling with a presence, frequency or repetition penalty,
+        or with ``min_tokens`` holding ``blocked_token_ids`` back (``seen_tokens.py``)."""
+        return SeenTokens(prompt_token_ids, blocked_token_ids)
 
     def run(
         self,
         batch: ScheduledBatch,
         params: Mapping[str, SamplingParams],
         generators: Mapping[str, torch.Generator | None],
-        penalties: Mapping[str, Penalties] | None = None,
+        seen: Mapping[str, SeenTokens] | None = None,
     ) -> list[SampledToken]:
         """Run ``batch``; a token for each request whose chunk produces one, in batch order."""
-        return self.collect(self.launch(batch, params, generators, penalties=penalties))
+        return self.collect(self.launch(batch, params, generators, seen=seen))
 
     def launch(
         self,
@@ -139,12 +139,12 @@ class ModelRunner:
         params: Mapping[str, SamplingParams],
         generators: Mapping[str, torch.Generator | None],
         previous: LaunchedStep | None = None,
-        penalties: Mapping[str, Penalties] | None = None,
+        seen: Mapping[str, SeenTokens] | None = None,
     ) -> LaunchedStep:
         """Queue ``batch``'s execute, logits and sampling on the device, its placeholders filled
         from ``previous`` (the step before, still in flight); nothing waits for the device.
-        ``generators`` and ``penalties`` hold the requests that have one (``new_generator``,
-        ``new_penalties``)."""
+        ``generators`` and ``seen`` hold the requests that have one (``new_generator``,
+        ``new_seen_tokens``)."""
         step = self.input_builder.describe(batch)
         prev = None if previous is None else previous.previous_tokens()
         require_previous(step, prev)  # before any worker waits on a broadcast
@@ -165,9 +165,9 @@ class ModelRunner:
         # the tokens where the next decode step's graph reads them, so it copies none; the
         # workers of a tensor-parallel group take int64 tokens by broadcast instead
         out = self.executor.token_ids(len(rids)) if self.workers is None else None
-        seen = [penalties.get(r) for r in rids] if penalties else None
+        histories = [seen.get(r) for r in rids] if seen else None
         pending = self.sampler.launch(
-            logits, [params[r] for r in rids], [generators.get(r) for r in rids], out, seen
+            logits, [params[r] for r in rids], [generators.get(r) for r in rids], out, histories
         )
         return LaunchedStep(rids, pending)
 

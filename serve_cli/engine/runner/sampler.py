@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from serve_cli.engine.runner import logit_filters
-from serve_cli.engine.runner import penalties as penalty_rules
+from serve_cli.engine.runner import seen_tokens as history_rules
 from serve_cli.engine.runner.host_copy import HostCopy
-from serve_cli.engine.runner.penalties import Penalties
+from serve_cli.engine.runner.seen_tokens import SeenTokens
 from serve_cli.engine.sampling import SamplingParams, TokenLogprobs
 from xhal import ops
 
@@ -45,8 +45,8 @@ class Sampler:
 
     Rows of requests without a seed share the engine's generator (seeded once, so a whole run is
     reproducible); a request with a seed has its own generator, used only for its rows, so its
-    tokens do not depend on what it is batched with. A request with a penalty brings its
-    ``Penalties`` (its seen tokens, on the device), which the sampled token is added to.
+    tokens do not depend on what it is batched with. A request with a penalty or a ``min_tokens``
+    brings its ``SeenTokens`` (its history, on the device), which the sampled token is added to.
     """
 
     def __init__(self, device: torch.device, seed: int) -> None:
@@ -61,12 +61,12 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
-        penalties: Sequence[Penalties | None] | None = None,
+        seen: Sequence[SeenTokens | None] | None = None,
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """``logits`` float32 ``[S, V]``, one row per request in ``params`` -> a token per row and,
-        for rows that asked for them, logprobs. ``penalties``: a row's ``Penalties`` where its
-        params have a penalty (None: no row has)."""
-        return self.launch(logits, params, generators, penalties=penalties).resolve()
+        for rows that asked for them, logprobs. ``seen``: a row's ``SeenTokens`` where its params
+        need its history (None: no row does)."""
+        return self.launch(logits, params, generators, seen=seen).resolve()
 
     def launch(
         self,
@@ -74,7 +74,7 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
         out: torch.Tensor | None = None,
-        penalties: Sequence[Penalties | None] | None = None,
+        seen: Sequence[SeenTokens | None] | None = None,
     ) -> PendingSample:
         """Queue ``sample``'s work on the device and start reading its results back; no sync.
         The tokens go into ``out`` when given (``[S]``, e.g. the executor's ``token_ids``, where
@@ -84,11 +84,11 @@ class Sampler:
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         if biased:
             logits = logit_filters.biased(logits, biased, params)
-        penalized = [i for i, p in enumerate(params) if p.penalized]
-        if penalized:
-            if penalties is None or any(penalties[i] is None for i in penalized):
-                raise ValueError("a row with a penalty needs its Penalties (its seen tokens)")
-            logits = penalty_rules.penalized(logits, penalized, params, penalties)
+        historic = [i for i, p in enumerate(params) if p.needs_history]
+        if historic:
+            if seen is None or any(seen[i] is None for i in historic):
+                raise ValueError("a row with a penalty or min_tokens needs its SeenTokens")
+            logits = history_rules.penalized(logits, historic, params, seen)
         floored = [i for i, p in enumerate(params) if p.min_p > 0 and not p.greedy]
         if floored:
             logits = logit_filters.min_p_masked(logits, floored, params)
@@ -108,8 +108,8 @@ class Sampler:
         for i, g in enumerate(generators):
             if g is not None:  # one call per seeded request: its generator sees only its rows
                 tokens[i : i + 1] = self._sample_rows(logits[i : i + 1], [params[i]], g)
-        if penalized:
-            penalty_rules.count(tokens, penalized, penalties)
+        if historic:
+            history_rules.count(tokens, historic, seen)
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         extra = self._logprobs(raw, tokens, params, rows) if rows else []
         ks = [params[i].logprobs for i in rows]

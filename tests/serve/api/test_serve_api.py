@@ -307,7 +307,8 @@ def test_bad_chat_input_is_400(server: ServerProcess, body: dict, param: str) ->
 
 @pytest.mark.parametrize(
     "field,value",
-    [("min_tokens", 4), ("response_format", {"type": "json_object"}), ("bad_words", ["x"])],
+    [("response_format", {"type": "json_object"}), ("bad_words", ["x"]),
+     ("tools", [{"type": "function", "function": {"name": "f"}}])],
 )  # fmt: skip
 def test_unimplemented_sampling_fields_are_refused_not_ignored(
     server: ServerProcess, field: str, value: object
@@ -320,7 +321,7 @@ def test_unimplemented_sampling_fields_are_refused_not_ignored(
         assert error["param"] == field and error["code"] == "unsupported_parameter"
         assert "not supported" in error["message"]
     # at the value that leaves sampling alone, as clients send by default, they are accepted
-    neutral = {"min_tokens": 0, "response_format": {"type": "text"}, "bad_words": []}[field]
+    neutral = {"response_format": {"type": "text"}, "bad_words": [], "tools": []}[field]
     assert post(server, "/v1/completions", {**GOOD, field: neutral}).status_code == 200
 
 
@@ -395,7 +396,7 @@ def test_penalties_change_what_is_sampled(server: ServerProcess) -> None:
         assert ids["token_ids"] != plain and len(ids["token_ids"]) == 24, field
     for field, value in (("presence_penalty", 2.5), ("repetition_penalty", 0), ("min_p", 1.5),
                          ("logit_bias", {"x": 1}), ("logit_bias", {"999999": 1}),
-                         ("logit_bias", {"5": 101})):  # fmt: skip
+                         ("logit_bias", {"5": 101}), ("min_tokens", 3)):  # fmt: skip
         response = post(server, "/v1/completions", {**GOOD, field: value})
         assert response.status_code == 400 and response.json()["error"]["param"] == field
 
@@ -409,3 +410,15 @@ def test_logit_bias_and_min_p(server: ServerProcess) -> None:
     greedy = post(server, "/v1/completions", {**body, "temperature": 0}).json()
     floored = post(server, "/v1/completions", {**body, "temperature": 1.5, "min_p": 1}).json()
     assert floored["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"]
+
+
+def test_min_tokens_delays_the_stop(server: ServerProcess) -> None:
+    """A stop token id that greedy decoding picks first cannot end the output before min_tokens
+    tokens are out."""
+    body = {**GOOD, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    first = post(server, "/v1/completions", body).json()["choices"][0]["token_ids"][0]
+    stopped = post(server, "/v1/completions", {**body, "stop_token_ids": [first]}).json()
+    assert stopped["choices"][0]["token_ids"] == [first]
+    held = {**body, "stop_token_ids": [first], "min_tokens": 5}
+    choice = post(server, "/v1/completions", held).json()["choices"][0]
+    assert len(choice["token_ids"]) >= 5 and first not in choice["token_ids"][:5]

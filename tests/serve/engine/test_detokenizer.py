@@ -110,3 +110,18 @@ def test_add_after_stop_is_an_error(bpe) -> None:
     assert detok.stopped
     with pytest.raises(RuntimeError, match="stop string"):
         detok.add_token(ids[-1])
+
+
+def test_no_stop_string_ends_the_output_within_min_tokens(bpe) -> None:
+    """vLLM's rule: stop strings are looked for once the output holds more than min_tokens
+    tokens; a match wholly inside the first min_tokens tokens' text is not one."""
+    text = " one two one two three"
+    ids = bpe(text, add_special_tokens=False)["input_ids"]
+    first_two = len(bpe(" one two", add_special_tokens=False)["input_ids"])
+    detok = IncrementalDetokenizer(bpe, [1], ("two",), min_tokens=first_two)
+    released = ""
+    for t in ids:
+        released += detok.add_token(t)
+        if detok.stopped:
+            break
+    assert detok.stopped and detok.output_text == released == " one two one "

@@ -343,13 +343,15 @@ def test_input_builder_emits_the_xllm_layout(convention: str) -> None:
     assert md.slot_mapping.is_cpu and md.paged_kv_indptr is None
 
 
-def _penalized_argmax(params: SamplingParams):
+def _penalized_argmax(params: SamplingParams, blocked: tuple[int, ...] = ()):
     """The greedy pick with ``params``' penalties applied by hand, token by token, in float64:
     repetition over the prompt and the output, frequency and presence over the output (vLLM's
-    rules)."""
+    rules), and ``blocked`` never picked while the output is under ``min_tokens``."""
 
     def pick(logits: torch.Tensor, prompt: list[int], out: list[int]) -> int:
         scores = logits.double().clone()
+        if len(out) < params.min_tokens:
+            scores[list(blocked)] = float("-inf")
         for token in set(prompt) | set(out):
             s = float(scores[token])
             r = params.repetition_penalty
@@ -398,3 +400,28 @@ def test_penalty_values_are_checked() -> None:
         with pytest.raises(ParamError) as info:
             replace(GREEDY, **{field: value})
         assert info.value.param == field
+
+
+def test_min_tokens_holds_back_eos_and_stop_token_ids(llama_gqa_dir: Path, reference) -> None:
+    """The token greedy decoding picks first is a stop token: with min_tokens 6 the request goes
+    on (that token never picked before 6 tokens, as by hand) and stops at its first pick after.
+    What is held back is EOS (unless ignore_eos) and the stop tokens, only with min_tokens."""
+    prompt = _prompts([11], seed=9)[0]
+    first = reference(prompt, 1)[0]
+    engine = _engine(llama_gqa_dir, async_scheduling=True)
+    stops = replace(GREEDY, max_tokens=30, min_tokens=6, stop_token_ids=(first,))
+    by_hand = reference(prompt, 30, _penalized_argmax(stops, blocked=(first,)))
+    assert first not in by_hand[:6]
+    cut = next((i + 1 for i, t in enumerate(by_hand) if t == first), 30)
+    engine.add_request("stops", prompt, stops)
+    eos = replace(GREEDY, min_tokens=3, ignore_eos=False, stop_token_ids=(first,))
+    engine.add_request("eos", prompt, eos)
+    engine.add_request("plain", prompt, replace(GREEDY, stop_token_ids=(first,)))
+    states = engine._states
+    assert states["stops"].seen.blocked_token_ids == [first]  # ignore_eos: EOS is not held
+    assert states["eos"].seen.blocked_token_ids == sorted({first, *engine.eos_token_ids})
+    assert states["plain"].seen is None  # nothing to hold back, nothing kept
+    outputs = _drain(engine)
+    got = [t for out in outputs["stops"] for t in out.new_token_ids]
+    assert got == by_hand[:cut]
+    assert outputs["stops"][-1].finish_reason == ("stop" if cut < 30 else "length")

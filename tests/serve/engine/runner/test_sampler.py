@@ -113,12 +113,12 @@ def test_penalties_steer_the_pick_and_leave_logprobs_raw() -> None:
     """A greedy row with a presence penalty of 2 (ROW's gaps are 1 and 0.5): the tokens it has
     generated fall behind, step after step, through the counts it keeps on the device; its
     logprobs stay the raw logits'. A row without a penalty beside it keeps the argmax."""
-    from serve_cli.engine.runner.penalties import Penalties
+    from serve_cli.engine.runner.seen_tokens import SeenTokens
 
     sampler = Sampler(CPU, 0)
     penalized = SamplingParams(temperature=0, presence_penalty=2.0, logprobs=1)
     plain = SamplingParams(temperature=0)
-    seen = Penalties(prompt_token_ids=[4])  # the prompt counts only for repetition_penalty
+    seen = SeenTokens(prompt_token_ids=[4])  # the prompt counts only for repetition_penalty
     logits = torch.tensor([ROW, ROW])
     picks = []
     for _ in range(3):
@@ -129,7 +129,7 @@ def test_penalties_steer_the_pick_and_leave_logprobs_raw() -> None:
     # 0, then 1 (0 is at 0.0 now), then 2 (0.5 beats 0 and 1 at 0.0 and -1.0)
     assert [t[0] for t in picks] == [0, 1, 2] and [t[1] for t in picks] == [0, 0, 0]
     assert seen.counts.tolist() == [1, 1, 1, 0, 0]
-    with pytest.raises(ValueError, match="Penalties"):
+    with pytest.raises(ValueError, match="SeenTokens"):
         sampler.sample(logits, [penalized, plain], [None, None])
 
 
@@ -145,3 +145,14 @@ def test_logit_bias_and_min_p() -> None:
     freq = frequencies(draw(SamplingParams(temperature=1.0, min_p=0.3)), len(ROW))
     kept = softmax64(ROW[:2], 1.0)
     assert freq[2:] == [0, 0, 0] and freq[0] == pytest.approx(kept[0], abs=0.03)
+
+
+def test_min_tokens_holds_back_the_blocked_tokens() -> None:
+    """Token 0 (ROW's argmax) stands for EOS: it cannot be picked until 2 tokens are out."""
+    from serve_cli.engine.runner.seen_tokens import SeenTokens
+
+    sampler = Sampler(CPU, 0)
+    params = SamplingParams(temperature=0, min_tokens=2)
+    seen = SeenTokens(prompt_token_ids=[1], blocked_token_ids=[0])
+    picks = [sampler.sample(torch.tensor([ROW]), [params], [None], [seen])[0][0] for _ in range(3)]
+    assert picks == [1, 1, 0]
