@@ -11,6 +11,10 @@ import click
 from serve_cli.builtin_models import BUILTIN_CHAT_MAX_TOKENS, ServedModel, resolve_model
 from serve_cli.engine.config import DTYPES, EngineConfig
 
+# api/tool_calls.py's PARSERS, named here because the API's imports come late (a test keeps the
+# two equal)
+TOOL_CALL_PARSERS = ("hermes",)
+
 # import name -> pip name of what the server needs beyond xhal's core
 REQUIRED = {
     "fastapi": "fastapi",
@@ -268,6 +272,20 @@ def _served_model(model: str | None, model_option: str | None) -> ServedModel:
     "hold what should not reach a log).",
 )
 @click.option(
+    "--enable-auto-tool-choice",
+    is_flag=True,
+    help="Let chat requests offer tools (OpenAI's 'tools', tool_choice \"auto\"): the model sees "
+    "them through its chat template and its calls come back as 'tool_calls' (vLLM's flag; needs "
+    "--tool-call-parser).",
+)
+@click.option(
+    "--tool-call-parser",
+    type=click.Choice(TOOL_CALL_PARSERS),
+    default=None,
+    help="The model's tool-call format: hermes (Hermes, Qwen2.5, Qwen3: <tool_call>{json}"
+    "</tool_call>).",
+)
+@click.option(
     "--kernel",
     "kernels",
     multiple=True,
@@ -295,6 +313,8 @@ def main(
     default_max_tokens: int | None,
     log_level: str,
     log_prompts: bool,
+    enable_auto_tool_choice: bool,
+    tool_call_parser: str | None,
     shutdown_timeout: float,
     kernels: tuple[str, ...],
     **engine_options: object,
@@ -310,6 +330,11 @@ def main(
     """
     _require_packages()
     _apply_kernels(kernels)
+    if enable_auto_tool_choice != (tool_call_parser is not None):
+        raise click.UsageError(
+            "--enable-auto-tool-choice and --tool-call-parser go together: the first lets requests "
+            "offer tools, the second says how the model writes its calls"
+        )
     served = _served_model(model, model_option)
     model_name, model_dir = served_model_name or served.name, served.model_dir
     given = {k: v for k, v in engine_options.items() if v is not None}
@@ -335,6 +360,7 @@ def main(
         default_max_tokens=max_tokens,
         log_prompts=log_prompts,
         shutdown_timeout=shutdown_timeout,
+        tool_call_parser=tool_call_parser,
     )
     try:
         serve(options, config)

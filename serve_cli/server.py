@@ -40,6 +40,7 @@ class ServerOptions:
     default_max_tokens: int | None = None  # chat requests without a limit (None: the model's)
     log_prompts: bool = False
     shutdown_timeout: float = 10.0  # seconds in-flight requests get after SIGTERM / Ctrl-C
+    tool_call_parser: str | None = None  # chat requests may offer tools (api/tool_calls.py)
 
 
 def serve(options: ServerOptions, config: EngineConfig) -> None:
@@ -86,6 +87,7 @@ async def _serve(options: ServerOptions, config: EngineConfig) -> None:
             defaults=load_request_defaults(options.model_dir, options.default_max_tokens),
             model_root=str(options.model_dir),
             log_prompts=options.log_prompts,
+            tool_call_parser=options.tool_call_parser,
         )
         drain = Drain(state, client, options.shutdown_timeout)
         server = GracefulServer(

@@ -25,6 +25,7 @@ from serve_cli.api.responses import (
 )
 from serve_cli.api.state import ServerState
 from serve_cli.api.streaming import sse_response
+from serve_cli.api.tool_calls import StreamedReply, offered_tools, parse
 
 router = APIRouter()
 
@@ -48,17 +49,25 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         return sse_response(_chunks(state, body, gen, header))
     if not await gen.run_to_end(request):
         return Response(status_code=499)  # the client left; nobody reads this
-    choices = [
-        ChatChoice(
-            index=c.index,
-            message=ChatMessageOut(role=role, content=echoed + c.text),
-            logprobs=chat_logprobs(state.tokenizer, c.logprobs) if body.logprobs else None,
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
-            token_ids=c.token_ids if body.return_token_ids else None,
+    calls_tools = offered_tools(body, state.tool_call_parser) is not None
+    choices = []
+    for c in gen.choices:
+        content, calls = parse(c.text) if calls_tools else (c.text, [])
+        if echoed:
+            content = echoed + (content or "")
+        message = ChatMessageOut(
+            role=role, content=content, tool_calls=[t.as_dict() for t in calls] or None
         )
-        for c in gen.choices
-    ]
+        choices.append(
+            ChatChoice(
+                index=c.index,
+                message=message,
+                logprobs=chat_logprobs(state.tokenizer, c.logprobs) if body.logprobs else None,
+                finish_reason="tool_calls" if calls else c.finish_reason,
+                stop_reason=c.stop_reason,
+                token_ids=c.token_ids if body.return_token_ids else None,
+            )
+        )
     return ChatCompletionResponse(**header, choices=choices, usage=gen.usage())
 
 
@@ -83,9 +92,17 @@ async def _chunks(
             part = ChatChunkChoice(index=c.index, delta=delta)
             yield ChatCompletionChunk(**header, choices=[part])
     wants_tokens = body.return_token_ids or body.logprobs
+    # with tools, text that may be a call is held until the choice ends (tool_calls.py)
+    replies = {c.index: StreamedReply() for c in gen.choices}
+    calls_tools = offered_tools(body, state.tool_call_parser) is not None
     async for choice, out in gen.outputs():
-        if out.new_text or (wants_tokens and out.new_token_ids):
-            delta = ChatMessageOut(content=out.new_text)
+        text = replies[choice.index].feed(out.new_text) if calls_tools else out.new_text
+        calls = []
+        if out.finished and calls_tools:
+            tail, calls = replies[choice.index].finish()
+            text += tail
+        if text or (wants_tokens and out.new_token_ids):
+            delta = ChatMessageOut(content=text)
             logprobs = chat_logprobs(state.tokenizer, out.logprobs or []) if body.logprobs else None
             token_ids = out.new_token_ids if body.return_token_ids else None
             part = ChatChunkChoice(
@@ -93,10 +110,11 @@ async def _chunks(
             )
             yield ChatCompletionChunk(**header, choices=[part])
         if out.finished:
+            delta = ChatMessageOut(tool_calls=[t.as_dict(i) for i, t in enumerate(calls)] or None)
             part = ChatChunkChoice(
                 index=choice.index,
-                delta=ChatMessageOut(),
-                finish_reason=out.finish_reason,
+                delta=delta,
+                finish_reason="tool_calls" if calls else out.finish_reason,
                 stop_reason=out.stop_reason,
             )
             yield ChatCompletionChunk(**header, choices=[part])

@@ -7,6 +7,7 @@ from typing import Any
 from serve_cli.api.errors import invalid
 from serve_cli.api.protocol import ChatMessage, ChatTemplateFields
 from serve_cli.api.state import ServerState
+from serve_cli.api.tool_calls import offered_tools
 from serve_cli.engine.prompt_rules import prompt_problem
 
 
@@ -68,9 +69,15 @@ def render_chat(state: ServerState, body: ChatTemplateFields) -> str:
             f"'chat_template_kwargs' may not set {', '.join(clash)}: give them as request fields",
             "chat_template_kwargs",
         )
+    # a message's other fields (an assistant's tool_calls, a tool reply's tool_call_id) reach
+    # the template as sent
     conversation = [
-        {"role": m.role, "content": message_text(m, i)} for i, m in enumerate(body.messages)
+        {**(m.model_extra or {}), "role": m.role, "content": message_text(m, i)}
+        for i, m in enumerate(body.messages)
     ]
+    tools = offered_tools(body, state.tool_call_parser)
+    if tools is not None:
+        extra["tools"] = tools
     try:
         return tokenizer.apply_chat_template(
             conversation,

@@ -103,6 +103,10 @@ class ChatTemplateFields(RequestFields):
 
 class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     max_completion_tokens: int | None = Field(None, gt=0)
+    # OpenAI's function tools (``tool_calls.py``): the template shows them to the model and the
+    # server's parser reads its calls back; tool_choice "auto" (the default) or "none"
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False  # vLLM's: the reply repeats the last message when it has the reply's role

@@ -39,6 +39,7 @@ class CompletionResponse(BaseModel):
 class ChatMessageOut(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # tool_calls.ToolCall.as_dict()
 
 
 class ChatChoice(BaseModel):

@@ -25,6 +25,7 @@ class ServerState:
     created: int = 0  # unix time the server started, for /v1/models
     model_root: str | None = None  # the checkpoint directory, for /v1/models
     log_prompts: bool = False  # the request log line also shows the prompt text
+    tool_call_parser: str | None = None  # how chat replies' tool calls are read (tool_calls.py)
     draining: bool = False  # shutting down: new requests get a 503
     # generation_config.json's sampling defaults and the chat output limit
     defaults: RequestDefaults = field(default_factory=lambda: RequestDefaults({}))

@@ -308,7 +308,7 @@ def test_bad_chat_input_is_400(server: ServerProcess, body: dict, param: str) ->
 @pytest.mark.parametrize(
     "field,value",
     [("response_format", {"type": "json_object"}), ("bad_words", ["x"]),
-     ("tools", [{"type": "function", "function": {"name": "f"}}])],
+     ("functions", [{"name": "f"}])],
 )  # fmt: skip
 def test_unimplemented_sampling_fields_are_refused_not_ignored(
     server: ServerProcess, field: str, value: object
@@ -321,7 +321,7 @@ def test_unimplemented_sampling_fields_are_refused_not_ignored(
         assert error["param"] == field and error["code"] == "unsupported_parameter"
         assert "not supported" in error["message"]
     # at the value that leaves sampling alone, as clients send by default, they are accepted
-    neutral = {"response_format": {"type": "text"}, "bad_words": [], "tools": []}[field]
+    neutral = {"response_format": {"type": "text"}, "bad_words": [], "functions": []}[field]
     assert post(server, "/v1/completions", {**GOOD, field: neutral}).status_code == 200
 
 
