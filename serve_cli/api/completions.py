@@ -28,10 +28,16 @@ router = APIRouter()
 @router.post("/v1/completions", response_model=None)
 async def create_completion(body: CompletionRequest, request: Request) -> Any:
     state = server_state(request, body.model)
-    if body.echo:
-        raise invalid("'echo' is not supported", "echo", "unsupported_parameter")
+    if body.echo and body.logprobs is not None:
+        raise invalid(
+            "'echo' with 'logprobs' needs the prompt's logprobs, which xhal-serve does not "
+            "compute; leave one of them out",
+            "echo",
+            "unsupported_parameter",
+        )
     # tokenizing a long prompt takes a while: off the event loop, so other requests go on
     prompts = await run_in_threadpool(completion_prompts, state, body.prompt)
+    echoed = _echoed(state, body.prompt, prompts) if body.echo else None
     max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
     fields = with_defaults(body, state.defaults)
     params = sampling_params(fields, max_tokens, body.logprobs, state.vocab_size)
@@ -42,16 +48,35 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     gen = Generation(state, new_id("cmpl"), prompts, params, body.n)
     header = dict(id=gen.request_id, created=int(time.time()))
     if body.stream:
-        return sse_response(_chunks(state, body, gen, header))
+        return sse_response(_chunks(state, body, gen, header, echoed))
     if not await gen.run_to_end(request):
         return Response(status_code=499)  # the client left; nobody reads this
     choices = [_choice(state, body, c, c.text, c.token_ids, c.logprobs) for c in gen.choices]
+    if echoed is not None:
+        for choice in choices:
+            choice.text = echoed[choice.index // body.n] + choice.text
     return CompletionResponse(**header, model=state.model_name, choices=choices, usage=gen.usage())
 
 
+def _echoed(state: ServerState, prompt: Any, prompts: list[list[int]]) -> list[str]:
+    """Each prompt's text, as ``echo`` repeats it: the text sent, or token ids decoded."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    return [state.tokenizer.decode(ids) for ids in prompts]
+
+
 async def _chunks(
-    state: ServerState, body: CompletionRequest, gen: Generation, header: dict[str, Any]
+    state: ServerState,
+    body: CompletionRequest,
+    gen: Generation,
+    header: dict[str, Any],
+    echoed: list[str] | None,
 ) -> AsyncIterator[CompletionResponse]:
+    for choice in gen.choices if echoed is not None else ():  # each prompt's text comes first
+        part = CompletionChoice(index=choice.index, text=echoed[choice.index // body.n])
+        yield CompletionResponse(**header, model=state.model_name, choices=[part])
     async for choice, out in gen.outputs():
         wants_tokens = body.return_token_ids or body.logprobs is not None
         if not (out.new_text or out.finished or (wants_tokens and out.new_token_ids)):

@@ -69,7 +69,7 @@ class SamplingFields(RequestFields):
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: bool = False  # the reply's text begins with the prompt's
 
 
 class ContentPart(BaseModel):

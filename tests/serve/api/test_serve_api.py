@@ -422,3 +422,23 @@ def test_min_tokens_delays_the_stop(server: ServerProcess) -> None:
     held = {**body, "stop_token_ids": [first], "min_tokens": 5}
     choice = post(server, "/v1/completions", held).json()["choices"][0]
     assert len(choice["token_ids"]) >= 5 and first not in choice["token_ids"][:5]
+
+
+def test_echo_repeats_the_prompt(server: ServerProcess) -> None:
+    """Completions' ``echo``: the text begins with the prompt's (token ids decoded), streamed
+    first when streamed; with logprobs it would need the prompt's, a 400."""
+    body = {**GOOD, "prompt": "The morning was", "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    plain = post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    echoed = post(server, "/v1/completions", {**body, "echo": True}).json()["choices"][0]["text"]
+    assert echoed == "The morning was" + plain
+    streamed = post(server, "/v1/completions", {**body, "echo": True, "stream": True}).text
+    texts = [json.loads(line[6:])["choices"][0]["text"] for line in streamed.splitlines()
+             if line.startswith("data: {")]  # fmt: skip
+    assert texts[0] == "The morning was" and "".join(texts) == echoed
+    ids = {**body, "prompt": [5, 6, 7], "echo": True, "n": 2}
+    choices = post(server, "/v1/completions", ids).json()["choices"]
+    tokenized = post(server, "/detokenize", {"model": MODEL, "tokens": [5, 6, 7]}).json()["prompt"]
+    assert all(c["text"].startswith(tokenized) for c in choices) and len(choices) == 2
+    refused = post(server, "/v1/completions", {**body, "echo": True, "logprobs": 1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
