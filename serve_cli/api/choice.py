@@ -16,6 +16,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
+    prompt_logprobs: list[Any] | None = None  # the engine's, with the first output, when asked
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,7 +15,7 @@ from serve_cli.api.common import server_state
 from serve_cli.api.defaults import with_defaults
 from serve_cli.api.errors import invalid
 from serve_cli.api.generation import Generation, new_id
-from serve_cli.api.logprobs import completion_logprobs
+from serve_cli.api.logprobs import completion_logprobs, prompt_entries
 from serve_cli.api.params import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
 from serve_cli.api.prompts import check_context_length, check_fits, completion_prompts
 from serve_cli.api.protocol import CompletionRequest
@@ -28,43 +29,58 @@ router = APIRouter()
 @router.post("/v1/completions", response_model=None)
 async def create_completion(body: CompletionRequest, request: Request) -> Any:
     state = server_state(request, body.model)
-    if body.echo and body.logprobs is not None:
+    if body.max_tokens == 0 and not body.echo:
         raise invalid(
-            "'echo' with 'logprobs' needs the prompt's logprobs, which xhal-serve does not "
-            "compute; leave one of them out",
-            "echo",
-            "unsupported_parameter",
+            "'max_tokens' must be at least 1 (0 only with 'echo', to score the prompt alone)",
+            "max_tokens",
         )
     # tokenizing a long prompt takes a while: off the event loop, so other requests go on
     prompts = await run_in_threadpool(completion_prompts, state, body.prompt)
-    echoed = _echoed(state, body.prompt, prompts) if body.echo else None
-    max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+    echo = _Echo(state, body, prompts) if body.echo else None
+    # max_tokens 0 (echo alone): the engine makes one token, which is dropped
+    max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     fields = with_defaults(body, state.defaults)
-    params = sampling_params(fields, max_tokens, body.logprobs, state.vocab_size)
+    params = sampling_params(fields, max(max_tokens, 1), body.logprobs, state.vocab_size)
+    if echo is not None and body.logprobs is not None:  # the prompt's logprobs are echoed too
+        params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
     for ids in prompts:
         if body.max_tokens:
             check_context_length(state, len(ids), max_tokens, "max_tokens")
-        check_fits(state, len(ids), max_tokens, "max_tokens")
+        check_fits(state, len(ids), max(max_tokens, 1), "max_tokens")
     gen = Generation(state, new_id("cmpl"), prompts, params, body.n)
     header = dict(id=gen.request_id, created=int(time.time()))
     if body.stream:
-        return sse_response(_chunks(state, body, gen, header, echoed))
+        return sse_response(_chunks(state, body, gen, header, echo))
     if not await gen.run_to_end(request):
         return Response(status_code=499)  # the client left; nobody reads this
-    choices = [_choice(state, body, c, c.text, c.token_ids, c.logprobs) for c in gen.choices]
-    if echoed is not None:
-        for choice in choices:
-            choice.text = echoed[choice.index // body.n] + choice.text
+    if max_tokens == 0:
+        for c in gen.choices:
+            c.text, c.token_ids, c.logprobs = "", [], []
+    choices = []
+    for c in gen.choices:
+        head, entries = echo.of(c) if echo is not None else ("", [])
+        choices.append(_choice(state, body, c, head + c.text, c.token_ids, entries + c.logprobs))
     return CompletionResponse(**header, model=state.model_name, choices=choices, usage=gen.usage())
 
 
-def _echoed(state: ServerState, prompt: Any, prompts: list[list[int]]) -> list[str]:
-    """Each prompt's text, as ``echo`` repeats it: the text sent, or token ids decoded."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if all(isinstance(p, str) for p in prompt):
-        return list(prompt)
-    return [state.tokenizer.decode(ids) for ids in prompts]
+class _Echo:
+    """What ``echo`` puts before each choice: its prompt's text (the text sent, or token ids
+    decoded) and, with ``logprobs``, its prompt tokens' entries."""
+
+    def __init__(self, state: ServerState, body: CompletionRequest, prompts: list[list[int]]):
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            self.texts = [prompt]
+        elif all(isinstance(p, str) for p in prompt):
+            self.texts = list(prompt)
+        else:
+            self.texts = [state.tokenizer.decode(ids) for ids in prompts]
+        self.n, self.prompts = body.n, prompts
+
+    def of(self, choice: Choice) -> tuple[str, list[Any]]:
+        """``choice``'s echoed text and logprob entries (none until its prompt's arrive)."""
+        i = choice.index // self.n
+        return self.texts[i], prompt_entries(self.prompts[i], choice.prompt_logprobs)
 
 
 async def _chunks(
@@ -72,22 +88,31 @@ async def _chunks(
     body: CompletionRequest,
     gen: Generation,
     header: dict[str, Any],
-    echoed: list[str] | None,
+    echo: _Echo | None,
 ) -> AsyncIterator[CompletionResponse]:
-    for choice in gen.choices if echoed is not None else ():  # each prompt's text comes first
-        part = CompletionChoice(index=choice.index, text=echoed[choice.index // body.n])
-        yield CompletionResponse(**header, model=state.model_name, choices=[part])
+    echoed: set[int] = set()  # the choices whose prompt went out (with their first output)
+    alone = body.max_tokens == 0  # echo only: the one generated token is dropped
     async for choice, out in gen.outputs():
         wants_tokens = body.return_token_ids or body.logprobs is not None
-        if not (out.new_text or out.finished or (wants_tokens and out.new_token_ids)):
+        new_text, token_ids = ("", []) if alone else (out.new_text, out.new_token_ids)
+        entries = [] if alone else list(out.logprobs or [])
+        head, start = "", len(choice.text) - len(out.new_text)  # this chunk's place in the text
+        if echo is not None and choice.index not in echoed:  # the prompt goes with it
+            echoed.add(choice.index)
+            head, prompt = echo.of(choice)
+            entries, start = prompt + entries, 0
+        elif not (new_text or out.finished or (wants_tokens and token_ids)):
             continue  # text held back (a possible stop string) or not yet a whole character
-        offset = len(choice.text) - len(out.new_text)
-        entries = list(out.logprobs or [])
-        choice_out = _choice(state, body, choice, out.new_text, out.new_token_ids, entries, offset)
+        elif echo is not None:
+            start += len(echo.of(choice)[0])
+        choice_out = _choice(state, body, choice, head + new_text, token_ids, entries, start)
         choice_out.finish_reason = out.finish_reason if out.finished else None
         choice_out.stop_reason = out.stop_reason if out.finished else None
         yield CompletionResponse(**header, model=state.model_name, choices=[choice_out])
     if body.include_usage:
+        if alone:
+            for c in gen.choices:
+                c.token_ids = []
         yield CompletionResponse(**header, model=state.model_name, choices=[], usage=gen.usage())
 
 

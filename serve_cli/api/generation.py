@@ -142,6 +142,8 @@ class Generation:
         choice.token_ids += out.new_token_ids
         if out.logprobs:
             choice.logprobs += list(out.logprobs)
+        if out.prompt_logprobs is not None:
+            choice.prompt_logprobs = list(out.prompt_logprobs)
         choice.num_cached_tokens = max(choice.num_cached_tokens, out.num_cached_tokens)
         if out.finished:
             choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason

@@ -7,15 +7,16 @@ from typing import Any
 
 
 def completion_logprobs(
-    tokenizer: Any, entries: list[tuple[int, float, tuple]], text_offset: int = 0
+    tokenizer: Any, entries: list[tuple[int, float | None, tuple | None]], text_offset: int = 0
 ) -> dict[str, Any]:
+    """An entry with no logprob (an echoed prompt's first token) gets null for it and its top."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for token_id, logprob, top in entries:
         token = _token(tokenizer, token_id)
         tokens.append(token)
         token_logprobs.append(logprob)
-        ranked: dict[str, float] = {}
-        for t, lp in top:  # most likely first; tokens that decode alike keep the best
+        ranked: dict[str, float] | None = None if top is None else {}
+        for t, lp in top or ():  # most likely first; tokens that decode alike keep the best
             ranked.setdefault(_token(tokenizer, t), lp)
         top_logprobs.append(ranked)
         offsets.append(text_offset)
@@ -26,6 +27,14 @@ def completion_logprobs(
         "top_logprobs": top_logprobs,
         "text_offset": offsets,
     }
+
+
+def prompt_entries(prompt: list[int], scored: list[Any] | None) -> list[tuple]:
+    """An echoed prompt's entries for ``completion_logprobs``: its first token without a logprob,
+    then the engine's scores (``prompt_logprobs``) of the others."""
+    if not scored:
+        return []
+    return [(prompt[0], None, None), *scored[1:]]
 
 
 def chat_logprobs(tokenizer: Any, entries: list[tuple[int, float, tuple]]) -> dict[str, Any]:

@@ -68,8 +68,11 @@ class SamplingFields(RequestFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: the prompt scored alone
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False  # the reply's text begins with the prompt's
+    # the reply begins with the prompt's text and, with logprobs, its tokens' entries (the first
+    # token's logprob null)
+    echo: bool = False
 
 
 class ContentPart(BaseModel):

@@ -29,6 +29,8 @@ class ScheduledRequest:
     - With async scheduling, a request whose token the previous step (still in flight) samples
       feeds that token as ``PLACEHOLDER_TOKEN_ID`` (then its whole chunk, one token); the input
       builder takes its value from that step's sampled tokens on the device.
+    - ``prompt_targets[i]`` is the prompt token that row ``i`` predicts, for the leading rows
+      whose next token is a prompt token, when the request scores its prompt (else empty).
     """
 
     request_id: str
@@ -37,12 +39,14 @@ class ScheduledRequest:
     produces_token: bool
     block_table: list[int]
     slot_mapping: list[int]
+    prompt_targets: list[int] = field(default_factory=list)
 
     @classmethod
     def for_chunk(cls, request: Request, start: int, end: int, block_size: int) -> ScheduledRequest:
         """Feed ``request``'s tokens at positions ``[start, end)``, whose slots it already holds."""
         blocks, bs = request.block_ids, block_size
         known = request.token_ids[start:end]
+        scored = min(end, request.num_prompt_tokens - 1) if request.scores_prompt else start
         return cls(
             request_id=request.request_id,
             token_ids=known + [PLACEHOLDER_TOKEN_ID] * (end - start - len(known)),
@@ -50,6 +54,7 @@ class ScheduledRequest:
             produces_token=end == request.num_tokens + request.num_placeholders,
             block_table=list(blocks),
             slot_mapping=[blocks[p // bs] * bs + p % bs for p in range(start, end)],
+            prompt_targets=request.token_ids[start + 1 : scored + 1] if scored > start else [],
         )
 
     @property

@@ -100,7 +100,10 @@ class EngineCore:
         for a bad id, prompt or parameters object, and ``ValueError`` for a request the whole KV
         cache could never hold."""
         prompt = admit(request_id, prompt_token_ids, params, self._states, self.model)
-        request = Request(request_id, prompt, params.max_tokens, sampling_params=params)
+        scores = params.prompt_logprobs is not None
+        request = Request(
+            request_id, prompt, params.max_tokens, sampling_params=params, scores_prompt=scores
+        )
         self.scheduler.submit(request)
         generator = None if params.seed is None else self.runner.new_generator(params.seed)
         seen = None
@@ -108,7 +111,10 @@ class EngineCore:
             eos = () if params.ignore_eos or not params.min_tokens else self.eos_token_ids
             stops = params.stop_token_ids if params.min_tokens else ()
             seen = self.runner.new_seen_tokens(prompt, sorted({*eos, *stops}))
-        self._states[request_id] = RequestState(request, params, generator, seen=seen)
+        state = RequestState(request, params, generator, seen=seen)
+        if scores:
+            state.prompt_logprobs = [None]  # the first prompt token has nothing before it
+        self._states[request_id] = state
 
     def abort(self, request_id: str) -> bool:
         """Finish a live request as "abort" and free its blocks now; its last output comes with

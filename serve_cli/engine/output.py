@@ -27,7 +27,8 @@ class RequestOutput:
     a "stop" other than EOS, as vLLM reports it: the stop string, or the id of the
     ``stop_token_ids`` token. ``logprobs`` has one entry per new token when the request asked for
     logprobs, else None. ``num_output_tokens`` counts every token generated so far (EOS
-    included), for usage.
+    included), for usage. ``prompt_logprobs`` (with the first output of a request that asked for
+    them) has an entry per prompt token, None for the first.
     """
 
     request_id: str
@@ -44,6 +45,7 @@ class RequestOutput:
     scheduled_at: float | None = None  # time.monotonic() when first scheduled (for metrics)
     status: int = 500
     param: str | None = None  # the offending request field, for a rejected request
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 def failed_output(

@@ -27,6 +27,9 @@ class PostProcessor:
         ``states``. A failed step fails every live request of its batch (reason "error")."""
         if step.error is not None:
             return self._fail(step, step.error, states)
+        for rid, (first, entries) in step.scores.items():
+            if step.is_live(rid, states):
+                states[rid].add_prompt_scores(first, entries)
         sampled = [s for s in step.sampled if step.is_live(s.request_id, states)]
         finished: dict[str, RequestStatus] = {}
         stop_tokens: dict[str, int] = {}

@@ -40,13 +40,16 @@ class Request:
       RUNNING, ``num_computed_tokens >= num_tokens``: every known token has been fed.
     - While not RUNNING, ``block_ids == []`` and ``num_computed_tokens == 0``; a preempted request
       keeps its output tokens and recomputes their KV when it runs again.
-    - ``sampling_params`` is opaque here: the scheduler never reads it.
+    - ``sampling_params`` is opaque here: the scheduler never reads it. ``scores_prompt``: the
+      logprobs of its prompt tokens are wanted, so every prompt position is computed (no
+      prefix-cache hit) and its chunks carry the prompt tokens their rows predict.
     """
 
     request_id: str
     prompt_token_ids: list[int]
     max_tokens: int
     sampling_params: Any = None
+    scores_prompt: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

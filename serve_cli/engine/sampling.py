@@ -28,6 +28,9 @@ class SamplingParams:
     tokens less likely than ``min_p`` times the likeliest after temperature
     (``runner/logit_filters.py``). Until the output holds ``min_tokens`` tokens, EOS (unless
     ``ignore_eos``), ``stop_token_ids`` and ``stop`` strings do not end it (as in vLLM).
+    ``prompt_logprobs`` N: each prompt token after the first gets its logprob and the N most
+    likely tokens' at its position, with the request's first output (its whole prompt is
+    computed for it: no prefix-cache hit).
     Construction validates, so a ``SamplingParams`` that exists is a valid one: this is the one
     place its rules live (the API and the engine both rely on it). ``stop`` is a tuple of strings
     and ``stop_token_ids`` a tuple or frozenset of ids, as given: nothing is converted after
@@ -49,6 +52,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float = 0.0
     min_tokens: int = 0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -88,6 +92,13 @@ class SamplingParams:
         ):
             raise ParamError(
                 "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise ParamError(
+                "prompt_logprobs",
+                f"must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}",
             )
         if not isinstance(self.ignore_eos, bool):
             raise ParamError("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")

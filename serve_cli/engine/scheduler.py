@@ -180,7 +180,9 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_placeholders:
                 break  # preempted while its token was in flight: wait until it is known
-            cached_ids, num_cached = bm.match_prefix(req.token_ids)
+            # a scored prompt is computed whole: a cached position would have no logits
+            ids = req.token_ids
+            cached_ids, num_cached = ([], 0) if req.scores_prompt else bm.match_prefix(ids)
             num_new = min(req.num_tokens - num_cached, budget)
             if not self.enable_chunked_prefill and num_cached + num_new < req.num_tokens:
                 break

@@ -37,6 +37,8 @@ class DeviceStep:
     states: dict[str, RequestState] = field(default_factory=dict)
     launched: LaunchedStep | None = None
     sampled: list[SampledToken] = field(default_factory=list)
+    # prompt scores read back: request id -> (first prompt position, TokenLogprobs entries)
+    scores: dict[str, tuple[int, list]] = field(default_factory=dict)
     error: str | None = None
 
     def is_live(self, rid: str, states: dict[str, RequestState]) -> bool:
@@ -105,6 +107,7 @@ class StepPipeline:
         assert step.launched is not None
         try:
             step.sampled = self.runner.collect(step.launched)
+            step.scores = self.runner.collect_scores(step.launched)
         except Exception as exc:
             logger.exception("step failed: failing the requests of its batch")
             step.error = f"{type(exc).__name__}: {exc}"

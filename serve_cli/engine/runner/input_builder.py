@@ -32,6 +32,10 @@ class HostStep:
 
     With async scheduling, ``input_ids[placeholder_idxes[i]]`` is ``PLACEHOLDER_TOKEN_ID``: the
     token the previous step samples for ``placeholder_request_ids[i]``, filled in on the device.
+
+    Requests that score their prompt: the logits of rows ``prompt_rows`` ``[P]`` give the logprobs
+    of ``prompt_targets`` ``[P]``; ``scored_prompts`` lists ``(request_id, first, count)``, their
+    rows in order (the prompt positions ``first ..`` of each).
     """
 
     input_ids: np.ndarray
@@ -44,6 +48,9 @@ class HostStep:
     sampled_request_ids: list[str]
     placeholder_idxes: list[int] = field(default_factory=list)
     placeholder_request_ids: list[str] = field(default_factory=list)
+    prompt_rows: np.ndarray | None = None
+    prompt_targets: np.ndarray | None = None
+    scored_prompts: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,8 @@ class ModelInput:
     metadata: AttentionMetadata
     selected_idxes: torch.Tensor
     sampled_request_ids: list[str]
+    prompt_rows: torch.Tensor | None = None  # HostStep's, as host tensors
+    prompt_targets: torch.Tensor | None = None
 
 
 class InputBuilder:
@@ -99,6 +108,9 @@ class InputBuilder:
         sampled: list[str] = []
         holes: list[int] = []
         owners: list[str] = []
+        scored_rows: list[int] = []
+        targets: list[int] = []
+        scored: list[tuple[str, int, int]] = []
         for s in batch.requests:
             offset, n, start = len(ids), len(s.token_ids), s.start_position
             q_lens.append(n)
@@ -108,6 +120,11 @@ class InputBuilder:
             if s.produces_token:
                 selected.append(offset + n - 1)
                 sampled.append(s.request_id)
+            if s.prompt_targets:
+                count = len(s.prompt_targets)
+                scored_rows += range(offset, offset + count)
+                targets += s.prompt_targets
+                scored.append((s.request_id, start + 1, count))
             if PLACEHOLDER_TOKEN_ID in s.token_ids:
                 found = [offset + j for j, t in enumerate(s.token_ids) if t == PLACEHOLDER_TOKEN_ID]
                 holes += found
@@ -129,6 +146,9 @@ class InputBuilder:
             sampled,
             holes,
             owners,
+            _int32(scored_rows) if scored else None,
+            _int32(targets) if scored else None,
+            scored,
         )
 
     def upload(self, step: HostStep, previous: PreviousTokens | None = None) -> ModelInput:
@@ -166,6 +186,7 @@ class InputBuilder:
             metadata,
             torch.from_numpy(_array(step.selected_idxes)),
             step.sampled_request_ids,
+            *_scored(step),
         )
 
     def _device_step(
@@ -212,7 +233,15 @@ class InputBuilder:
             metadata,
             dev["selected_idxes"],
             step.sampled_request_ids,
+            *_scored(step),
         )
+
+
+def _scored(step: HostStep) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The prompt rows and targets as host tensors (None when no prompt is scored)."""
+    if step.prompt_rows is None:
+        return None, None
+    return torch.from_numpy(step.prompt_rows), torch.from_numpy(step.prompt_targets)
 
 
 def _array(values: np.ndarray | Sequence[int]) -> np.ndarray:

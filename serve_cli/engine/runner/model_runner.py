@@ -11,6 +11,7 @@ import torch
 
 from serve_cli.engine.kv_budget import default_num_blocks
 from serve_cli.engine.runner.input_builder import InputBuilder, PreviousTokens, require_previous
+from serve_cli.engine.runner.prompt_scores import PendingScores
 from serve_cli.engine.runner.rank import build_executor, forward
 from serve_cli.engine.runner.sampler import PendingSample, Sampler
 from serve_cli.engine.runner.seen_tokens import SeenTokens
@@ -36,10 +37,11 @@ class SampledToken:
 @dataclass(frozen=True)
 class LaunchedStep:
     """A step queued on the device whose tokens are not read back yet (``pending`` is None when
-    it samples nothing)."""
+    it samples nothing, ``scores`` when it scores no prompt)."""
 
     sampled_request_ids: list[str]
     pending: PendingSample | None
+    scores: PendingScores | None = None
 
     def previous_tokens(self) -> PreviousTokens | None:
         """Its sampled tokens as the next step's placeholders read them, on the device."""
@@ -149,18 +151,22 @@ class ModelRunner:
         prev = None if previous is None else previous.previous_tokens()
         require_previous(step, prev)  # before any worker waits on a broadcast
         if self.workers is None:
-            logits = forward(self.executor, self.input_builder.upload(step, prev))
+            logits, scored = forward(self.executor, self.input_builder.upload(step, prev))
         else:
             workers = self.workers
 
-            def local() -> torch.Tensor | None:
+            def local() -> tuple[torch.Tensor | None, torch.Tensor | None]:
                 if step.placeholder_idxes:  # the workers fill theirs from rank 0's tokens
                     workers.collective.broadcast(prev.tokens, 0)
                 return forward(self.executor, self.input_builder.upload(step, prev))
 
-            logits = workers.run_step(step, local)
+            logits, scored = workers.run_step(step, local)
+        scores = None
+        if scored is not None:
+            targets = torch.from_numpy(step.prompt_targets)
+            scores = PendingScores(scored, targets, step.scored_prompts, params)
         if logits is None:
-            return LaunchedStep([], None)
+            return LaunchedStep([], None, scores)
         rids = step.sampled_request_ids
         # the tokens where the next decode step's graph reads them, so it copies none; the
         # workers of a tensor-parallel group take int64 tokens by broadcast instead
@@ -169,7 +175,7 @@ class ModelRunner:
         pending = self.sampler.launch(
             logits, [params[r] for r in rids], [generators.get(r) for r in rids], out, histories
         )
-        return LaunchedStep(rids, pending)
+        return LaunchedStep(rids, pending, scores)
 
     def collect(self, launched: LaunchedStep) -> list[SampledToken]:
         """Wait for ``launched``'s tokens (the step's one sync); one per sampled request."""
@@ -177,6 +183,10 @@ class ModelRunner:
             return []
         tokens, logprobs = launched.pending.resolve()
         return [SampledToken(*row) for row in zip(launched.sampled_request_ids, tokens, logprobs)]
+
+    def collect_scores(self, launched: LaunchedStep) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """``launched``'s prompt scores: request id -> (first prompt position, entries)."""
+        return {} if launched.scores is None else launched.scores.resolve()
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""

@@ -53,19 +53,27 @@ def build_executor(
     )
 
 
-def forward(executor: ModelExecutor, inputs: ModelInput) -> torch.Tensor | None:
+def forward(
+    executor: ModelExecutor, inputs: ModelInput
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """One ``execute``, then float32 logits ``[S, vocab]`` of the sampled rows (None when the
-    step samples nothing). With tensor parallelism every rank must call this with the same
-    inputs: both calls run collectives. On a CPU platform the step runs in inference mode
+    step samples nothing) and ``[P, vocab]`` of the scored prompt rows (None when none). With
+    tensor parallelism every rank must call this with the same inputs: both calls run
+    collectives. On a CPU platform the step runs in inference mode
     (serving never differentiates): every torch call then skips autograd's dispatch and version
     counting, about 6% of an eager SmolLM2-shaped decode step on a 2-core CPU. The CUDA and NPU
     serve paths have not been run with it on their devices yet, so they keep the plain mode."""
     mode = torch.inference_mode() if executor.platform.device().type == "cpu" else nullcontext()
     with mode:
         hidden = executor.execute(inputs.input_ids, inputs.positions, inputs.metadata)
+        scored = None
+        if inputs.prompt_rows is not None:
+            rows = inputs.prompt_rows.to(hidden.device, non_blocking=True)
+            scored = executor.compute_logits(hidden, rows)
         if not inputs.sampled_request_ids:
-            return None
+            return None, scored
         # The sampled rows are strictly increasing, so as many as there are tokens means every
         # row in order (a decode batch): no selection, which on a GPU is two launches per step
         every_row = inputs.selected_idxes.shape[0] == inputs.input_ids.shape[0]
-        return executor.compute_logits(hidden, None if every_row else inputs.selected_idxes)
+        rows = None if every_row else inputs.selected_idxes
+        return executor.compute_logits(hidden, rows), scored

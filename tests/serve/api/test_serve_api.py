@@ -426,7 +426,7 @@ def test_min_tokens_delays_the_stop(server: ServerProcess) -> None:
 
 def test_echo_repeats_the_prompt(server: ServerProcess) -> None:
     """Completions' ``echo``: the text begins with the prompt's (token ids decoded), streamed
-    first when streamed; with logprobs it would need the prompt's, a 400."""
+    with each choice's first output."""
     body = {**GOOD, "prompt": "The morning was", "max_tokens": 4, "temperature": 0,
             "ignore_eos": True}  # fmt: skip
     plain = post(server, "/v1/completions", body).json()["choices"][0]["text"]
@@ -435,10 +435,39 @@ def test_echo_repeats_the_prompt(server: ServerProcess) -> None:
     streamed = post(server, "/v1/completions", {**body, "echo": True, "stream": True}).text
     texts = [json.loads(line[6:])["choices"][0]["text"] for line in streamed.splitlines()
              if line.startswith("data: {")]  # fmt: skip
-    assert texts[0] == "The morning was" and "".join(texts) == echoed
+    assert texts[0].startswith("The morning was") and "".join(texts) == echoed
     ids = {**body, "prompt": [5, 6, 7], "echo": True, "n": 2}
     choices = post(server, "/v1/completions", ids).json()["choices"]
     tokenized = post(server, "/detokenize", {"model": MODEL, "tokens": [5, 6, 7]}).json()["prompt"]
     assert all(c["text"].startswith(tokenized) for c in choices) and len(choices) == 2
-    refused = post(server, "/v1/completions", {**body, "echo": True, "logprobs": 1})
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_scores_the_prompt(server: ServerProcess, stream: bool) -> None:
+    """lm-eval's loglikelihood request: echo, logprobs and max_tokens 0 give every prompt token's
+    logprob (the first null). Scoring the prompt with its greedy continuation appended gives that
+    token the logprob it had when it was sampled, from the same position's logits."""
+    prompt = [11, 12, 13, 14, 15]
+    body = {**GOOD, "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 2,
+            "return_token_ids": True}  # fmt: skip
+    sampled = post(server, "/v1/completions", body).json()["choices"][0]
+    (token,), (logprob,) = sampled["token_ids"], sampled["logprobs"]["token_logprobs"]
+    scored = {**body, "prompt": prompt + [token], "echo": True, "max_tokens": 0, "stream": stream}
+    response = post(server, "/v1/completions", scored)
+    assert response.status_code == 200, response.text
+    if stream:
+        chunks = [json.loads(line[6:]) for line in response.text.splitlines()
+                  if line.startswith("data: {")]  # fmt: skip
+        (choice,) = [c["choices"][0] for c in chunks if c["choices"]]
+    else:
+        (choice,) = response.json()["choices"]
+        assert response.json()["usage"]["completion_tokens"] == 0
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(prompt) + 1 and choice["token_ids"] in ([], None)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(isinstance(x, float) and x <= 0 for x in lp["token_logprobs"][1:])
+    assert all(len(top) <= 2 for top in lp["top_logprobs"][1:])
+    assert lp["token_logprobs"][-1] == pytest.approx(logprob, abs=1e-4)
+    assert choice["finish_reason"] == "length"
+    zero = post(server, "/v1/completions", {**GOOD, "max_tokens": 0})  # 0 only with echo
+    assert zero.status_code == 400 and zero.json()["error"]["param"] == "max_tokens"

@@ -425,3 +425,56 @@ def test_min_tokens_holds_back_eos_and_stop_token_ids(llama_gqa_dir: Path, refer
     got = [t for out in outputs["stops"] for t in out.new_token_ids]
     assert got == by_hand[:cut]
     assert outputs["stops"][-1].finish_reason == ("stop" if cut < 30 else "length")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prompt_logprobs_match_transformers(llama_gqa_dir: Path, async_scheduling: bool) -> None:
+    """Every prompt token after the first is scored by the logits before it, over chunked
+    prefills (90 tokens > the 64-token budget) and a prompt the prefix cache already holds (a
+    scored prompt is computed whole); the top entries are the most likely tokens there."""
+    import transformers
+
+    engine = _engine(llama_gqa_dir, async_scheduling=async_scheduling)
+    long, short = _prompts([90, 20], seed=11)
+    params = replace(GREEDY, max_tokens=2, prompt_logprobs=3)
+    generate(engine, [short], GREEDY)  # now in the prefix cache
+    for i, prompt in enumerate((long, short)):
+        engine.add_request(str(i), prompt, params)
+    outputs = _drain(engine)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(llama_gqa_dir, dtype=torch.float32)
+    for i, prompt in enumerate((long, short)):
+        first = outputs[str(i)][0]
+        assert [o.prompt_logprobs for o in outputs[str(i)][1:]] == [None] * 1  # sent once
+        scores = first.prompt_logprobs
+        assert len(scores) == len(prompt) and scores[0] is None
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1)
+        for p in range(1, len(prompt)):
+            token, logprob, top = scores[p]
+            assert token == prompt[p]
+            assert logprob == pytest.approx(float(logp[p - 1, token]), abs=1e-4)
+            assert [t for t, _ in top] == logp[p - 1].topk(3).indices.tolist()
+
+
+def test_prompt_logprobs_survive_preemption(llama_gqa_dir: Path, engine: EngineCore) -> None:
+    """A preempted request computes its prompt again; its scores are sent once, each position
+    once, as a run without preemption gives them."""
+    prompts = _prompts([30, 28, 25, 33], seed=4)
+    params = replace(GREEDY, max_tokens=20, prompt_logprobs=0)
+
+    def scores(eng: EngineCore) -> list[list]:
+        for i, prompt in enumerate(prompts):
+            eng.add_request(f"p{i}", prompt, params)
+        outputs = _drain(eng)
+        sent = [[o.prompt_logprobs for o in outputs[f"p{i}"] if o.prompt_logprobs]
+                for i in range(len(prompts))]  # fmt: skip
+        assert all(len(s) == 1 for s in sent)
+        return [s[0] for s in sent]
+
+    tight = _engine(llama_gqa_dir, num_kv_blocks=8)
+    got = scores(tight)
+    assert tight.stats()["num_preemptions_total"] > 0
+    expected = scores(engine)
+    for g, e, prompt in zip(got, expected, prompts):
+        assert [x and x.token_id for x in g] == [None, *prompt[1:]]
+        assert [x and x.logprob for x in g] == pytest.approx([x and x.logprob for x in e], abs=1e-5)

@@ -43,11 +43,12 @@ def test_a_decode_batch_takes_every_row_and_a_prefill_its_last_tokens() -> None:
     scheduler.submit(Request("a", [5, 6, 7], max_tokens=4))
     scheduler.submit(Request("b", [8, 9], max_tokens=4))
     prefill = scheduler.next_batch()  # a's 3 prompt tokens, then b's 2: rows 2 and 4 sample
-    logits = forward(executor, builder.build(prefill))
+    logits, scored = forward(executor, builder.build(prefill))
+    assert scored is None  # no prompt asked to be scored
     assert logits.tolist() == [[2.0, 7.0], [4.0, 9.0]]
     assert executor.selections[-1].tolist() == [2, 4]
     scheduler.advance(prefill, {"a": 11, "b": 12})
     decode = scheduler.next_batch()  # one token each: both rows sample, in order
-    logits = forward(executor, builder.build(decode))
+    logits, _ = forward(executor, builder.build(decode))
     assert logits.tolist() == [[0.0, 11.0], [1.0, 12.0]]
     assert executor.selections[-1] is None
