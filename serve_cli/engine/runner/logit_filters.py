@@ -1,5 +1,5 @@
 """``logit_bias`` and ``min_p``: the per-request changes to the logits that need no history
-(``penalties.py`` has those that do). vLLM's order: the bias first, then the penalties, then
+(``seen_tokens.py`` has those that do). vLLM's order: the bias first, then the penalties, then
 temperature, then ``min_p``, then top-k and top-p."""
 
 from __future__ import annotations
