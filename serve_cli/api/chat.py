@@ -53,6 +53,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     choices = []
     for c in gen.choices:
         content, calls = parse(c.text) if calls_tools else (c.text, [])
+        calls = calls[:1] if body.parallel_tool_calls is False else calls
         if echoed:
             content = echoed + (content or "")
         message = ChatMessageOut(
@@ -101,6 +102,7 @@ async def _chunks(
         if out.finished and calls_tools:
             tail, calls = replies[choice.index].finish()
             text += tail
+            calls = calls[:1] if body.parallel_tool_calls is False else calls
         if text or (wants_tokens and out.new_token_ids):
             delta = ChatMessageOut(content=text)
             logprobs = chat_logprobs(state.tokenizer, out.logprobs or []) if body.logprobs else None

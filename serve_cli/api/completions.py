@@ -35,7 +35,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
             "max_tokens",
         )
     # tokenizing a long prompt takes a while: off the event loop, so other requests go on
-    prompts = await run_in_threadpool(completion_prompts, state, body.prompt)
+    prompts = await run_in_threadpool(
+        completion_prompts, state, body.prompt, body.add_special_tokens, body.truncate_prompt_tokens
+    )
     echo = _Echo(state, body, prompts) if body.echo else None
     # max_tokens 0 (echo alone): the engine makes one token, which is dropped
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens

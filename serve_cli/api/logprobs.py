@@ -9,7 +9,9 @@ from typing import Any
 def completion_logprobs(
     tokenizer: Any, entries: list[tuple[int, float | None, tuple | None]], text_offset: int = 0
 ) -> dict[str, Any]:
-    """An entry with no logprob (an echoed prompt's first token) gets null for it and its top."""
+    """Each token's ``top_logprobs`` holds the most likely tokens and, as OpenAI always returns
+    it, the token itself (so up to N + 1 entries). An entry with no logprob (an echoed prompt's
+    first token) gets null for it and its top."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for token_id, logprob, top in entries:
         token = _token(tokenizer, token_id)
@@ -18,6 +20,8 @@ def completion_logprobs(
         ranked: dict[str, float] | None = None if top is None else {}
         for t, lp in top or ():  # most likely first; tokens that decode alike keep the best
             ranked.setdefault(_token(tokenizer, t), lp)
+        if ranked is not None:
+            ranked.setdefault(token, logprob)
         top_logprobs.append(ranked)
         offsets.append(text_offset)
         text_offset += len(token)

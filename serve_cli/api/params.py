@@ -21,6 +21,15 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     "guided_regex": (None,),
     "guided_choice": (None,),
     "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "allowed_token_ids": (None,),
+    "logits_processors": (None,),
+    "use_beam_search": (None, False),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "return_tokens_as_token_ids": (None, False),
+    "prompt_embeds": (None,),
     # what a completion or chat request may ask beyond sampling that xhal-serve does not do
     "suffix": (None, ""),
     "best_of": (None, 1),
@@ -28,7 +37,7 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),
+    "parallel_tool_calls": (None, True),  # chat takes false too (protocol.py)
 }
 
 

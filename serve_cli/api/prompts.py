@@ -11,19 +11,24 @@ from serve_cli.api.tool_calls import offered_tools
 from serve_cli.engine.prompt_rules import prompt_problem
 
 
-def completion_prompts(state: ServerState, prompt: Any) -> list[list[int]]:
+def completion_prompts(
+    state: ServerState, prompt: Any, add_special_tokens: bool = True, keep: int | None = None
+) -> list[list[int]]:
     """``prompt`` (a string, a list of strings, token ids or a list of token-id lists) -> one
-    token-id list per prompt."""
+    token-id list per prompt (its last ``keep`` tokens when given: vLLM's
+    ``truncate_prompt_tokens``)."""
     if isinstance(prompt, str):
-        prompts = [encode(state, prompt, "prompt", add_special_tokens=True)]
+        prompts = [encode(state, prompt, "prompt", add_special_tokens)]
     elif not prompt:
         raise invalid("'prompt' must not be empty", "prompt")
     elif all(isinstance(p, int) for p in prompt):
         prompts = [list(prompt)]
     elif all(isinstance(p, str) for p in prompt):
-        prompts = [encode(state, p, "prompt", add_special_tokens=True) for p in prompt]
+        prompts = [encode(state, p, "prompt", add_special_tokens) for p in prompt]
     else:
         prompts = [list(p) for p in prompt]
+    if keep is not None:
+        prompts = [ids[-keep:] for ids in prompts]
     for ids in prompts:
         check_prompt(state, ids, "prompt")
     return prompts
@@ -40,7 +45,11 @@ def chat_prompt(state: ServerState, body: ChatTemplateFields) -> list[int]:
     """The conversation rendered by the chat template (the tokenizer's, or the request's
     ``chat_template``), ending in the assistant's turn or, with ``continue_final_message``, in
     the open last message, as token ids."""
-    ids = encode(state, render_chat(state, body), "messages", add_special_tokens=False)
+    special = getattr(body, "add_special_tokens", False)
+    ids = encode(state, render_chat(state, body), "messages", special)
+    keep = getattr(body, "truncate_prompt_tokens", None)
+    if keep is not None:
+        ids = ids[-keep:]
     check_prompt(state, ids, "messages")
     return ids
 

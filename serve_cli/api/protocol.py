@@ -52,7 +52,9 @@ class SamplingFields(RequestFields):
     logit_bias: dict[str, float] | None = None  # token id (as a string, JSON's keys) -> bias
     min_p: float | None = Field(None, ge=0, le=1)  # vLLM's extension
     min_tokens: int | None = Field(None, ge=0)  # vLLM's: EOS and stops wait for this many
-    seed: int | None = None
+    # vLLM's: the prompt's last N tokens only (after the chat template, for chat)
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # what a torch generator takes
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
@@ -69,6 +71,7 @@ class SamplingFields(RequestFields):
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: the prompt scored alone
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (and such) around the prompt
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # the reply begins with the prompt's text and, with logprobs, its tokens' entries (the first
     # token's logprob null)
@@ -110,6 +113,8 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     # server's parser reads its calls back; tool_choice "auto" (the default) or "none"
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: at most the first call is returned
+    add_special_tokens: bool = False  # vLLM's: the template writes them
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False  # vLLM's: the reply repeats the last message when it has the reply's role

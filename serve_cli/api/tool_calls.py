@@ -34,6 +34,12 @@ def offered_tools(body: Any, parser: str | None) -> list[dict[str, Any]] | None:
     without a parser, a ``tool_choice`` that forces a call (that needs guided decoding), or a
     tool that is not a named function."""
     tools, choice = getattr(body, "tools", None), getattr(body, "tool_choice", None)
+    if isinstance(choice, str) and choice not in ("auto", "none", "required"):
+        raise invalid(
+            f"'tool_choice' must be \"auto\", \"none\", \"required\" or a named function, got "
+            f"{choice!r}",
+            "tool_choice",
+        )
     if choice not in (None, "auto", "none"):
         raise invalid(
             f"'tool_choice' {choice!r} forces a call, which needs guided decoding; xhal-serve "

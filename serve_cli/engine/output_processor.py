@@ -79,12 +79,15 @@ class OutputProcessor:
         if out.finish_reason in ("abort", "error"):  # nothing more to release, as before
             return out
         text, kept = "", 0
-        for token_id in out.new_token_ids:
+        ids = out.new_token_ids
+        if out.finished and isinstance(out.stop_reason, int) and ids:
+            ids = ids[:-1]  # a stop token's text is not the output's (vLLM's rule); its id is
+        for token_id in ids:
             text += detokenizer.add_token(token_id)
             kept += 1
             if detokenizer.stopped:
                 break
-        cut = len(out.new_token_ids) - kept  # tokens past the stop string
+        cut = len(ids) - kept  # tokens past the stop string
         if not (out.finished or detokenizer.stopped):
             # filled in place: the output is this process's own (received, or just made); a
             # copy of its fifteen fields cost ~5.5 us per token on a CPU, a third of this call

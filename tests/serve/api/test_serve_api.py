@@ -466,8 +466,31 @@ def test_echo_with_logprobs_scores_the_prompt(server: ServerProcess, stream: boo
     assert len(lp["tokens"]) == len(prompt) + 1 and choice["token_ids"] in ([], None)
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert all(isinstance(x, float) and x <= 0 for x in lp["token_logprobs"][1:])
-    assert all(len(top) <= 2 for top in lp["top_logprobs"][1:])
+    # the 2 likeliest and, when it is not one of them, the token itself (OpenAI's rule)
+    assert all(2 <= len(top) <= 3 for top in lp["top_logprobs"][1:])
+    assert all(t in top for t, top in zip(lp["tokens"][1:], lp["top_logprobs"][1:]))
     assert lp["token_logprobs"][-1] == pytest.approx(logprob, abs=1e-4)
     assert choice["finish_reason"] == "length"
     zero = post(server, "/v1/completions", {**GOOD, "max_tokens": 0})  # 0 only with echo
     assert zero.status_code == 400 and zero.json()["error"]["param"] == "max_tokens"
+
+
+def test_what_vllm_requests_also_set(server: ServerProcess) -> None:
+    """A stop token ends the output without its text (its id stays); add_special_tokens false
+    drops the BOS; truncate_prompt_tokens keeps the prompt's last tokens; a seed outside int64
+    is a 400."""
+    body = {**GOOD, "prompt": "hello", "max_tokens": 6, "temperature": 0,
+            "return_token_ids": True}  # fmt: skip
+    first = post(server, "/v1/completions", body).json()["choices"][0]["token_ids"][0]
+    stopped = post(server, "/v1/completions", {**body, "stop_token_ids": [first]}).json()
+    (choice,) = stopped["choices"]
+    assert choice["token_ids"] == [first] and choice["text"] == ""
+    assert choice["stop_reason"] == first and choice["finish_reason"] == "stop"
+    scored = {**GOOD, "prompt": "x y", "max_tokens": 0, "echo": True, "logprobs": 0}
+    with_bos = post(server, "/v1/completions", scored).json()["usage"]["prompt_tokens"]
+    bare = post(server, "/v1/completions", {**scored, "add_special_tokens": False}).json()
+    assert bare["usage"]["prompt_tokens"] == with_bos - 1
+    cut = {**GOOD, "prompt": "x y z w", "truncate_prompt_tokens": 2}
+    assert post(server, "/v1/completions", cut).json()["usage"]["prompt_tokens"] == 2
+    seed = post(server, "/v1/completions", {**GOOD, "seed": 2**64})
+    assert seed.status_code == 400 and seed.json()["error"]["param"] == "seed"

@@ -61,7 +61,10 @@ REFUSED = [  # (field, a value that would change the answer, routes it applies t
     ("functions", [{"name": "f", "parameters": {}}], ("chat",)),
     ("function_call", "auto", ("chat",)),
     ("tool_choice", "required", ("chat",)),
-    ("parallel_tool_calls", True, ("chat",)),
+    ("parallel_tool_calls", False, ("completions",)),  # chat takes it (test_tool_calls.py)
+    ("allowed_token_ids", [7], ("completions", "chat")),
+    ("include_stop_str_in_output", True, ("completions", "chat")),
+    ("use_beam_search", True, ("completions", "chat")),
 ]
 
 

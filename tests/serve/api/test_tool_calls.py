@@ -196,3 +196,15 @@ def test_the_command_line_flags_go_together(monkeypatch: pytest.MonkeyPatch, tmp
     flags = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     assert CliRunner().invoke(main, ["builtin:tiny-random", *flags]).exit_code == 0
     assert [o.tool_call_parser for o in started] == ["hermes"]
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
+    app, _, _ = _app(CALL + CALL.replace("Paris", "Oslo"))
+    for stream in (False, True):
+        response = _chat(app, tools=TOOLS, parallel_tool_calls=False, stream=stream)
+        assert response.status_code == 200, response.text
+        assert response.text.count("get_weather") == 1 and "Oslo" not in response.text
+    both = _chat(app, tools=TOOLS).json()["choices"][0]["message"]["tool_calls"]
+    assert len(both) == 2
+    bad = _chat(app, tools=TOOLS, tool_choice="sometimes")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice"
