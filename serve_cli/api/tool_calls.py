@@ -23,7 +23,7 @@ from typing import Any
 from serve_cli.api.errors import invalid
 
 PARSERS = ("hermes",)
-_START, _END = "<tool_call>", "</tool_call>"
+_START = "<tool_call>"
 # a closed block, or the last one left open when the output ended
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
@@ -126,7 +126,7 @@ class StreamedReply:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The output ended: (the content still to send, the calls)."""
-        content, calls = parse(self.text)
+        calls = parse(self.text)[1]
         if not calls:
             return self.text[self._released :], []
         # what was released is the text before the first call; the rest of the content is its
