@@ -69,7 +69,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                 token_ids=c.token_ids if body.return_token_ids else None,
             )
         )
-    return ChatCompletionResponse(**header, choices=choices, usage=gen.usage())
+    prompt_ids = prompt if body.return_token_ids else None
+    return ChatCompletionResponse(
+        **header, choices=choices, usage=gen.usage(), prompt_token_ids=prompt_ids
+    )
 
 
 def default_max_tokens(state: ServerState, prompt: list[int]) -> int:
@@ -87,7 +90,9 @@ async def _chunks(
     role, echoed = reply_role(body), echoed_text(body)
     for c in gen.choices:  # the role comes first, as OpenAI streams it
         delta = ChatMessageOut(role=role, content="")
-        yield ChatCompletionChunk(**header, choices=[ChatChunkChoice(index=c.index, delta=delta)])
+        prompt_ids = c.prompt_token_ids if body.return_token_ids and c.index == 0 else None
+        part = ChatChunkChoice(index=c.index, delta=delta)
+        yield ChatCompletionChunk(**header, choices=[part], prompt_token_ids=prompt_ids)
         if echoed:
             delta = ChatMessageOut(content=echoed)
             part = ChatChunkChoice(index=c.index, delta=delta)

@@ -61,7 +61,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     choices = []
     for c in gen.choices:
         head, entries = echo.of(c) if echo is not None else ("", [])
-        choices.append(_choice(state, body, c, head + c.text, c.token_ids, entries + c.logprobs))
+        out = _choice(state, body, c, head + c.text, c.token_ids, entries + c.logprobs)
+        if body.return_token_ids:
+            out.prompt_token_ids = list(c.prompt_token_ids)
+        choices.append(out)
     return CompletionResponse(**header, model=state.model_name, choices=choices, usage=gen.usage())
 
 
@@ -93,6 +96,7 @@ async def _chunks(
     echo: _Echo | None,
 ) -> AsyncIterator[CompletionResponse]:
     echoed: set[int] = set()  # the choices whose prompt went out (with their first output)
+    opened: set[int] = set()  # the choices whose first chunk went out
     alone = body.max_tokens == 0  # echo only: the one generated token is dropped
     async for choice, out in gen.outputs():
         wants_tokens = body.return_token_ids or body.logprobs is not None
@@ -108,6 +112,9 @@ async def _chunks(
         elif echo is not None:
             start += len(echo.of(choice)[0])
         choice_out = _choice(state, body, choice, head + new_text, token_ids, entries, start)
+        if body.return_token_ids and choice.index not in opened:  # the prompt's ids come first
+            opened.add(choice.index)
+            choice_out.prompt_token_ids = list(choice.prompt_token_ids)
         choice_out.finish_reason = out.finish_reason if out.finished else None
         choice_out.stop_reason = out.stop_reason if out.finished else None
         yield CompletionResponse(**header, model=state.model_name, choices=[choice_out])

@@ -25,6 +25,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop string or token id
     token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids (a stream's first)
 
 
 class CompletionResponse(BaseModel):
@@ -58,6 +59,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class ChatChunkChoice(BaseModel):
@@ -76,6 +78,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids: the first chunk
 
 
 class ModelCard(BaseModel):

@@ -494,3 +494,25 @@ def test_what_vllm_requests_also_set(server: ServerProcess) -> None:
     assert post(server, "/v1/completions", cut).json()["usage"]["prompt_tokens"] == 2
     seed = post(server, "/v1/completions", {**GOOD, "seed": 2**64})
     assert seed.status_code == 400 and seed.json()["error"]["param"] == "seed"
+
+
+def test_return_token_ids_gives_the_prompts_too(server: ServerProcess) -> None:
+    """vLLM's return_token_ids: the prompt's ids with each completion choice (a stream's first
+    chunk of it) and with a chat response (a stream's first chunk)."""
+    body = {**GOOD, "prompt": [5, 6, 7], "return_token_ids": True, "n": 2}
+    choices = post(server, "/v1/completions", body).json()["choices"]
+    assert [c["prompt_token_ids"] for c in choices] == [[5, 6, 7]] * 2
+    streamed = post(server, "/v1/completions", {**body, "stream": True}).text
+    chunks = [json.loads(line[6:])["choices"][0] for line in streamed.splitlines()
+              if line.startswith("data: {")]  # fmt: skip
+    firsts = [c for c in chunks if c.get("prompt_token_ids")]
+    assert sorted(c["index"] for c in firsts) == [0, 1]
+    assert all(c["prompt_token_ids"] == [5, 6, 7] for c in firsts)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+            "return_token_ids": True}  # fmt: skip
+    reply = post(server, "/v1/chat/completions", chat).json()
+    tokenized = post(server, "/tokenize", {"model": MODEL, "messages": chat["messages"]}).json()
+    assert reply["prompt_token_ids"] == tokenized["tokens"]
+    streamed = post(server, "/v1/chat/completions", {**chat, "stream": True}).text
+    events = [line[6:] for line in streamed.splitlines() if line.startswith("data: {")]
+    assert json.loads(events[0])["prompt_token_ids"] == tokenized["tokens"]
