@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from serve_cli.api.common import server_state
 from serve_cli.api.defaults import with_defaults
 from serve_cli.api.generation import Generation, new_id
-from serve_cli.api.logprobs import chat_logprobs
+from serve_cli.api.logprobs import chat_logprobs, vllm_prompt_logprobs
 from serve_cli.api.params import sampling_params
 from serve_cli.api.prompts import chat_prompt, check_context_length, check_fits, message_text
 from serve_cli.api.protocol import ChatCompletionRequest
@@ -70,9 +70,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             )
         )
     prompt_ids = prompt if body.return_token_ids else None
+    scored = gen.choices[0].prompt_logprobs if body.prompt_logprobs is not None else None
+    prompt_logprobs = vllm_prompt_logprobs(state.tokenizer, scored) if scored else None
     return ChatCompletionResponse(
-        **header, choices=choices, usage=gen.usage(), prompt_token_ids=prompt_ids
-    )
+        **header, choices=choices, usage=gen.usage(), prompt_token_ids=prompt_ids,
+        prompt_logprobs=prompt_logprobs,
+    )  # fmt: skip
 
 
 def default_max_tokens(state: ServerState, prompt: list[int]) -> int:

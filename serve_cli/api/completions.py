@@ -15,7 +15,7 @@ from serve_cli.api.common import server_state
 from serve_cli.api.defaults import with_defaults
 from serve_cli.api.errors import invalid
 from serve_cli.api.generation import Generation, new_id
-from serve_cli.api.logprobs import completion_logprobs, prompt_entries
+from serve_cli.api.logprobs import completion_logprobs, prompt_entries, vllm_prompt_logprobs
 from serve_cli.api.params import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
 from serve_cli.api.prompts import check_context_length, check_fits, completion_prompts
 from serve_cli.api.protocol import CompletionRequest
@@ -44,7 +44,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     fields = with_defaults(body, state.defaults)
     params = sampling_params(fields, max(max_tokens, 1), body.logprobs, state.vocab_size)
     if echo is not None and body.logprobs is not None:  # the prompt's logprobs are echoed too
-        params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
+        wanted = max(body.logprobs, params.prompt_logprobs or 0)
+        params = dataclasses.replace(params, prompt_logprobs=wanted)
     for ids in prompts:
         if body.max_tokens:
             check_context_length(state, len(ids), max_tokens, "max_tokens")
@@ -64,8 +65,17 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
         out = _choice(state, body, c, head + c.text, c.token_ids, entries + c.logprobs)
         if body.return_token_ids:
             out.prompt_token_ids = list(c.prompt_token_ids)
+        if body.prompt_logprobs is not None and c.prompt_logprobs:
+            out.prompt_logprobs = vllm_prompt_logprobs(
+                state.tokenizer, _top(c.prompt_logprobs, body.prompt_logprobs)
+            )
         choices.append(out)
     return CompletionResponse(**header, model=state.model_name, choices=choices, usage=gen.usage())
+
+
+def _top(scored: list[Any], k: int) -> list[Any]:
+    """Prompt scores with their ``k`` likeliest only (echo's logprobs may have asked for more)."""
+    return [e if e is None else e._replace(top=e.top[:k]) for e in scored]
 
 
 class _Echo:

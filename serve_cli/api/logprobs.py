@@ -38,7 +38,24 @@ def prompt_entries(prompt: list[int], scored: list[Any] | None) -> list[tuple]:
     then the engine's scores (``prompt_logprobs``) of the others."""
     if not scored:
         return []
-    return [(prompt[0], None, None), *scored[1:]]
+    return [(prompt[0], None, None), *((e.token_id, e.logprob, e.top) for e in scored[1:])]
+
+
+def vllm_prompt_logprobs(tokenizer: Any, scored: list[Any]) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs`` shape: per prompt token, None for the first, else
+    ``{token_id: {"logprob", "rank", "decoded_token"}}`` for the token and the likeliest there."""
+    out: list[dict[str, Any] | None] = [None]
+    for entry in scored[1:]:
+        ranked = {
+            t: {"logprob": lp, "rank": rank, "decoded_token": _token(tokenizer, t)}
+            for rank, (t, lp) in enumerate(entry.top, 1)
+        }
+        ranked.setdefault(entry.token_id, {
+            "logprob": entry.logprob, "rank": entry.rank,
+            "decoded_token": _token(tokenizer, entry.token_id),
+        })  # fmt: skip
+        out.append(ranked)
+    return out
 
 
 def chat_logprobs(tokenizer: Any, entries: list[tuple[int, float, tuple]]) -> dict[str, Any]:

@@ -33,7 +33,6 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     # what a completion or chat request may ask beyond sampling that xhal-serve does not do
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "prompt_logprobs": (None,),
     "functions": (None, []),
     "function_call": (None, "none"),
     "tool_choice": (None, "none"),
@@ -62,6 +61,11 @@ def refuse_inconsistent(request: SamplingFields) -> None:
             "'stream_options' only applies to a streamed request; set 'stream': true or leave "
             "'stream_options' out",
             "stream_options",
+        )
+    if request.prompt_logprobs is not None and request.stream:
+        raise invalid(
+            "'prompt_logprobs' come with the whole response, not a stream; set 'stream': false",
+            "prompt_logprobs",
         )
     best_of = (request.model_extra or {}).get("best_of")
     if isinstance(best_of, int) and best_of < request.n:
@@ -102,6 +106,7 @@ def sampling_params(
             logit_bias=bias,
             min_p=request.min_p or 0.0,
             min_tokens=request.min_tokens or 0,
+            prompt_logprobs=request.prompt_logprobs,
         )
     except ParamError as e:
         raise invalid(f"'{e.param}': {e.message}", e.param) from e

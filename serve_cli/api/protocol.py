@@ -54,6 +54,8 @@ class SamplingFields(RequestFields):
     min_tokens: int | None = Field(None, ge=0)  # vLLM's: EOS and stops wait for this many
     # vLLM's: the prompt's last N tokens only (after the chat template, for chat)
     truncate_prompt_tokens: int | None = Field(None, ge=1)
+    # vLLM's: each prompt token's logprob and the N likeliest there (not streamed)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # what a torch generator takes
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=MAX_N)

@@ -26,6 +26,7 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None  # vLLM's: the stop string or token id
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids (a stream's first)
+    prompt_logprobs: list[dict[int, Any] | None] | None = None  # vLLM's (logprobs.py)
 
 
 class CompletionResponse(BaseModel):
@@ -60,6 +61,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage | None = None
     prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids
+    prompt_logprobs: list[dict[int, Any] | None] | None = None  # vLLM's (logprobs.py)
 
 
 class ChatChunkChoice(BaseModel):

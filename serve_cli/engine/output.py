@@ -2,15 +2,15 @@
 
 The engine process fills it with token ids (``EngineCore.step``) and sends it as it is over ZMQ;
 in the API process ``OutputProcessor`` fills in ``new_text`` and applies stop strings. Plain data
-only (``TokenLogprobs`` is a named tuple), so the API process needs neither torch nor the
-engine's other classes to read it.
+only (``TokenLogprobs`` and ``PromptLogprob`` are named tuples), so the API process needs neither
+torch nor the engine's other classes to read it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from serve_cli.engine.sampling import TokenLogprobs
+from serve_cli.engine.sampling import PromptLogprob, TokenLogprobs
 
 
 @dataclass
@@ -45,7 +45,7 @@ class RequestOutput:
     scheduled_at: float | None = None  # time.monotonic() when first scheduled (for metrics)
     status: int = 500
     param: str | None = None  # the offending request field, for a rejected request
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 def failed_output(

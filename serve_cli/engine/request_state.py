@@ -7,7 +7,7 @@ from typing import Any
 
 from serve_cli.engine.output import RequestOutput
 from serve_cli.engine.request import Request
-from serve_cli.engine.sampling import SamplingParams, TokenLogprobs
+from serve_cli.engine.sampling import PromptLogprob, SamplingParams, TokenLogprobs
 
 
 @dataclass
@@ -19,10 +19,10 @@ class RequestState:
     scheduled_at: float | None = None  # time.monotonic() of its first scheduled step
     # with prompt_logprobs: an entry per prompt position scored so far (None for the first),
     # sent with its first output
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
 
-    def add_prompt_scores(self, first: int, entries: list[TokenLogprobs]) -> None:
+    def add_prompt_scores(self, first: int, entries: list[PromptLogprob]) -> None:
         """Scores of prompt positions ``first ..``; those already recorded (a preempted request
         computes its prompt again) are kept as they were."""
         recorded = self.prompt_logprobs

@@ -149,3 +149,13 @@ class TokenLogprobs(NamedTuple):
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+
+
+class PromptLogprob(NamedTuple):
+    """One prompt token's score (``prompt_logprobs``): as ``TokenLogprobs``, and its ``rank`` in
+    the vocabulary at its position (1: the likeliest)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+    rank: int

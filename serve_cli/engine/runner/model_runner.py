@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from serve_cli.engine.batch import ScheduledBatch
     from serve_cli.engine.config import EngineConfig
     from serve_cli.engine.runner.tp_group import TPWorkers
-    from serve_cli.engine.sampling import SamplingParams, TokenLogprobs
+    from serve_cli.engine.sampling import PromptLogprob, SamplingParams, TokenLogprobs
     from serve_cli.engine.served_model import ServedModel
 
 
@@ -184,7 +184,7 @@ class ModelRunner:
         tokens, logprobs = launched.pending.resolve()
         return [SampledToken(*row) for row in zip(launched.sampled_request_ids, tokens, logprobs)]
 
-    def collect_scores(self, launched: LaunchedStep) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+    def collect_scores(self, launched: LaunchedStep) -> dict[str, tuple[int, list[PromptLogprob]]]:
         """``launched``'s prompt scores: request id -> (first prompt position, entries)."""
         return {} if launched.scores is None else launched.scores.resolve()
 

@@ -516,3 +516,29 @@ def test_return_token_ids_gives_the_prompts_too(server: ServerProcess) -> None:
     streamed = post(server, "/v1/chat/completions", {**chat, "stream": True}).text
     events = [line[6:] for line in streamed.splitlines() if line.startswith("data: {")]
     assert json.loads(events[0])["prompt_token_ids"] == tokenized["tokens"]
+
+
+def test_vllm_prompt_logprobs(server: ServerProcess) -> None:
+    """vLLM's prompt_logprobs: per prompt token, null for the first, else the token's and the N
+    likeliest's logprob, rank and text, keyed by token id; equal to echo's logprobs. Chat has
+    them at the response's top. Not streamed (400)."""
+    prompt = [11, 12, 13, 14]
+    body = {**GOOD, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2}
+    (choice,) = post(server, "/v1/completions", body).json()["choices"]
+    scores = choice["prompt_logprobs"]
+    assert len(scores) == len(prompt) and scores[0] is None
+    echoed = {**GOOD, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 2}
+    echo_lps = post(server, "/v1/completions", echoed).json()["choices"][0]["logprobs"]
+    for token, entry, logprob in zip(prompt[1:], scores[1:], echo_lps["token_logprobs"][1:]):
+        mine = entry[str(token)]
+        assert mine["logprob"] == pytest.approx(logprob, abs=1e-6) and mine["rank"] >= 1
+        ranks = sorted(e["rank"] for t, e in entry.items() if t != str(token) or e["rank"] <= 2)
+        assert ranks[:2] == [1, 2] and 2 <= len(entry) <= 3
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+            "prompt_logprobs": 0}  # fmt: skip
+    reply = post(server, "/v1/chat/completions", chat).json()
+    tokenized = post(server, "/tokenize", {"model": MODEL, "messages": chat["messages"]}).json()
+    assert len(reply["prompt_logprobs"]) == tokenized["count"]
+    streamed = post(server, "/v1/chat/completions", {**chat, "stream": True})
+    assert streamed.status_code == 400
+    assert streamed.json()["error"]["param"] == "prompt_logprobs"

@@ -57,7 +57,6 @@ def events(response: httpx.Response) -> list[Any]:
 REFUSED = [  # (field, a value that would change the answer, routes it applies to)
     ("suffix", " and so on", ("completions",)),
     ("best_of", 3, ("completions",)),
-    ("prompt_logprobs", 2, ("completions", "chat")),
     ("functions", [{"name": "f", "parameters": {}}], ("chat",)),
     ("function_call", "auto", ("chat",)),
     ("tool_choice", "required", ("chat",)),

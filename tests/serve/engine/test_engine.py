@@ -450,10 +450,11 @@ def test_prompt_logprobs_match_transformers(llama_gqa_dir: Path, async_schedulin
         with torch.no_grad():
             logp = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1)
         for p in range(1, len(prompt)):
-            token, logprob, top = scores[p]
+            token, logprob, top, rank = scores[p]
             assert token == prompt[p]
             assert logprob == pytest.approx(float(logp[p - 1, token]), abs=1e-4)
             assert [t for t, _ in top] == logp[p - 1].topk(3).indices.tolist()
+            assert rank == int((logp[p - 1] > logp[p - 1, token]).sum()) + 1
 
 
 def test_prompt_logprobs_survive_preemption(llama_gqa_dir: Path, engine: EngineCore) -> None:
