@@ -112,7 +112,9 @@ class SamplingParams:
             )
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ParamError(
-                "min_tokens", f"must be an integer in [0, max_tokens], got {self.min_tokens!r}"
+                "min_tokens",
+                f"must be an integer in [0, max_tokens] (max_tokens is {self.max_tokens}), got "
+                f"{self.min_tokens!r}",
             )
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ParamError("min_p", f"must be in [0, 1], got {self.min_p!r}")
