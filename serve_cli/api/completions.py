@@ -84,18 +84,23 @@ class _Echo:
 
     def __init__(self, state: ServerState, body: CompletionRequest, prompts: list[list[int]]):
         prompt = body.prompt
-        if isinstance(prompt, str):
+        if body.truncate_prompt_tokens is not None:  # what the model saw, not what was sent
+            self.texts = [state.tokenizer.decode(ids) for ids in prompts]
+        elif isinstance(prompt, str):
             self.texts = [prompt]
         elif all(isinstance(p, str) for p in prompt):
             self.texts = list(prompt)
         else:
             self.texts = [state.tokenizer.decode(ids) for ids in prompts]
-        self.n, self.prompts = body.n, prompts
+        self.n, self.prompts, self.k = body.n, prompts, body.logprobs
 
     def of(self, choice: Choice) -> tuple[str, list[Any]]:
-        """``choice``'s echoed text and logprob entries (none until its prompt's arrive)."""
+        """``choice``'s echoed text and logprob entries (none until its prompt's arrive, or
+        without ``logprobs``)."""
         i = choice.index // self.n
-        return self.texts[i], prompt_entries(self.prompts[i], choice.prompt_logprobs)
+        if self.k is None or not choice.prompt_logprobs:
+            return self.texts[i], []
+        return self.texts[i], prompt_entries(self.prompts[i], _top(choice.prompt_logprobs, self.k))
 
 
 async def _chunks(

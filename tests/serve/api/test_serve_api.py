@@ -534,6 +534,10 @@ def test_vllm_prompt_logprobs(server: ServerProcess) -> None:
         assert mine["logprob"] == pytest.approx(logprob, abs=1e-6) and mine["rank"] >= 1
         ranks = sorted(e["rank"] for t, e in entry.items() if t != str(token) or e["rank"] <= 2)
         assert ranks[:2] == [1, 2] and 2 <= len(entry) <= 3
+    both = post(server, "/v1/completions", {**echoed, "logprobs": 1, "prompt_logprobs": 3}).json()
+    (choice,) = both["choices"]  # echo's entries keep logprobs' 1 (+ the token), vLLM's its 3
+    assert all(len(top) <= 2 for top in choice["logprobs"]["top_logprobs"][1:])
+    assert all(len(entry) >= 3 for entry in choice["prompt_logprobs"][1:])
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
             "prompt_logprobs": 0}  # fmt: skip
     reply = post(server, "/v1/chat/completions", chat).json()
