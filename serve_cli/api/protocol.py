@@ -9,7 +9,7 @@ OpenAI API documents its optional fields (``"n": null`` is ``n`` 1).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -94,6 +94,23 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+
+
+class ToolDefinition(BaseModel):
+    """OpenAI's function tool; it reaches the chat template as sent."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class ChatTemplateFields(RequestFields):
     """How the conversation is rendered (vLLM's extensions): ``add_generation_prompt`` opens the
     assistant's turn; ``continue_final_message`` instead leaves the last message open so the model
@@ -113,7 +130,7 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     max_completion_tokens: int | None = Field(None, gt=0)
     # OpenAI's function tools (``tool_calls.py``): the template shows them to the model and the
     # server's parser reads its calls back; tool_choice "auto" (the default) or "none"
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDefinition] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # false: at most the first call is returned
     add_special_tokens: bool = False  # vLLM's: the template writes them

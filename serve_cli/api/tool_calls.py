@@ -29,10 +29,10 @@ _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
 
 def offered_tools(body: Any, parser: str | None) -> list[dict[str, Any]] | None:
-    """The request's ``tools`` when the model is to see them and may call them (``tool_choice``
-    unset or "auto"), else None. 400 for what cannot be served: tools on a server started
-    without a parser, a ``tool_choice`` that forces a call (that needs guided decoding), or a
-    tool that is not a named function."""
+    """The request's ``tools`` (as sent: dicts) when the model is to see them and may call them
+    (``tool_choice`` unset or "auto"), else None. 400 for what cannot be served: tools on a
+    server started without a parser, or a ``tool_choice`` that forces a call (that needs guided
+    decoding); a tool that is not a named function was refused by its type (``protocol.py``)."""
     tools, choice = getattr(body, "tools", None), getattr(body, "tool_choice", None)
     if isinstance(choice, str) and choice not in ("auto", "none", "required"):
         raise invalid(
@@ -57,16 +57,7 @@ def offered_tools(body: Any, parser: str | None) -> list[dict[str, Any]] | None:
             "tools",
             "unsupported_parameter",
         )
-    for i, tool in enumerate(tools):
-        function = tool.get("function")
-        if tool.get("type") != "function" or not isinstance(function, dict) or not isinstance(
-            function.get("name"), str
-        ):
-            raise invalid(
-                f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
-                "tools",
-            )
-    return tools
+    return [tool.model_dump(exclude_none=True) for tool in tools]
 
 
 @dataclass(frozen=True)

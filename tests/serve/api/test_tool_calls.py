@@ -167,6 +167,10 @@ def test_tool_messages_reach_the_template_and_none_turns_calls_off() -> None:
         (None, {"tools": TOOLS}, "tools"),  # the server was not started with a parser
         ("hermes", {"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
         ("hermes", {"tools": [{"type": "function", "function": {}}]}, "tools"),
+        ("hermes", {"tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),
+        ("hermes", {"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+         "tools"),
+        ("hermes", {"tools": [{"type": "code", "function": {"name": "f"}}]}, "tools"),
     ],
 )
 def test_what_cannot_be_served_is_a_400(parser: str | None, fields: dict, param: str) -> None:
