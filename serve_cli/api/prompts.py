@@ -46,7 +46,8 @@ def chat_prompt(state: ServerState, body: ChatTemplateFields) -> list[int]:
     ``chat_template``), ending in the assistant's turn or, with ``continue_final_message``, in
     the open last message, as token ids."""
     special = getattr(body, "add_special_tokens", False)
-    ids = encode(state, render_chat(state, body), "messages", special)
+    tools = offered_tools(body, state.tool_call_parser)
+    ids = encode(state, render_chat(state, body, tools), "messages", special)
     keep = getattr(body, "truncate_prompt_tokens", None)
     if keep is not None:
         ids = ids[-keep:]
@@ -54,7 +55,11 @@ def chat_prompt(state: ServerState, body: ChatTemplateFields) -> list[int]:
     return ids
 
 
-def render_chat(state: ServerState, body: ChatTemplateFields) -> str:
+def render_chat(
+    state: ServerState, body: ChatTemplateFields, tools: list[dict[str, Any]] | None = None
+) -> str:
+    """The conversation through the chat template, with ``tools`` (OpenAI's, as dicts) shown to
+    the model when given."""
     tokenizer = state.tokenizer
     template = body.chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
@@ -84,7 +89,6 @@ def render_chat(state: ServerState, body: ChatTemplateFields) -> str:
         {**(m.model_extra or {}), "role": m.role, "content": message_text(m, i)}
         for i, m in enumerate(body.messages)
     ]
-    tools = offered_tools(body, state.tool_call_parser)
     if tools is not None:
         extra["tools"] = tools
     try:

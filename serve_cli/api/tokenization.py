@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from serve_cli.api.common import check_model
 from serve_cli.api.errors import invalid
 from serve_cli.api.prompts import check_prompt, encode, render_chat
-from serve_cli.api.protocol import ChatTemplateFields
+from serve_cli.api.protocol import ChatTemplateFields, ToolDefinition
 from serve_cli.api.state import ServerState
 
 router = APIRouter()
@@ -31,6 +31,7 @@ class TokenizeChatRequest(ChatTemplateFields):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
+    tools: list[ToolDefinition] | None = None  # shown to the model as a chat request shows them
     add_special_tokens: bool = False  # the template already wrote them
     return_token_strs: bool = False
 
@@ -60,7 +61,8 @@ async def tokenize(body: dict[str, Any], request: Request) -> TokenizeResponse:
     parsed: TokenizeChatRequest | TokenizeCompletionRequest
     if "messages" in body:
         parsed = _parse(TokenizeChatRequest, body)
-        param, text = "messages", await run_in_threadpool(render_chat, state, parsed)
+        tools = [t.model_dump(exclude_none=True) for t in parsed.tools or ()] or None
+        param, text = "messages", await run_in_threadpool(render_chat, state, parsed, tools)
     else:
         parsed = _parse(TokenizeCompletionRequest, body)
         param, text = "prompt", parsed.prompt

@@ -212,3 +212,20 @@ def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
     assert len(both) == 2
     bad = _chat(app, tools=TOOLS, tool_choice="sometimes")
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice"
+
+
+def test_tokenize_shows_the_tools_as_chat_does() -> None:
+    """vLLM's /tokenize of a conversation takes its tools (no parser needed: nothing is read
+    back), and counts what a chat request with them would send."""
+    app, tokenizer, engine = _app(CALL, parser=None)
+    body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "chat_template": TEMPLATE, "tools": TOOLS}  # fmt: skip
+
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            return await c.post("/tokenize", json=body)
+
+    response = asyncio.run(go())
+    assert response.status_code == 200, response.text
+    assert tokenizer.decode(response.json()["tokens"]).startswith("tool get_weather;user:")
