@@ -1,11 +1,22 @@
-"""Reading a step's small results (sampled tokens, logprobs) back to the host without waiting for
-the steps queued after it."""
+"""A step's small host values up to the device (``to_device``: row indices, per-request
+parameters) and its small results (sampled tokens, logprobs) back to the host (``HostCopy``),
+neither waiting for the steps queued around it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+
+def to_device(
+    values: Sequence[Any], device: torch.device, dtype: torch.dtype = torch.long
+) -> torch.Tensor:
+    """``values`` (numbers, or rows of them) as a tensor on ``device``, copied without waiting for
+    the queued work: a list index or a blocking copy would stall the host until the device
+    caught up."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 class HostCopy:

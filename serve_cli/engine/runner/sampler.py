@@ -9,7 +9,7 @@ import torch
 
 from serve_cli.engine.runner import logit_filters
 from serve_cli.engine.runner import seen_tokens as history_rules
-from serve_cli.engine.runner.host_copy import HostCopy
+from serve_cli.engine.runner.host_copy import HostCopy, to_device
 from serve_cli.engine.runner.seen_tokens import SeenTokens
 from serve_cli.engine.sampling import SamplingParams, TokenLogprobs
 from xhal import ops
@@ -82,16 +82,18 @@ class Sampler:
         own."""
         raw = logits  # what logprobs are taken of
         biased = [i for i, p in enumerate(params) if p.logit_bias]
-        if biased:
-            logits = logit_filters.biased(logits, biased, params)
         historic = [i for i, p in enumerate(params) if p.needs_history]
-        if historic:
-            if seen is None or any(seen[i] is None for i in historic):
-                raise ValueError("a row with a penalty or min_tokens needs its SeenTokens")
-            logits = history_rules.penalized(logits, historic, params, seen)
         floored = [i for i, p in enumerate(params) if p.min_p > 0 and not p.greedy]
-        if floored:
-            logits = logit_filters.min_p_masked(logits, floored, params)
+        if historic and (seen is None or any(seen[i] is None for i in historic)):
+            raise ValueError("a row with a penalty or min_tokens needs its SeenTokens")
+        if biased or historic or floored:
+            logits = logits.clone()  # one copy the rules change in place, in vLLM's order
+            if biased:
+                logit_filters.add_bias(logits, biased, params)
+            if historic:
+                history_rules.penalize(logits, historic, params, seen)
+            if floored:
+                logit_filters.apply_min_p(logits, floored, params)
         shared = [i for i, g in enumerate(generators) if g is None]
         if len(shared) == len(params):  # no seeded row: no index to upload
             # a copy of its own: the next step's sampling must not overwrite what is read back
@@ -102,7 +104,7 @@ class Sampler:
         else:
             tokens = out
         if shared and len(shared) < len(params):
-            index = _index(shared, logits.device)
+            index = to_device(shared, logits.device)
             picked = self._sample_rows(logits[index], [params[i] for i in shared], None)
             tokens[index] = picked.to(torch.long)
         for i, g in enumerate(generators):
@@ -124,14 +126,11 @@ class Sampler:
         if all(p.greedy for p in params):
             return ops.argmax(logits)
         device = logits.device
-        temperature = torch.tensor([float(p.temperature) for p in params], dtype=torch.float32)
-        top_k = torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int32)
-        top_p = torch.tensor([float(p.top_p) for p in params], dtype=torch.float32)
         return ops.sample(
             logits,
-            temperature.to(device, non_blocking=True),
-            top_k.to(device, non_blocking=True),
-            top_p.to(device, non_blocking=True),
+            to_device([float(p.temperature) for p in params], device, torch.float32),
+            to_device([max(p.top_k, 0) for p in params], device, torch.int32),
+            to_device([float(p.top_p) for p in params], device, torch.float32),
             generator if generator is not None else self.generator,
         )
 
@@ -144,15 +143,10 @@ class Sampler:
     ) -> list[torch.Tensor]:
         """For ``rows``: the chosen token's logprob ``[R]`` and the top ``n`` values and ids
         ``[R, n]`` (most likely first), of the log-softmax of the raw logits, on the device."""
-        index = _index(rows, logits.device)
+        index = to_device(rows, logits.device)
         logp = torch.log_softmax(logits[index].float(), dim=-1)  # [R, V]
         chosen = logp.gather(1, tokens[index].view(-1, 1).long()).view(-1)
         n = min(max(params[i].logprobs for i in rows), logp.shape[-1])
         top_vals, top_ids = logp.topk(n, dim=-1)
         return [chosen, top_vals, top_ids]
 
-
-def _index(rows: list[int], device: torch.device) -> torch.Tensor:
-    """``rows`` as an index on ``device``, copied without waiting for the queued work (a list
-    index would upload with a blocking copy, stalling the host until the device catches up)."""
-    return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)

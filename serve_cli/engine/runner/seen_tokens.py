@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from serve_cli.engine.runner.host_copy import to_device
 from serve_cli.engine.sampling import SamplingParams
 
 
@@ -47,32 +48,30 @@ class SeenTokens:
 
     @staticmethod
     def _mask(ids: list[int], vocab_size: int, device: torch.device) -> torch.Tensor:
-        # the ids go up without waiting for the queued work (a blocking copy would stall the host)
-        index = torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
         mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-        mask[index] = True
+        mask[to_device(ids, device)] = True
         return mask
 
 
-def penalized(
+def penalize(
     logits: torch.Tensor,
     rows: list[int],
     params: Sequence[SamplingParams],
     seen: Sequence[SeenTokens | None],
-) -> torch.Tensor:
-    """``logits`` ``[S, V]`` with ``rows`` (those with a penalty or a ``min_tokens``) changed by
-    the rules above, as a new tensor."""
+) -> None:
+    """Change ``rows`` of ``logits`` ``[S, V]`` (those with a penalty or a ``min_tokens``) in place
+    by the rules above."""
     vocab, device = logits.shape[-1], logits.device
     for i in rows:
         seen[i].ready(vocab, device)
-    index = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+    index = to_device(rows, device)
     picked = logits[index].float()  # [R, V]
     counts = torch.stack([seen[i].counts for i in rows])
     generated = counts > 0
     in_sight = generated | torch.stack([seen[i].in_prompt for i in rows])
 
     def column(values: list[float]) -> torch.Tensor:  # [R, 1]: one value a row
-        return torch.tensor(values)[:, None].to(device, non_blocking=True)
+        return to_device([[v] for v in values], device, torch.float32)
 
     r = column([params[i].repetition_penalty for i in rows])
     picked = torch.where(in_sight, torch.where(picked > 0, picked / r, picked * r), picked)
@@ -81,9 +80,7 @@ def penalized(
     early = counts.sum(dim=-1, keepdim=True) < column([params[i].min_tokens for i in rows])
     blocked = early & torch.stack([seen[i].blocked for i in rows])
     picked = picked.masked_fill(blocked, float("-inf"))
-    out = logits.clone()
-    out[index] = picked.to(out.dtype)
-    return out
+    logits[index] = picked.to(logits.dtype)
 
 
 def count(tokens: torch.Tensor, rows: list[int], seen: Sequence[SeenTokens | None]) -> None:
