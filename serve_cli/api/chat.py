@@ -33,7 +33,8 @@ router = APIRouter()
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
     state = server_state(request, body.model)
-    prompt = await run_in_threadpool(chat_prompt, state, body)  # off the event loop, as a prompt
+    tools = offered_tools(body, state.tool_call_parser)  # None: the reply is read as plain text
+    prompt = await run_in_threadpool(chat_prompt, state, body, tools)  # off the event loop
     max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens(state, prompt)
     if body.max_completion_tokens or body.max_tokens:
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
@@ -46,14 +47,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     header = dict(id=gen.request_id, created=int(time.time()), model=state.model_name)
     role, echoed = reply_role(body), echoed_text(body)
     if body.stream:
-        return sse_response(_chunks(state, body, gen, header))
+        return sse_response(_chunks(state, body, gen, header, tools is not None))
     if not await gen.run_to_end(request):
         return Response(status_code=499)  # the client left; nobody reads this
-    calls_tools = offered_tools(body, state.tool_call_parser) is not None
     choices = []
     for c in gen.choices:
-        content, calls = parse(c.text) if calls_tools else (c.text, [])
-        calls = calls[:1] if body.parallel_tool_calls is False else calls
+        content, calls = parse(c.text) if tools is not None else (c.text, [])
+        calls = calls[: _max_calls(body)]
         if echoed:
             content = echoed + (content or "")
         message = ChatMessageOut(
@@ -87,8 +87,17 @@ def default_max_tokens(state: ServerState, prompt: list[int]) -> int:
     return fits if limit is None else min(limit, fits)
 
 
+def _max_calls(body: ChatCompletionRequest) -> int | None:
+    """How many of a reply's calls are returned: the first only with parallel_tool_calls false."""
+    return 1 if body.parallel_tool_calls is False else None
+
+
 async def _chunks(
-    state: ServerState, body: ChatCompletionRequest, gen: Generation, header: dict[str, Any]
+    state: ServerState,
+    body: ChatCompletionRequest,
+    gen: Generation,
+    header: dict[str, Any],
+    calls_tools: bool,
 ) -> AsyncIterator[ChatCompletionChunk]:
     role, echoed = reply_role(body), echoed_text(body)
     for c in gen.choices:  # the role comes first, as OpenAI streams it
@@ -103,14 +112,13 @@ async def _chunks(
     wants_tokens = body.return_token_ids or body.logprobs
     # with tools, text that may be a call is held until the choice ends (tool_calls.py)
     replies = {c.index: StreamedReply() for c in gen.choices}
-    calls_tools = offered_tools(body, state.tool_call_parser) is not None
     async for choice, out in gen.outputs():
         text = replies[choice.index].feed(out.new_text) if calls_tools else out.new_text
         calls = []
         if out.finished and calls_tools:
             tail, calls = replies[choice.index].finish()
             text += tail
-            calls = calls[:1] if body.parallel_tool_calls is False else calls
+            calls = calls[: _max_calls(body)]
         if text or (wants_tokens and out.new_token_ids):
             delta = ChatMessageOut(content=text)
             logprobs = chat_logprobs(state.tokenizer, out.logprobs or []) if body.logprobs else None

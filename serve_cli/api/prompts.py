@@ -7,7 +7,6 @@ from typing import Any
 from serve_cli.api.errors import invalid
 from serve_cli.api.protocol import ChatMessage, ChatTemplateFields
 from serve_cli.api.state import ServerState
-from serve_cli.api.tool_calls import offered_tools
 from serve_cli.engine.prompt_rules import prompt_problem
 
 
@@ -41,12 +40,13 @@ _TEMPLATE_ARGUMENTS = frozenset(
 )  # fmt: skip
 
 
-def chat_prompt(state: ServerState, body: ChatTemplateFields) -> list[int]:
+def chat_prompt(
+    state: ServerState, body: ChatTemplateFields, tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     """The conversation rendered by the chat template (the tokenizer's, or the request's
-    ``chat_template``), ending in the assistant's turn or, with ``continue_final_message``, in
-    the open last message, as token ids."""
+    ``chat_template``), with ``tools`` when given, ending in the assistant's turn or, with
+    ``continue_final_message``, in the open last message, as token ids."""
     special = getattr(body, "add_special_tokens", False)
-    tools = offered_tools(body, state.tool_call_parser)
     ids = encode(state, render_chat(state, body, tools), "messages", special)
     keep = getattr(body, "truncate_prompt_tokens", None)
     if keep is not None:
