@@ -10,9 +10,12 @@ from typing import Any
 
 class ScriptedEngine:
     """Stands in for ``EngineClient``: each request emits ``max_tokens`` tokens, except that a
-    prompt starting with token 13 fails in its second step (as a failing engine step would)."""
+    prompt starting with token 13 fails in its second step (as a failing engine step would).
+    With ``reply``, each request writes that text instead, ``piece`` characters an output, and
+    stops ("stop")."""
 
-    def __init__(self) -> None:
+    def __init__(self, reply: str | None = None, piece: int = 4) -> None:
+        self.reply, self.piece = reply, piece
         self.dead_reason: str | None = None
         self.aborted: list[str] = []
         self.requests: list[tuple[list[int], object]] = []  # (prompt token ids, params) received
@@ -27,6 +30,16 @@ class ScriptedEngine:
 
         async def run() -> None:
             scheduled_at = time.monotonic()
+            if self.reply is not None:
+                pieces = range(0, len(self.reply), self.piece)
+                for i in pieces:
+                    await asyncio.sleep(0)
+                    last = i == pieces[-1]
+                    out = RequestOutput(request_id, [7], self.reply[i : i + self.piece], last,
+                                        "stop" if last else None,
+                                        num_prompt_tokens=len(prompt_token_ids))  # fmt: skip
+                    queue.put_nowait(out)
+                return
             for i in range(params.max_tokens):
                 await asyncio.sleep(0)
                 if prompt_token_ids[0] == 13 and i == 1:

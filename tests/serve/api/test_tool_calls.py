@@ -3,7 +3,6 @@ route with an engine that writes a scripted reply (a random model writes no call
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -14,6 +13,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("zmq")
 
 from serve_cli.api.tool_calls import PARSERS, StreamedReply, ToolCall, parse  # noqa: E402
+from tests.support.scripted_engine import ScriptedEngine, call  # noqa: E402
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 WEATHER = ToolCall("get_weather", '{"city": "Paris"}')
@@ -63,34 +63,8 @@ TEMPLATE = (
 )
 
 
-class ScriptedEngine:
-    """Stands in for ``EngineClient``: answers every request with ``reply``, in pieces of
-    ``piece`` characters (one output each), and keeps the prompts it was sent."""
-
-    is_dead, dead_reason = False, None
-
-    def __init__(self, reply: str, piece: int = 4) -> None:
-        self.reply, self.piece, self.prompts = reply, piece, []
-
-    def add_request(self, request_id: str, prompt: list[int], params: Any, queue: Any) -> None:
-        from serve_cli.engine.output import RequestOutput
-
-        self.prompts.append(prompt)
-        pieces = [self.reply[i : i + self.piece] for i in range(0, len(self.reply), self.piece)]
-        for i, text in enumerate(pieces):
-            last = i == len(pieces) - 1
-            out = RequestOutput(request_id, [7], text, last, "stop" if last else None,
-                                num_prompt_tokens=len(prompt))  # fmt: skip
-            queue.put_nowait(out)
-
-    def abort(self, request_ids: list[str]) -> None:
-        pass
-
-    async def stats(self) -> dict:
-        return {}
-
-
 def _app(reply: str, parser: str | None = "hermes") -> tuple[Any, Any, ScriptedEngine]:
+    """The app over an engine that writes ``reply`` (``engine.requests``: the prompts sent)."""
     from serve_cli.api import ServerState, build_app
     from serve_cli.default_model import build_tokenizer
 
@@ -105,13 +79,7 @@ def _app(reply: str, parser: str | None = "hermes") -> tuple[Any, Any, ScriptedE
 def _chat(app: Any, **fields: Any) -> httpx.Response:
     body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}],
             "chat_template": TEMPLATE, "max_tokens": 64, **fields}  # fmt: skip
-
-    async def go() -> httpx.Response:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
-            return await c.post("/v1/chat/completions", json=body)
-
-    return asyncio.run(go())
+    return call(app, "POST", "/v1/chat/completions", body)
 
 
 def test_a_reply_with_a_call_comes_back_as_tool_calls() -> None:
@@ -124,7 +92,7 @@ def test_a_reply_with_a_call_comes_back_as_tool_calls() -> None:
     (call,) = choice["message"]["tool_calls"]
     assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
-    assert tokenizer.decode(engine.prompts[0]).startswith("tool get_weather;user: Weather")
+    assert tokenizer.decode(engine.requests[0][0]).startswith("tool get_weather;user: Weather")
 
 
 def test_a_streamed_call_comes_in_the_last_delta() -> None:
@@ -152,13 +120,13 @@ def test_tool_messages_reach_the_template_and_none_turns_calls_off() -> None:
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
     ]  # fmt: skip
     assert _chat(app, tools=TOOLS, messages=messages).status_code == 200
-    prompt = tokenizer.decode(engine.prompts[0])
+    prompt = tokenizer.decode(engine.requests[0][0])
     assert "assistant:  calls get_weather" in prompt and "tool: sunny for c1" in prompt
     response = _chat(app, tools=TOOLS, tool_choice="none")  # no tools shown, no call read
     (choice,) = response.json()["choices"]
     assert choice["message"]["content"] == CALL and choice["message"]["tool_calls"] is None
     assert choice["finish_reason"] == "stop"
-    assert not tokenizer.decode(engine.prompts[-1]).startswith("tool")
+    assert not tokenizer.decode(engine.requests[-1][0]).startswith("tool")
 
 
 @pytest.mark.parametrize(
@@ -179,7 +147,7 @@ def test_what_cannot_be_served_is_a_400(parser: str | None, fields: dict, param:
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["message"]
-    assert not engine.prompts
+    assert not engine.requests
     if parser is None:
         assert "--enable-auto-tool-choice" in error["message"]
 
@@ -220,12 +188,6 @@ def test_tokenize_shows_the_tools_as_chat_does() -> None:
     app, tokenizer, engine = _app(CALL, parser=None)
     body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}],
             "chat_template": TEMPLATE, "tools": TOOLS}  # fmt: skip
-
-    async def go() -> httpx.Response:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
-            return await c.post("/tokenize", json=body)
-
-    response = asyncio.run(go())
+    response = call(app, "POST", "/tokenize", body)
     assert response.status_code == 200, response.text
     assert tokenizer.decode(response.json()["tokens"]).startswith("tool get_weather;user:")
