@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -130,3 +131,14 @@ def _drop_common_labels(name: str) -> str:
     base, labels = name.split("{", 1)
     labels = _COMMON_LABELS.sub("", labels[:-1]).rstrip(",")
     return f"{base}{{{labels}}}" if labels else base
+
+
+def post(server: ServerProcess, path: str, body: Any, raw: bytes | None = None) -> Any:
+    """One POST to ``server`` (``path`` such as "/v1/completions"): the JSON ``body``, or ``raw``
+    bytes sent as JSON; its ``httpx`` response."""
+    import httpx
+
+    if raw is not None:
+        headers = {"Content-Type": "application/json"}
+        return httpx.post(f"{server.url}{path}", content=raw, headers=headers, timeout=300)
+    return httpx.post(f"{server.url}{path}", json=body, timeout=300)
