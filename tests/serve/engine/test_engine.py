@@ -18,89 +18,23 @@ from serve_cli.engine.request import Request
 from serve_cli.engine.runner.input_builder import InputBuilder
 from serve_cli.engine.sampling import SamplingParams
 from serve_cli.engine.scheduler import Scheduler
+from tests.support.engine_runs import GREEDY, SMALL, drain, random_prompts, small_engine
 
 pytest.importorskip("transformers")
 
-GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-SMALL = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, num_kv_blocks=48)
-
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def _engine(model_dir: Path, **overrides) -> EngineCore:
-    return EngineCore(EngineConfig(model_dir=model_dir, **{**SMALL, **overrides}))
-
-
-def _prompts(lengths: list[int], seed: int = 0, vocab: int = 256) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-@pytest.fixture(scope="module")
-def engine(llama_gqa_dir: Path) -> EngineCore:
-    return _engine(llama_gqa_dir)
 
 
 @pytest.fixture(scope="module")
 def default_engine(tmp_path_factory: pytest.TempPathFactory) -> EngineCore:
     from serve_cli.default_model import ensure_default_model
 
-    return _engine(ensure_default_model(tmp_path_factory.mktemp("cache")), num_kv_blocks=32)
-
-
-@pytest.fixture(scope="module")
-def reference(llama_gqa_dir: Path):
-    """``reference(prompt, n)``: greedy tokens of a plain offline loop over the executor, one
-    sequence at a time (prefill, then decodes picking the argmax), eager, own KV cache.
-    ``pick(logits [V], prompt, out)`` replaces the argmax (not cached)."""
-    from models import load_model
-    from tests.support.paged_host import PagedHost
-    from xhal import platforms
-    from xhal.executor import ExecutorConfig, ModelExecutor
-
-    model = load_model(llama_gqa_dir, dtype=torch.float32, progress=False)
-    executor = ModelExecutor(
-        model, platforms.get("cpu"), ExecutorConfig(max_model_len=128, enforce_eager=True)
-    )
-    executor.bind_kv_caches(executor.allocate_kv_caches(num_blocks=64))
-    state = {"next_id": 0}
-    cache: dict[tuple[int, ...], list[int]] = {}
-
-    def run(prompt: list[int], max_tokens: int = GREEDY.max_tokens, pick=None) -> list[int]:
-        key = tuple(prompt)
-        if pick is None and key in cache and len(cache[key]) >= max_tokens:
-            return cache[key][:max_tokens]
-        host = PagedHost(num_blocks=64, block_size=16, seed=state["next_id"])
-        state["next_id"] += 1
-        out: list[int] = []
-        feed = list(prompt)
-        while len(out) < max_tokens:
-            ids, pos, md = host.step([(0, feed)])
-            hidden = executor.execute(ids, pos, md)
-            logits = executor.compute_logits(hidden, torch.tensor([len(feed) - 1]))
-            out.append(int(logits.argmax(-1)) if pick is None else pick(logits[0], prompt, out))
-            feed = out[-1:]
-        if pick is None:
-            cache[key] = out
-        return out
-
-    return run
-
-
-def _drain(engine: EngineCore | TextSession) -> dict[str, list]:
-    """Step until idle; every output, by request id (text and stop strings too through a
-    ``TextSession``, as a served request gets them)."""
-    outputs: dict[str, list] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).append(out)
-    return outputs
+    return small_engine(ensure_default_model(tmp_path_factory.mktemp("cache")), num_kv_blocks=32)
 
 
 def test_greedy_matches_offline_executor_loop(engine: EngineCore, reference) -> None:
     # 70 and 90 tokens exceed the 64-token step budget: chunked prefill next to decodes
-    prompts = _prompts([5, 17, 33, 70, 1, 90])
+    prompts = random_prompts([5, 17, 33, 70, 1, 90])
     assert generate(engine, prompts, GREEDY) == [reference(p) for p in prompts]
     assert engine.stats()["kv_blocks_used"] == 0
 
@@ -116,7 +50,7 @@ def test_executor_buckets_follow_the_servers_token_budget(engine: EngineCore) ->
 def test_greedy_matches_transformers(llama_gqa_dir: Path, engine: EngineCore) -> None:
     import transformers
 
-    prompt = _prompts([23], seed=7)[0]
+    prompt = random_prompts([23], seed=7)[0]
     hf = transformers.AutoModelForCausalLM.from_pretrained(llama_gqa_dir, dtype=torch.float32)
     ids = list(prompt)
     with torch.no_grad():
@@ -127,8 +61,8 @@ def test_greedy_matches_transformers(llama_gqa_dir: Path, engine: EngineCore) ->
 
 
 def test_small_kv_budget_preempts_and_completes_everything(llama_gqa_dir: Path, reference) -> None:
-    engine = _engine(llama_gqa_dir, num_kv_blocks=8)  # 128 token slots for ~300 tokens of work
-    prompts = _prompts([30, 28, 25, 33, 20, 31], seed=1)
+    engine = small_engine(llama_gqa_dir, num_kv_blocks=8)  # 128 token slots for ~300 tokens of work
+    prompts = random_prompts([30, 28, 25, 33, 20, 31], seed=1)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     assert generate(engine, prompts, params) == [reference(p, 20) for p in prompts]
     stats = engine.stats()
@@ -137,12 +71,12 @@ def test_small_kv_budget_preempts_and_completes_everything(llama_gqa_dir: Path, 
 
 
 def test_repeated_long_prompt_hits_the_prefix_cache(engine: EngineCore, reference) -> None:
-    prompt = _prompts([75], seed=2)[0]
+    prompt = random_prompts([75], seed=2)[0]
     before = engine.stats()
     runs = []
     for rid in ("first", "second"):
         engine.add_request(rid, prompt, GREEDY)
-        runs.append(_drain(engine)[rid])
+        runs.append(drain(engine)[rid])
     first, second = runs
     assert first[-1].num_cached_tokens == 0
     assert second[-1].num_cached_tokens == 64  # 4 full blocks of 16; the last token is computed
@@ -159,7 +93,7 @@ def test_stop_string_cuts_text_and_finishes_with_stop(default_engine: EngineCore
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     session = TextSession(default_engine)  # the text is made as the API process makes it
     session.add_request("free", prompt, params)
-    run = _drain(session)["free"]
+    run = drain(session)["free"]
     ids = sum((o.new_token_ids for o in run), [])
     text = "".join(o.new_text for o in run)
     assert text == tok.decode(ids, skip_special_tokens=True) and run[-1].finish_reason == "length"
@@ -169,7 +103,7 @@ def test_stop_string_cuts_text_and_finishes_with_stop(default_engine: EngineCore
     stop = text[k - 1 : k + 2]
     cut = text.find(stop)
     session.add_request("stopped", prompt, replace(params, stop=("@@@", stop)))
-    run = _drain(session)["stopped"]
+    run = drain(session)["stopped"]
     assert "".join(o.new_text for o in run) == text[:cut]
     assert run[-1].finished and run[-1].finish_reason == "stop"
     got = sum((o.new_token_ids for o in run), [])
@@ -177,14 +111,14 @@ def test_stop_string_cuts_text_and_finishes_with_stop(default_engine: EngineCore
 
 
 def test_eos_finishes_with_stop_unless_ignored(llama_gqa_dir: Path, reference) -> None:
-    engine = _engine(llama_gqa_dir)
-    prompt = _prompts([12], seed=3)[0]
+    engine = small_engine(llama_gqa_dir)
+    prompt = random_prompts([12], seed=3)[0]
     expected = reference(prompt)
     k = next(i for i in range(1, len(expected)) if expected[i] not in expected[:i])
     engine.postprocessor.eos_token_ids = frozenset({expected[k]})  # a later greedy token is EOS
     engine.add_request("eos", prompt, SamplingParams(max_tokens=10, temperature=0))
     engine.add_request("ignore", prompt, GREEDY)
-    outputs = _drain(engine)
+    outputs = drain(engine)
     eos = outputs["eos"]
     assert sum((o.new_token_ids for o in eos), []) == expected[: k + 1]  # the EOS included
     assert eos[-1].finish_reason == "stop" and eos[-1].num_output_tokens == k + 1
@@ -195,13 +129,13 @@ def test_eos_finishes_with_stop_unless_ignored(llama_gqa_dir: Path, reference) -
 def test_stop_token_ids_finish_after_the_token_even_ignoring_eos(
     llama_gqa_dir: Path, reference
 ) -> None:
-    engine = _engine(llama_gqa_dir)
-    prompt = _prompts([12], seed=3)[0]
+    engine = small_engine(llama_gqa_dir)
+    prompt = random_prompts([12], seed=3)[0]
     expected = reference(prompt)
     k = next(i for i in range(1, len(expected)) if expected[i] not in expected[:i])
     engine.add_request("stop", prompt, replace(GREEDY, stop_token_ids=(expected[k], 10**6)))
     engine.add_request("plain", prompt, GREEDY)
-    outputs = _drain(engine)
+    outputs = drain(engine)
     stop = outputs["stop"]
     assert sum((o.new_token_ids for o in stop), []) == expected[: k + 1]  # the stop token included
     assert stop[-1].finish_reason == "stop"
@@ -209,12 +143,12 @@ def test_stop_token_ids_finish_after_the_token_even_ignoring_eos(
 
 
 def test_seeded_sampling_is_reproducible_in_any_batch(engine: EngineCore) -> None:
-    prompt = _prompts([15], seed=4)[0]
+    prompt = random_prompts([15], seed=4)[0]
     seeded = SamplingParams(
         max_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=1234, ignore_eos=True
     )
     alone = generate(engine, [prompt], seeded)[0]
-    others = _prompts([9, 40], seed=5)
+    others = random_prompts([9, 40], seed=5)
     unseeded = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
     mixed = generate(engine, [*others, prompt], [unseeded, unseeded, seeded])
     assert mixed[2] == alone
@@ -226,10 +160,10 @@ def test_logprobs_are_log_softmax_of_the_logits(engine: EngineCore, llama_gqa_di
     from models import load_model
     from xhal.tools.align import xhal_prefill
 
-    prompt = _prompts([11], seed=6)[0]
+    prompt = random_prompts([11], seed=6)[0]
     params = SamplingParams(max_tokens=3, temperature=0, logprobs=4, ignore_eos=True)
     engine.add_request("lp", prompt, params)
-    run = _drain(engine)["lp"]
+    run = drain(engine)["lp"]
     assert all(len(o.logprobs) == len(o.new_token_ids) for o in run)
     first = run[0].logprobs[0]
     model = load_model(llama_gqa_dir, progress=False)
@@ -243,8 +177,8 @@ def test_logprobs_are_log_softmax_of_the_logits(engine: EngineCore, llama_gqa_di
 
 
 def test_failing_step_fails_only_its_batch(llama_gqa_dir: Path, reference, fail_first_call) -> None:
-    engine = _engine(llama_gqa_dir, max_num_seqs=2)
-    a, b, c = _prompts([20, 7, 13], seed=8)
+    engine = small_engine(llama_gqa_dir, max_num_seqs=2)
+    a, b, c = random_prompts([20, 7, 13], seed=8)
     for rid, prompt in zip("abc", (a, b, c)):
         engine.add_request(rid, prompt, GREEDY)
     engine.step()  # a and b prefilled, holding blocks; c waits (max_num_seqs=2)
@@ -253,14 +187,14 @@ def test_failing_step_fails_only_its_batch(llama_gqa_dir: Path, reference, fail_
     assert {o.request_id: o.finish_reason for o in outputs} == {"a": "error", "b": "error"}
     assert all("injected device fault" in o.error for o in outputs)
     assert engine.stats()["kv_blocks_used"] == 0 and engine.stats()["num_waiting"] == 1
-    rest = _drain(engine)
+    rest = drain(engine)
     assert list(rest) == ["c"] and sum((o.new_token_ids for o in rest["c"]), []) == reference(c)
     assert generate(engine, [a], GREEDY) == [reference(a)]  # and the next request works
 
 
 def test_abort_frees_blocks(engine: EngineCore) -> None:
     params = SamplingParams(max_tokens=100, temperature=0)
-    engine.add_request("long", _prompts([40], seed=9)[0], params)
+    engine.add_request("long", random_prompts([40], seed=9)[0], params)
     for _ in range(3):
         engine.step()
     assert engine.stats()["kv_blocks_used"] > 0
@@ -310,7 +244,7 @@ def test_duplicate_id_and_unsupported_config_are_refused(engine: EngineCore, lla
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(dtype="int8")
     with pytest.raises(ValueError, match="max_model_len"):
-        _engine(llama_gqa_dir, max_model_len=512)  # the checkpoint has 256 positions
+        small_engine(llama_gqa_dir, max_model_len=512)  # the checkpoint has 256 positions
 
 
 @pytest.mark.parametrize("convention", ["cuda", "npu"])
@@ -342,140 +276,3 @@ def test_input_builder_emits_the_xllm_layout(convention: str) -> None:
     # arrays: a decode graph stages none and an eager decode plans from the host lengths
     assert md.slot_mapping.is_cpu and md.paged_kv_indptr is None
 
-
-def _penalized_argmax(params: SamplingParams, blocked: tuple[int, ...] = ()):
-    """The greedy pick with ``params``' penalties applied by hand, token by token, in float64:
-    repetition over the prompt and the output, frequency and presence over the output (vLLM's
-    rules), and ``blocked`` never picked while the output is under ``min_tokens``."""
-
-    def pick(logits: torch.Tensor, prompt: list[int], out: list[int]) -> int:
-        scores = logits.double().clone()
-        if len(out) < params.min_tokens:
-            scores[list(blocked)] = float("-inf")
-        for token in set(prompt) | set(out):
-            s = float(scores[token])
-            r = params.repetition_penalty
-            scores[token] = s / r if s > 0 else s * r
-        for token in set(out):
-            scores[token] -= params.frequency_penalty * out.count(token)
-            scores[token] -= params.presence_penalty
-        return int(scores.argmax())
-
-    return pick
-
-
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_penalties_match_an_offline_loop_applying_them_by_hand(
-    llama_gqa_dir: Path, reference, async_scheduling: bool
-) -> None:
-    """Requests with penalties batched with one without (and a sampled, seeded one), with async
-    scheduling too, where a step's penalties must count the token of the step still in flight."""
-    engine = _engine(llama_gqa_dir, async_scheduling=async_scheduling)
-    prompts = _prompts([9, 30, 4, 12], seed=3)
-    n = 24
-    cases = [
-        replace(GREEDY, max_tokens=n, frequency_penalty=1.5),
-        replace(GREEDY, max_tokens=n, presence_penalty=2.0, repetition_penalty=1.3),
-        replace(GREEDY, max_tokens=n, repetition_penalty=2.0),
-        replace(GREEDY, max_tokens=n),
-    ]
-    expected = [reference(p, n, _penalized_argmax(c)) for p, c in zip(prompts, cases)]
-    plain = [reference(p, n) for p in prompts]
-    assert all(e != g for e, g in zip(expected[:3], plain[:3]))  # the penalties change the output
-    assert expected[3] == plain[3]
-    sampled = replace(GREEDY, max_tokens=n, temperature=0.8, seed=5, frequency_penalty=0.5)
-    engine.add_request("sampled", prompts[0], sampled)
-    for i, (prompt, params) in enumerate(zip(prompts, cases)):
-        engine.add_request(str(i), prompt, params)
-    outputs = _drain(engine)
-    got = [[t for out in outputs[str(i)] for t in out.new_token_ids] for i in range(len(cases))]
-    assert got == expected
-    assert len([t for out in outputs["sampled"] for t in out.new_token_ids]) == n
-
-
-def test_penalty_values_are_checked() -> None:
-    bad = [("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("repetition_penalty", 0.0),
-           ("repetition_penalty", float("nan"))]  # fmt: skip
-    for field, value in bad:
-        with pytest.raises(ParamError) as info:
-            replace(GREEDY, **{field: value})
-        assert info.value.param == field
-
-
-def test_min_tokens_holds_back_eos_and_stop_token_ids(llama_gqa_dir: Path, reference) -> None:
-    """The token greedy decoding picks first is a stop token: with min_tokens 6 the request goes
-    on (that token never picked before 6 tokens, as by hand) and stops at its first pick after.
-    What is held back is EOS (unless ignore_eos) and the stop tokens, only with min_tokens."""
-    prompt = _prompts([11], seed=9)[0]
-    first = reference(prompt, 1)[0]
-    engine = _engine(llama_gqa_dir, async_scheduling=True)
-    stops = replace(GREEDY, max_tokens=30, min_tokens=6, stop_token_ids=(first,))
-    by_hand = reference(prompt, 30, _penalized_argmax(stops, blocked=(first,)))
-    assert first not in by_hand[:6]
-    cut = next((i + 1 for i, t in enumerate(by_hand) if t == first), 30)
-    engine.add_request("stops", prompt, stops)
-    eos = replace(GREEDY, min_tokens=3, ignore_eos=False, stop_token_ids=(first,))
-    engine.add_request("eos", prompt, eos)
-    engine.add_request("plain", prompt, replace(GREEDY, stop_token_ids=(first,)))
-    states = engine._states
-    assert states["stops"].seen.blocked_token_ids == [first]  # ignore_eos: EOS is not held
-    assert states["eos"].seen.blocked_token_ids == sorted({first, *engine.eos_token_ids})
-    assert states["plain"].seen is None  # nothing to hold back, nothing kept
-    outputs = _drain(engine)
-    got = [t for out in outputs["stops"] for t in out.new_token_ids]
-    assert got == by_hand[:cut]
-    assert outputs["stops"][-1].finish_reason == ("stop" if cut < 30 else "length")
-
-
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_prompt_logprobs_match_transformers(llama_gqa_dir: Path, async_scheduling: bool) -> None:
-    """Every prompt token after the first is scored by the logits before it, over chunked
-    prefills (90 tokens > the 64-token budget) and a prompt the prefix cache already holds (a
-    scored prompt is computed whole); the top entries are the most likely tokens there."""
-    import transformers
-
-    engine = _engine(llama_gqa_dir, async_scheduling=async_scheduling)
-    long, short = _prompts([90, 20], seed=11)
-    params = replace(GREEDY, max_tokens=2, prompt_logprobs=3)
-    generate(engine, [short], GREEDY)  # now in the prefix cache
-    for i, prompt in enumerate((long, short)):
-        engine.add_request(str(i), prompt, params)
-    outputs = _drain(engine)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(llama_gqa_dir, dtype=torch.float32)
-    for i, prompt in enumerate((long, short)):
-        first = outputs[str(i)][0]
-        assert [o.prompt_logprobs for o in outputs[str(i)][1:]] == [None] * 1  # sent once
-        scores = first.prompt_logprobs
-        assert len(scores) == len(prompt) and scores[0] is None
-        with torch.no_grad():
-            logp = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1)
-        for p in range(1, len(prompt)):
-            token, logprob, top, rank = scores[p]
-            assert token == prompt[p]
-            assert logprob == pytest.approx(float(logp[p - 1, token]), abs=1e-4)
-            assert [t for t, _ in top] == logp[p - 1].topk(3).indices.tolist()
-            assert rank == int((logp[p - 1] > logp[p - 1, token]).sum()) + 1
-
-
-def test_prompt_logprobs_survive_preemption(llama_gqa_dir: Path, engine: EngineCore) -> None:
-    """A preempted request computes its prompt again; its scores are sent once, each position
-    once, as a run without preemption gives them."""
-    prompts = _prompts([30, 28, 25, 33], seed=4)
-    params = replace(GREEDY, max_tokens=20, prompt_logprobs=0)
-
-    def scores(eng: EngineCore) -> list[list]:
-        for i, prompt in enumerate(prompts):
-            eng.add_request(f"p{i}", prompt, params)
-        outputs = _drain(eng)
-        sent = [[o.prompt_logprobs for o in outputs[f"p{i}"] if o.prompt_logprobs]
-                for i in range(len(prompts))]  # fmt: skip
-        assert all(len(s) == 1 for s in sent)
-        return [s[0] for s in sent]
-
-    tight = _engine(llama_gqa_dir, num_kv_blocks=8)
-    got = scores(tight)
-    assert tight.stats()["num_preemptions_total"] > 0
-    expected = scores(engine)
-    for g, e, prompt in zip(got, expected, prompts):
-        assert [x and x.token_id for x in g] == [None, *prompt[1:]]
-        assert [x and x.logprob for x in g] == pytest.approx([x and x.logprob for x in e], abs=1e-5)
